@@ -1,0 +1,6 @@
+"""vidax_eqx: attention and normalization layers for video diffusion transformers."""
+
+from . import core as core, kernels as kernels
+from .kernels import SegmentIds as SegmentIds
+
+__version__ = "0.1.0"

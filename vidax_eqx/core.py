@@ -1,0 +1,67 @@
+"""The documented function API of the original `vidax.core`, as thin adapters.
+
+Layout `(B, S, H, D)` throughout. The math lives in `vidax_eqx.kernels`; this
+module only maps the documented argument names and defaults onto it.
+"""
+
+import jax
+from jaxtyping import Array, Bool, Float
+
+from .kernels import attention
+
+
+def dot_product_attention(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    scale: float | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Float[Array, "B S_q H D"]:
+    """Scaled dot-product attention, choosing the fastest implementation.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: `(B, S_q, H, D)` and `(B, S_k, H_kv, D)`.
+    - `bias`: additive logit bias broadcastable to `(B, H, S_q, S_k)`, e.g. a T5
+        relative-position bias (T5 does not scale logits: pass `scale=1.0`).
+    - `mask`: boolean, broadcastable to `(B, H, S_q, S_k)`, `True` may attend. It
+        only steers the choice of implementation away from those that cannot take
+        a mask; the flash-style `"blockwise"` path takes one.
+    - `scale`: logit scale, default `1 / sqrt(D)`.
+    - `mesh`: a device mesh to run the Megatron (head-sharded) path over. Only a
+        single-device mesh is served so far; a larger one raises
+        `NotImplementedError` rather than being ignored.
+
+    **Returns:**
+
+    `(B, S_q, H, D)` in `q`'s dtype.
+    """
+    if mesh is not None and mesh.size > 1:
+        raise NotImplementedError(
+            f"dot_product_attention(mesh=...) over {mesh.size} devices (mesh axes "
+            f"{dict(mesh.shape)}) is not implemented yet; call it inside your own "
+            "`jax.shard_map` with mesh=None, or pass a single-device mesh."
+        )
+    return attention(q, k, v, bias=bias, mask=mask, scale=scale)
+
+
+def local_attention(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    scale: float | None = None,
+) -> Float[Array, "B S_q H D"]:
+    """Plain attention over the sequences this device holds (no communication).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: `(B, S_q, H, D)` and `(B, S_k, H_kv, D)`.
+    - `scale`: logit scale, default `1 / sqrt(D)`.
+
+    **Returns:**
+
+    `(B, S_q, H, D)` in `q`'s dtype.
+    """
+    return attention(q, k, v, scale=scale)

@@ -1,0 +1,27 @@
+"""Single-device attention: one interface, several implementations.
+
+`attention`, `attention_fwd` and `attention_bwd` take the same arguments and
+dispatch to a registered implementation (`"xla"`, `"blockwise"`, ...), chosen
+by `implementation=` or automatically per platform and problem size.
+"""
+
+from ._api import (
+    attention as attention,
+    attention_bwd as attention_bwd,
+    attention_fwd as attention_fwd,
+    select_implementation as select_implementation,
+)
+from ._args import SegmentIds as SegmentIds
+from ._base import (
+    AbstractImplementation as AbstractImplementation,
+    Capabilities as Capabilities,
+    Request as Request,
+)
+from ._blockwise import Blockwise as Blockwise
+from ._registry import (
+    AUTO_XLA_MAX_SCORE_BYTES as AUTO_XLA_MAX_SCORE_BYTES,
+    implementations as implementations,
+    register as register,
+)
+from ._table import feature_table as feature_table
+from ._xla import Xla as Xla

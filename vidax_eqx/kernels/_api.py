@@ -1,0 +1,202 @@
+"""The public attention interface: `attention`, `attention_fwd`, `attention_bwd`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._args import Operands, Options, SegmentIds, normalize
+from ._base import AbstractImplementation, Request
+from ._registry import resolve
+
+
+def _request(q, k, v, kwargs) -> tuple[Operands, Options, AbstractImplementation]:
+    implementation = kwargs.pop("implementation", "auto")
+    ops, opts = normalize(q, k, v, **kwargs)
+    impl = resolve(implementation, Request.of(ops, opts))
+    return ops, opts, impl
+
+
+def _options_from(scope: dict) -> dict:
+    """The keyword arguments of a public entry point, from its `locals()`."""
+    return {name: value for name, value in scope.items() if name not in ("q", "k", "v")}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(impl: AbstractImplementation, opts: Options, ops: Operands):
+    with jax.named_scope(f"vidax_attention_{impl.name}"):
+        return impl.fwd(ops, opts)
+
+
+def _attention_fwd_rule(impl, opts, ops):
+    out, lse = _attention(impl, opts, ops)
+    return (out, lse), (ops, out, lse)
+
+
+def _attention_bwd_rule(impl, opts, residuals, cotangents):
+    ops, out, lse = residuals
+    dout, dlse = cotangents
+    with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
+        dq, dk, dv, dbias, dsinks = impl.bwd(ops, opts, out, lse, dout, dlse)
+    # Integer and boolean operands (mask, segment ids, positions) get no cotangent.
+    return (Operands(dq, dk, dv, dbias, None, None, None, dsinks, None, None),)
+
+
+_attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
+
+
+def attention(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    *,
+    bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
+    sinks: Float[Array, "H"] | None = None,
+    q_positions: Int[Array, "S_q"] | None = None,
+    kv_positions: Int[Array, "S_k"] | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | AbstractImplementation = "auto",
+) -> Float[Array, "B S_q H D"]:
+    """Scaled dot-product attention with every feature, through one interface.
+
+    Differentiable in `q`, `k`, `v`, `bias` and `sinks` by a `jax.custom_vjp` whose
+    backward is [`attention_bwd`][] (it recomputes tiles rather than storing
+    probabilities).
+
+    **Arguments:**
+
+    - `q`: queries `(B, S_q, H, D)`.
+    - `k`, `v`: keys and values `(B, S_k, H_kv, D)`, `H % H_kv == 0` (GQA; `H_kv == 1`
+        is MQA). Same dtype as `q`.
+    - `bias`: additive float bias broadcastable to `(B, H, S_q, S_k)`, added after
+        scaling and soft-capping; differentiable.
+    - `mask`: boolean, broadcastable to `(B, H, S_q, S_k)`; `True` may attend.
+    - `segment_ids`: [`SegmentIds`][] `(q=(B, S_q), kv=(B, S_k))`, or one `(B, S)` int array
+        when `S_q == S_k`. Tokens attend within equal ids; negative ids are padding.
+    - `sinks`: per-head sink logits `(H,)` that join every row's softmax
+        denominator (and carry no value); differentiable.
+    - `q_positions`, `kv_positions`: int32 `(S_q,)` / `(S_k,)` token positions on which
+        `causal` and `window` are defined; default `arange`.
+    - `causal`: key position <= query position.
+    - `window`: `(left, right)`: `q_pos - left <= kv_pos <= q_pos + right`; `None` on a
+        side is unbounded.
+    - `scale`: logit scale, default `1 / sqrt(D)`.
+    - `logits_soft_cap`: `c` applies `c * tanh(s / c)` to the scaled logits.
+    - `implementation`: `"auto"`, a registered name (`"xla"`, `"blockwise"`, ...), or a
+        configured instance such as `Blockwise(block_q=128, block_kv=1024)`. A named
+        implementation that cannot serve the request raises `NotImplementedError`;
+        `"auto"` falls back to one that can.
+
+    **Returns:**
+
+    `(B, S_q, H, D)` in `q`'s dtype. A query row that can see no key gives 0.
+    """
+    ops, opts, impl = _request(q, k, v, _options_from(locals()))
+    return _attention(impl, opts, ops)[0]
+
+
+def attention_fwd(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    *,
+    bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
+    sinks: Float[Array, "H"] | None = None,
+    q_positions: Int[Array, "S_q"] | None = None,
+    kv_positions: Int[Array, "S_k"] | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | AbstractImplementation = "auto",
+) -> tuple[Float[Array, "B S_q H D"], Float[Array, "B H S_q"]]:
+    """Attention that also returns the float32 log-sum-exp of each row.
+
+    Takes the arguments of [`attention`][]; differentiable in both outputs.
+
+    **Returns:**
+
+    `(out, lse)`: `out (B, S_q, H, D)` in `q`'s dtype and `lse (B, H, S_q)` float32,
+    including the sink term when `sinks` is given. A row that sees no key (and has
+    no sink) has `out = 0` and `lse = -inf`.
+    """
+    ops, opts, impl = _request(q, k, v, _options_from(locals()))
+    return _attention(impl, opts, ops)
+
+
+def attention_bwd(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    out: Float[Array, "B S_q H D"],
+    lse: Float[Array, "B H S_q"],
+    dout: Float[Array, "B S_q H D"],
+    *,
+    bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
+    sinks: Float[Array, "H"] | None = None,
+    q_positions: Int[Array, "S_q"] | None = None,
+    kv_positions: Int[Array, "S_k"] | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | AbstractImplementation = "auto",
+    dlse: Float[Array, "B H S_q"] | None = None,
+):
+    """The backward pass of [`attention_fwd`][], from its saved `(out, lse)`.
+
+    `out` and `lse` may come from a larger computation this call is one block of
+    (ring attention merges blocks): each tile's probabilities are `exp(s - lse)`
+    and `delta = rowsum(dout * out) - dlse`.
+
+    **Returns:**
+
+    `(dq, dk, dv, dbias, dsinks)`: `dbias` has `bias`'s shape and `dsinks` `(H,)`;
+    each is `None` when that input was not given.
+    """
+    scope = _options_from(locals())
+    for name in ("out", "lse", "dout", "dlse"):
+        scope.pop(name)
+    ops, opts, impl = _request(q, k, v, scope)
+    B, S_q, H, D = ops.q.shape
+    for name, x, want in (
+        ("out", out, (B, S_q, H, D)),
+        ("dout", dout, (B, S_q, H, D)),
+        ("lse", lse, (B, H, S_q)),
+        ("dlse", dlse, (B, H, S_q)),
+    ):
+        if x is not None and jnp.shape(x) != want:
+            raise ValueError(f"`{name}` must have shape {want}; received {jnp.shape(x)}.")
+    with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
+        dq, dk, dv, dbias, dsinks = impl.bwd(
+            ops, opts, jnp.asarray(out), jnp.asarray(lse, jnp.float32), jnp.asarray(dout), dlse
+        )
+    if dbias is not None:
+        dbias = dbias.reshape(jnp.shape(bias))
+    return dq, dk, dv, dbias, dsinks
+
+
+def select_implementation(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    **kwargs,
+) -> str:
+    """The name of the implementation [`attention`][] would run for these arguments.
+
+    Takes the arguments of [`attention`][] (`implementation` included). Raises the
+    same errors `attention` would.
+    """
+    kwargs.setdefault("implementation", "auto")
+    return _request(q, k, v, dict(kwargs))[2].name
+

@@ -1,0 +1,281 @@
+"""Validation and normalization of attention arguments.
+
+Every public entry point of `vidax_eqx.kernels` funnels its arguments through
+[`normalize`][], which checks them once, with messages that name the argument,
+what was received and what was expected, and returns
+
+- `Operands`: the arrays (a PyTree; absent features are `None`), with bias and
+  mask lifted to rank 4 and segment ids split into `(q, kv)`;
+- `Options`: the static configuration (hashable, so it can be a `nondiff`
+  argument of a `custom_vjp` and a `jit` static argument).
+
+Implementations therefore never re-validate, and every implementation sees
+exactly the same normalized request.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SegmentIds(NamedTuple):
+    """Segment ids of the query and key/value tokens.
+
+    **Arguments:**
+
+    - `q`: int32 `(B, S_q)`.
+    - `kv`: int32 `(B, S_k)`.
+
+    A query attends only to keys with the same id. A negative id marks padding:
+    that token attends to nothing and nothing attends to it.
+    """
+
+    q: jax.Array
+    kv: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Static attention options, after validation.
+
+    `window` is `(left, right)` with `None` meaning unbounded on that side, or
+    `None` for no window. `default_positions` is True when neither position
+    array was given (the positions are `arange`), which lets implementations
+    with a fixed causal layout serve the request.
+    """
+
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    scale: float
+    logits_soft_cap: float | None
+    default_positions: bool
+
+
+class Operands(NamedTuple):
+    """The arrays of one attention request, normalized.
+
+    Shapes: `q (B, S_q, H, D)`, `k`/`v (B, S_k, H_kv, D)`; `bias`/`mask` rank 4,
+    each axis 1 or full; `seg_q (B, S_q)`, `seg_kv (B, S_k)` int32; `sinks (H,)`;
+    `q_pos (S_q,)`, `kv_pos (S_k,)` int32.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    seg_q: jax.Array | None = None
+    seg_kv: jax.Array | None = None
+    sinks: jax.Array | None = None
+    q_pos: jax.Array | None = None
+    kv_pos: jax.Array | None = None
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def _as_array(name: str, x) -> jax.Array:
+    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "shape"):
+        return jnp.asarray(x)
+    raise TypeError(f"`{name}` must be an array; received {type(x).__name__}.")
+
+
+def _check_float(name: str, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` must have a floating dtype (float32, bfloat16 or float16); "
+            f"received dtype {x.dtype}."
+        )
+
+
+def _check_int(name: str, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must have an integer dtype; received dtype {x.dtype}.")
+
+
+def _lift_to_4d(name: str, x: jax.Array, full: tuple[int, int, int, int]) -> jax.Array:
+    """Lifts `x` to rank 4 by prepending ones and checks it broadcasts to `full`."""
+    if x.ndim > 4:
+        raise ValueError(
+            f"`{name}` must broadcast to (B, H, S_q, S_k) = {full}; received shape "
+            f"{x.shape} of rank {x.ndim} > 4."
+        )
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    for axis, (got, want) in enumerate(zip(x.shape, full)):
+        if got not in (1, want):
+            raise ValueError(
+                f"`{name}` must broadcast to (B, H, S_q, S_k) = {full}; received shape "
+                f"{x.shape} (axis {axis} has size {got}, expected 1 or {want})."
+            )
+    return x
+
+
+def _check_window(window) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"`window` must be a pair (left, right) of non-negative ints or None; "
+            f"received {window!r}."
+        )
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise ValueError(
+                f"`window` {side} size must be a non-negative int or None; received {w!r}."
+            )
+        if w < 0:
+            raise ValueError(
+                f"`window` {side} size must be >= 0 (use None for unbounded); received {w}."
+            )
+        out.append(int(w))
+    return (out[0], out[1])
+
+
+def _static_float(name: str, x) -> float:
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"`{name}` must be a concrete Python number (it is static configuration); "
+            "received a traced value. Pass it as a static argument of `jax.jit`."
+        )
+    try:
+        value = float(x)
+    except TypeError:
+        raise TypeError(f"`{name}` must be a number; received {x!r}.") from None
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite; received {value}.")
+    return value
+
+
+def normalize(
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    mask=None,
+    segment_ids=None,
+    sinks=None,
+    q_positions=None,
+    kv_positions=None,
+    causal: bool = False,
+    window=None,
+    scale=None,
+    logits_soft_cap=None,
+) -> tuple[Operands, Options]:
+    """Validates an attention request; see the module docstring."""
+    q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            layout = "(B, S_q, H, D)" if name == "q" else "(B, S_k, H_kv, D)"
+            raise ValueError(
+                f"`{name}` must have rank 4 with layout {layout}; received shape {x.shape}."
+            )
+        _check_float(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            "`q`, `k` and `v` must share one dtype (cast them explicitly); received "
+            f"q: {q.dtype}, k: {k.dtype}, v: {v.dtype}."
+        )
+    B, S_q, H, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"`k` and `v` must have the same shape (B, S_k, H_kv, D); received k: {k.shape}, "
+            f"v: {v.shape}."
+        )
+    _, S_k, H_kv, _ = k.shape
+    if k.shape[0] != B:
+        raise ValueError(
+            f"`q` and `k` must have the same batch size; received q: {q.shape} (B={B}), "
+            f"k: {k.shape} (B={k.shape[0]})."
+        )
+    if k.shape[3] != D:
+        raise ValueError(
+            f"`q` and `k` must have the same head_dim D; received q: {q.shape} (D={D}), "
+            f"k: {k.shape} (D={k.shape[3]})."
+        )
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(
+            f"the number of query heads must be a multiple of the number of key/value heads "
+            f"(GQA); received q: {q.shape} (H={H}), k: {k.shape} (H_kv={H_kv})."
+        )
+    if min(B, S_q, S_k, D) == 0:
+        raise ValueError(
+            f"attention needs non-empty arrays; received q: {q.shape}, k: {k.shape}."
+        )
+    full = (B, H, S_q, S_k)
+
+    if bias is not None:
+        bias = _as_array("bias", bias)
+        _check_float("bias", bias)
+        bias = _lift_to_4d("bias", bias, full)
+    if mask is not None:
+        mask = _as_array("mask", mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"`mask` must be boolean (True = may attend); received dtype {mask.dtype}."
+            )
+        mask = _lift_to_4d("mask", mask, full)
+
+    seg_q = seg_kv = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, SegmentIds):
+            seg_q = _as_array("segment_ids.q", segment_ids.q)
+            seg_kv = _as_array("segment_ids.kv", segment_ids.kv)
+        else:
+            seg_q = seg_kv = _as_array("segment_ids", segment_ids)
+            if S_q != S_k:
+                raise ValueError(
+                    "a single `segment_ids` array needs S_q == S_k; received S_q="
+                    f"{S_q}, S_k={S_k}. Pass SegmentIds(q=..., kv=...) instead."
+                )
+        name_q = "segment_ids.q" if isinstance(segment_ids, SegmentIds) else "segment_ids"
+        name_kv = "segment_ids.kv" if isinstance(segment_ids, SegmentIds) else "segment_ids"
+        for name, s, want in ((name_q, seg_q, (B, S_q)), (name_kv, seg_kv, (B, S_k))):
+            _check_int(name, s)
+            if s.shape != want:
+                raise ValueError(f"`{name}` must have shape (B, S) = {want}; received {s.shape}.")
+        seg_q, seg_kv = seg_q.astype(jnp.int32), seg_kv.astype(jnp.int32)
+
+    if sinks is not None:
+        sinks = _as_array("sinks", sinks)
+        _check_float("sinks", sinks)
+        if sinks.shape != (H,):
+            raise ValueError(
+                f"`sinks` must have shape (H,) = ({H},), one logit per query head; received "
+                f"{sinks.shape}."
+            )
+
+    default_positions = q_positions is None and kv_positions is None
+    q_pos = kv_pos = None
+    if not default_positions:
+        q_pos = jnp.arange(S_q, dtype=jnp.int32) if q_positions is None else q_positions
+        kv_pos = jnp.arange(S_k, dtype=jnp.int32) if kv_positions is None else kv_positions
+        for name, p, n in (("q_positions", q_pos, S_q), ("kv_positions", kv_pos, S_k)):
+            p = _as_array(name, p)
+            _check_int(name, p)
+            if p.shape != (n,):
+                raise ValueError(f"`{name}` must have shape ({n},); received {p.shape}.")
+        q_pos = jnp.asarray(q_pos, jnp.int32)
+        kv_pos = jnp.asarray(kv_pos, jnp.int32)
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"`causal` must be a bool; received {causal!r}.")
+    window = _check_window(window)
+    scale = 1.0 / math.sqrt(D) if scale is None else _static_float("scale", scale)
+    if logits_soft_cap is not None:
+        logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
+        if logits_soft_cap <= 0:
+            raise ValueError(f"`logits_soft_cap` must be > 0; received {logits_soft_cap}.")
+
+    operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos)
+    options = Options(bool(causal), window, scale, logits_soft_cap, default_positions)
+    return operands, options

@@ -1,0 +1,177 @@
+"""The contract every attention implementation fulfils.
+
+An implementation is a frozen dataclass subclassing [`AbstractImplementation`][]:
+its fields are its tuning knobs (block sizes), its class attribute
+`capabilities` says which features it serves, and it provides `fwd` and `bwd`
+over normalized operands. Capability flags drive three things at once: the
+error an explicitly named implementation raises, what `"auto"` may choose,
+and the README's feature table.
+"""
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ._args import Operands, Options
+
+
+# One row of the README feature table per entry: (Request attribute, label).
+FEATURES: tuple[tuple[str, str], ...] = (
+    ("gqa", "GQA / MQA"),
+    ("cross", "S_q != S_k"),
+    ("bias", "additive bias (+ gradient)"),
+    ("mask", "boolean mask"),
+    ("segment_ids", "segment ids"),
+    ("causal", "causal (on positions)"),
+    ("window", "sliding window (on positions)"),
+    ("positions", "custom positions"),
+    ("sinks", "attention sinks (+ gradient)"),
+    ("logits_soft_cap", "logit soft cap"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one attention call asks for, as static facts (used for dispatch)."""
+
+    platform: str
+    dtype: str
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    gqa: bool
+    cross: bool
+    bias: bool
+    mask: bool
+    segment_ids: bool
+    causal: bool
+    window: bool
+    positions: bool
+    sinks: bool
+    logits_soft_cap: bool
+
+    @classmethod
+    def of(cls, ops: Operands, opts: Options) -> "Request":
+        B, S_q, H, D = ops.q.shape
+        _, S_k, H_kv, _ = ops.k.shape
+        return cls(
+            platform=_platform(ops.q),
+            dtype=jnp.dtype(ops.q.dtype).name,
+            batch=B,
+            seq_q=S_q,
+            seq_k=S_k,
+            heads=H,
+            kv_heads=H_kv,
+            head_dim=D,
+            gqa=H != H_kv,
+            cross=S_q != S_k,
+            bias=ops.bias is not None,
+            mask=ops.mask is not None,
+            segment_ids=ops.seg_q is not None,
+            causal=opts.causal,
+            window=opts.window is not None,
+            positions=not opts.default_positions,
+            sinks=ops.sinks is not None,
+            logits_soft_cap=opts.logits_soft_cap is not None,
+        )
+
+    @property
+    def score_bytes(self) -> int:
+        """Bytes of one float32 score matrix `(B, H, S_q, S_k)`."""
+        return 4 * self.batch * self.heads * self.seq_q * self.seq_k
+
+
+def _platform(x: jax.Array) -> str:
+    """The platform `x` lives on, or the default backend's for tracers."""
+    try:
+        devices = x.devices()
+    except Exception:  # tracers have no devices
+        return jax.default_backend()
+    return next(iter(devices)).platform
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Which requests an implementation serves.
+
+    Every boolean corresponds to a [`Request`][] field of the same name;
+    `platforms`, `dtypes` and `max_head_dim` bound the rest. `float32_lse`
+    says the log-sum-exp comes back in float32 with a gradient (what ring
+    attention needs); `memory` is `"O(S)"` or `"O(S^2)"`.
+    """
+
+    platforms: tuple[str, ...]
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    max_head_dim: int | None = None
+    gqa: bool = True
+    cross: bool = True
+    bias: bool = True
+    mask: bool = True
+    segment_ids: bool = True
+    causal: bool = True
+    window: bool = True
+    positions: bool = True
+    sinks: bool = True
+    logits_soft_cap: bool = True
+    float32_lse: bool = True
+    memory: str = "O(S)"
+
+    def unsupported(self, request: Request) -> list[str]:
+        """Names the parts of `request` this implementation cannot serve."""
+        missing = [label for attr, label in FEATURES if getattr(request, attr) and not getattr(self, attr)]
+        if request.platform not in self.platforms:
+            missing.append(f"platform {request.platform!r} (serves {', '.join(self.platforms)})")
+        if request.dtype not in self.dtypes:
+            missing.append(f"dtype {request.dtype} (serves {', '.join(self.dtypes)})")
+        if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
+            missing.append(f"head_dim {request.head_dim} > {self.max_head_dim}")
+        return missing
+
+
+class AbstractImplementation(abc.ABC):
+    """One attention algorithm behind the `vidax_eqx.kernels` interface.
+
+    Subclasses are frozen dataclasses (hashable: they are static configuration)
+    with a class-level `name` and `capabilities`.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    @abc.abstractmethod
+    def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        """Returns `out (B, S_q, H, D)` in q's dtype and `lse (B, H, S_q)` float32.
+
+        `lse` includes the sink term when `ops.sinks` is given; a row that sees
+        no key (and has no sink) has `out = 0` and `lse = -inf`.
+        """
+
+    @abc.abstractmethod
+    def bwd(
+        self,
+        ops: Operands,
+        opts: Options,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+        dlse: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+        """Returns `(dq, dk, dv, dbias, dsinks)`.
+
+        Gradients are taken through `out` (cotangent `dout`) and `lse`
+        (cotangent `dlse`, or none). `out` and `lse` may be those of a larger
+        computation this call is one block of (ring attention): the tile
+        probabilities are always `exp(s - lse)`. `dbias` has the shape of the
+        rank-4 `ops.bias` (reduced over its broadcast axes); it and `dsinks`
+        are `None` when the feature is absent.
+        """
+
+    def unsupported(self, request: Request) -> list[str]:
+        """The features of `request` this implementation cannot serve (empty if none)."""
+        return self.capabilities.unsupported(request)
