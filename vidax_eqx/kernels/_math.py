@@ -1,12 +1,17 @@
 """Attention math shared by the pure-JAX implementations, on one tile.
 
-A tile is a block of query rows against a block of key columns, in the grouped
-layout that serves GQA without repeating k/v:
+A tile is a block of `T` query positions against a block of `U` key positions,
+in a "rows" layout that serves GQA without repeating k/v: the `G = H // H_kv`
+query heads that share one kv head become `M = G * T` rows of one matmul.
 
-- `q`, `do`: `(B, K, G, T, D)` with `K = H_kv` groups of `G = H // H_kv` heads;
-- `k`, `v`: `(B, K, U, D)`;
-- `bias`, `mask`: `(B|1, K|1, G|1, T|1, U|1)`;
-- row statistics (`m`, `l`, `lse`, `delta`): `(B, K, G, T)`, float32.
+- `q`, `do`: `(B, K, M, D)` with `K = H_kv`; row `g * T + t` is head `g`, position `t`;
+- `kt`, `vt`: keys / values transposed, `(B, K, D, U)`; `k`, `v`: `(B, K, U, D)`;
+- `bias`, `mask`: `(B|1, K|1, M|1, U|1)` (see `rows_4d`);
+- row statistics (`m`, `l`, `lse`, `delta`): `(B, K, M)`, float32;
+- `q_pos (M,)`, `seg_q (B, M)` repeat the block's positions / ids once per head.
+
+Every dot is then a plain rank-4 batched matmul whose output XLA lays out
+row-major, so the elementwise fusions read it without a relayout copy.
 
 The `"xla"` reference runs these on the whole sequence as one tile; the
 `"blockwise"` flash attention runs them per tile with an online softmax.
@@ -14,71 +19,118 @@ Logits are `scale * q.k`, then the soft cap `c * tanh(s / c)`, then `+ bias`
 (so a large negative bias still masks when a soft cap is set).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from ._args import Operands, Options
+from ._args import Options
 
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf
 
 
-# -- layout -----------------------------------------------------------------------
+# -- layout: (B, S, H, D) <-> blocks of rows --------------------------------------
 
 
-def group_q(q: jax.Array, kv_heads: int) -> jax.Array:
-    """`(B, S, H, D)` -> `(B, K, G, S, D)`."""
+def split_q(q: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """`(B, n*block, H, D)` -> `(n, B, K, G*block, D)`."""
     B, S, H, D = q.shape
-    return q.reshape(B, S, kv_heads, H // kv_heads, D).transpose(0, 2, 3, 1, 4)
+    G, n = H // kv_heads, S // block
+    x = q.reshape(B, n, block, kv_heads, G, D).transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(n, B, kv_heads, G * block, D)
 
 
-def ungroup_q(x: jax.Array) -> jax.Array:
-    """`(B, K, G, S, D)` -> `(B, S, H, D)`."""
-    B, K, G, S, D = x.shape
-    return x.transpose(0, 3, 1, 2, 4).reshape(B, S, K * G, D)
+def merge_q(x: jax.Array, heads: int) -> jax.Array:
+    """Inverse of `split_q`."""
+    n, B, K, M, D = x.shape
+    G = heads // K
+    x = x.reshape(n, B, K, G, M // G, D).transpose(1, 0, 4, 2, 3, 5)
+    return x.reshape(B, n * (M // G), heads, D)
 
 
-def group_kv(k: jax.Array) -> jax.Array:
-    """`(B, S, K, D)` -> `(B, K, S, D)`."""
-    return k.transpose(0, 2, 1, 3)
+def split_rows(x: jax.Array, kv_heads: int, block: int) -> jax.Array:
+    """Row statistic `(B, H, n*block)` -> `(n, B, K, G*block)`."""
+    B, H, S = x.shape
+    G, n = H // kv_heads, S // block
+    x = x.reshape(B, kv_heads, G, n, block).transpose(3, 0, 1, 2, 4)
+    return x.reshape(n, B, kv_heads, G * block)
 
 
-def ungroup_kv(x: jax.Array) -> jax.Array:
-    """`(B, K, S, D)` -> `(B, S, K, D)`."""
-    return x.transpose(0, 2, 1, 3)
+def merge_rows(x: jax.Array, heads: int) -> jax.Array:
+    """Inverse of `split_rows`."""
+    n, B, K, M = x.shape
+    G = heads // K
+    x = x.reshape(n, B, K, G, M // G).transpose(1, 2, 3, 0, 4)
+    return x.reshape(B, heads, n * (M // G))
 
 
-def group_4d(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
-    """Bias or mask `(B|1, H|1, S_q|1, S_k|1)` -> `(B|1, K|1, G|1, S_q|1, S_k|1)`."""
+def split_kv(k: jax.Array, block: int) -> jax.Array:
+    """`(B, n*block, K, D)` -> `(n, B, K, block, D)`."""
+    B, S, K, D = k.shape
+    return k.reshape(B, S // block, block, K, D).transpose(1, 0, 3, 2, 4)
+
+
+def merge_kv(x: jax.Array) -> jax.Array:
+    """Inverse of `split_kv`."""
+    n, B, K, U, D = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(B, n * U, K, D)
+
+
+def rows_4d(x: jax.Array | None, kv_heads: int, heads: int, block_q: int) -> jax.Array | None:
+    """A bias / mask tile `(B|1, H|1, T|1, U|1)` -> rows layout `(B|1, K|1, M|1, U|1)`."""
     if x is None:
         return None
-    b, h, sq, sk = x.shape
-    if h == 1:
-        return x.reshape(b, 1, 1, sq, sk)
-    return x.reshape(b, kv_heads, h // kv_heads, sq, sk)
+    b, h, t, u = x.shape
+    G = heads // kv_heads
+    if t == 1 and h == 1:
+        return x.reshape(b, 1, 1, u)
+    k = kv_heads if h > 1 else 1
+    x = x.reshape(b, k, h // k, t, u)
+    x = jnp.broadcast_to(x, (b, k, G, block_q, u))
+    return x.reshape(b, k, G * block_q, u)
 
 
-def ungroup_4d(x: jax.Array) -> jax.Array:
-    b, k, g, sq, sk = x.shape
-    return x.reshape(b, k * g, sq, sk)
+def reduce_rows_4d(ds: jax.Array, shape: tuple[int, int, int, int], heads: int) -> jax.Array:
+    """The gradient of `rows_4d`: `(B, K, M, U)` -> `shape = (B|1, H|1, T|1, U|1)`."""
+    B, K, M, U = ds.shape
+    G = heads // K
+    ds = ds.reshape(B, K, G, M // G, U)
+    b, h, t, u = shape
+    grouped = (b, K if h > 1 else 1, G if h > 1 else 1, t, u)
+    return reduce_to(ds, grouped).reshape(shape)
 
 
-def group_rows(x: jax.Array, kv_heads: int) -> jax.Array:
-    """Row statistic `(B, H, S)` -> `(B, K, G, S)`."""
-    B, H, S = x.shape
-    return x.reshape(B, kv_heads, H // kv_heads, S)
+def rows_sinks(sinks: jax.Array | None, kv_heads: int, block_q: int) -> jax.Array | None:
+    """Sink logits `(H,)` -> per row `(K, M)`."""
+    if sinks is None:
+        return None
+    x = sinks.reshape(kv_heads, -1, 1)
+    return jnp.broadcast_to(x, (*x.shape[:2], block_q)).reshape(kv_heads, -1)
 
 
-def ungroup_rows(x: jax.Array) -> jax.Array:
-    B, K, G, S = x.shape
-    return x.reshape(B, K * G, S)
+def repeat_rows(x: jax.Array | None, heads_per_kv: int) -> jax.Array | None:
+    """Per-position `(..., T)` (positions, segment ids) -> per row `(..., G*T)`."""
+    if x is None:
+        return None
+    return jnp.tile(x, (1,) * (x.ndim - 1) + (heads_per_kv,))
 
 
 def reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Sums `x` over the axes where `shape` has 1 (the gradient of a broadcast)."""
     axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`(B, K, M, X) @ (B, K, X, N)` with float32 accumulation."""
+    return jnp.einsum("bkmx,bkxn->bkmn", a, b, preferred_element_type=F32)
+
+
+def _tdot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`(B, K, M, X)^T @ (B, K, M, N)` with float32 accumulation."""
+    return jnp.einsum("bkmx,bkmn->bkxn", a, b, preferred_element_type=F32)
 
 
 # -- masks ------------------------------------------------------------------------
@@ -97,9 +149,10 @@ def visibility(
     mask: jax.Array | None = None,
     kv_valid: jax.Array | None = None,
 ) -> jax.Array | None:
-    """Boolean `(B|1, 1|K, 1|G, T, U)`: may query t see key u. `None`: all visible.
+    """Boolean `(B|1, K|1, M, U)`: may row m see key u. `None`: all visible.
 
-    `q_pos (T,)`, `kv_pos (U,)`, `seg_q (B, T)`, `seg_kv (B, U)`, `kv_valid (U,)`.
+    `q_pos (M,)`, `kv_pos (U,)`, `seg_q (B, M)`, `seg_kv (B, U)`, `kv_valid (U,)`,
+    `mask (B|1, K|1, M|1, U|1)`.
     """
     vis = None
     qp, kp = q_pos[:, None], kv_pos[None, :]
@@ -114,23 +167,49 @@ def visibility(
     if kv_valid is not None:
         vis = _and(vis, kv_valid[None, :])
     if vis is not None:
-        vis = vis[None, None, None]
+        vis = vis[None, None]
     if seg_q is not None:
-        sq, sk = seg_q[:, None, None, :, None], seg_kv[:, None, None, None, :]
+        sq, sk = seg_q[:, None, :, None], seg_kv[:, None, None, :]
         vis = _and(vis, (sq == sk) & (sq >= 0))
     if mask is not None:
         vis = _and(vis, mask)
     return vis
 
 
+def fold_scale(opts: Options, q: jax.Array) -> tuple[jax.Array, float]:
+    """Folds the logit scale (and `1 / soft_cap`) into `q` where that is exact enough.
+
+    Returns `(q_scaled, rest)` with `scale * q.k / cap == rest * (q_scaled . k)`
+    (no `/ cap` without a soft cap). Folding saves one pass over every score
+    tile; it is done for float32 inputs and for power-of-two factors, where it
+    adds no rounding beyond float32's. Otherwise `rest` carries the factor.
+    """
+    factor = opts.scale
+    if opts.logits_soft_cap is not None:
+        factor = factor / opts.logits_soft_cap
+    mantissa, _ = math.frexp(factor)
+    if q.dtype == F32 or mantissa == 0.5:
+        return (q.astype(F32) * factor).astype(q.dtype), 1.0
+    return q, factor
+
+
 def logits(
-    opts: Options, q: jax.Array, k: jax.Array, bias: jax.Array | None
+    opts: Options,
+    qs: jax.Array,
+    kt: jax.Array,
+    bias: jax.Array | None,
+    rest: float,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Float32 logits `(B, K, G, T, U)` and, with a soft cap, `tanh(s / c)`."""
-    s = jnp.einsum("bkgtd,bkud->bkgtu", q, k, preferred_element_type=F32) * opts.scale
+    """Float32 logits `(B, K, M, U)` and, with a soft cap, `tanh(s / c)`.
+
+    `qs, rest = fold_scale(opts, q)`; `kt` is `k` transposed, `(B, K, D, U)`.
+    """
+    s = _dot(qs, kt)
+    if rest != 1.0:
+        s = s * rest
     t = None
     if opts.logits_soft_cap is not None:
-        t = jnp.tanh(s / opts.logits_soft_cap)
+        t = jnp.tanh(s)
         s = opts.logits_soft_cap * t
     if bias is not None:
         s = s + bias.astype(F32)
@@ -143,15 +222,15 @@ def logits(
 def init_stats(
     shape: tuple[int, ...], head_dim: int, sinks: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Accumulator `o`, running max `m` and denominator `l` for rows `shape = (B, K, G, T)`.
+    """Accumulator `o`, running max `m` and denominator `l` for rows `shape = (B, K, M)`.
 
-    A sink enters as a key of logit `sinks[h]` and value 0: `m = sink`, `l = 1`.
-    `sinks` is grouped `(K, G)`.
+    A sink enters as a key of logit `sinks` (per row, `(K, M)`) and value 0:
+    `m = sink`, `l = 1`.
     """
     o = jnp.zeros((*shape, head_dim), F32)
     if sinks is None:
         return o, jnp.full(shape, NEG_INF, F32), jnp.zeros(shape, F32)
-    m = jnp.broadcast_to(sinks.astype(F32)[None, :, :, None], shape)
+    m = jnp.broadcast_to(sinks.astype(F32)[None], shape)
     return o, m, jnp.ones(shape, F32)
 
 
@@ -170,8 +249,7 @@ def softmax_step(
     p = jnp.exp(s - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgtu,bkud->bkgtd", p.astype(v.dtype), v, preferred_element_type=F32)
-    return alpha[..., None] * o + pv, m_new, l
+    return alpha[..., None] * o + _dot(p.astype(v.dtype), v), m_new, l
 
 
 def finalize(
@@ -209,34 +287,33 @@ def safe_lse(lse: jax.Array) -> jax.Array:
 def tile_grads(
     opts: Options,
     q: jax.Array,
+    qs: jax.Array,
+    rest: float,
+    kt: jax.Array,
     k: jax.Array,
-    v: jax.Array,
+    vt: jax.Array,
     do: jax.Array,
     lse: jax.Array,
     delta_: jax.Array,
     bias: jax.Array | None,
     vis: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Gradients of one tile: `dq (B,K,G,T,D)`, `dk`, `dv (B,K,U,D)` float32 and the
-    bias-shaped `dbias` (`None` without bias). `lse` must already be `safe_lse`-d."""
-    s, t = logits(opts, q, k, bias)
+    """Gradients of one tile: `dq (B, K, M, D)`, `dk`, `dv (B, K, U, D)` float32 and
+    `ds`, the gradient of the logits (for the bias; `None` without bias).
+
+    `q` and its `fold_scale`-d `qs, rest`; `kt`, `vt` are `k`, `v` transposed,
+    `(B, K, D, U)`. `lse` must already be `safe_lse`-d.
+    """
+    s, t = logits(opts, qs, kt, bias, rest)
     if vis is not None:
         s = jnp.where(vis, s, NEG_INF)
     p = jnp.exp(s - lse[..., None])
-    dv = jnp.einsum("bkgtu,bkgtd->bkud", p.astype(do.dtype), do, preferred_element_type=F32)
-    dp = jnp.einsum("bkgtd,bkud->bkgtu", do, v, preferred_element_type=F32)
-    ds = p * (dp - delta_[..., None])
-    dbias = None if bias is None else reduce_to(ds, bias.shape)
+    dv = _tdot(p.astype(do.dtype), do)
+    ds = p * (_dot(do, vt) - delta_[..., None])
+    dbias = None if bias is None else ds
     if t is not None:
         ds = ds * (1.0 - t * t)
     ds = ds.astype(q.dtype)
-    dq = jnp.einsum("bkgtu,bkud->bkgtd", ds, k, preferred_element_type=F32) * opts.scale
-    dk = jnp.einsum("bkgtu,bkgtd->bkud", ds, q, preferred_element_type=F32) * opts.scale
+    dq = _dot(ds, k) * opts.scale
+    dk = _tdot(ds, q) * opts.scale
     return dq, dk, dv, dbias
-
-
-def grouped_sinks(ops: Operands) -> jax.Array | None:
-    if ops.sinks is None:
-        return None
-    K = ops.k.shape[2]
-    return ops.sinks.reshape(K, -1)

@@ -1,8 +1,9 @@
 """`"xla"`: the materializing reference implementation.
 
-Computes the whole `(B, H, S_q, S_k)` score matrix with a float32 softmax.
-Memory is O(S_q * S_k); for short sequences it is also the fastest choice on
-CPU, which is why `"auto"` picks it there.
+Computes the whole `(B, H, S_q, S_k)` score matrix with a float32 softmax, as
+one tile of the shared math in `_math`. Memory is O(S_q * S_k); for short
+sequences it is also the fastest choice on CPU, which is why `"auto"` picks it
+there.
 """
 
 import dataclasses
@@ -15,22 +16,6 @@ from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
 
 
-def _positions(ops: Operands) -> tuple[jax.Array, jax.Array]:
-    if ops.q_pos is not None:
-        return ops.q_pos, ops.kv_pos
-    return (
-        jnp.arange(ops.q.shape[1], dtype=jnp.int32),
-        jnp.arange(ops.k.shape[1], dtype=jnp.int32),
-    )
-
-
-def _visibility(ops: Operands, opts: Options, kv_heads: int) -> jax.Array | None:
-    q_pos, kv_pos = _positions(ops)
-    return m.visibility(
-        opts, q_pos, kv_pos, ops.seg_q, ops.seg_kv, m.group_4d(ops.mask, kv_heads)
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Xla(AbstractImplementation):
     """The exact, materializing reference (einsum and a float32 softmax)."""
@@ -38,36 +23,64 @@ class Xla(AbstractImplementation):
     name = "xla"
     capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), memory="O(S^2)")
 
+    @staticmethod
+    def _tile(ops: Operands, opts: Options):
+        """The whole problem as one tile: `(q, kt, v, bias, vis)` in the rows layout."""
+        B, S_q, H, _ = ops.q.shape
+        S_k, K = ops.k.shape[1], ops.k.shape[2]
+        if ops.q_pos is None:
+            q_pos, kv_pos = jnp.arange(S_q, dtype=jnp.int32), jnp.arange(S_k, dtype=jnp.int32)
+        else:
+            q_pos, kv_pos = ops.q_pos, ops.kv_pos
+        vis = m.visibility(
+            opts,
+            m.repeat_rows(q_pos, H // K),
+            kv_pos,
+            m.repeat_rows(ops.seg_q, H // K),
+            ops.seg_kv,
+            m.rows_4d(ops.mask, K, H, S_q),
+        )
+        q = m.split_q(ops.q, K, S_q)[0]
+        return q, m.split_kv(ops.k, S_k)[0], m.rows_4d(ops.bias, K, H, S_q), vis
+
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
-        K = ops.k.shape[2]
-        q, k, v = m.group_q(ops.q, K), m.group_kv(ops.k), m.group_kv(ops.v)
-        s, _ = m.logits(opts, q, k, m.group_4d(ops.bias, K))
-        stats = m.init_stats(q.shape[:-1], q.shape[-1], m.grouped_sinks(ops))
-        stats = m.softmax_step(stats, s, _visibility(ops, opts, K), v)
+        H, K = ops.q.shape[2], ops.k.shape[2]
+        q, k, bias, vis = self._tile(ops, opts)
+        qs, rest = m.fold_scale(opts, q)
+        s, _ = m.logits(opts, qs, jnp.swapaxes(k, -1, -2), bias, rest)
+        sinks = m.rows_sinks(ops.sinks, K, ops.q.shape[1])
+        stats = m.init_stats(q.shape[:-1], q.shape[-1], sinks)
+        stats = m.softmax_step(stats, s, vis, m.split_kv(ops.v, ops.k.shape[1])[0])
         out, lse = m.finalize(stats, ops.q.dtype)
-        return m.ungroup_q(out), m.ungroup_rows(lse)
+        return m.merge_q(out[None], H), m.merge_rows(lse[None], H)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
-        K = ops.k.shape[2]
-        q, k, v = m.group_q(ops.q, K), m.group_kv(ops.k), m.group_kv(ops.v)
+        S_q, H = ops.q.shape[1], ops.q.shape[2]
+        S_k, K = ops.k.shape[1], ops.k.shape[2]
+        q, k, bias, vis = self._tile(ops, opts)
         delta = m.delta(out, dout, dlse)
-        bias = m.group_4d(ops.bias, K)
-        dq, dk, dv, dbias = m.tile_grads(
+        v = m.split_kv(ops.v, S_k)[0]
+        dq, dk, dv, ds = m.tile_grads(
             opts,
             q,
+            *m.fold_scale(opts, q),
+            jnp.swapaxes(k, -1, -2),
             k,
-            v,
-            m.group_q(dout.astype(ops.q.dtype), K),
-            m.group_rows(m.safe_lse(lse), K),
-            m.group_rows(delta, K),
+            jnp.swapaxes(v, -1, -2),
+            m.split_q(dout.astype(ops.q.dtype), K, S_q)[0],
+            m.split_rows(m.safe_lse(lse), K, S_q)[0],
+            m.split_rows(delta, K, S_q)[0],
             bias,
-            _visibility(ops, opts, K),
+            vis,
         )
+        dbias = None
+        if ops.bias is not None:
+            dbias = m.reduce_rows_4d(ds, ops.bias.shape, H).astype(ops.bias.dtype)
         dsinks = None if ops.sinks is None else m.sinks_grad(ops.sinks, lse, delta)
         return (
-            m.ungroup_q(dq).astype(ops.q.dtype),
-            m.ungroup_kv(dk).astype(ops.k.dtype),
-            m.ungroup_kv(dv).astype(ops.v.dtype),
-            None if dbias is None else m.ungroup_4d(dbias).astype(ops.bias.dtype),
+            m.merge_q(dq[None], H).astype(ops.q.dtype),
+            m.merge_kv(dk[None]).astype(ops.k.dtype),
+            m.merge_kv(dv[None]).astype(ops.v.dtype),
+            dbias,
             dsinks,
         )
