@@ -243,11 +243,14 @@ class Blockwise(AbstractImplementation):
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         Pq = nq * bq
         delta = m.delta(out, dout, dlse)
-        # Row quantities in the blocked rows layout (padded rows: do = 0, delta = 0).
+        # Row quantities in the blocked rows layout. Padded rows get lse = +inf, so
+        # their probabilities are exactly 0 (not exp(s) * 0, which a large bias
+        # turns into inf * 0 = NaN), and do = 0, delta = 0.
         do = m.split_q(_pad(dout.astype(ops.q.dtype), 1, Pq), K, bq)
-        lse_b = m.split_rows(_pad(m.safe_lse(lse), 2, Pq), K, bq)
+        qt, dot_ = jnp.swapaxes(blocks.q, -1, -2), jnp.swapaxes(do, -1, -2)
+        lse_b = m.split_rows(_pad(m.safe_lse(lse), 2, Pq, value=jnp.inf), K, bq)
         delta_b = m.split_rows(_pad(delta, 2, Pq), K, bq)
-        q_xs = (blocks.q, blocks.qs, do, lse_b, delta_b, blocks.q_pos, blocks.seg_q, jnp.arange(nq))
+        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, jnp.arange(nq))
         kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, jnp.arange(nk))
         dq0 = jnp.zeros(blocks.q.shape, m.F32)
         dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, m.F32)
@@ -256,7 +259,7 @@ class Blockwise(AbstractImplementation):
             kt, k, vt, kv_pos, seg_kv, kv_valid, j = ys
 
             def q_step(inner, xs):
-                q, qs, do, lse, delta, q_pos, seg_q, i = xs
+                qt, qs, do, dot_, lse, delta, q_pos, seg_q, i = xs
 
                 def compute(inner):
                     dk_acc, dv_acc, dq_acc, dbias_acc = inner
@@ -264,26 +267,26 @@ class Blockwise(AbstractImplementation):
                     vis = m.visibility(opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid)
                     bias_tile = _tile(blocks.bias, i, j, bq, bk)
                     bias = m.rows_4d(bias_tile, K, H, bq)
-                    dq, dk, dv, ds = m.tile_grads(
-                        opts, q, qs, rest, kt, k, vt, do, lse, delta, bias, vis
+                    dq, dkt, dvt, ds = m.tile_grads(
+                        opts, qt, qs, rest, kt, k, vt, do, dot_, lse, delta, bias, vis
                     )
                     dq_acc = lax.dynamic_update_index_in_dim(dq_acc, dq_acc[i] + dq, i, 0)
                     if ds is not None:
                         dbias = m.reduce_rows_4d(ds, bias_tile.shape, H)
                         dbias_acc = _tile_add(dbias_acc, dbias, i, j, bq, bk)
-                    return dk_acc + dk, dv_acc + dv, dq_acc, dbias_acc
+                    return dk_acc + dkt, dv_acc + dvt, dq_acc, dbias_acc
 
                 may_see = self._may_see(opts, blocks, ranges, i, j, bq, bk)
                 return self._skip_hidden(may_see, compute, inner), None
 
-            zeros = jnp.zeros(k.shape, m.F32)
+            zeros = jnp.zeros(kt.shape, m.F32)  # dK^T, dV^T accumulators
             (dk, dv, *carry), _ = lax.scan(q_step, (zeros, zeros, *carry), q_xs)
             return tuple(carry), (dk, dv)
 
         (dq, dbias), (dk, dv) = lax.scan(kv_block, (dq0, dbias0), kv_xs)
         dq = m.merge_q(dq, H)[:, :S_q].astype(ops.q.dtype)
-        dk = m.merge_kv(dk)[:, :S_k].astype(ops.k.dtype)
-        dv = m.merge_kv(dv)[:, :S_k].astype(ops.v.dtype)
+        dk = m.merge_kv(jnp.swapaxes(dk, -1, -2))[:, :S_k].astype(ops.k.dtype)
+        dv = m.merge_kv(jnp.swapaxes(dv, -1, -2))[:, :S_k].astype(ops.v.dtype)
         if dbias is not None:
             dbias = dbias[:, :, : ops.bias.shape[2], : ops.bias.shape[3]].astype(ops.bias.dtype)
         dsinks = None if ops.sinks is None else m.sinks_grad(ops.sinks, lse, delta)

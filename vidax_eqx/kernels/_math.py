@@ -128,11 +128,6 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("bkmx,bkxn->bkmn", a, b, preferred_element_type=F32)
 
 
-def _tdot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`(B, K, M, X)^T @ (B, K, M, N)` with float32 accumulation."""
-    return jnp.einsum("bkmx,bkmn->bkxn", a, b, preferred_element_type=F32)
-
-
 # -- masks ------------------------------------------------------------------------
 
 
@@ -286,34 +281,40 @@ def safe_lse(lse: jax.Array) -> jax.Array:
 
 def tile_grads(
     opts: Options,
-    q: jax.Array,
+    qt: jax.Array,
     qs: jax.Array,
     rest: float,
     kt: jax.Array,
     k: jax.Array,
     vt: jax.Array,
     do: jax.Array,
+    dot_: jax.Array,
     lse: jax.Array,
     delta_: jax.Array,
     bias: jax.Array | None,
     vis: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Gradients of one tile: `dq (B, K, M, D)`, `dk`, `dv (B, K, U, D)` float32 and
-    `ds`, the gradient of the logits (for the bias; `None` without bias).
+    """Gradients of one tile: `dq (B, K, M, D)` and the transposed `dk^T`, `dv^T`
+    `(B, K, D, U)`, float32, plus `ds`, the gradient of the logits (for the bias;
+    `None` without bias).
 
-    `q` and its `fold_scale`-d `qs, rest`; `kt`, `vt` are `k`, `v` transposed,
-    `(B, K, D, U)`. `lse` must already be `safe_lse`-d.
+    Arguments: `qt` (`q` transposed, `(B, K, D, M)`) and the `fold_scale`-d `qs,
+    rest`; `kt`, `vt` are `k`, `v` transposed, `(B, K, D, U)`; `do` and its
+    transpose `dot_`. `lse` must already be `safe_lse`-d. Every operand arrives
+    in the layout its matmul reads (contracting over the lhs's last axis and
+    the rhs's second-to-last), which is what XLA's fast CPU matmul path takes
+    without a per-tile transpose.
     """
     s, t = logits(opts, qs, kt, bias, rest)
     if vis is not None:
         s = jnp.where(vis, s, NEG_INF)
     p = jnp.exp(s - lse[..., None])
-    dv = _tdot(p.astype(do.dtype), do)
+    dvt = _dot(dot_, p.astype(do.dtype))
     ds = p * (_dot(do, vt) - delta_[..., None])
     dbias = None if bias is None else ds
     if t is not None:
         ds = ds * (1.0 - t * t)
-    ds = ds.astype(q.dtype)
+    ds = ds.astype(qt.dtype)
     dq = _dot(ds, k) * opts.scale
-    dk = _tdot(ds, q) * opts.scale
-    return dq, dk, dv, dbias
+    dkt = _dot(qt, ds) * opts.scale
+    return dq, dkt, dvt, dbias

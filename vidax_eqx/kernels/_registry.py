@@ -23,7 +23,7 @@ register(Blockwise())
 # On CPU "xla" is faster while the float32 score matrix is small; above this
 # many bytes "blockwise" wins (measured by benchmarks/attention.py, see
 # benchmarks/NOTES.md) and the materializing path's memory grows as S^2.
-AUTO_XLA_MAX_SCORE_BYTES = 64 * 2**20
+AUTO_XLA_MAX_SCORE_BYTES = 8 * 2**20
 
 
 def implementations() -> dict[str, AbstractImplementation]:

@@ -60,14 +60,16 @@ class Xla(AbstractImplementation):
         q, k, bias, vis = self._tile(ops, opts)
         delta = m.delta(out, dout, dlse)
         v = m.split_kv(ops.v, S_k)[0]
-        dq, dk, dv, ds = m.tile_grads(
+        do = m.split_q(dout.astype(ops.q.dtype), K, S_q)[0]
+        dq, dkt, dvt, ds = m.tile_grads(
             opts,
-            q,
+            jnp.swapaxes(q, -1, -2),
             *m.fold_scale(opts, q),
             jnp.swapaxes(k, -1, -2),
             k,
             jnp.swapaxes(v, -1, -2),
-            m.split_q(dout.astype(ops.q.dtype), K, S_q)[0],
+            do,
+            jnp.swapaxes(do, -1, -2),
             m.split_rows(m.safe_lse(lse), K, S_q)[0],
             m.split_rows(delta, K, S_q)[0],
             bias,
@@ -79,8 +81,8 @@ class Xla(AbstractImplementation):
         dsinks = None if ops.sinks is None else m.sinks_grad(ops.sinks, lse, delta)
         return (
             m.merge_q(dq[None], H).astype(ops.q.dtype),
-            m.merge_kv(dk[None]).astype(ops.k.dtype),
-            m.merge_kv(dv[None]).astype(ops.v.dtype),
+            m.merge_kv(jnp.swapaxes(dkt, -1, -2)[None]).astype(ops.k.dtype),
+            m.merge_kv(jnp.swapaxes(dvt, -1, -2)[None]).astype(ops.v.dtype),
             dbias,
             dsinks,
         )
