@@ -1,0 +1,18 @@
+"""Sequence and tensor parallelism over a device mesh, built on `vidax_eqx.kernels`.
+
+Every function here runs inside `jax.shard_map` and takes the mesh axis name
+as an argument; a missing axis raises a `ValueError` naming it.
+"""
+
+from ._mesh import (
+    axis_size as axis_size,
+    chunk_by_rank as chunk_by_rank,
+    DP_AXIS as DP_AXIS,
+    gather_chunks as gather_chunks,
+    make_mesh as make_mesh,
+    pad_to_multiple as pad_to_multiple,
+    padding_segment_ids as padding_segment_ids,
+    SP_AXIS as SP_AXIS,
+    TP_AXIS as TP_AXIS,
+    unpad as unpad,
+)

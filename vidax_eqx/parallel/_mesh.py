@@ -1,0 +1,142 @@
+"""Meshes, axis checks, chunking and padding: the pieces every parallel path shares."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+
+DP_AXIS = "dp"
+SP_AXIS = "sp"
+TP_AXIS = "tp"
+
+
+def make_mesh(
+    dp: int = 1,
+    sp: int = 1,
+    tp: int = 1,
+    *,
+    devices=None,
+    extra_axes: dict[str, int] | None = None,
+) -> Mesh:
+    """A device mesh with axes `("dp", "sp", "tp")`, tensor parallelism innermost.
+
+    **Arguments:**
+
+    - `dp`, `sp`, `tp`: data-, sequence- and tensor-parallel sizes.
+    - `devices`: the devices to use (default: the first `dp * sp * tp` of
+        `jax.devices()`).
+    - `extra_axes`: further named axes inserted between `sp` and `tp`, in order,
+        e.g. `{"ring": 2}` for 2D sequence parallelism (`usp_attention`).
+
+    **Returns:**
+
+    A `jax.sharding.Mesh` whose axes are `Auto`, so `jax.shard_map` reshards its
+    inputs as the in-specs ask.
+    """
+    sizes = {DP_AXIS: dp, SP_AXIS: sp, **(extra_axes or {}), TP_AXIS: tp}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive int size; received {size!r}.")
+    need = math.prod(sizes.values())
+    if devices is None:
+        available = jax.devices()
+        if need > len(available):
+            raise ValueError(
+                f"a mesh of {dict(sizes)} needs {need} devices; {len(available)} are available. "
+                "On CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                "set before JAX is imported."
+            )
+        devices = available[:need]
+    devices = np.asarray(devices, dtype=object).reshape(-1)
+    if devices.size != need:
+        raise ValueError(
+            f"a mesh of {dict(sizes)} needs {need} devices; received {devices.size}."
+        )
+    return Mesh(
+        devices.reshape(tuple(sizes.values())),
+        tuple(sizes),
+        axis_types=(AxisType.Auto,) * len(sizes),
+    )
+
+
+def axis_size(axis_name: str, *, what: str = "Axis") -> int:
+    """The size of mesh axis `axis_name` in the current `shard_map` context.
+
+    Raises `ValueError("{what} axis 'sp' does not exist in the current context.")`
+    when the axis is not bound (called outside `shard_map`, or a typo).
+    """
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{what} axis {axis_name!r} does not exist in the current context. Call this "
+            "inside `jax.shard_map` over a mesh that has that axis."
+        ) from None
+
+
+def chunk_by_rank(x: jax.Array, axis: int, sp_size: int, rank) -> jax.Array:
+    """This rank's contiguous share of `x` along `axis`.
+
+    **Arguments:**
+
+    - `x`: the full array.
+    - `axis`: the axis to split.
+    - `sp_size`: the number of ranks (static).
+    - `rank`: this rank, an int or a traced scalar (e.g. `jax.lax.axis_index("sp")`).
+
+    **Returns:**
+
+    `x` sliced to `x.shape[axis] // sp_size` elements starting at
+    `rank * x.shape[axis] // sp_size`. An uneven split raises `ValueError`: pad
+    first with [`pad_to_multiple`][].
+    """
+    if isinstance(sp_size, bool) or not isinstance(sp_size, (int, np.integer)) or sp_size < 1:
+        raise ValueError(f"`sp_size` must be a positive int; received {sp_size!r}.")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % sp_size:
+        raise ValueError(
+            f"`x` axis {axis} has size {n}, which does not split evenly over sp_size={sp_size}; "
+            f"pad it first (pad_to_multiple(x, {sp_size}, axis={axis}))."
+        )
+    size = n // sp_size
+    return jax.lax.dynamic_slice_in_dim(x, rank * size, size, axis)
+
+
+def gather_chunks(x: jax.Array, axis: int, axis_name: str) -> jax.Array:
+    """Inverse of `chunk_by_rank` inside `shard_map`: all ranks' chunks, in rank order."""
+    axis_size(axis_name)
+    return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True)
+
+
+def pad_to_multiple(x: jax.Array, multiple: int, axis: int = 1, value=0) -> jax.Array:
+    """Pads `x` at the end of `axis` up to a multiple of `multiple`."""
+    axis = axis % x.ndim
+    extra = -x.shape[axis] % multiple
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def unpad(x: jax.Array, length: int, axis: int = 1) -> jax.Array:
+    """Drops what [`pad_to_multiple`][] added: the first `length` entries of `axis`."""
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis % x.ndim)
+
+
+def padding_segment_ids(
+    length: int, multiple: int, batch: int, segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """Segment ids `(batch, padded_length)` that make padding invisible.
+
+    Real tokens keep `segment_ids` (default: all 0); the padding added by
+    [`pad_to_multiple`][] gets id -1, which attends to nothing and is seen by
+    nothing, so any token count can be split over any number of devices.
+    """
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    return pad_to_multiple(jnp.asarray(segment_ids, jnp.int32), multiple, axis=1, value=-1)
