@@ -16,3 +16,8 @@ from ._mesh import (
     TP_AXIS as TP_AXIS,
     unpad as unpad,
 )
+from ._ulysses import (
+    kv_head_repeats as kv_head_repeats,
+    sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
+    sequence_parallel_self_attention as sequence_parallel_self_attention,
+)

@@ -1,0 +1,402 @@
+"""DeepSpeed-Ulysses sequence parallelism: all_to_all around one kernel call.
+
+Each device of the sequence-parallel axis holds a contiguous chunk of the
+sequence with every head, `(B, L_local, H, D)`. One `all_to_all` per operand
+trades the sequence split for a head split, `(B, L, H / sp, D)`: every device
+then holds the *whole* sequence, in order, for its own heads, runs one
+single-device [`vidax_eqx.kernels.attention`][] call, and a last `all_to_all`
+gives the output back the input's layout. Because each device sees the whole
+sequence, positions are the plain `arange(L)` and causal / window / segment
+masks mean exactly what they mean on one device.
+
+Any token count works through the public padding helpers (the recipe is in
+[`sequence_parallel_self_attention`][]'s docstring).
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ..kernels import attention, SegmentIds
+from ._mesh import axis_size
+
+
+_WHAT = "Sequence-parallel"
+
+
+def _static_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"`{name}` must be a Python int; received {x!r}.")
+    return int(x)
+
+
+def _check_qkv(q, k, v, fn: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(
+                f"{fn}: `{name}` must have rank 4 (B, L_local, H, D); received shape "
+                f"{jnp.shape(x)}."
+            )
+    if jnp.shape(k) != jnp.shape(v):
+        raise ValueError(
+            f"{fn}: `k` and `v` must have the same shape; received k: {jnp.shape(k)}, "
+            f"v: {jnp.shape(v)}."
+        )
+    B, L, H, D = jnp.shape(q)
+    Bk, Lk, H_kv, Dk = jnp.shape(k)
+    if (Bk, Lk, Dk) != (B, L, D):
+        raise ValueError(
+            f"{fn}: self-attention needs `q` and `k`/`v` to share B, the local sequence "
+            f"length and D; received q: {jnp.shape(q)}, k: {jnp.shape(k)}."
+        )
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(
+            f"{fn}: the number of query heads must be a multiple of the number of key/value "
+            f"heads (GQA); received q: {jnp.shape(q)} (H={H}), k: {jnp.shape(k)} (H_kv={H_kv})."
+        )
+
+
+def _check_heads(H: int, sp: int, sp_axis_name: str, fn: str) -> None:
+    if H % sp:
+        raise ValueError(
+            f"{fn}: Ulysses splits the {H} query heads over the {sp} devices of axis "
+            f"{sp_axis_name!r}, so H must be a multiple of the SP size; received H={H}, "
+            f"sp={sp} ({H} % {sp} = {H % sp}). Use an SP size that divides H, or ring "
+            "attention (which splits the sequence, not the heads) for the rest."
+        )
+
+
+def kv_head_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times Ulysses repeats each key/value head for an SP size.
+
+    The smallest `r` such that `num_kv_heads * r` splits evenly over `sp_size`
+    devices and still divides `num_heads` (so query head `h` keeps key/value head
+    `h // (num_heads // num_kv_heads)`). It exists whenever `num_heads` is a
+    multiple of both `num_kv_heads` and `sp_size`: `r = lcm(H_kv, sp) / H_kv`.
+    `r == 1` (no repetition) when `sp_size` divides `num_kv_heads`.
+    """
+    r = math.lcm(num_kv_heads, sp_size) // num_kv_heads
+    if num_heads % (num_kv_heads * r):
+        raise ValueError(
+            f"no repetition of {num_kv_heads} key/value heads splits over sp={sp_size} "
+            f"and divides H={num_heads}; H must be a multiple of both H_kv and sp."
+        )
+    return r
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes `x` varies over inside `shard_map` (empty when unchecked)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):  # jax < 0.10
+        return frozenset(aval.vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def _match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Marks `x` as varying over every mesh axis `like` varies over.
+
+    Under `shard_map(check_vma=True)` a differentiable operand that is invariant
+    (replicated) but meets device-varying data inside the kernel's custom VJP
+    would get a varying cotangent; casting it first makes the transpose a `psum`,
+    which is the correct gradient of a replicated input.
+    """
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str):
+    """A per-token array of this device, `[text; visual chunk]` along `axis`, to
+    the whole sequence `[text; all visual chunks]` (the text prefix once)."""
+    axis = axis % jnp.ndim(x)
+    text = jax.lax.slice_in_dim(x, 0, text_len, axis=axis)
+    visual = jax.lax.slice_in_dim(x, text_len, x.shape[axis], axis=axis)
+    visual = jax.lax.all_gather(visual, sp_axis_name, axis=axis, tiled=True)
+    return jnp.concatenate([text, visual], axis=axis) if text_len else visual
+
+
+def _local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
+    rank = jax.lax.axis_index(sp_axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, rank * heads_local, heads_local, axis)
+
+
+def _per_token_options(
+    opts: dict[str, Any], *, fn: str, B: int, S_local: int, S: int, H: int, sp: int,
+    text_len: int, sp_axis_name: str, like: jax.Array,
+) -> dict[str, Any]:
+    """Turns the per-device kernel options into the options of the one kernel call
+    over the whole sequence and this device's `H / sp` heads."""
+    opts = dict(opts)
+    heads_local = H // sp
+    gather = lambda x: _gather_tokens(x, 1, text_len, sp_axis_name)  # noqa: E731
+
+    seg = opts.get("segment_ids")
+    if seg is not None:
+        pairs = (("segment_ids.q", seg.q), ("segment_ids.kv", seg.kv)) if isinstance(
+            seg, SegmentIds) else (("segment_ids", seg),)
+        for name, s in pairs:
+            if jnp.shape(s) != (B, S_local):
+                raise ValueError(
+                    f"{fn}: `{name}` holds this device's tokens, shape (B, S_local) = "
+                    f"{(B, S_local)} (the same tokens as `q`); received {jnp.shape(s)}. Shard "
+                    "segment ids exactly as the sequence (e.g. in_specs P(None, 'sp'))."
+                )
+        if isinstance(seg, SegmentIds):
+            opts["segment_ids"] = SegmentIds(q=gather(seg.q), kv=gather(seg.kv))
+        else:
+            opts["segment_ids"] = gather(seg)
+
+    for name in ("q_positions", "kv_positions"):
+        pos = opts.get(name)
+        if pos is not None:
+            if jnp.shape(pos) != (S_local,):
+                raise ValueError(
+                    f"{fn}: `{name}` holds this device's token positions, shape (S_local,) = "
+                    f"({S_local},); received {jnp.shape(pos)}. Omit it for the default "
+                    "(the global arange of the whole sequence)."
+                )
+            opts[name] = _gather_tokens(pos, 0, text_len, sp_axis_name)
+
+    sinks = opts.get("sinks")
+    if sinks is not None:
+        if jnp.shape(sinks) != (H,):
+            raise ValueError(
+                f"{fn}: `sinks` must have shape (H,) = ({H},), one logit per query head; "
+                f"received {jnp.shape(sinks)}."
+            )
+        opts["sinks"] = _local_heads(_match_vma(jnp.asarray(sinks), like), 0, heads_local,
+                                     sp_axis_name)
+
+    for name in ("bias", "mask"):
+        x = opts.get(name)
+        if x is None:
+            continue
+        x = jnp.asarray(x)
+        full = (B, H, S, S)
+        if x.ndim > 4 or any(
+            got not in (1, want) for got, want in zip(x.shape[::-1], full[::-1])
+        ):
+            raise ValueError(
+                f"{fn}: `{name}` is over the whole sequence after the all_to_all: it must "
+                f"broadcast to (B, H, S, S) = {full} (S = text_len + sp * L_visual_local, "
+                f"every device passing the same array); received shape {x.shape}. A bias over "
+                "this device's chunk only cannot be expressed; use segment ids for padding."
+            )
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+        if x.shape[1] == H and heads_local != H:
+            x = _local_heads(x, 1, heads_local, sp_axis_name)
+        if name == "bias":
+            x = _match_vma(x, like)
+        opts[name] = x
+    return opts
+
+
+def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, fn: str):
+    sp = axis_size(sp_axis_name, what=_WHAT)
+    _check_qkv(q, k, v, fn)
+    B, S_local, H, D = q.shape
+    H_kv = k.shape[2]
+    _check_heads(H, sp, sp_axis_name, fn)
+    L_local = S_local - text_len
+    S = text_len + sp * L_local
+    heads_local = H // sp
+
+    r = kv_head_repeats(H, H_kv, sp)
+    if r > 1:
+        # Consecutive copies: kv' head m is kv head m // r, so query head h still
+        # reads kv head h // (H // H_kv). The transpose of repeat sums the copies.
+        k = jnp.repeat(k, r, axis=2)
+        v = jnp.repeat(v, r, axis=2)
+    kv_heads_local = H_kv * r // sp
+
+    def seq_to_heads(x, n_local):
+        """(B, text + L_local, H, D) -> (B, text + L, H / sp, D)."""
+        text = x[:, :text_len]
+        visual = x[:, text_len:]
+        if L_local:
+            visual = jax.lax.all_to_all(
+                visual, sp_axis_name, split_axis=2, concat_axis=1, tiled=True
+            )
+        else:
+            visual = visual[:, :, :n_local]
+        if not text_len:
+            return visual
+        return jnp.concatenate([_local_heads(text, 2, n_local, sp_axis_name), visual], axis=1)
+
+    opts = _per_token_options(
+        kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
+        sp_axis_name=sp_axis_name, like=q,
+    )
+    out = attention(
+        seq_to_heads(q, heads_local),
+        seq_to_heads(k, kv_heads_local),
+        seq_to_heads(v, kv_heads_local),
+        scale=scale,
+        **opts,
+    )  # (B, S, H / sp, D)
+
+    text_out = out[:, :text_len]
+    visual_out = out[:, text_len:]
+    if L_local:
+        visual_out = jax.lax.all_to_all(
+            visual_out, sp_axis_name, split_axis=1, concat_axis=2, tiled=True
+        )
+    else:
+        visual_out = jnp.zeros((B, 0, H, D), out.dtype)
+    if not text_len:
+        return visual_out
+    # Every device computed the text rows for its own heads; gather all heads so
+    # the text output is the same, complete, single-device result everywhere.
+    text_out = jax.lax.all_gather(text_out, sp_axis_name, axis=2, tiled=True)
+    return jnp.concatenate([text_out, visual_out], axis=1)
+
+
+def sequence_parallel_self_attention(
+    q: Float[Array, "B L_local H D"],
+    k: Float[Array, "B L_local H_kv D"],
+    v: Float[Array, "B L_local H_kv D"],
+    sp_axis_name: str,
+    scale: float | None = None,
+    **kernel_options,
+) -> Float[Array, "B L_local H D"]:
+    """DeepSpeed-Ulysses self-attention over the mesh axis `sp_axis_name`.
+
+    Call inside `jax.shard_map`, with the sequence split contiguously over
+    `sp_axis_name` (device `i` holds tokens `[i * L_local, (i + 1) * L_local)`).
+    Two `all_to_all`s turn `(B, L_local, H, D)` into `(B, L, H / sp, D)`, one
+    [`vidax_eqx.kernels.attention`][] call attends over the whole sequence for
+    this device's heads, and a last `all_to_all` returns `(B, L_local, H, D)`.
+    The result (and its gradient) equals single-device attention over the
+    concatenated sequence.
+
+    **Arguments:**
+
+    - `q`: this device's queries `(B, L_local, H, D)`; `H` must be a multiple of
+        the SP size.
+    - `k`, `v`: this device's keys and values `(B, L_local, H_kv, D)`, GQA with
+        `H % H_kv == 0`. When `H_kv` does not split over the SP size, each kv head is
+        repeated (consecutive copies, so query head `h` keeps kv head
+        `h // (H // H_kv)`) by the smallest factor that does, see
+        [`kv_head_repeats`][]; MQA with `sp = 4` repeats the one head 4 times.
+    - `sp_axis_name`: the sequence-parallel mesh axis, e.g. `SP_AXIS`.
+    - `scale`: logit scale, default `1 / sqrt(D)`.
+    - `**kernel_options`: the keyword options of [`vidax_eqx.kernels.attention`][]:
+        `causal`, `window`, `logits_soft_cap`, `implementation` pass through
+        unchanged; the rest are adapted to the split:
+        - `segment_ids`: this device's ids `(B, L_local)` (or a `SegmentIds` of
+            two), sharded like the sequence; they are all-gathered to `(B, L)`.
+        - `sinks`: the global `(H,)`, the same on every device; each device uses
+            its heads' slice, and the gradient (summed over the axis by
+            `shard_map` for a replicated input) is the single-device one.
+        - `q_positions`, `kv_positions`: this device's positions `(L_local,)`,
+            all-gathered; the default is the global `arange(L)`.
+        - `bias`, `mask`: over the *whole* sequence, broadcastable to
+            `(B, H, L, L)` and the same on every device (a head axis of size `H`
+            is sliced to this device's heads). A bias over the local chunk only is
+            a `ValueError`: after the `all_to_all` there is no local chunk.
+
+    **Returns:**
+
+    This device's output `(B, L_local, H, D)` in `q`'s dtype.
+
+    **Any token count** (the padding recipe): pad the global sequence to a
+    multiple of the SP size and hide the padding with segment ids, then drop it:
+
+    ```python
+    S = q.shape[1]                                  # e.g. 30 tokens over sp = 4
+    qp, kp, vp = (pad_to_multiple(x, sp, axis=1) for x in (q, k, v))
+    seg = padding_segment_ids(S, sp, batch=q.shape[0])   # (B, 32), -1 on padding
+    f = lambda q, k, v, s: sequence_parallel_self_attention(
+        q, k, v, SP_AXIS, segment_ids=s, causal=True)
+    out = jax.shard_map(f, mesh=mesh, in_specs=P(None, SP_AXIS),
+                        out_specs=P(None, SP_AXIS))(qp, kp, vp, seg)
+    out = unpad(out, S, axis=1)                     # (B, 30, H, D)
+    ```
+
+    Padded tokens attend to nothing and are seen by nothing, so no real token
+    is dropped or changed (pass your own segment ids through
+    `padding_segment_ids(..., segment_ids=...)` to keep them).
+
+    **Raises:**
+
+    `ValueError` when `sp_axis_name` is not a bound mesh axis (outside
+    `shard_map`, or a typo), when `H` is not a multiple of the SP size, or for
+    shapes that do not fit.
+    """
+    return _ulysses(q, k, v, 0, sp_axis_name, scale, kernel_options,
+                    "sequence_parallel_self_attention")
+
+
+def sequence_parallel_joint_self_attention(
+    q: Float[Array, "B S_local H D"],
+    k: Float[Array, "B S_local H_kv D"],
+    v: Float[Array, "B S_local H_kv D"],
+    text_len: int,
+    sp_axis_name: str,
+    scale: float | None = None,
+    **kernel_options,
+) -> Float[Array, "B S_local H D"]:
+    """Ulysses joint attention over a replicated text prefix and sharded video tokens.
+
+    The CogVideoX layout: each device's `q`, `k`, `v` are
+    `(B, text_len + L_local, H, D)`, a text prefix of `text_len` tokens that is
+    the same on every device, followed by this device's contiguous chunk of the
+    visual tokens. The result equals single-device attention over
+    `[text; visual chunk 0; ...; visual chunk sp-1]`, with the text counted once.
+
+    The visual parts go through the Ulysses `all_to_all`; the text part needs no
+    communication on the way in (each device takes its own heads of it); one
+    kernel call attends over `[text; all visual]` for this device's heads; the
+    text rows are all-gathered over heads and the visual rows return by the
+    inverse `all_to_all`.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: `(B, text_len + L_local, H, D)` and `(B, text_len + L_local, H_kv, D)`,
+        as in [`sequence_parallel_self_attention`][].
+    - `text_len`: the length of the replicated text prefix, `0 <= text_len <=
+        q.shape[1]` (`0` is plain Ulysses).
+    - `sp_axis_name`, `scale`: as in [`sequence_parallel_self_attention`][].
+    - `**kernel_options`: as in [`sequence_parallel_self_attention`][], with the
+        per-token ones (`segment_ids`, `q_positions`, `kv_positions`) given in this
+        device's layout, `(B, text_len + L_local)` / `(text_len + L_local,)`, text
+        part identical on every device; `bias` / `mask` broadcast to `(B, H, S, S)`
+        with `S = text_len + sp * L_local`. Positions default to `arange(S)`, so
+        `causal=True` lets the text see no video token.
+
+    **Returns:**
+
+    `(B, text_len + L_local, H, D)`: the text rows, identical on every device and
+    equal to the single-device text output, then this device's visual rows.
+
+    **Gradients:** the text rows are copies. A copy's output cotangent reaches the
+    devices that own its heads, and the gradient with respect to a copy of the text
+    input holds that device's heads only, so summing over the SP axis (what
+    `shard_map` does for a text computed from replicated values) gives the
+    single-device gradient. Give every copy's cotangent, or the whole cotangent to
+    one copy; never count it once per device.
+
+    Any visual token count works with the padding recipe of
+    [`sequence_parallel_self_attention`][] applied to the visual sequence (text
+    segment ids 0, padding -1).
+
+    **Raises:**
+
+    `ValueError` for a negative `text_len` or one longer than the sequence, and as
+    [`sequence_parallel_self_attention`][].
+    """
+    fn = "sequence_parallel_joint_self_attention"
+    text_len = _static_int("text_len", text_len)
+    axis_size(sp_axis_name, what=_WHAT)
+    _check_qkv(q, k, v, fn)
+    S_local = q.shape[1]
+    if not 0 <= text_len <= S_local:
+        raise ValueError(
+            f"{fn}: `text_len` must be between 0 and the per-device sequence length "
+            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+        )
+    return _ulysses(q, k, v, text_len, sp_axis_name, scale, kernel_options, fn)
