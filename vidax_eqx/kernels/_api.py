@@ -8,6 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._args import Operands, Options, SegmentIds, normalize
 from ._base import AbstractImplementation, Request
+from ._math import as_varying, varying_axes
 from ._registry import resolve
 
 
@@ -15,6 +16,12 @@ def _request(q, k, v, kwargs) -> tuple[Operands, Options, AbstractImplementation
     implementation = kwargs.pop("implementation", "auto")
     ops, opts = normalize(q, k, v, **kwargs)
     impl = resolve(implementation, Request.of(ops, opts))
+    # Inside `shard_map(check_vma=True)`, an operand replicated over a mesh axis
+    # (e.g. sinks or a bias) meets device-varying q/k/v: mark every operand as
+    # varying over all those axes, so the custom VJP's cotangents have the
+    # operands' types and the transpose of the cast sums a replicated operand's
+    # per-device gradients (its correct gradient).
+    ops = as_varying(ops, varying_axes(*jax.tree.leaves(ops)))
     return ops, opts, impl
 
 

@@ -209,6 +209,7 @@ class Blockwise(AbstractImplementation):
         nq, nk = blocks.q.shape[0], blocks.k.shape[0]
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         sinks = m.rows_sinks(ops.sinks, K, bq)
+        axes = m.varying_axes(*jax.tree.leaves(blocks))
         kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, jnp.arange(nk))
 
         def q_block(xs):
@@ -227,7 +228,7 @@ class Blockwise(AbstractImplementation):
                 may_see = self._may_see(opts, blocks, ranges, i, j, bq, bk)
                 return self._skip_hidden(may_see, compute, stats), None
 
-            stats = m.init_stats(qs.shape[:-1], D, sinks)
+            stats = m.as_varying(m.init_stats(qs.shape[:-1], D, sinks), axes)
             stats, _ = lax.scan(kv_step, stats, kv_xs)
             return m.finalize(stats, ops.q.dtype)
 
@@ -252,8 +253,10 @@ class Blockwise(AbstractImplementation):
         delta_b = m.split_rows(_pad(delta, 2, Pq), K, bq)
         q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, jnp.arange(nq))
         kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, jnp.arange(nk))
+        axes = m.varying_axes(*jax.tree.leaves((blocks, do, lse_b, delta_b)))
         dq0 = jnp.zeros(blocks.q.shape, m.F32)
         dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, m.F32)
+        dq0, dbias0 = m.as_varying((dq0, dbias0), axes)
 
         def kv_block(carry, ys):
             kt, k, vt, kv_pos, seg_kv, kv_valid, j = ys
@@ -279,7 +282,7 @@ class Blockwise(AbstractImplementation):
                 may_see = self._may_see(opts, blocks, ranges, i, j, bq, bk)
                 return self._skip_hidden(may_see, compute, inner), None
 
-            zeros = jnp.zeros(kt.shape, m.F32)  # dK^T, dV^T accumulators
+            zeros = m.as_varying(jnp.zeros(kt.shape, m.F32), axes)  # dK^T, dV^T accumulators
             (dk, dv, *carry), _ = lax.scan(q_step, (zeros, zeros, *carry), q_xs)
             return tuple(carry), (dk, dv)
 
