@@ -196,17 +196,9 @@ def test_data_and_sequence_parallel():
     _check(out, grads, ref, np.float32)
 
 
-BLOCKWISE_VMA_BUG = (
-    "kernels.Blockwise starts its scan/cond carries from invariant jnp.zeros, so under "
-    "shard_map(check_vma=True) lax.cond rejects the varying tile result (a kernels/ bug, "
-    "reported; it also hits implementation='auto' above its xla size threshold)"
-)
-
-
 @pytest.mark.parametrize(
     "check_vma",
-    [pytest.param(True, marks=pytest.mark.xfail(raises=TypeError, reason=BLOCKWISE_VMA_BUG)),
-     False],
+    [True, False],
     ids=["checked", "unchecked"],
 )
 def test_blockwise_implementation_and_determinism(check_vma):
