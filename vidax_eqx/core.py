@@ -8,6 +8,7 @@ import jax
 from jaxtyping import Array, Bool, Float
 
 from .kernels import attention
+from .parallel import tensor_parallel_attention
 
 
 def dot_product_attention(
@@ -30,20 +31,17 @@ def dot_product_attention(
         only steers the choice of implementation away from those that cannot take
         a mask; the flash-style `"blockwise"` path takes one.
     - `scale`: logit scale, default `1 / sqrt(D)`.
-    - `mesh`: a device mesh to run the Megatron (head-sharded) path over. Only a
-        single-device mesh is served so far; a larger one raises
-        `NotImplementedError` rather than being ignored.
+    - `mesh`: a device mesh to run the Megatron path over: heads sharded over its
+        `"tp"` axis, batch over its `"dp"` axis, the whole sequence on every
+        device ([`vidax_eqx.parallel.tensor_parallel_attention`][]). Call it
+        outside `shard_map` with global arrays. `None`: single-device.
 
     **Returns:**
 
     `(B, S_q, H, D)` in `q`'s dtype.
     """
-    if mesh is not None and mesh.size > 1:
-        raise NotImplementedError(
-            f"dot_product_attention(mesh=...) over {mesh.size} devices (mesh axes "
-            f"{dict(mesh.shape)}) is not implemented yet; call it inside your own "
-            "`jax.shard_map` with mesh=None, or pass a single-device mesh."
-        )
+    if mesh is not None:
+        return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
     return attention(q, k, v, bias=bias, mask=mask, scale=scale)
 
 

@@ -1,0 +1,106 @@
+"""Megatron-style attention over a mesh: heads over the tensor-parallel axis,
+batch over the data-parallel axis, the whole sequence on every device.
+
+Unlike the sequence-parallel functions, this one takes the mesh and wraps the
+kernel in `jax.shard_map` itself: it is what `core.dot_product_attention(...,
+mesh=mesh)` runs. Attention heads are independent, so no communication is
+needed beyond placing the inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Bool, Float
+
+from ..kernels import attention, SegmentIds
+from ._mesh import DP_AXIS, TP_AXIS
+from ._ulysses import kv_head_repeats
+
+
+def _lift_4d(x):
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim > 4:
+        return x  # the kernel's validation names the problem
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def tensor_parallel_attention(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    *,
+    mesh: Mesh,
+    bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    segment_ids=None,
+    sinks: Float[Array, "H"] | None = None,
+    tp_axis: str = TP_AXIS,
+    dp_axis: str = DP_AXIS,
+    **kernel_options,
+) -> Float[Array, "B S_q H D"]:
+    """Attention with heads sharded over `tp_axis` and batch over `dp_axis`.
+
+    Called outside `shard_map` with global arrays; returns the global output,
+    sharded like `q`. Other mesh axes (e.g. `"sp"`) see replicated work.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: `(B, S_q, H, D)`, `(B, S_k, H_kv, D)`, global.
+    - `mesh`: the device mesh; an axis it lacks counts as size 1.
+    - `bias`, `mask`: broadcastable to `(B, H, S_q, S_k)`; sharded on their
+        batch / head axes when those are full.
+    - `segment_ids`: [`SegmentIds`][] or one `(B, S)` array; sharded on batch.
+    - `sinks`: `(H,)`, sharded with the heads.
+    - `tp_axis`, `dp_axis`: the mesh axis names to shard heads / batch over.
+    - `**kernel_options`: the rest of [`vidax_eqx.kernels.attention`][]'s options
+        (`causal`, `window`, `scale`, positions, `logits_soft_cap`,
+        `implementation`).
+
+    GQA: key/value heads that do not split over the TP size are repeated by the
+    smallest factor that does ([`kv_head_repeats`][]); their gradients sum back.
+    """
+    tp = mesh.shape.get(tp_axis, 1)
+    dp = mesh.shape.get(dp_axis, 1)
+    B, _, H, _ = jnp.shape(q)
+    H_kv = jnp.shape(k)[2]
+    if H % tp:
+        raise ValueError(
+            f"tensor parallelism splits the {H} query heads over the {tp} devices of axis "
+            f"{tp_axis!r}; H must be a multiple of it (received H={H}, tp={tp})."
+        )
+    if B % dp:
+        raise ValueError(
+            f"data parallelism splits the batch of {B} over the {dp} devices of axis "
+            f"{dp_axis!r}; B must be a multiple of it (received B={B}, dp={dp})."
+        )
+    if tp > 1 and H % H_kv == 0:
+        r = kv_head_repeats(H, H_kv, tp)
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    b_ax = dp_axis if dp > 1 else None
+    h_ax = tp_axis if tp > 1 else None
+
+    def spec_4d(x):
+        if x is None or x.ndim != 4:
+            return P()
+        return P(b_ax if x.shape[0] > 1 else None, h_ax if x.shape[1] > 1 else None)
+
+    bias, mask = _lift_4d(bias), _lift_4d(mask)
+    if isinstance(segment_ids, SegmentIds):
+        seg_spec = SegmentIds(P(b_ax), P(b_ax))
+    else:
+        seg_spec = P(b_ax)
+    qkv_spec = P(b_ax, None, h_ax)
+    operands = (q, k, v, bias, mask, segment_ids, sinks)
+    specs = (qkv_spec, qkv_spec, qkv_spec, spec_4d(bias), spec_4d(mask), seg_spec, P(h_ax))
+
+    def local(q, k, v, bias, mask, segment_ids, sinks):
+        return attention(
+            q, k, v, bias=bias, mask=mask, segment_ids=segment_ids, sinks=sinks, **kernel_options
+        )
+
+    # `None` operands are empty pytrees: give them an empty spec.
+    specs = tuple(None if x is None else s for x, s in zip(operands, specs))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv_spec)(*operands)
