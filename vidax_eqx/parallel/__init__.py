@@ -16,6 +16,7 @@ from ._mesh import (
     TP_AXIS as TP_AXIS,
     unpad as unpad,
 )
+from ._megatron import tensor_parallel_attention as tensor_parallel_attention
 from ._ulysses import (
     kv_head_repeats as kv_head_repeats,
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
