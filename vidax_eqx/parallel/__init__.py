@@ -22,3 +22,10 @@ from ._ulysses import (
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention as sequence_parallel_self_attention,
 )
+from ._ring import (
+    ring_attention as ring_attention,
+    ring_positions as ring_positions,
+    ring_work as ring_work,
+    zigzag_permute as zigzag_permute,
+    zigzag_unpermute as zigzag_unpermute,
+)

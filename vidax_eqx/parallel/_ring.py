@@ -1,0 +1,685 @@
+"""Ring attention: K/V blocks travel a ring of devices while each merges `(out, lse)`.
+
+Every device keeps its queries; the key/value blocks (with their segment ids)
+move one hop per step by `jax.lax.ppermute`, so after `n` steps every device has
+attended to the whole sequence (a block's positions follow from its rank and the
+layout, so they need not travel). Each step is one call of
+`vidax_eqx.kernels.attention_fwd` on global token positions, and the partial
+results are merged in float32 by their log-sum-exp. The backward is a second
+ring: K/V travel again, and their dK/dV accumulators travel behind them, one
+hop later, so that the transfer overlaps the next step's compute.
+
+Steps whose block the mask hides entirely are skipped (`lax.switch`), not
+computed and masked. Token positions are a static function of (rank, step),
+so which blocks the causal mask or window hides is tabulated at trace time
+(`_plan`); segment ids, which are data, can turn any step into a skip at run
+time. In the `"zigzag"` layout each local block is two chunks of the global
+sequence (`r` and `2n - 1 - r`) and the skip works per chunk: every causal step
+after the first computes exactly half a block, on every device, so the work is
+balanced ([`ring_work`][] reports it).
+
+Communication is the minimum: `n - 1` K/V hops forward; `n - 1` K/V hops and
+`n - 1` dK/dV hops backward (the local block's gradients never travel).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from .. import kernels
+from ._mesh import axis_size
+
+
+F32 = jnp.float32
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# -- layouts ------------------------------------------------------------------------
+
+
+def _check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"`layout` must be one of {LAYOUTS}; received {layout!r}."
+        )
+    return layout
+
+
+def _check_sp_size(sp_size) -> int:
+    if isinstance(sp_size, bool) or not isinstance(sp_size, (int, np.integer)) or sp_size < 1:
+        raise ValueError(f"`sp_size` must be a positive int; received {sp_size!r}.")
+    return int(sp_size)
+
+
+def _check_zigzag_length(length: int, what: str, fix: str) -> None:
+    if length % 2:
+        raise ValueError(
+            f"the zigzag layout needs an even {what} (each device holds two half-chunks); "
+            f"received {length}. {fix}"
+        )
+
+
+def ring_positions(
+    length: int, sp_size: int, rank, layout: str = "contiguous"
+) -> Int[Array, " length"]:
+    """The global token positions of one rank's local block, for a sequence layout.
+
+    **Arguments:**
+
+    - `length`: the local (per-device) sequence length `L`.
+    - `sp_size`: the number of devices `n` on the ring.
+    - `rank`: the device's index on the ring, an int or a traced scalar
+        (`jax.lax.axis_index(axis_name)`).
+    - `layout`: `"contiguous"`: rank `r` holds global tokens `[r * L, (r + 1) * L)`.
+        `"zigzag"`: the global sequence is cut into `2n` chunks of `L / 2`, and rank
+        `r` holds chunks `r` and `2n - 1 - r` (`L` must be even); see
+        [`zigzag_permute`][].
+
+    **Returns:**
+
+    int32 `(L,)`.
+    """
+    _check_layout(layout)
+    n = _check_sp_size(sp_size)
+    if layout == "zigzag":
+        _check_zigzag_length(length, "local length", "Pad the sequence to a multiple of 2 * sp_size.")
+    return _positions(jnp, length, n, rank, layout)
+
+
+def _positions(xp, length: int, n: int, rank, layout: str):
+    """`ring_positions` in `xp` (`jnp`, or `np` for a static rank), unchecked."""
+    if layout == "contiguous":
+        return rank * length + xp.arange(length, dtype=xp.int32)
+    c = length // 2
+    local = xp.arange(c, dtype=xp.int32)
+    return xp.concatenate([rank * c + local, (2 * n - 1 - rank) * c + local])
+
+
+def _zigzag_order(sp_size: int) -> np.ndarray:
+    """Chunk order of the zigzag layout: `[0, 2n-1, 1, 2n-2, ...]`."""
+    n = sp_size
+    return np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1).reshape(-1)
+
+
+def _permute_chunks(x, axis: int, sp_size: int, order: np.ndarray, name: str):
+    n = _check_sp_size(sp_size)
+    x = jnp.asarray(x)
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if size % (2 * n):
+        raise ValueError(
+            f"`{name}` needs axis {axis} to split into 2 * sp_size = {2 * n} equal chunks; "
+            f"received size {size}. Pad it first (pad_to_multiple(x, {2 * n}, axis={axis}), "
+            "with padding_segment_ids to keep the padding invisible)."
+        )
+    c = size // (2 * n)
+    chunks = x.reshape(*x.shape[:axis], 2 * n, c, *x.shape[axis + 1 :])
+    chunks = jnp.take(chunks, jnp.asarray(order), axis=axis)
+    return chunks.reshape(x.shape)
+
+
+def zigzag_permute(x: Array, axis: int, sp_size: int) -> Array:
+    """Reorders a sequence into the zigzag layout of [`ring_attention`][].
+
+    The sequence axis is cut into `2 * sp_size` equal chunks and reordered as
+    `[0, 2n-1, 1, 2n-2, ..., n-1, n]`, so that the contiguous sharding of the result
+    over `sp_size` devices (`PartitionSpec` on that axis) gives rank `r` the chunks
+    `r` and `2n - 1 - r`: an early and a late part of the sequence, which balances
+    causal attention's work across devices.
+
+    **Arguments:**
+
+    - `x`: the full (global) array.
+    - `axis`: the sequence axis.
+    - `sp_size`: the number of devices on the ring.
+
+    **Returns:**
+
+    `x` with the sequence axis permuted. Its length must be a multiple of
+    `2 * sp_size` (pad first with `pad_to_multiple`). Undo with
+    [`zigzag_unpermute`][]. Apply the same permutation to everything indexed by
+    sequence position (q, k, v, segment ids); positions are implied by the layout.
+    """
+    return _permute_chunks(x, axis, sp_size, _zigzag_order(sp_size), "zigzag_permute")
+
+
+def zigzag_unpermute(x: Array, axis: int, sp_size: int) -> Array:
+    """The inverse of [`zigzag_permute`][]: zigzag layout -> global sequence order.
+
+    **Arguments:**
+
+    - `x`: an array in the zigzag layout (e.g. the gathered output of
+        `ring_attention(..., layout="zigzag")`).
+    - `axis`: the sequence axis.
+    - `sp_size`: the number of devices on the ring.
+
+    **Returns:**
+
+    `x` in global sequence order.
+    """
+    inverse = np.argsort(_zigzag_order(sp_size))
+    return _permute_chunks(x, axis, sp_size, inverse, "zigzag_unpermute")
+
+
+# -- the schedule: which part of each step's block is computed ----------------------
+#
+# Positions are a static function of (rank, step), so which (part of a) block the
+# causal mask or window hides is decided at trace time for every device and step:
+# `_plan` is an `(n, n)` table of `_BRANCHES` indices. Inside the ring a device
+# looks up its row with its traced rank; segment ids, which are data, can only
+# turn a step into "skip" on top of that.
+
+
+def _parts(layout: str) -> int:
+    """Chunks per local block: the granularity of the ring-level skip."""
+    return 2 if layout == "zigzag" else 1
+
+
+def _part_slices(length: int, parts: int) -> list[slice]:
+    c = length // parts
+    return [slice(i * c, (i + 1) * c) for i in range(parts)]
+
+
+# A step computes one of these (query part, key part) pairs, `None` = all parts.
+# Index 0 is "skip". With one part per block only the first two occur.
+_BRANCHES: tuple[tuple[int | None, int | None] | None, ...] = (
+    None,  # nothing visible: skip
+    (None, None),  # the whole block
+    (None, 0),  # every query against the first key chunk
+    (None, 1),  # every query against the second key chunk
+    (1, None),  # the second query chunk against every key
+    (0, None),  # the first query chunk against every key
+)
+_SKIP, _FULL = 0, 1
+
+
+def _may_see(causal: bool, window, q_pos: np.ndarray, kv_pos: np.ndarray) -> bool:
+    """Whether some query at `q_pos` may see some key at `kv_pos` under the causal
+    mask and window (from the position ranges; exact for contiguous ranges)."""
+    q_lo, q_hi, k_lo, k_hi = q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max()
+    ok = not causal or k_lo <= q_hi
+    if window is not None:
+        left, right = window
+        ok = ok and (left is None or k_hi >= q_lo - left)
+        ok = ok and (right is None or k_lo <= q_hi + right)
+    return bool(ok)
+
+
+def _choose(visible: list[list[bool]]) -> int:
+    """The `_BRANCHES` index for a `parts x parts` table: `visible[a][b]` is
+    whether query part `a` may see key part `b`. Prefers the smallest block that
+    covers every visible pair."""
+    if not any(x for row in visible for x in row):
+        return _SKIP
+    if len(visible) == 1:
+        return _FULL
+    (v00, v01), (v10, v11) = visible
+    if not (v01 or v11):
+        return 2
+    if not (v00 or v10):
+        return 3
+    if not (v00 or v01):
+        return 4
+    if not (v10 or v11):
+        return 5
+    return _FULL
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.ndarray:
+    """int `(n, n)`: the `_BRANCHES` index of device `r` at step `t` (holding the
+    key/value block of rank `(r - t) mod n`)."""
+    parts = _parts(layout)
+    plan = np.full((n, n), _FULL, np.int32)
+    if not causal and window is None:
+        return plan
+    for r in range(n):
+        q_pos = _positions(np, L_q, n, r, layout)
+        for t in range(n):
+            kv_pos = _positions(np, L_k, n, (r - t) % n, layout)
+            visible = [
+                [_may_see(causal, window, q_pos[a], kv_pos[b]) for b in _part_slices(L_k, parts)]
+                for a in _part_slices(L_q, parts)
+            ]
+            plan[r, t] = _choose(visible)
+    return plan
+
+
+def _branch_slices(index: int, parts: int, length_q: int, length_k: int) -> tuple[slice, slice]:
+    a, b = _BRANCHES[index]
+    full = slice(None)
+    qs = full if a is None else _part_slices(length_q, parts)[a]
+    ks = full if b is None else _part_slices(length_k, parts)[b]
+    return qs, ks
+
+
+def _seg_range(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per batch row: (min, max) of the non-negative ids (none: min > max)."""
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(seg >= 0, seg, big), axis=-1), jnp.max(seg, axis=-1)
+
+
+def _segments_meet(seg_q: jax.Array, seg_kv: jax.Array) -> jax.Array:
+    """Whether some query id may equal some key id (from the id ranges per row)."""
+    (q_lo, q_hi), (k_lo, k_hi) = _seg_range(seg_q), _seg_range(seg_kv)
+    return jnp.any((q_hi >= k_lo) & (q_lo <= k_hi))
+
+
+def _scheduled(plan: np.ndarray, rank, t, steps, segments_meet, compute, skip, *operands):
+    """Runs step `t` of the ring on this device: `compute(index, *operands)` for
+    its `plan` entry, or `skip(*operands)`.
+
+    `steps` are the static step numbers this code serves (one for a peeled step,
+    a range for a loop body), so only the branches that occur in them are traced.
+    `segments_meet` (traced bool or `None`) turns the step into a skip.
+    """
+    used = sorted({int(i) for i in np.unique(plan[:, list(steps)])})
+    if segments_meet is not None and _SKIP not in used:
+        used = [_SKIP, *used]
+    if len(used) == 1:
+        return skip(*operands) if used[0] == _SKIP else compute(used[0], *operands)
+    index = jnp.asarray(plan)[rank, t]
+    if segments_meet is not None:
+        index = jnp.where(segments_meet, index, _SKIP)
+    remap = np.zeros(len(_BRANCHES), np.int32)
+    remap[used] = np.arange(len(used))
+    fns = [skip if i == _SKIP else functools.partial(compute, i) for i in used]
+    return lax.switch(jnp.asarray(remap)[index], fns, *operands)
+
+
+def ring_work(
+    seq_len: int,
+    sp_size: int,
+    *,
+    layout: str = "contiguous",
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+) -> np.ndarray:
+    """Per-device work of [`ring_attention`][]'s forward, as the ring schedules it.
+
+    Counts, for each device, the (query, key) pairs of the blocks handed to the
+    attention kernel over all ring steps, after the ring-level skipping of hidden
+    blocks (and, in the zigzag layout, hidden half-blocks), with the same decision
+    code the ring runs. The kernel may skip further tiles inside a block. The
+    backward schedules the same blocks.
+
+    **Arguments:**
+
+    - `seq_len`: the global sequence length (a multiple of `sp_size`, and of
+        `2 * sp_size` for zigzag).
+    - `sp_size`: the number of devices on the ring.
+    - `layout`, `causal`, `window`: as in [`ring_attention`][].
+
+    **Returns:**
+
+    int64 NumPy array `(sp_size,)`. Its `max / mean` is the work balance: the
+    contiguous causal ring gives `2n / (n + 1)`, the zigzag one 1.
+    """
+    _check_layout(layout)
+    n = _check_sp_size(sp_size)
+    if seq_len % n:
+        raise ValueError(
+            f"`seq_len` must be a multiple of sp_size={n}; received {seq_len}."
+        )
+    L = seq_len // n
+    if layout == "zigzag":
+        _check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
+    plan = _plan(layout, n, L, L, bool(causal), None if window is None else tuple(window))
+    parts = _parts(layout)
+    work = np.zeros(n, np.int64)
+    for r in range(n):
+        for t in range(n):
+            if plan[r, t] != _SKIP:
+                qs, ks = _branch_slices(int(plan[r, t]), parts, L, L)
+                work[r] += len(range(L)[qs]) * len(range(L)[ks])
+    return work
+
+
+# -- the ring -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static configuration of one ring attention call (hashable)."""
+
+    axis_name: Hashable
+    sp_size: int
+    layout: str
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    scale: float | None
+    logits_soft_cap: float | None
+    implementation: Any
+
+    def kernel_options(self) -> dict:
+        return dict(
+            causal=self.causal,
+            window=self.window,
+            scale=self.scale,
+            logits_soft_cap=self.logits_soft_cap,
+            implementation=self.implementation,
+        )
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes along which `x` varies inside `shard_map` (empty without
+    `check_vma`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary(x, axes: frozenset):
+    """Casts `x` to vary along `axes` (a no-op where it already does)."""
+    if x is None:
+        return None
+    missing = tuple(a for a in axes if a not in _vma(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _segments(segment_ids):
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, kernels.SegmentIds):
+        return jnp.asarray(segment_ids.q, jnp.int32), jnp.asarray(segment_ids.kv, jnp.int32)
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    return seg, seg
+
+
+def _seg_arg(seg_q, seg_kv):
+    return None if seg_q is None else kernels.SegmentIds(q=seg_q, kv=seg_kv)
+
+
+def _ppermute(x, cfg: _Config):
+    n = cfg.sp_size
+    return lax.ppermute(x, cfg.axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _merge(out_acc, lse_acc, out, lse):
+    """Merges two partial softmax results by their log-sum-exp, in float32.
+
+    `out (B, S, H, D)`, `lse (B, H, S)`; a side with `lse = -inf` contributes
+    nothing, and two such sides give `(0, -inf)`, never NaN.
+    """
+    lse = lse.astype(F32)
+    m = jnp.maximum(lse_acc, lse)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_acc, w = jnp.exp(lse_acc - m_safe), jnp.exp(lse - m_safe)
+    total = w_acc + w
+    lse_new = jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0.0, 1.0, total)))
+    inv = jnp.where(total == 0.0, 0.0, 1.0 / jnp.where(total == 0.0, 1.0, total))
+    a = jnp.swapaxes(w_acc * inv, 1, 2)[..., None]  # (B, S, H, 1)
+    b = jnp.swapaxes(w * inv, 1, 2)[..., None]
+    return a * out_acc + b * out.astype(F32), lse_new
+
+
+def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
+    """`(out float32, lse)` of the whole ring, merged over all steps."""
+    n, parts = cfg.sp_size, _parts(cfg.layout)
+    B, L_q, H, D = q.shape
+    L_k = k.shape[1]
+    axes = _vma(q)
+    rank = lax.axis_index(cfg.axis_name)
+    q_pos = ring_positions(L_q, n, rank, cfg.layout)
+    plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
+    out0 = _vary(jnp.zeros((B, L_q, H, D), F32), axes)
+    if sinks is None:
+        lse0 = _vary(jnp.full((B, H, L_q), -jnp.inf, F32), axes)
+    else:  # the sink enters once, as the starting point of the merge
+        lse0 = jnp.broadcast_to(sinks.astype(F32)[None, :, None], (B, H, L_q))
+
+    def compute(index, acc, blk, kv_pos):
+        out_acc, lse_acc = acc
+        k_blk, v_blk, seg_blk = blk
+        qs, ks = _branch_slices(index, parts, L_q, L_k)
+        out, lse = kernels.attention_fwd(
+            q[:, qs], k_blk[:, ks], v_blk[:, ks],
+            segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
+                                 None if seg_blk is None else seg_blk[:, ks]),
+            q_positions=q_pos[qs], kv_positions=kv_pos[ks],
+            **cfg.kernel_options(),
+        )
+        o, l = _merge(out_acc[:, qs], lse_acc[:, :, qs], out, lse)
+        if qs == slice(None):
+            return o, l
+        return out_acc.at[:, qs].set(o), lse_acc.at[:, :, qs].set(l)
+
+    def step(t, steps, blk, acc):
+        """Step `t` (traced, or static) of the static `steps`."""
+        kv_pos = ring_positions(L_k, n, (rank - t) % n, cfg.layout)
+        meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
+        compute_t = lambda index, acc, blk: compute(index, acc, blk, kv_pos)
+        skip = lambda acc, blk: acc
+        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, acc, blk)
+
+    def body(t, carry):
+        blk, acc = carry
+        nxt = _ppermute(blk, cfg)  # issued first: independent of this step's compute
+        return nxt, step(t, range(n - 1), blk, acc)
+
+    blk, acc = (k, v, seg_kv), (out0, lse0)
+    if n > 1:
+        blk, acc = lax.fori_loop(0, n - 1, body, (blk, acc))
+    return step(n - 1, [n - 1], blk, acc)
+
+
+def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
+    """`(dq, dk, dv)` float32: the second ring, dK/dV travelling behind K/V."""
+    n, parts = cfg.sp_size, _parts(cfg.layout)
+    B, L_q, H, D = q.shape
+    L_k = k.shape[1]
+    axes = _vma(q)
+    rank = lax.axis_index(cfg.axis_name)
+    q_pos = ring_positions(L_q, n, rank, cfg.layout)
+    plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
+    zeros_q = _vary(jnp.zeros(q.shape, F32), axes)
+    zeros_kv = _vary(jnp.zeros(k.shape, F32), axes)
+
+    def compute(index, dq_acc, blk, kv_pos):
+        k_blk, v_blk, seg_blk = blk
+        qs, ks = _branch_slices(index, parts, L_q, L_k)
+        dq, dk, dv, _, _ = kernels.attention_bwd(
+            q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs], dout[:, qs],
+            segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
+                                 None if seg_blk is None else seg_blk[:, ks]),
+            q_positions=q_pos[qs], kv_positions=kv_pos[ks],
+            **cfg.kernel_options(),
+        )
+        dq, dk, dv = dq.astype(F32), dk.astype(F32), dv.astype(F32)
+        dq_acc = dq_acc + dq if qs == slice(None) else dq_acc.at[:, qs].add(dq)
+        if ks != slice(None):
+            dk, dv = zeros_kv.at[:, ks].set(dk), zeros_kv.at[:, ks].set(dv)
+        return dq_acc, dk, dv
+
+    def grads(t, steps, blk, dq_acc):
+        """Step `t` of the static `steps`: its dq added to `dq_acc`, and the
+        block's fresh dk, dv (added to the travelling accumulators by the caller,
+        so that this compute does not wait for their transfer)."""
+        kv_pos = ring_positions(L_k, n, (rank - t) % n, cfg.layout)
+        meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
+        compute_t = lambda index, dq_acc, blk: compute(index, dq_acc, blk, kv_pos)
+        skip = lambda dq_acc, blk: (dq_acc, zeros_kv, zeros_kv)
+        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, dq_acc, blk)
+
+    blk = (k, v, seg_kv)
+    if n == 1:
+        return grads(0, [0], blk, zeros_q)
+    # Step 0: the local block; its dK/dV stay home.
+    nxt = _ppermute(blk, cfg)
+    dq, dk_home, dv_home = grads(0, [0], blk, zeros_q)
+    blk = nxt
+    # Step 1: the first travelling accumulators start here (nothing to receive).
+    if n > 2:
+        nxt = _ppermute(blk, cfg)
+    dq, dk, dv = grads(1, [1], blk, dq)
+
+    def body(t, carry):
+        blk, dk, dv, dq = carry
+        nxt = _ppermute(blk, cfg)
+        dk, dv = _ppermute((dk, dv), cfg)  # in flight during this step's compute
+        dq, gk, gv = grads(t, range(2, n - 1), blk, dq)
+        return nxt, dk + gk, dv + gv, dq
+
+    if n > 2:
+        blk = nxt
+        if n > 3:
+            blk, dk, dv, dq = lax.fori_loop(2, n - 1, body, (blk, dk, dv, dq))
+        # Last step: no K/V to send on.
+        rk, rv = _ppermute((dk, dv), cfg)
+        dq, gk, gv = grads(n - 1, [n - 1], blk, dq)
+        dk, dv = rk + gk, rv + gv
+    # One more hop brings each block's accumulators home.
+    dk, dv = _ppermute((dk, dv), cfg)
+    return dq, dk_home + dk, dv_home + dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
+    out, _ = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv)
+    return out.astype(q.dtype)
+
+
+def _ring_fwd_rule(cfg, q, k, v, sinks, seg_q, seg_kv):
+    out, lse = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, sinks, seg_q, seg_kv, out, lse)
+
+
+def _ring_bwd_rule(cfg, residuals, dout):
+    q, k, v, sinks, seg_q, seg_kv, out, lse = residuals
+    dout = dout.astype(q.dtype)
+    with jax.named_scope("vidax_ring_attention_bwd"):
+        dq, dk, dv = _ring_backward(cfg, q, k, v, seg_q, seg_kv, out, lse, dout)
+    dsinks = None
+    if sinks is not None:
+        # This device's rows only: `sinks` entered the custom_vjp already cast to
+        # vary over the ring, so the transpose of that cast sums the devices.
+        delta = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
+        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None, None
+
+
+_ring.defvjp(_ring_fwd_rule, _ring_bwd_rule)
+
+
+def ring_attention(
+    q: Float[Array, "B L H D"],
+    k: Float[Array, "B L_k H_kv D"],
+    v: Float[Array, "B L_k H_kv D"],
+    *,
+    axis_name: Hashable,
+    causal: bool = False,
+    segment_ids: kernels.SegmentIds | Int[Array, "B L"] | None = None,
+    sinks: Float[Array, " H"] | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    layout: str = "contiguous",
+    implementation: str | kernels.AbstractImplementation = "auto",
+) -> Float[Array, "B L H D"]:
+    """Ring attention over the sequence axis, inside `jax.shard_map`.
+
+    Each device holds a block of the sequence. K/V blocks travel the ring of
+    `axis_name` by `ppermute` (the next transfer is issued before the current
+    step's kernel, so communication overlaps compute); each step calls
+    `vidax_eqx.kernels.attention_fwd` on the global positions of the tokens
+    involved and merges the partial `(out, lse)` in float32. Blocks (or, in the
+    zigzag layout, half-blocks) that the mask hides entirely are skipped. The
+    result equals single-device attention over the whole sequence.
+
+    Differentiable in `q`, `k`, `v` and `sinks` by a `jax.custom_vjp` whose
+    backward is a second ring: K/V travel again with their float32 dK/dV
+    accumulators and each step calls `vidax_eqx.kernels.attention_bwd` with the
+    globally merged `out` and `lse`.
+
+    **Arguments:**
+
+    - `q`: this device's queries `(B, L, H, D)`.
+    - `k`, `v`: this device's keys and values `(B, L_k, H_kv, D)`, `H % H_kv == 0`
+        (GQA / MQA: they travel with `H_kv` heads).
+    - `axis_name`: the mesh axis of the ring.
+    - `causal`: a token attends to global positions at or before its own.
+    - `segment_ids`: this device's ids, one `(B, L)` array or
+        `SegmentIds(q=(B, L), kv=(B, L_k))`; the kv ids travel with their block.
+        Negative ids are padding (see `pad_to_multiple` / `padding_segment_ids` for
+        sequence lengths that do not divide the number of devices).
+    - `sinks`: per-head sink logits `(H,)`, usually replicated (`PartitionSpec()`);
+        counted once per row, not once per step. Its gradient is summed over the
+        devices.
+    - `window`: `(left, right)` sliding window on global positions.
+    - `scale`: logit scale, default `1 / sqrt(D)`.
+    - `logits_soft_cap`: `c` applies `c * tanh(s / c)` to the scaled logits.
+    - `layout`: how the global sequence is laid out over the devices (see
+        [`ring_positions`][]). `"contiguous"`: rank `r` holds the `r`-th block.
+        `"zigzag"`: rank `r` holds chunks `r` and `2n - 1 - r` of `2n` (`L` even);
+        permute the global sequence with [`zigzag_permute`][] before sharding and
+        undo with [`zigzag_unpermute`][]. Zigzag balances causal work.
+    - `implementation`: the kernel implementation of each step, as in
+        `vidax_eqx.kernels.attention`.
+
+    **Returns:**
+
+    This device's output `(B, L, H, D)` in `q`'s dtype. A row that sees nothing
+    gives 0.
+
+    Raises `ValueError` when `axis_name` is not bound (outside `shard_map`), for an
+    unknown `layout`, or an odd local length with `layout="zigzag"`; the kernel's
+    errors for invalid or unsupported options.
+    """
+    n = axis_size(axis_name, what="Ring")
+    _check_layout(layout)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    L_q, L_k = q.shape[1], k.shape[1]
+    # Validate the options once, exactly as every step's kernel call will see them.
+    seg_q, seg_kv = _segments(segment_ids)
+    kernels.select_implementation(
+        q, k, v,
+        segment_ids=_seg_arg(seg_q, seg_kv) if isinstance(segment_ids, kernels.SegmentIds)
+        else segment_ids,
+        q_positions=jnp.arange(L_q, dtype=jnp.int32),
+        kv_positions=jnp.arange(L_k, dtype=jnp.int32),
+        causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+    )
+    if layout == "zigzag":
+        for what, length in (("local length of q", L_q), ("local length of k/v", L_k)):
+            _check_zigzag_length(
+                length, what,
+                f"Pad the global sequence to a multiple of 2 * sp_size = {2 * n} before "
+                "zigzag_permute (pad_to_multiple, padding_segment_ids).",
+            )
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (q.shape[2],) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(
+                f"`sinks` must be a float array of shape (H,) = ({q.shape[2]},); received "
+                f"shape {sinks.shape}, dtype {sinks.dtype}."
+            )
+    cfg = _Config(
+        axis_name=axis_name,
+        sp_size=n,
+        layout=layout,
+        causal=bool(causal),
+        window=None if window is None else tuple(window),
+        scale=None if scale is None else float(scale),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        implementation=implementation,
+    )
+    # Everything that meets inside the ring varies along the same axes; a replicated
+    # input (sinks, usually) is cast here, so its gradient is summed over devices.
+    axes = _vma(q) | _vma(k) | _vma(v) | frozenset({axis_name})
+    q, k, v, sinks, seg_q, seg_kv = (
+        _vary(x, axes) for x in (q, k, v, sinks, seg_q, seg_kv)
+    )
+    with jax.named_scope("vidax_ring_attention"):
+        return _ring(cfg, q, k, v, sinks, seg_q, seg_kv)
