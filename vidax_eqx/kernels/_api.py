@@ -8,7 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._args import Operands, Options, SegmentIds, normalize
 from ._base import AbstractImplementation, Request
-from ._math import as_varying, varying_axes
+from .._vma import as_varying, varying_axes
 from ._registry import resolve
 
 

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .._vma import as_varying as as_varying, varying_axes as varying_axes
 from ._args import Options
 
 
@@ -121,37 +122,6 @@ def reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Sums `x` over the axes where `shape` has 1 (the gradient of a broadcast)."""
     axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-def varying_axes(*xs) -> frozenset:
-    """The mesh axes any of `xs` varies over inside `jax.shard_map` (empty outside).
-
-    Loop carries that start as constants (zeros, -inf) must be marked as varying
-    over these axes, or `lax.scan` / `lax.cond` reject the tiles that update them
-    under `shard_map(check_vma=True)`.
-    """
-    axes = set()
-    for x in xs:
-        if x is None:
-            continue
-        aval = jax.typeof(x)
-        vma = getattr(aval, "vma", None)
-        if vma is None:
-            vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-        axes.update(vma)
-    return frozenset(axes)
-
-
-def as_varying(tree, axes: frozenset):
-    """Marks every array of `tree` as varying over `axes` (see `varying_axes`)."""
-    if not axes:
-        return tree
-
-    def cast(x):
-        missing = tuple(sorted(axes - varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:

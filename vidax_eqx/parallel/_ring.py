@@ -34,6 +34,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
+from .._vma import as_varying, varying_axes
 from ._mesh import axis_size
 
 
@@ -368,24 +369,6 @@ class _Config:
         )
 
 
-def _vma(x) -> frozenset:
-    """The mesh axes along which `x` varies inside `shard_map` (empty without
-    `check_vma`)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vary(x, axes: frozenset):
-    """Casts `x` to vary along `axes` (a no-op where it already does)."""
-    if x is None:
-        return None
-    missing = tuple(a for a in axes if a not in _vma(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _segments(segment_ids):
     if segment_ids is None:
         return None, None
@@ -427,13 +410,13 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
     n, parts = cfg.sp_size, _parts(cfg.layout)
     B, L_q, H, D = q.shape
     L_k = k.shape[1]
-    axes = _vma(q)
+    axes = varying_axes(q)
     rank = lax.axis_index(cfg.axis_name)
     q_pos = ring_positions(L_q, n, rank, cfg.layout)
     plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
-    out0 = _vary(jnp.zeros((B, L_q, H, D), F32), axes)
+    out0 = as_varying(jnp.zeros((B, L_q, H, D), F32), axes)
     if sinks is None:
-        lse0 = _vary(jnp.full((B, H, L_q), -jnp.inf, F32), axes)
+        lse0 = as_varying(jnp.full((B, H, L_q), -jnp.inf, F32), axes)
     else:  # the sink enters once, as the starting point of the merge
         lse0 = jnp.broadcast_to(sinks.astype(F32)[None, :, None], (B, H, L_q))
 
@@ -477,12 +460,12 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
     n, parts = cfg.sp_size, _parts(cfg.layout)
     B, L_q, H, D = q.shape
     L_k = k.shape[1]
-    axes = _vma(q)
+    axes = varying_axes(q)
     rank = lax.axis_index(cfg.axis_name)
     q_pos = ring_positions(L_q, n, rank, cfg.layout)
     plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
-    zeros_q = _vary(jnp.zeros(q.shape, F32), axes)
-    zeros_kv = _vary(jnp.zeros(k.shape, F32), axes)
+    zeros_q = as_varying(jnp.zeros(q.shape, F32), axes)
+    zeros_kv = as_varying(jnp.zeros(k.shape, F32), axes)
 
     def compute(index, dq_acc, blk, kv_pos):
         k_blk, v_blk, seg_blk = blk
@@ -677,9 +660,7 @@ def ring_attention(
     )
     # Everything that meets inside the ring varies along the same axes; a replicated
     # input (sinks, usually) is cast here, so its gradient is summed over devices.
-    axes = _vma(q) | _vma(k) | _vma(v) | frozenset({axis_name})
-    q, k, v, sinks, seg_q, seg_kv = (
-        _vary(x, axes) for x in (q, k, v, sinks, seg_q, seg_kv)
-    )
+    axes = varying_axes(q, k, v) | frozenset({axis_name})
+    q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
     with jax.named_scope("vidax_ring_attention"):
         return _ring(cfg, q, k, v, sinks, seg_q, seg_kv)

@@ -1,0 +1,37 @@
+"""Varying-manual-axes bookkeeping for code that runs inside `jax.shard_map`.
+
+Under `shard_map(check_vma=True)` every value carries the set of mesh axes it
+varies over. Loop carries that start as constants, and replicated operands that
+meet device-varying data inside a `custom_vjp`, must be cast to varying first;
+the transpose of that cast is a `psum`, which is exactly the gradient of a
+replicated input. Outside `shard_map` both functions are no-ops. Shared by
+`kernels/` and `parallel/` (this module sits below both).
+"""
+
+import jax
+
+
+def varying_axes(*xs) -> frozenset:
+    """The mesh axes any of `xs` (arrays or `None`) varies over; empty outside `shard_map`."""
+    axes = set()
+    for x in xs:
+        if x is None:
+            continue
+        aval = jax.typeof(x)
+        vma = getattr(aval, "vma", None)
+        if vma is None:  # jax >= 0.10 keeps it on the manual axis type
+            vma = getattr(getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None), "varying", ())
+        axes.update(vma)
+    return frozenset(axes)
+
+
+def as_varying(tree, axes: frozenset):
+    """Casts every array of `tree` to vary over `axes` (a no-op where it already does)."""
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
