@@ -1,0 +1,28 @@
+"""Test configuration: 8 simulated CPU devices, set before JAX is imported.
+
+Multi-device tests (sharded == unsharded) need several devices; on CPU they are
+simulated with `--xla_force_host_platform_device_count`. This must be in
+`XLA_FLAGS` before the XLA backend initializes, so it is set here, at the top of
+the first module pytest imports. Float64 is *not* enabled in JAX: the library
+runs in its default float32 and the oracle (`tests/oracle.py`) uses NumPy float64.
+"""
+
+import os
+import sys
+
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "jax" in sys.modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    # Too late to take effect if a backend already exists; say so loudly.
+    print("conftest: jax was imported before XLA_FLAGS could be set", file=sys.stderr)
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, _FLAG])
+
+# The repository root, so `vidax_eqx` imports without being installed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)

@@ -1,0 +1,184 @@
+"""An independent float64 NumPy oracle for attention, and the tolerance table.
+
+Imports nothing from `vidax_eqx`: it materializes the whole `(B, H, S_q, S_k)`
+score matrix in float64 and implements the documented semantics directly.
+
+- Layout: `q (B, S_q, H, D)`, `k`/`v (B, S_k, H_kv, D)`; query head `h` uses
+  key/value head `h // (H // H_kv)`.
+- Logits: `s = scale * q.k`; with a soft cap `c`: `s = c * tanh(s / c)`; then
+  `s += bias`.
+- Visible `(b, h, i, j)`: `mask & seg_q[b, i] == seg_kv[b, j] & seg_q[b, i] >= 0
+  & (not causal or kv_pos[j] <= q_pos[i]) & window`, where the window
+  `(left, right)` is `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`.
+- Sinks `(H,)`: an extra logit per head in each row's softmax with value 0.
+- `lse (B, H, S_q)` includes the sink; a row with nothing visible and no sink has
+  out 0 and lse -inf.
+
+The backward is derived analytically (softmax Jacobian including the sink
+column) and is itself checked against finite differences in the test suite.
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+# One tolerance per dtype, and nothing else: a result passes when
+# `max|got - ref| <= TOL[dtype] * max(max|ref|, 1)` (see `rel_error`). The floor
+# of 1 is the natural scale of these quantities (inputs are standard normal, so
+# outputs and gradients are O(1)); without it a gradient that is exactly 0 in
+# exact arithmetic (one visible key per row: a saturated softmax) would be judged
+# on pure float32 rounding noise. float32 is close to exact; the low-precision
+# dtypes are dominated by rounding of the inputs to the matmuls and of the output.
+TOLERANCES: dict[str, float] = {
+    "float32": 1e-5,
+    "bfloat16": 2e-2,
+    "float16": 5e-3,
+}
+
+
+def tolerance(dtype) -> float:
+    return TOLERANCES[np.dtype(dtype).name]
+
+
+def rel_error(got, ref) -> float:
+    """`max|got - ref| / max(max|ref|, 1)` in float64; infinities must agree exactly."""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    finite = np.isfinite(ref)
+    if not np.array_equal(finite, np.isfinite(got)):
+        return np.inf
+    if not np.array_equal(got[~finite], ref[~finite]):
+        return np.inf
+    if not finite.any():
+        return 0.0
+    err = np.max(np.abs(got[finite] - ref[finite]))
+    return float(err / max(np.max(np.abs(ref[finite])), 1.0))
+
+
+def assert_close(got, ref, dtype, name: str = "", factor: float = 1.0) -> None:
+    tol = factor * tolerance(dtype)
+    err = rel_error(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} (dtype {np.dtype(dtype).name})"
+
+
+@dataclasses.dataclass
+class Result:
+    out: np.ndarray  # (B, S_q, H, D)
+    lse: np.ndarray  # (B, H, S_q)
+    dq: np.ndarray | None = None
+    dk: np.ndarray | None = None
+    dv: np.ndarray | None = None
+    dbias: np.ndarray | None = None  # bias's own shape
+    dsinks: np.ndarray | None = None  # (H,)
+
+
+def _f64(x):
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def visibility(B, H, S_q, S_k, *, mask=None, seg_q=None, seg_kv=None, q_pos=None,
+               kv_pos=None, causal=False, window=None) -> np.ndarray:
+    """Boolean `(B, H, S_q, S_k)`: may query `i` of head `h` see key `j`."""
+    q_pos = np.arange(S_q) if q_pos is None else np.asarray(q_pos, np.int64)
+    kv_pos = np.arange(S_k) if kv_pos is None else np.asarray(kv_pos, np.int64)
+    vis = np.ones((B, H, S_q, S_k), bool)
+    if mask is not None:
+        mask = np.asarray(mask, bool)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        vis &= np.broadcast_to(mask, vis.shape)
+    if seg_q is not None:
+        sq = np.asarray(seg_q)[:, None, :, None]
+        sk = np.asarray(seg_kv)[:, None, None, :]
+        vis &= (sq == sk) & (sq >= 0)
+    qp, kp = q_pos[:, None], kv_pos[None, :]
+    if causal:
+        vis &= kp <= qp
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis &= kp >= qp - left
+        if right is not None:
+            vis &= kp <= qp + right
+    return vis
+
+
+def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
+              q_positions=None, kv_positions=None, causal=False, window=None,
+              scale=None, logits_soft_cap=None, dout=None, dlse=None) -> Result:
+    """Forward `(out, lse)` and, when `dout` is given, the gradients of
+    `sum(out * dout) + sum(lse * dlse)` with respect to q, k, v, bias and sinks.
+
+    `segment_ids` is `None`, one `(B, S)` array, or a pair `(seg_q, seg_kv)`.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    B, S_q, H, D = q.shape
+    _, S_k, H_kv, _ = k.shape
+    G = H // H_kv
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    heads = np.arange(H) // G
+    kf, vf = k[:, :, heads], v[:, :, heads]  # (B, S_k, H, D)
+
+    seg_q = seg_kv = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, tuple):
+            seg_q, seg_kv = segment_ids
+        else:
+            seg_q = seg_kv = segment_ids
+    vis = visibility(B, H, S_q, S_k, mask=mask, seg_q=seg_q, seg_kv=seg_kv,
+                     q_pos=q_positions, kv_pos=kv_positions, causal=causal, window=window)
+
+    raw = np.einsum("bihd,bjhd->bhij", q, kf) * scale
+    t = None
+    s = raw
+    if logits_soft_cap is not None:
+        c = float(logits_soft_cap)
+        t = np.tanh(raw / c)
+        s = c * t
+    bias_shape = None
+    if bias is not None:
+        bias = _f64(bias)
+        bias_shape = bias.shape
+        bias4 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        s = s + bias4
+    z = np.where(vis, s, -np.inf)
+    if sinks is not None:
+        sink_col = np.broadcast_to(_f64(sinks)[None, :, None, None], (B, H, S_q, 1))
+        z = np.concatenate([z, sink_col], axis=-1)
+    m = np.max(z, axis=-1, keepdims=True)
+    empty = m == -np.inf  # (B, H, S_q, 1)
+    m_safe = np.where(empty, 0.0, m)
+    e = np.exp(z - m_safe)
+    l = np.sum(e, axis=-1, keepdims=True)
+    P = np.where(empty, 0.0, e / np.where(empty, 1.0, l))
+    lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, l)))[..., 0]
+    Pk = P[..., :S_k]
+    out = np.einsum("bhij,bjhd->bihd", Pk, vf)
+    res = Result(out=out, lse=lse)
+    if dout is None:
+        return res
+
+    dout = _f64(dout)
+    dlse = np.zeros((B, H, S_q)) if dlse is None else _f64(dlse)
+    dlse = np.where(np.isfinite(lse), dlse, 0.0)
+    # dL/dP over the real keys and the sink (whose value is 0).
+    dP = np.einsum("bihd,bjhd->bhij", dout, vf)
+    if sinks is not None:
+        dP = np.concatenate([dP, np.zeros((B, H, S_q, 1))], axis=-1)
+    # Softmax Jacobian: dz_j = P_j (dP_j - sum_i P_i dP_i) + dlse * P_j.
+    rowdot = np.sum(P * dP, axis=-1, keepdims=True)
+    dz = P * (dP - rowdot + dlse[..., None])
+    ds = dz[..., :S_k]
+    res.dsinks = None if sinks is None else dz[..., S_k].sum(axis=(0, 2))
+    if bias is not None:
+        b4 = (1,) * (4 - len(bias_shape)) + bias_shape
+        axes = tuple(i for i in range(4) if b4[i] == 1 and ds.shape[i] != 1)
+        res.dbias = ds.sum(axis=axes, keepdims=True).reshape(bias_shape)
+    draw = ds if t is None else ds * (1.0 - t * t)
+    res.dq = scale * np.einsum("bhij,bjhd->bihd", draw, kf)
+    dkf = scale * np.einsum("bhij,bihd->bjhd", draw, q)
+    dvf = np.einsum("bhij,bihd->bjhd", Pk, dout)
+    res.dk = dkf.reshape(B, S_k, H_kv, G, D).sum(axis=3)
+    res.dv = dvf.reshape(B, S_k, H_kv, G, D).sum(axis=3)
+    return res
