@@ -29,3 +29,4 @@ from ._ring import (
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
 )
+from ._usp import usp_attention as usp_attention

@@ -1,0 +1,466 @@
+"""2D ("USP") sequence parallelism: Ulysses over one mesh axis, ring over another.
+
+Ulysses splits heads, so its degree is capped by the head count; ring attention
+splits the sequence but moves K/V around the whole ring. `usp_attention` runs
+both at once on a mesh with a Ulysses axis of size `U` and a ring axis of size
+`R` (`U * R` devices for one sequence):
+
+1. the global sequence is sharded over both axes, ring-major
+   (`PartitionSpec(None, (ring_axis, ulysses_axis))`: the device with ring rank
+   `r` and Ulysses rank `u` holds chunk `r * U + u`);
+2. an `all_to_all` inside each Ulysses group trades the sequence split for a
+   head split: the device then holds ring rank `r`'s contiguous share of the
+   sequence (`U` chunks, in order) for `H / U` heads;
+3. [`ring_attention`][] over `ring_axis` attends that share to the whole
+   sequence, for those heads;
+4. the inverse `all_to_all` gives the output back the input's layout.
+
+The joint (CogVideoX) layout, a replicated text prefix before each device's
+visual chunk, is served by the same steps for the visual tokens plus text
+blocks that never travel; see [`usp_attention`][].
+"""
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from .. import kernels
+from . import _ring
+from ._mesh import axis_size
+from ._ring import ring_attention, ring_positions
+from ._ulysses import (
+    _check_heads,
+    _check_qkv,
+    _local_heads,
+    _match_vma,
+    _static_int,
+    kv_head_repeats,
+)
+
+
+F32 = jnp.float32
+_FN = "usp_attention"
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes `x` varies over inside `shard_map` (empty when unchecked)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # jax >= 0.10 keeps it on the manual axis type
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(vma)
+
+
+def _vary(x, axes: frozenset):
+    """Casts `x` to vary over `axes` (a no-op where it already does, or for `None`)."""
+    if x is None:
+        return None
+    missing = tuple(sorted(axes - _varying_axes(x), key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+# -- the joint layout: text blocks that never travel ---------------------------------
+#
+# After the Ulysses step a device (ring rank r, Ulysses rank u) holds, for its H / U
+# heads, the text tokens (the same on every device) and the visual share of ring
+# rank r. Single-device joint attention splits into four kinds of blocks:
+#
+#   visual q x visual kv : the ring (`_ring._ring_forward` / `_ring_backward`);
+#   visual q x text kv   : one local kernel call per device (its own visual rows);
+#   text q x visual kv   : one local kernel call per device against its own visual
+#                          share; the R partial (out, lse) are all-gathered over
+#                          the ring and merged in a fixed order, so every device
+#                          gets bitwise the same text rows;
+#   text q x text kv     : one local kernel call (the same on every ring rank; its
+#                          gradient is kept on ring rank 0 only, so it counts once).
+#
+# Everything is merged by log-sum-exp in float32 and the custom VJP below runs
+# each block's `attention_bwd` (and the ring backward) with the merged, global
+# `out` and `lse`, which makes every gradient exact. Text positions are
+# `arange(text_len)`, visual ones `text_len + ring_positions(...)`; the ring sees
+# visual positions without the offset, which changes no mask (causal masks and
+# windows depend on position differences only).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joint:
+    """Static configuration of the joint core (hashable)."""
+
+    ring: _ring._Config
+    text_len: int
+    sees_visual: bool  # some text query may see some visual key
+    seen_by_visual: bool  # some visual query may see some text key
+
+    def kernel_options(self) -> dict:
+        return self.ring.kernel_options()
+
+
+def _joint_positions(cfg: _Joint, L_v: int, rank):
+    T, n = cfg.text_len, cfg.ring.sp_size
+    text = jnp.arange(T, dtype=jnp.int32)
+    visual = T + ring_positions(L_v, n, rank, cfg.ring.layout)
+    return text, visual
+
+
+def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: str):
+    """(text sees visual, visual sees text) for some device, decided statically."""
+    text = np.arange(text_len)
+    sees = seen = False
+    for r in range(n):
+        visual = text_len + _ring._positions(np, L_v, n, r, layout)
+        sees = sees or _ring._may_see(causal, window, text, visual)
+        seen = seen or _ring._may_see(causal, window, visual, text)
+    return sees, seen
+
+
+def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
+    """`(out_t, out_v)` in `q`'s dtype and their float32 `(lse_t, lse_v)`."""
+    rc = cfg.ring
+    rank = lax.axis_index(rc.axis_name)
+    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
+    opts = cfg.kernel_options()
+    seg = _ring._seg_arg
+
+    out_v, lse_v = _ring._ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
+    if cfg.seen_by_visual:
+        o, l = kernels.attention_fwd(
+            q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
+            kv_positions=t_pos, **opts,
+        )
+        out_v, lse_v = _ring._merge(out_v, lse_v, o, l)
+
+    out_t, lse_t = kernels.attention_fwd(
+        q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
+        kv_positions=t_pos, **opts,
+    )
+    out_t = out_t.astype(F32)
+    if cfg.sees_visual:
+        o, l = kernels.attention_fwd(
+            q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
+            kv_positions=v_pos, **opts,
+        )
+        # Every device merges all ring ranks' partials in the same order: the text
+        # rows come out bitwise identical on every device.
+        o_all = lax.all_gather(o, rc.axis_name, axis=0)
+        l_all = lax.all_gather(l, rc.axis_name, axis=0)
+        for i in range(rc.sp_size):
+            out_t, lse_t = _ring._merge(out_t, lse_t, o_all[i], l_all[i])
+    return (out_t.astype(q_t.dtype), out_v.astype(q_v.dtype)), (lse_t, lse_v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _joint(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
+    out, _ = _joint_forward(cfg, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
+    return out
+
+
+def _joint_fwd_rule(cfg, *args):
+    (out_t, out_v), (lse_t, lse_v) = _joint_forward(cfg, *args)
+    return (out_t, out_v), (args, out_t, out_v, lse_t, lse_v)
+
+
+def _sinks_grad(sinks, lse, out, dout):
+    """`-sum_rows p_sink * delta` over these rows, `(H,)` float32."""
+    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
+    return -jnp.sum(jnp.exp(sinks.astype(F32)[None, :, None] - lse) * delta, axis=(0, 2))
+
+
+def _joint_bwd_rule(cfg, residuals, cotangents):
+    args, out_t, out_v, lse_t, lse_v = residuals
+    q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v = args
+    rc = cfg.ring
+    axes = _varying_axes(q_v)
+    rank = lax.axis_index(rc.axis_name)
+    first = rank == 0
+    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
+    opts = cfg.kernel_options()
+    seg = _ring._seg_arg
+    ct_t, ct_v = cotangents
+    # Every ring rank's text rows are the same function of the same inputs, so the
+    # cotangent of this head slice's text rows is the sum of all the copies'.
+    dout_t = _vary(lax.psum(ct_t.astype(F32), rc.axis_name).astype(q_t.dtype), axes)
+    dout_v = ct_v.astype(q_v.dtype)
+
+    with jax.named_scope("vidax_usp_attention_bwd"):
+        dq_v, dk_v, dv_v = _ring._ring_backward(
+            rc, q_v, k_v, v_v, sq_v, skv_v, out_v, lse_v, dout_v
+        )
+        dk_t = dv_t = _vary(jnp.zeros(k_t.shape, F32), axes)
+        if cfg.seen_by_visual:
+            dq, dk, dv, _, _ = kernels.attention_bwd(
+                q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
+                q_positions=v_pos, kv_positions=t_pos, **opts,
+            )
+            dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
+
+        # The text x text block is computed on every ring rank; count it once.
+        dq_t, dk, dv, _, ds_t = kernels.attention_bwd(
+            q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
+            q_positions=t_pos, kv_positions=t_pos, **opts,
+        )
+        once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
+        dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
+        if cfg.sees_visual:
+            dq, dk, dv, _, _ = kernels.attention_bwd(
+                q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
+                q_positions=t_pos, kv_positions=v_pos, **opts,
+            )
+            dq_t, dk_v, dv_v = dq_t + dq.astype(F32), dk_v + dk.astype(F32), dv_v + dv.astype(F32)
+
+        dsinks = None
+        if sinks is not None:
+            dsinks = _sinks_grad(sinks, lse_v, out_v, dout_v) + once(ds_t)
+            dsinks = _vary(dsinks.astype(sinks.dtype), axes)
+
+    cast = lambda d, x: _vary(d.astype(x.dtype), axes)  # noqa: E731
+    return (
+        cast(dq_t, q_t), cast(dk_t, k_t), cast(dv_t, v_t),
+        cast(dq_v, q_v), cast(dk_v, k_v), cast(dv_v, v_v),
+        dsinks, None, None, None, None,
+    )
+
+
+_joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
+
+
+# -- the public function -------------------------------------------------------------
+
+
+def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses_axis):
+    """This device's ids `(B, text_len + L)` -> `(text q, text kv, visual q, visual kv)`,
+    the visual parts gathered over the Ulysses group to `(B, U * L)`."""
+    if segment_ids is None:
+        return None, None, None, None
+    if isinstance(segment_ids, kernels.SegmentIds):
+        pairs = (("segment_ids.q", segment_ids.q), ("segment_ids.kv", segment_ids.kv))
+    else:
+        pairs = (("segment_ids", segment_ids),)
+    parts = []
+    for name, s in pairs:
+        s = jnp.asarray(s)
+        if s.shape != (B, S_local) or not jnp.issubdtype(s.dtype, jnp.integer):
+            raise ValueError(
+                f"{_FN}: `{name}` holds this device's tokens: int (B, S_local) = "
+                f"{(B, S_local)}, sharded exactly like `q` (text prefix included in the joint "
+                f"layout); received {s.dtype} {s.shape}."
+            )
+        s = s.astype(jnp.int32)
+        visual = lax.all_gather(s[:, text_len:], ulysses_axis, axis=1, tiled=True)
+        parts.append((s[:, :text_len], visual))
+    (tq, vq), (tkv, vkv) = parts[0], parts[-1]
+    return tq, tkv, vq, vkv
+
+
+def usp_attention(
+    q: Float[Array, "B S_local H D"],
+    k: Float[Array, "B S_local H_kv D"],
+    v: Float[Array, "B S_local H_kv D"],
+    *,
+    ulysses_axis: Hashable,
+    ring_axis: Hashable,
+    causal: bool = False,
+    segment_ids: kernels.SegmentIds | Int[Array, "B S_local"] | None = None,
+    sinks: Float[Array, " H"] | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    layout: str = "contiguous",
+    text_len: int = 0,
+    implementation: str | kernels.AbstractImplementation = "auto",
+) -> Float[Array, "B S_local H D"]:
+    """2D sequence-parallel self-attention: Ulysses over `ulysses_axis`, ring over
+    `ring_axis`, inside `jax.shard_map`.
+
+    For meshes where the sequence-parallel degree exceeds what either method
+    serves alone (Ulysses is capped by the head count). With `U` and `R` the sizes
+    of the two axes, the global sequence is sharded over both, **ring-major**:
+    `in_specs=PartitionSpec(None, (ring_axis, ulysses_axis))`, so the device with
+    ring rank `r` and Ulysses rank `u` holds chunk `r * U + u`. An `all_to_all`
+    within the Ulysses group gives each device ring rank `r`'s contiguous share of
+    the sequence for `H / U` heads, [`ring_attention`][] over `ring_axis` attends
+    it to the whole sequence, and the inverse `all_to_all` restores the layout.
+    The result and its gradients equal single-device attention over the whole
+    sequence.
+
+    **Arguments:**
+
+    - `q`: this device's queries `(B, S_local, H, D)`; `H` must be a multiple of `U`.
+    - `k`, `v`: `(B, S_local, H_kv, D)`, GQA / MQA with `H % H_kv == 0`: kv heads are
+        repeated only as far as the Ulysses split needs ([`kv_head_repeats`][] with
+        `U`), and travel the ring with `H_kv * repeats / U` heads.
+    - `ulysses_axis`, `ring_axis`: two different mesh axes, e.g. from
+        `make_mesh(sp=U, extra_axes={"ring": R})`: `SP_AXIS` and `"ring"`.
+    - `causal`, `window`, `scale`, `logits_soft_cap`, `implementation`: as in
+        [`ring_attention`][], on global token positions.
+    - `segment_ids`: this device's ids, `(B, S_local)` or `SegmentIds(q=..., kv=...)`,
+        sharded exactly like `q`; negative ids are padding.
+    - `sinks`: per-head sink logits `(H,)`, replicated (`PartitionSpec()`); each
+        device uses its heads' slice; the gradient is the single-device one.
+    - `layout`: `"contiguous"`, or `"zigzag"` to balance causal work over the ring.
+        For zigzag, permute every global sequence-indexed array (q, k, v, segment
+        ids, the output cotangent) with `zigzag_permute(x, 1, R)` (the **ring**
+        size, not `U * R`) before sharding it ring-major, and undo with
+        `zigzag_unpermute(out, 1, R)`. Then ring rank `r`'s `U` devices hold, in
+        Ulysses order, the two zigzag chunks `r` and `2R - 1 - r`, which is what
+        the ring expects after the `all_to_all`.
+    - `text_len`: the joint (CogVideoX) layout when `> 0`: each device's arrays are
+        `[text prefix (text_len tokens, the same on every device); this device's
+        visual chunk]`, and the visual sequence alone is sharded (and, for zigzag,
+        permuted) as above. The result equals single-device attention over
+        `[text; visual]`, text at positions `0 .. text_len - 1`. Segment ids follow
+        the same per-device layout.
+
+    **Returns:**
+
+    This device's output `(B, S_local, H, D)` in `q`'s dtype. In the joint layout
+    its first `text_len` rows are the text output, bitwise identical on every
+    device.
+
+    **Any token count:** pad the global (visual) sequence to a multiple of `U * R`
+    (contiguous) or `lcm(2 * R, U * R)` (zigzag) with `pad_to_multiple`, hide the
+    padding with `padding_segment_ids(length, multiple, batch)` and `unpad` the
+    output.
+
+    **Joint layout, how it runs and its gradients:** the text tokens never travel.
+    Each device takes its heads of the text (no communication); visual queries
+    meet the text keys in one local kernel call; text queries meet this device's
+    visual share in one local kernel call whose partial `(out, lse)` are
+    all-gathered over the ring and merged in a fixed order (so all devices agree
+    bitwise); the text x text block is computed locally. All partial results are
+    merged by log-sum-exp in float32, and a custom VJP runs every block's backward
+    (and the ring backward) with the merged `out` and `lse`, so gradients are
+    exact. As in `sequence_parallel_joint_self_attention`, the text rows are
+    copies: the gradient with respect to the replicated text inputs is the sum over
+    the devices' copies (what `shard_map` gives for a replicated input), and the
+    cotangent of the text output is the sum of the copies' cotangents (give every
+    copy its share, or the whole cotangent to one copy; never count it once per
+    device). The text x text gradient is kept on ring rank 0 only.
+
+    **Raises:**
+
+    `ValueError` when either axis is not bound in the current `shard_map` (naming
+    it), when both names are the same axis, when `H` is not a multiple of `U`, for
+    an unknown `layout`, a zigzag share of odd length, a bad `text_len`, or
+    shapes that do not fit; the kernel's errors for invalid options.
+    """
+    U = axis_size(ulysses_axis, what="Ulysses")
+    R = axis_size(ring_axis, what="Ring")
+    if ulysses_axis == ring_axis:
+        raise ValueError(
+            f"{_FN}: `ulysses_axis` and `ring_axis` must be two different mesh axes; received "
+            f"{ulysses_axis!r} for both. Use `sequence_parallel_self_attention` or "
+            "`ring_attention` for one axis."
+        )
+    _ring._check_layout(layout)
+    text_len = _static_int("text_len", text_len)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v, _FN)
+    B, S_local, H, D = q.shape
+    H_kv = k.shape[2]
+    _check_heads(H, U, ulysses_axis, _FN)
+    if not 0 <= text_len <= S_local:
+        raise ValueError(
+            f"{_FN}: `text_len` must be between 0 and the per-device sequence length "
+            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+        )
+    L = S_local - text_len  # this device's visual tokens
+    if layout == "zigzag" and (U * L) % 2:
+        multiple = np.lcm(2 * R, U * R)
+        raise ValueError(
+            f"{_FN}: the zigzag layout cuts each ring rank's share (U * L_local = {U} * {L} "
+            f"tokens) into two halves, so it must be even; received {U * L}. Pad the global "
+            f"(visual) sequence to a multiple of lcm(2 * R, U * R) = {multiple} "
+            "(pad_to_multiple, padding_segment_ids) before zigzag_permute(x, 1, R)."
+        )
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(
+                f"{_FN}: `sinks` must be a float array of shape (H,) = ({H},), one logit per "
+                f"query head; received shape {sinks.shape}, dtype {sinks.dtype}."
+            )
+
+    heads_local = H // U
+    repeats = kv_head_repeats(H, H_kv, U)
+    if repeats > 1:  # consecutive copies: query head h keeps kv head h // (H // H_kv)
+        k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
+    kv_heads_local = H_kv * repeats // U
+
+    def text_heads(x, n):
+        return _local_heads(x[:, :text_len], 2, n, ulysses_axis)
+
+    def seq_to_heads(x):
+        """(B, L, H, D) visual -> (B, U * L, H / U, D): ring rank r's share."""
+        return lax.all_to_all(x[:, text_len:], ulysses_axis, split_axis=2, concat_axis=1,
+                              tiled=True)
+
+    sq_t, skv_t, sq_v, skv_v = _split_segments(
+        segment_ids, B=B, S_local=S_local, text_len=text_len, ulysses_axis=ulysses_axis
+    )
+    if sinks is not None:
+        sinks = _local_heads(_match_vma(sinks, q), 0, heads_local, ulysses_axis)
+    opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
+                scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
+
+    with jax.named_scope("vidax_usp_attention"):
+        if L == 0:  # text only: every device attends its heads of the text to itself
+            out_t = kernels.attention(
+                text_heads(q, heads_local), text_heads(k, kv_heads_local),
+                text_heads(v, kv_heads_local), sinks=sinks,
+                segment_ids=None if sq_t is None else kernels.SegmentIds(q=sq_t, kv=skv_t),
+                **opts,
+            )
+            return lax.all_gather(out_t, ulysses_axis, axis=2, tiled=True)
+
+        q_v, k_v, v_v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+        if text_len == 0:
+            seg = None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v)
+            out_v = ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
+                                   sinks=sinks, layout=layout, **opts)
+        else:
+            out_t, out_v = _joint_attention(
+                text_heads(q, heads_local), text_heads(k, kv_heads_local),
+                text_heads(v, kv_heads_local), q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
+                text_len=text_len, ring_axis=ring_axis, ring_size=R, layout=layout, **opts,
+            )
+        out_v = lax.all_to_all(out_v, ulysses_axis, split_axis=1, concat_axis=2, tiled=True)
+        if text_len == 0:
+            return out_v
+        out_t = lax.all_gather(out_t, ulysses_axis, axis=2, tiled=True)
+        return jnp.concatenate([out_t, out_v], axis=1)
+
+
+def _joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
+                     text_len, ring_axis, ring_size, layout, causal, window, scale,
+                     logits_soft_cap, implementation):
+    """Validates like `ring_attention` and runs the joint core on this device's heads."""
+    L_v = q_v.shape[1]
+    pos = jnp.arange(L_v, dtype=jnp.int32)
+    kernels.select_implementation(
+        q_v, k_v, v_v, segment_ids=None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v),
+        q_positions=pos, kv_positions=pos, causal=causal, window=window, scale=scale,
+        logits_soft_cap=logits_soft_cap, implementation=implementation,
+    )
+    rc = _ring._Config(
+        axis_name=ring_axis,
+        sp_size=ring_size,
+        layout=layout,
+        causal=causal,
+        window=window,
+        scale=None if scale is None else float(scale),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        implementation=implementation,
+    )
+    sees, seen = _joint_visibility(causal, window, text_len, L_v, ring_size, layout)
+    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen)
+    args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
+    # Everything that meets inside the core varies along the same axes (the
+    # replicated text and sinks included), so replicated inputs get summed gradients.
+    axes = frozenset({ring_axis}).union(*(_varying_axes(x) for x in args if x is not None))
+    return _joint(cfg, *(_vary(x, axes) for x in args))
