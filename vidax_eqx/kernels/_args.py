@@ -115,6 +115,9 @@ def _lift_to_4d(name: str, x: jax.Array, full: tuple[int, int, int, int]) -> jax
     return x
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _check_window(window) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
@@ -136,7 +139,9 @@ def _check_window(window) -> tuple[int | None, int | None] | None:
             raise ValueError(
                 f"`window` {side} size must be >= 0 (use None for unbounded); received {w}."
             )
-        out.append(int(w))
+        # Positions are non-negative int32, so no pair is farther apart than
+        # 2**31 - 1: a side that large excludes nothing (and must not overflow).
+        out.append(None if w >= _INT32_MAX else int(w))
     return (out[0], out[1])
 
 

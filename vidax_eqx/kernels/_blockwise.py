@@ -181,10 +181,10 @@ class Blockwise(AbstractImplementation):
             tests.append(k_lo <= q_hi)
         if opts.window is not None:
             left, right = opts.window
-            if left is not None:
-                tests.append(k_hi >= q_lo - left)
+            if left is not None:  # differences, not sums: no int32 overflow
+                tests.append(k_hi - q_lo >= -left)
             if right is not None:
-                tests.append(k_lo <= q_hi + right)
+                tests.append(k_lo - q_hi <= right)
         if ranges.seg_q is not None:
             (sq_lo, sq_hi), (sk_lo, sk_hi) = ranges.seg_q, ranges.seg_kv
             tests.append(jnp.any((sq_hi[i] >= sk_lo[j]) & (sq_lo[i] <= sk_hi[j])))

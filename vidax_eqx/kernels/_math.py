@@ -156,10 +156,11 @@ def visibility(
         vis = _and(vis, kp <= qp)
     if opts.window is not None:
         left, right = opts.window
+        d = kp - qp  # compared as a difference: `qp + right` could overflow int32
         if left is not None:
-            vis = _and(vis, kp >= qp - left)
+            vis = _and(vis, d >= -left)
         if right is not None:
-            vis = _and(vis, kp <= qp + right)
+            vis = _and(vis, d <= right)
     if kv_valid is not None:
         vis = _and(vis, kv_valid[None, :])
     if vis is not None:

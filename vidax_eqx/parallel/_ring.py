@@ -204,7 +204,8 @@ _SKIP, _FULL = 0, 1
 def _may_see(causal: bool, window, q_pos: np.ndarray, kv_pos: np.ndarray) -> bool:
     """Whether some query at `q_pos` may see some key at `kv_pos` under the causal
     mask and window (from the position ranges; exact for contiguous ranges)."""
-    q_lo, q_hi, k_lo, k_hi = q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max()
+    # Python ints: no int32 overflow for windows up to 2**31 - 1.
+    q_lo, q_hi, k_lo, k_hi = (int(x) for x in (q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max()))
     ok = not causal or k_lo <= q_hi
     if window is not None:
         left, right = window
