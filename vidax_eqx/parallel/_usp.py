@@ -31,6 +31,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
+from .._vma import as_varying, varying_axes
 from . import _ring
 from ._mesh import axis_size
 from ._ring import ring_attention, ring_positions
@@ -46,23 +47,6 @@ from ._ulysses import (
 
 F32 = jnp.float32
 _FN = "usp_attention"
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes `x` varies over inside `shard_map` (empty when unchecked)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:  # jax >= 0.10 keeps it on the manual axis type
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-    return frozenset(vma)
-
-
-def _vary(x, axes: frozenset):
-    """Casts `x` to vary over `axes` (a no-op where it already does, or for `None`)."""
-    if x is None:
-        return None
-    missing = tuple(sorted(axes - _varying_axes(x), key=str))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 # -- the joint layout: text blocks that never travel ---------------------------------
@@ -175,7 +159,7 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     args, out_t, out_v, lse_t, lse_v = residuals
     q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v = args
     rc = cfg.ring
-    axes = _varying_axes(q_v)
+    axes = varying_axes(q_v)
     rank = lax.axis_index(rc.axis_name)
     first = rank == 0
     t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
@@ -184,14 +168,14 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     ct_t, ct_v = cotangents
     # Every ring rank's text rows are the same function of the same inputs, so the
     # cotangent of this head slice's text rows is the sum of all the copies'.
-    dout_t = _vary(lax.psum(ct_t.astype(F32), rc.axis_name).astype(q_t.dtype), axes)
+    dout_t = as_varying(lax.psum(ct_t.astype(F32), rc.axis_name).astype(q_t.dtype), axes)
     dout_v = ct_v.astype(q_v.dtype)
 
     with jax.named_scope("vidax_usp_attention_bwd"):
         dq_v, dk_v, dv_v = _ring._ring_backward(
             rc, q_v, k_v, v_v, sq_v, skv_v, out_v, lse_v, dout_v
         )
-        dk_t = dv_t = _vary(jnp.zeros(k_t.shape, F32), axes)
+        dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
         if cfg.seen_by_visual:
             dq, dk, dv, _, _ = kernels.attention_bwd(
                 q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
@@ -216,9 +200,9 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
         dsinks = None
         if sinks is not None:
             dsinks = _sinks_grad(sinks, lse_v, out_v, dout_v) + once(ds_t)
-            dsinks = _vary(dsinks.astype(sinks.dtype), axes)
+            dsinks = as_varying(dsinks.astype(sinks.dtype), axes)
 
-    cast = lambda d, x: _vary(d.astype(x.dtype), axes)  # noqa: E731
+    cast = lambda d, x: as_varying(d.astype(x.dtype), axes)  # noqa: E731
     return (
         cast(dq_t, q_t), cast(dk_t, k_t), cast(dv_t, v_t),
         cast(dq_v, q_v), cast(dk_v, k_v), cast(dv_v, v_v),
@@ -462,5 +446,5 @@ def _joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv
     args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
     # Everything that meets inside the core varies along the same axes (the
     # replicated text and sinks included), so replicated inputs get summed gradients.
-    axes = frozenset({ring_axis}).union(*(_varying_axes(x) for x in args if x is not None))
-    return _joint(cfg, *(_vary(x, axes) for x in args))
+    axes = varying_axes(*args) | frozenset({ring_axis})
+    return _joint(cfg, *as_varying(args, axes))
