@@ -1,14 +1,22 @@
 """The documented function API of the original `vidax.core`, as thin adapters.
 
-Layout `(B, S, H, D)` throughout. The math lives in `vidax_eqx.kernels`; this
-module only maps the documented argument names and defaults onto it.
+Layout `(B, S, H, D)` throughout. The math lives in `vidax_eqx.kernels` and
+`vidax_eqx.parallel`; this module only maps the documented argument names and
+defaults onto them. `sequence_parallel_self_attention`,
+`sequence_parallel_joint_self_attention` and `chunk_by_rank` are the
+`vidax_eqx.parallel` functions themselves (same names, arguments and defaults).
 """
 
 import jax
 from jaxtyping import Array, Bool, Float
 
 from .kernels import attention
-from .parallel import tensor_parallel_attention
+from .parallel import (
+    chunk_by_rank as chunk_by_rank,
+    sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
+    sequence_parallel_self_attention as sequence_parallel_self_attention,
+    tensor_parallel_attention,
+)
 
 
 def dot_product_attention(
