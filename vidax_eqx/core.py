@@ -5,12 +5,16 @@ Layout `(B, S, H, D)` throughout. The math lives in `vidax_eqx.kernels` and
 defaults onto them. `sequence_parallel_self_attention`,
 `sequence_parallel_joint_self_attention` and `chunk_by_rank` are the
 `vidax_eqx.parallel` functions themselves (same names, arguments and defaults).
+`RMSNorm` and `TPShardedRMSNorm` are the Equinox modules of `vidax_eqx.nn`; the
+linen classes of the same names live in `vidax_eqx.flax` (the only module that
+needs flax).
 """
 
 import jax
 from jaxtyping import Array, Bool, Float
 
 from .kernels import attention
+from .nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
 from .parallel import (
     chunk_by_rank as chunk_by_rank,
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,

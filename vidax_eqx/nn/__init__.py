@@ -1,0 +1,13 @@
+"""Equinox modules for video diffusion transformers: norms, RoPE and attention layers.
+
+The math lives in [`vidax_eqx.nn.functional`][]; the modules hold parameters
+(arrays) and static configuration, take one example per call and are batched
+with `jax.vmap`.
+"""
+
+from . import functional as functional
+from ._norm import (
+    LayerNorm as LayerNorm,
+    RMSNorm as RMSNorm,
+    TPShardedRMSNorm as TPShardedRMSNorm,
+)

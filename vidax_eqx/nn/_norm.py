@@ -1,0 +1,300 @@
+"""Normalization: the pure functions and the Equinox modules built on them.
+
+The functions (`rms_norm`, `tp_sharded_rms_norm`, `layer_norm`) are the math;
+the modules hold a weight and call them, and so does the linen shim
+(`vidax_eqx.flax`), which is why linen and Equinox give bit-identical output.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped
+
+from ..parallel import axis_size, TP_AXIS
+
+
+def _out_dtype(x, *params):
+    """The result dtype: the promotion of the input and parameter dtypes (as PyTorch)."""
+    return jnp.result_type(x.dtype, *(p.dtype for p in params if p is not None))
+
+
+@jaxtyped(typechecker=beartype)
+def rms_norm(
+    x: Float[Array, "*batch dim"],
+    weight: Float[Array, "dim"],
+    eps: float = 1e-6,
+) -> Float[Array, "*batch dim"]:
+    """Root-mean-square normalization over the last axis, in Wan's order of operations.
+
+    Computes WanRMSNorm exactly: `ms = mean(float32(x) ** 2)` over the last axis,
+    `y = float32(x) * rsqrt(ms + eps)` cast back to `x`'s dtype, then
+    `y * weight`, both cast to the promotion of `x`'s and `weight`'s dtypes (a
+    bfloat16 input with a float32 weight gives float32, as in PyTorch).
+
+    **Arguments:**
+
+    - `x`: the input, normalized over its last axis.
+    - `weight`: the per-feature scale `(dim,)`.
+    - `eps`: added to the mean square before the reciprocal square root.
+
+    **Returns:**
+
+    An array of `x`'s shape in `promote_types(x.dtype, weight.dtype)`.
+    """
+    xf = x.astype(jnp.float32)
+    ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    return _scale(xf, ms, x, weight, eps)
+
+
+def _scale(xf, ms, x, weight, eps):
+    y = (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
+    out_dtype = _out_dtype(x, weight)
+    return y.astype(out_dtype) * weight.astype(out_dtype)
+
+
+@jaxtyped(typechecker=beartype)
+def tp_sharded_rms_norm(
+    x: Float[Array, "*batch dim_local"],
+    weight: Float[Array, "dim_local"],
+    global_dim: int,
+    eps: float = 1e-6,
+    axis_name: str = TP_AXIS,
+) -> Float[Array, "*batch dim_local"]:
+    """[`rms_norm`][] of a feature axis that is column-sharded over a mesh axis.
+
+    Call it inside `jax.shard_map`: `x`'s last axis is this device's `dim_local`
+    slice of a feature axis of size `global_dim` split over `axis_name`. The local
+    float32 sums of squares are `psum`-ed over `axis_name` and divided by
+    `global_dim`; the rest is [`rms_norm`][]'s. The result equals `rms_norm` of the
+    full-width input, sliced the same way.
+
+    **Arguments:**
+
+    - `x`: this device's slice of the input, normalized over the global feature axis.
+    - `weight`: this device's slice `(dim_local,)` of the scale.
+    - `global_dim`: the size of the full feature axis; must equal
+        `dim_local * axis_size(axis_name)`.
+    - `eps`: added to the mean square before the reciprocal square root.
+    - `axis_name`: the mesh axis the features are sharded over.
+
+    **Returns:**
+
+    This device's slice of the normalized array, in
+    `promote_types(x.dtype, weight.dtype)`.
+
+    **Raises:**
+
+    `ValueError` when `axis_name` is not bound (outside `shard_map`) or when
+    `dim_local * axis_size != global_dim`.
+    """
+    dim_local = x.shape[-1]
+    n = axis_size(axis_name, what="Tensor-parallel")
+    if dim_local * n != global_dim:
+        raise ValueError(
+            f"tp_sharded_rms_norm needs dim_local * axis_size({axis_name!r}) == global_dim; "
+            f"received dim_local={dim_local}, axis_size={n}, global_dim={global_dim} "
+            f"({dim_local} * {n} = {dim_local * n}). Shard the {global_dim} features evenly: "
+            f"each device should hold global_dim // {n} of them."
+        )
+    xf = x.astype(jnp.float32)
+    ss = jax.lax.psum(jnp.sum(jnp.square(xf), axis=-1, keepdims=True), axis_name)
+    return _scale(xf, ss / global_dim, x, weight, eps)
+
+
+@jaxtyped(typechecker=beartype)
+def layer_norm(
+    x: Float[Array, "*batch dim"],
+    weight: Float[Array, "dim"] | None,
+    bias: Float[Array, "dim"] | None,
+    eps: float = 1e-6,
+) -> Float[Array, "*batch dim"]:
+    """Layer normalization over the last axis, as `torch.nn.LayerNorm`.
+
+    Mean and (biased) variance are computed in float32; the normalized value is
+    scaled and shifted in float32, as PyTorch's fused kernel does, and rounded
+    once to the promotion of the input and parameter dtypes (the same result-dtype
+    rule as [`rms_norm`][]).
+
+    **Arguments:**
+
+    - `x`: the input, normalized over its last axis.
+    - `weight`: the per-feature scale `(dim,)`, or `None` for none.
+    - `bias`: the per-feature shift `(dim,)`, or `None` for none.
+    - `eps`: added to the variance before the reciprocal square root.
+
+    **Returns:**
+
+    An array of `x`'s shape in the promotion of the dtypes of `x`, `weight` and `bias`.
+    """
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    centred = xf - mean
+    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    y = centred * jax.lax.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(_out_dtype(x, weight, bias))
+
+
+def _check_positive(owner: str, **sizes) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: `{name}` must be a positive int; received {value!r}.")
+
+
+class RMSNorm(eqx.Module):
+    """Wan's RMSNorm (`WanRMSNorm`) over the last axis, with a learned `weight`.
+
+    Statistics in float32, `x * rsqrt(mean(x ** 2) + eps)` cast back to the input
+    dtype, then times `weight`; the result dtype is the promotion of the input and
+    weight dtypes. See [`vidax_eqx.nn.functional.rms_norm`][].
+    """
+
+    weight: Float[Array, "dim"]
+    dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32):
+        """**Arguments:**
+
+        - `dim`: the size of the normalized (last) axis.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `dtype`: the dtype of `weight` (initialized to ones).
+        """
+        _check_positive("RMSNorm", dim=dim)
+        self.dim = dim
+        self.eps = float(eps)
+        self.weight = jnp.ones((dim,), dtype)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: an array whose last axis has size `dim`.
+
+        **Returns:**
+
+        The normalized array, `x`'s shape, dtype `promote_types(x.dtype, weight.dtype)`.
+        """
+        with jax.named_scope("vidax_eqx.nn.RMSNorm"):
+            return rms_norm(x, self.weight, self.eps)
+
+
+class TPShardedRMSNorm(eqx.Module):
+    """[`RMSNorm`][] over a feature axis column-sharded over a tensor-parallel mesh axis.
+
+    Inside `jax.shard_map`, each device holds `dim_local` of the `global_dim`
+    features and the matching slice of `weight`; local sums of squares are
+    `psum`-ed over `axis_name`, so the result equals `RMSNorm(global_dim)` on the
+    full width. See [`vidax_eqx.nn.functional.tp_sharded_rms_norm`][].
+
+    The module's `weight` is the local slice `(dim_local,)`; to place a full
+    `(global_dim,)` weight, build the module with its global shape for
+    `shard_map` and give the weight the in-spec `P("tp")`.
+    """
+
+    weight: Float[Array, "dim_local"]
+    dim_local: int = eqx.field(static=True)
+    global_dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim_local: int,
+        global_dim: int,
+        eps: float = 1e-6,
+        *,
+        axis_name: str = TP_AXIS,
+        dtype=jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `dim_local`: the features this device holds.
+        - `global_dim`: the full feature width, a multiple of `dim_local`.
+        - `eps`: added to the mean square before the reciprocal square root.
+        - `axis_name`: the mesh axis the features are sharded over (default `"tp"`).
+        - `dtype`: the dtype of `weight` (initialized to ones).
+        """
+        self.dim_local = dim_local
+        self.global_dim = global_dim
+        self.eps = float(eps)
+        self.axis_name = axis_name
+        _check_positive("TPShardedRMSNorm", dim_local=dim_local, global_dim=global_dim)
+        self.weight = jnp.ones((dim_local,), dtype)
+
+    def __check_init__(self):
+        if self.global_dim % self.dim_local:
+            raise ValueError(
+                "TPShardedRMSNorm needs global_dim to be a multiple of dim_local (global_dim = "
+                f"dim_local * tensor-parallel size); received dim_local={self.dim_local}, "
+                f"global_dim={self.global_dim}."
+            )
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self, x: Float[Array, "*batch {self.dim_local}"]
+    ) -> Float[Array, "*batch {self.dim_local}"]:
+        """**Arguments:**
+
+        - `x`: this device's slice of the input, last axis `dim_local`.
+
+        **Returns:**
+
+        This device's slice of the normalized array. Raises `ValueError` outside a
+        `shard_map` over `axis_name`, or when `dim_local * axis_size != global_dim`.
+        """
+        with jax.named_scope("vidax_eqx.nn.TPShardedRMSNorm"):
+            return tp_sharded_rms_norm(x, self.weight, self.global_dim, self.eps, self.axis_name)
+
+
+class LayerNorm(eqx.Module):
+    """Layer normalization over the last axis, as `torch.nn.LayerNorm`.
+
+    CogVideoX applies it per head to queries and keys (`dim = head_dim`, weight and
+    bias over `head_dim`). Float32 statistics; the result dtype is the promotion of
+    the input and parameter dtypes. See [`vidax_eqx.nn.functional.layer_norm`][].
+    """
+
+    weight: Float[Array, "dim"] | None
+    bias: Float[Array, "dim"] | None
+    dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        dtype=jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `dim`: the size of the normalized (last) axis.
+        - `eps`: added to the variance before the reciprocal square root.
+        - `elementwise_affine`: whether to learn `weight` (ones) and `bias` (zeros);
+            `False` leaves both `None`.
+        - `dtype`: the dtype of `weight` and `bias`.
+        """
+        _check_positive("LayerNorm", dim=dim)
+        self.dim = dim
+        self.eps = float(eps)
+        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
+        self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: an array whose last axis has size `dim` (e.g. `(S, heads, head_dim)`).
+
+        **Returns:**
+
+        The normalized array, `x`'s shape.
+        """
+        with jax.named_scope("vidax_eqx.nn.LayerNorm"):
+            return layer_norm(x, self.weight, self.bias, self.eps)

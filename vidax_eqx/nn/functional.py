@@ -1,0 +1,16 @@
+"""The pure functions behind `vidax_eqx.nn`: normalization and rotary embedding.
+
+The Equinox modules of `vidax_eqx.nn` and the linen shim `vidax_eqx.flax` hold
+parameters and call these; use them directly in code that keeps its own weights.
+"""
+
+from ._norm import (
+    layer_norm as layer_norm,
+    rms_norm as rms_norm,
+    tp_sharded_rms_norm as tp_sharded_rms_norm,
+)
+from ._rope import (
+    apply_rope as apply_rope,
+    rope_3d as rope_3d,
+    wan_rope_split as wan_rope_split,
+)
