@@ -112,13 +112,13 @@ def test_rms_norm_gradients():
     x, x64 = _draw(rng, (2, 7, 40), jnp.float32)
     w, w64 = _draw(rng, (40,), jnp.float32)
     ct, ct64 = _draw(rng, (2, 7, 40), jnp.float32)
-    dx, dw = jax.grad(lambda x, w: jnp.sum(functional.rms_norm(x, w) * ct), argnums=(0, 1))(x, w)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(functional.rms_norm(x, w) * ct), argnums=(0, 1)))(x, w)
     dx_ref, dw_ref = _rms_grad_ref(x64, w64, ct64)
     oracle.assert_close(dx, dx_ref, jnp.float32, "dx")
     oracle.assert_close(dw, dw_ref, jnp.float32, "dw")
     # The module's weight gradient, through eqx.filter_grad.
     m = eqx.tree_at(lambda m: m.weight, RMSNorm(40), w)
-    gm = eqx.filter_grad(lambda m: jnp.sum(m(x) * ct))(m)
+    gm = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x) * ct)))(m)
     oracle.assert_close(gm.weight, dw_ref, jnp.float32, "module dw")
 
 
@@ -192,9 +192,9 @@ def test_layer_norm_gradients():
     w, w64 = _draw(rng, (16,), jnp.float32)
     b, _ = _draw(rng, (16,), jnp.float32)
     ct, ct64 = _draw(rng, (4, 2, 16), jnp.float32)
-    grads = jax.grad(
+    grads = jax.jit(jax.grad(
         lambda x, w, b: jnp.sum(functional.layer_norm(x, w, b) * ct), argnums=(0, 1, 2)
-    )(x, w, b)
+    ))(x, w, b)
     for got, ref, name in zip(grads, _ln_grad_ref(x64, w64, ct64), ("dx", "dw", "db")):
         oracle.assert_close(got, ref, jnp.float32, name)
 
@@ -231,7 +231,7 @@ def test_tp_sharded_rms_norm_equals_full_width(n, dtype):
     x, x64 = _draw(rng, (2, 5, dim), dtype)
     w, w64 = _draw(rng, (dim,), jnp.float32)
     ct, ct64 = _draw(rng, (2, 5, dim), jnp.float32)
-    f = _sharded(n, dim)
+    f = jax.jit(_sharded(n, dim))
     full = eqx.tree_at(lambda m: m.weight, RMSNorm(dim), w)
 
     out = f(x, w)
@@ -240,11 +240,13 @@ def test_tp_sharded_rms_norm_equals_full_width(n, dtype):
     oracle.assert_close(out, jax.vmap(jax.vmap(full))(x), dtype, "sharded vs RMSNorm")
 
     if dtype == jnp.float32:
-        dx, dw = jax.grad(lambda x, w: jnp.sum(f(x, w) * ct), argnums=(0, 1))(x, w)
+        dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * ct), argnums=(0, 1)))(x, w)
         dx_ref, dw_ref = _rms_grad_ref(x64, w64, ct64)
         oracle.assert_close(dx, dx_ref, dtype, "dx")
         oracle.assert_close(dw, dw_ref, dtype, "dw")
-        gfull = jax.grad(lambda x, m: jnp.sum(jax.vmap(jax.vmap(m))(x) * ct), argnums=(0, 1))(x, full)
+        gfull = jax.jit(
+            jax.grad(lambda x, m: jnp.sum(jax.vmap(jax.vmap(m))(x) * ct), argnums=(0, 1))
+        )(x, full)
         oracle.assert_close(dx, gfull[0], dtype, "dx vs RMSNorm")
         oracle.assert_close(dw, gfull[1].weight, dtype, "dw vs RMSNorm")
 
