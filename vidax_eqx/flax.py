@@ -94,7 +94,7 @@ class RMSNorm(linen.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", linen.initializers.ones, (self.dim,), self.param_dtype)
         with jax.named_scope("vidax_eqx.flax.RMSNorm"):
-            return _rms_norm(x, scale, self.eps)
+            return _rms_norm(jnp.asarray(x), scale, self.eps)
 
 
 class TPShardedRMSNorm(linen.Module):
@@ -127,7 +127,9 @@ class TPShardedRMSNorm(linen.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", linen.initializers.ones, (self.dim_local,), self.param_dtype)
         with jax.named_scope("vidax_eqx.flax.TPShardedRMSNorm"):
-            return _tp_sharded_rms_norm(x, scale, self.global_dim, self.eps, self.axis_name)
+            return _tp_sharded_rms_norm(
+                jnp.asarray(x), scale, self.global_dim, self.eps, self.axis_name
+            )
 
 
 def rms_norm_to_linen(module: _nn.RMSNorm | _nn.TPShardedRMSNorm) -> dict:

@@ -191,9 +191,10 @@ class TPShardedRMSNorm(eqx.Module):
     `psum`-ed over `axis_name`, so the result equals `RMSNorm(global_dim)` on the
     full width. See [`vidax_eqx.nn.functional.tp_sharded_rms_norm`][].
 
-    The module's `weight` is the local slice `(dim_local,)`; to place a full
-    `(global_dim,)` weight, build the module with its global shape for
-    `shard_map` and give the weight the in-spec `P("tp")`.
+    Inside `shard_map` the module's `weight` is the local slice `(dim_local,)`.
+    Outside it the module may hold the full `(global_dim,)` weight (set with
+    `eqx.tree_at`, or loaded from a checkpoint): pass the module to `shard_map`
+    with the in-spec `P("tp")` and each device receives its slice.
     """
 
     weight: Float[Array, "dim_local"]
