@@ -11,3 +11,11 @@ from ._norm import (
     RMSNorm as RMSNorm,
     TPShardedRMSNorm as TPShardedRMSNorm,
 )
+from ._attention import (
+    Attention as Attention,
+    CrossAttention as CrossAttention,
+    JointAttention as JointAttention,
+    partition_specs as partition_specs,
+    with_parallel as with_parallel,
+)
+from ._parallel import ParallelConfig as ParallelConfig

@@ -1,0 +1,616 @@
+"""Wan and CogVideoX attention layers, with sequence and tensor parallelism.
+
+Three final Equinox modules, one example per call (`(S, dim)`; `jax.vmap` for a
+batch):
+
+- [`Attention`][]: Wan's `WanSelfAttention` (`q`, `k`, `v`, `o`, `norm_q`, `norm_k`).
+- [`CrossAttention`][]: Wan's `WanT2VCrossAttention` (queries from the video tokens,
+    keys and values from the text context).
+- [`JointAttention`][]: CogVideoX's `Attention` + `CogVideoXAttnProcessor2_0`
+    (`to_q`, `to_k`, `to_v`, `to_out`, per-head `norm_q` / `norm_k`) over
+    `[context; x]`.
+
+Parameters always have their global (single-device) shapes. A static
+[`ParallelConfig`][] chooses how the module runs over a mesh: the same parameters,
+placed by [`partition_specs`][], run inside `jax.shard_map` with the sequence split
+(Ulysses, ring, or both) and the heads split over a tensor-parallel axis
+(Megatron: q/k/v column-parallel, the output projection row-parallel), and give
+the single-device numbers. The attention itself is `vidax_eqx.kernels` or
+`vidax_eqx.parallel`; the norms and RoPE are `vidax_eqx.nn.functional`.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
+
+from .. import kernels
+from ..parallel import (
+    axis_size,
+    ring_attention,
+    sequence_parallel_joint_self_attention,
+    sequence_parallel_self_attention,
+    usp_attention,
+)
+from . import functional
+from ._norm import LayerNorm, RMSNorm
+from ._parallel import ParallelConfig
+
+
+# (cos, sin), each (S, head_dim // 2): this device's tokens, as `rope_3d` returns them.
+_Rope = tuple[Float[Array, "S {self.head_dim//2}"], Float[Array, "S {self.head_dim//2}"]]
+
+
+# -- shared pieces ---------------------------------------------------------------------
+
+
+def _check_heads(cls: str, dim: int, num_heads: int) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"{cls}: `num_heads` must be a positive int; received {num_heads!r}.")
+    if dim % num_heads:
+        raise ValueError(
+            f"{cls}: `dim` must be a multiple of `num_heads` (head_dim = dim / num_heads); "
+            f"received dim={dim}, num_heads={num_heads}."
+        )
+    return dim // num_heads
+
+
+def _check_parallel(cls: str, parallel) -> None:
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(
+            f"{cls}: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
+        )
+
+
+def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
+    """`x @ W.T + b` for a `(S, in)` input: a column-parallel shard gives its own columns."""
+    y = x @ layer.weight.T
+    return y if layer.bias is None else y + layer.bias
+
+
+def _row_parallel(layer: eqx.nn.Linear, x: Array, tp_axis: str | None) -> Array:
+    """The output projection: partial products summed over `tp_axis`, bias added once."""
+    y = x @ layer.weight.T
+    if tp_axis is not None:
+        y = jax.lax.psum(y, tp_axis)
+    return y if layer.bias is None else y + layer.bias
+
+
+def _local_heads(cls: str, m, column: eqx.nn.Linear) -> int:
+    """This device's number of heads: all of them, or `num_heads / tp` under TP.
+
+    Checks that the column-parallel weights really are this device's shard (they are
+    when placed by `partition_specs`).
+    """
+    tp_axis = m.parallel.tp_axis
+    tp = 1 if tp_axis is None else axis_size(tp_axis, what="Tensor-parallel")
+    if m.num_heads % tp:
+        raise ValueError(
+            f"{cls}: tensor parallelism splits the {m.num_heads} heads over the {tp} devices "
+            f"of axis {tp_axis!r}, so num_heads must be a multiple of the TP size; received "
+            f"num_heads={m.num_heads}, tp={tp}."
+        )
+    rows = column.weight.shape[0]
+    if rows * tp != m.dim:
+        raise ValueError(
+            f"{cls}: with tp_axis={tp_axis!r} of size {tp}, each device holds "
+            f"{m.dim} / {tp} = {m.dim // tp} rows of the q/k/v weights (column-parallel); "
+            f"received {rows}. Place the module with `partition_specs(module)` as its "
+            "`shard_map` in_spec."
+        )
+    return m.num_heads // tp
+
+
+def _qk_rms_norm(norm: RMSNorm | None, x: Array, m) -> Array:
+    """Wan's q/k RMSNorm over the whole inner dim; over a feature shard under TP."""
+    if norm is None:
+        return x
+    if m.parallel.tp_axis is None:
+        return norm(x)
+    return functional.tp_sharded_rms_norm(
+        x, norm.weight, m.dim, m.eps, axis_name=m.parallel.tp_axis
+    )
+
+
+def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_ids=None):
+    """`(S, H, D)` self-attention of one example with the configured sequence parallelism."""
+    q, k, v = q[None], k[None], v[None]
+    seg = None if segment_ids is None else segment_ids[None]
+    mode = parallel.sequence
+    if mode == "none":
+        out = kernels.attention(q, k, v, segment_ids=seg, implementation=implementation)
+    elif mode == "ulysses":
+        out = sequence_parallel_self_attention(
+            q, k, v, parallel.sp_axis, segment_ids=seg, implementation=implementation
+        )
+    elif mode == "ring":
+        out = ring_attention(
+            q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
+            implementation=implementation,
+        )
+    else:
+        out = usp_attention(
+            q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
+            segment_ids=seg, layout=parallel.layout, implementation=implementation,
+        )
+    return out[0]
+
+
+def _check_joint_mode(parallel: ParallelConfig) -> None:
+    if parallel.sequence == "ring":
+        raise NotImplementedError(
+            "JointAttention: sequence='ring' alone has no joint (text-prefix) function in "
+            "vidax_eqx.parallel; use sequence='ulysses', or 'usp' (Ulysses over sp_axis and "
+            "a ring over ring_axis, which serves the text prefix)."
+        )
+
+
+def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implementation):
+    """`(T + S, H, D)` attention of one example over `[text; this device's tokens]`."""
+    q, k, v = q[None], k[None], v[None]
+    mode = parallel.sequence
+    _check_joint_mode(parallel)
+    if mode == "none":
+        out = kernels.attention(q, k, v, implementation=implementation)
+    elif mode == "ulysses":
+        out = sequence_parallel_joint_self_attention(
+            q, k, v, text_len, parallel.sp_axis, implementation=implementation
+        )
+    else:
+        out = usp_attention(
+            q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
+            layout=parallel.layout, text_len=text_len, implementation=implementation,
+        )
+    return out[0]
+
+
+# -- Wan --------------------------------------------------------------------------------
+
+
+class Attention(eqx.Module):
+    """Wan self-attention (`WanSelfAttention` of Wan2.1's `wan/modules/model.py`).
+
+    `q = norm_q(q(x))`, `k = norm_k(k(x))`, `v = v(x)`, split into heads, RoPE on `q`
+    and `k`, softmax attention (scale `1 / sqrt(head_dim)`), then `o`. The parameter
+    names are the reference's, so a Wan checkpoint maps one to one.
+
+    **Parallelism** (`parallel=`, a [`ParallelConfig`][]): the call runs inside
+    `jax.shard_map` with the module placed by [`partition_specs`][]`(module)` and `x`
+    this device's chunk of the sequence (`P(sp_axis)`; `P((ring_axis, sp_axis))` for
+    usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
+    are column-parallel, `o` row-parallel (one `psum` over `tp_axis`, `o`'s bias added
+    once after it), and `norm_q` / `norm_k` hold the global `RMSNorm(dim)` whose
+    weight is sharded with the features; the statistic over the whole inner dim is
+    then [`vidax_eqx.nn.functional.tp_sharded_rms_norm`][] (a `psum` of the local
+    sums of squares), so one module class serves both cases.
+
+    **Fields:** `q`, `k`, `v`, `o` (`eqx.nn.Linear(dim, dim)`, with bias), `norm_q`,
+    `norm_k` ([`RMSNorm`][]`(dim)`, or `None` without qk-norm), and the static
+    configuration `dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`, `parallel`,
+    `implementation`.
+    """
+
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    norm_q: RMSNorm | None
+    norm_k: RMSNorm | None
+    dim: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    qk_norm: str | None = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    parallel: ParallelConfig = eqx.field(static=True)
+    implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        qk_norm: str | None = "rms",
+        eps: float = 1e-6,
+        parallel: ParallelConfig = ParallelConfig(),
+        implementation: str | kernels.AbstractImplementation = "auto",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `dim`: the model width (inner dim = `dim`, as in Wan).
+        - `num_heads`: the number of heads; `head_dim = dim / num_heads`.
+        - `qk_norm`: `"rms"` (Wan's `qk_norm=True`) or `None` (identity).
+        - `eps`: the RMSNorm epsilon.
+        - `parallel`: a [`ParallelConfig`][]; default: one device.
+        - `implementation`: the kernel implementation (`vidax_eqx.kernels.attention`).
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the linear layers' initialization.
+        """
+        self.head_dim = _check_heads("Attention", dim, num_heads)
+        _check_parallel("Attention", parallel)
+        if qk_norm not in ("rms", None):
+            raise ValueError(f"Attention: `qk_norm` must be 'rms' or None; received {qk_norm!r}.")
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
+        self.k = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kk)
+        self.v = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kv)
+        self.o = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
+        self.norm_q, self.norm_k = norm(), norm()
+        self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
+        self.parallel, self.implementation = parallel, implementation
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[Array, "S {self.dim}"],
+        *,
+        rope: _Rope | None = None,
+        segment_ids: Int[Array, " S"] | None = None,
+    ) -> Float[Array, "S {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: the tokens `(S, dim)` of one example: the whole sequence on one
+            device, this device's chunk under sequence parallelism.
+        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)` for the same tokens as `x`
+            (e.g. from [`vidax_eqx.nn.functional.rope_3d`][], sharded like `x`),
+            rotating adjacent pairs of `q` and `k`; `None`: no RoPE.
+        - `segment_ids`: int `(S,)`, sharded like `x`: tokens attend within equal ids
+            and a negative id is padding (attends to nothing, seen by nothing; its
+            attention output is 0). This is how Wan's `seq_lens` is expressed.
+
+        **Returns:**
+
+        `(S, dim)`, the same tokens as `x`.
+        """
+        with jax.named_scope("vidax_eqx.nn.Attention"):
+            H = _local_heads("Attention", self, self.q)
+            S = x.shape[0]
+            q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
+            k = _qk_rms_norm(self.norm_k, _linear(self.k, x), self).reshape(S, H, self.head_dim)
+            v = _linear(self.v, x).reshape(S, H, self.head_dim)
+            if rope is not None:
+                q = functional.apply_rope(q, *rope)
+                k = functional.apply_rope(k, *rope)
+            out = _self_attention(q, k, v, self.parallel, self.implementation, segment_ids)
+            return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
+
+
+class CrossAttention(eqx.Module):
+    """Wan text cross-attention (`WanT2VCrossAttention` of Wan2.1's `wan/modules/model.py`).
+
+    Queries from the video tokens `x`, keys and values from the text `context`:
+    `q = norm_q(q(x))`, `k = norm_k(k(context))`, `v = v(context)`, softmax attention
+    without RoPE, then `o`.
+
+    **Text padding:** Wan pads the text to a fixed length with zero embeddings and
+    attends to the padding (its model passes `context_lens=None`). That is the
+    default here; `context_mask` hides padded text tokens instead.
+
+    **Parallelism:** under sequence parallelism (any mode) each device attends its
+    own chunk of queries to the whole, replicated `context` (in_spec `P()`): no
+    sequence communication. Tensor parallelism splits the heads as in [`Attention`][].
+
+    **Fields:** `q` (`Linear(dim, dim)`), `k`, `v` (`Linear(context_dim, dim)`), `o`
+    (`Linear(dim, dim)`), all with bias; `norm_q`, `norm_k` ([`RMSNorm`][]`(dim)` or
+    `None`); static `dim`, `context_dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`,
+    `parallel`, `implementation`.
+    """
+
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    norm_q: RMSNorm | None
+    norm_k: RMSNorm | None
+    dim: int = eqx.field(static=True)
+    context_dim: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    qk_norm: str | None = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    parallel: ParallelConfig = eqx.field(static=True)
+    implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        context_dim: int | None = None,
+        qk_norm: str | None = "rms",
+        eps: float = 1e-6,
+        parallel: ParallelConfig = ParallelConfig(),
+        implementation: str | kernels.AbstractImplementation = "auto",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `dim`, `num_heads`, `qk_norm`, `eps`, `parallel`, `implementation`, `dtype`:
+            as in [`Attention`][].
+        - `context_dim`: the width of the text context, default `dim` (Wan embeds the
+            text to `dim` before its blocks).
+        - `key`: a PRNG key for the linear layers' initialization.
+        """
+        self.head_dim = _check_heads("CrossAttention", dim, num_heads)
+        _check_parallel("CrossAttention", parallel)
+        if qk_norm not in ("rms", None):
+            raise ValueError(
+                f"CrossAttention: `qk_norm` must be 'rms' or None; received {qk_norm!r}."
+            )
+        context_dim = dim if context_dim is None else context_dim
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
+        self.k = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kk)
+        self.v = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kv)
+        self.o = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
+        self.norm_q, self.norm_k = norm(), norm()
+        self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
+        self.qk_norm, self.eps = qk_norm, eps
+        self.parallel, self.implementation = parallel, implementation
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[Array, "S {self.dim}"],
+        context: Float[Array, "S_ctx {self.context_dim}"],
+        *,
+        context_mask: Bool[Array, " S_ctx"] | None = None,
+    ) -> Float[Array, "S {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
+            sequence parallelism).
+        - `context`: the text tokens `(S_ctx, context_dim)`, whole on every device.
+        - `context_mask`: optional bool `(S_ctx,)`, `True` for real text tokens.
+            `None` (the reference's behaviour) attends to every text token. A query
+            whose mask hides every token gets 0 before `o`.
+
+        **Returns:**
+
+        `(S, dim)`.
+        """
+        with jax.named_scope("vidax_eqx.nn.CrossAttention"):
+            H = _local_heads("CrossAttention", self, self.q)
+            S, S_ctx = x.shape[0], context.shape[0]
+            q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
+            k = _qk_rms_norm(self.norm_k, _linear(self.k, context), self)
+            k = k.reshape(S_ctx, H, self.head_dim)
+            v = _linear(self.v, context).reshape(S_ctx, H, self.head_dim)
+            mask = None if context_mask is None else context_mask[None, None, None, :]
+            out = kernels.attention(
+                q[None], k[None], v[None], mask=mask, implementation=self.implementation
+            )[0]
+            return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
+
+
+# -- CogVideoX --------------------------------------------------------------------------
+
+
+class JointAttention(eqx.Module):
+    """CogVideoX joint attention (diffusers' `Attention` with `CogVideoXAttnProcessor2_0`).
+
+    The text `context` and the video tokens `x` go through the same projections as
+    one sequence `[context; x]`: `to_q`, `to_k`, `to_v`, per-head `norm_q` / `norm_k`
+    (LayerNorm over `head_dim`, diffusers' `qk_norm="layer_norm"`), RoPE on the video
+    tokens of `q` and `k` only, softmax attention over the whole sequence, `to_out`
+    (diffusers' `to_out[0]`; its dropout `to_out[1]` is the identity at inference),
+    and the result is split back into `(x_out, context_out)`.
+
+    **Parallelism:** with sequence parallelism `x` is this device's chunk of the video
+    tokens and `context` the whole text on every device (in_spec `P()`); the attention
+    is `vidax_eqx.parallel.sequence_parallel_joint_self_attention` (`"ulysses"`) or
+    `usp_attention(..., text_len=T)` (`"usp"`). `"ring"` alone raises
+    `NotImplementedError` (no ring-only joint function exists; use `"usp"`).
+    `context_out` is then computed on every device, identical copies: as the
+    parallel functions document, the cotangents given to the copies must add up to
+    the true cotangent (give it all to one copy, or split it), never count it once
+    per device. Tensor parallelism splits the heads (q/k/v column-parallel, `to_out`
+    row-parallel); the per-head LayerNorms are replicated.
+
+    **Fields:** `to_q`, `to_k`, `to_v`, `to_out` (`eqx.nn.Linear(dim, dim)`, with
+    bias), `norm_q`, `norm_k` ([`LayerNorm`][]`(head_dim)` with weight and bias, or
+    `None`); static `dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`, `parallel`,
+    `implementation`.
+    """
+
+    to_q: eqx.nn.Linear
+    to_k: eqx.nn.Linear
+    to_v: eqx.nn.Linear
+    to_out: eqx.nn.Linear
+    norm_q: LayerNorm | None
+    norm_k: LayerNorm | None
+    dim: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    qk_norm: str | None = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    parallel: ParallelConfig = eqx.field(static=True)
+    implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        qk_norm: str | None = "layer_norm",
+        eps: float = 1e-6,
+        parallel: ParallelConfig = ParallelConfig(),
+        implementation: str | kernels.AbstractImplementation = "auto",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `dim`: the model width (CogVideoX: `num_heads * attention_head_dim`).
+        - `num_heads`: the number of heads; `head_dim = dim / num_heads`.
+        - `qk_norm`: `"layer_norm"` (CogVideoX) or `None`.
+        - `eps`: the LayerNorm epsilon (CogVideoX: 1e-6).
+        - `parallel`, `implementation`, `dtype`: as in [`Attention`][];
+            `parallel.sequence` must not be `"ring"`.
+        - `key`: a PRNG key for the linear layers' initialization.
+        """
+        self.head_dim = _check_heads("JointAttention", dim, num_heads)
+        _check_parallel("JointAttention", parallel)
+        _check_joint_mode(parallel)
+        if qk_norm not in ("layer_norm", None):
+            raise ValueError(
+                f"JointAttention: `qk_norm` must be 'layer_norm' or None; received {qk_norm!r}."
+            )
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.to_q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
+        self.to_k = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kk)
+        self.to_v = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kv)
+        self.to_out = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        if qk_norm == "layer_norm":
+            self.norm_q = LayerNorm(self.head_dim, eps, dtype=dtype)
+            self.norm_k = LayerNorm(self.head_dim, eps, dtype=dtype)
+        else:
+            self.norm_q = self.norm_k = None
+        self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
+        self.parallel, self.implementation = parallel, implementation
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[Array, "S {self.dim}"],
+        context: Float[Array, "T {self.dim}"],
+        *,
+        rope: _Rope | None = None,
+    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
+        """**Arguments:**
+
+        - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
+            sequence parallelism).
+        - `context`: the text tokens `(T, dim)`, whole on every device.
+        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the video tokens of `x`
+            only (sharded like `x`); `None`: no RoPE.
+
+        **Returns:**
+
+        `(x_out, context_out)`, `(S, dim)` and `(T, dim)`: diffusers' processor's
+        `(hidden_states, encoder_hidden_states)`.
+        """
+        with jax.named_scope("vidax_eqx.nn.JointAttention"):
+            H = _local_heads("JointAttention", self, self.to_q)
+            T, S = context.shape[0], x.shape[0]
+            h = jnp.concatenate([context, x], axis=0)
+            q = _linear(self.to_q, h).reshape(T + S, H, self.head_dim)
+            k = _linear(self.to_k, h).reshape(T + S, H, self.head_dim)
+            v = _linear(self.to_v, h).reshape(T + S, H, self.head_dim)
+            if self.norm_q is not None:
+                q, k = self.norm_q(q), self.norm_k(k)
+            if rope is not None:
+                q = jnp.concatenate([q[:T], functional.apply_rope(q[T:], *rope)], axis=0)
+                k = jnp.concatenate([k[:T], functional.apply_rope(k[T:], *rope)], axis=0)
+            out = _joint_attention(q, k, v, T, self.parallel, self.implementation)
+            out = _row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
+                                self.parallel.tp_axis)
+            return out[T:], out[:T]
+
+
+# -- placement --------------------------------------------------------------------------
+
+
+_ATTENTION = (Attention, CrossAttention, JointAttention)
+# (column-parallel linears, row-parallel linears, norms sharded with the features)
+_MEGATRON = {
+    Attention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
+    CrossAttention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
+    JointAttention: (("to_q", "to_k", "to_v"), ("to_out",), ()),
+}
+
+
+def _is_attention(x) -> bool:
+    return isinstance(x, _ATTENTION)
+
+
+def _attention_specs(m):
+    specs = jax.tree.map(lambda x: P() if eqx.is_array(x) else None, m)
+    tp = m.parallel.tp_axis
+    if tp is None:
+        return specs
+    column, row, norms = _MEGATRON[type(m)]
+    where, values = [], []
+    for name in column:
+        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
+        values += [P(tp, None), P(tp)]
+    for name in row:
+        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
+        values += [P(None, tp), P()]
+    for name in norms:
+        if getattr(m, name) is not None:
+            where.append(lambda s, n=name: getattr(s, n).weight)
+            values.append(P(tp))
+    return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
+
+
+def partition_specs(module):
+    """The `PartitionSpec` of every parameter of `module` (Megatron tensor parallelism).
+
+    For every attention module inside `module` (any PyTree: one layer or a whole
+    model) whose `parallel.tp_axis` is set: q/k/v (`to_q`/`to_k`/`to_v`) weights
+    `P(tp, None)` and biases `P(tp)` (column-parallel: each device holds its heads'
+    output features); `o` / `to_out` weight `P(None, tp)` (row-parallel) and bias `P()`;
+    Wan's `norm_q` / `norm_k` weights, over the inner dim, `P(tp)`; CogVideoX's per-head
+    LayerNorms `P()`. Every other array, and everything when `tp_axis` is `None`, is
+    replicated, `P()`; non-array leaves get `None`. Sequence parallelism never shards a
+    parameter.
+
+    **Arguments:**
+
+    - `module`: a PyTree of Equinox modules.
+
+    **Returns:**
+
+    A PyTree of the same structure with a `PartitionSpec` per array, for
+    `jax.shard_map(..., in_specs=(partition_specs(module), ...))`, or, mapped to
+    `NamedSharding(mesh, spec)`, for `eqx.filter_shard` / `jax.device_put`.
+    """
+
+    def specs(x):
+        if _is_attention(x):
+            return _attention_specs(x)
+        return P() if eqx.is_array(x) else None
+
+    return jax.tree.map(specs, module, is_leaf=_is_attention)
+
+
+def with_parallel(module, parallel: ParallelConfig):
+    """`module` with every attention module's `parallel` configuration replaced.
+
+    The parameters are shared, not copied: the single-device model and its sharded
+    twin are the same arrays. Works on one layer or any PyTree containing them.
+
+    **Arguments:**
+
+    - `module`: a PyTree of Equinox modules.
+    - `parallel`: the new [`ParallelConfig`][].
+
+    **Returns:**
+
+    A PyTree of the same structure.
+    """
+    _check_parallel("with_parallel", parallel)
+
+    def swap(m):
+        if not _is_attention(m):
+            return m
+        if isinstance(m, JointAttention):
+            _check_joint_mode(parallel)
+        # Equinox rebuilds modules the same way when unflattening: fields set on a new
+        # instance without running `__init__`. Only the static configuration changes.
+        new = object.__new__(type(m))
+        for field in dataclasses.fields(m):
+            value = parallel if field.name == "parallel" else getattr(m, field.name)
+            object.__setattr__(new, field.name, value)
+        return new
+
+    return jax.tree.map(swap, module, is_leaf=_is_attention)
