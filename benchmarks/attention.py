@@ -135,24 +135,33 @@ def compile_fn(fn, args):
     return compiled, temp, out
 
 
-def best_time(compiled, args, repeats: int, target_seconds: float, first: float) -> tuple[float, int]:
+def best_time(
+    compiled, args, repeats: int, target_seconds: float, first: float
+) -> tuple[float, int, float]:
     """Best of up to `repeats` runs (at least one), fewer when a run (`first`
-    seconds, the warm-up) is so long that they would take over `target_seconds`."""
+    seconds, the warm-up) is so long that they would take over `target_seconds`.
+
+    Returns `(best wall seconds, runs, best process CPU seconds)`. CPU time (all
+    of this process's threads) is what a run costs whatever else shares the
+    machine, so its ratios stay meaningful when the wall-clock ones are noisy.
+    """
     import jax
 
     n = repeats
     if first * repeats > target_seconds:
         n = max(1, int(target_seconds / first))
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(n):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         jax.block_until_ready(compiled(*args))
         best = min(best, time.perf_counter() - t0)
-    return best, n
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    return best, n, best_cpu
 
 
-def matmul_gflops(n: int, repeats: int) -> float:
-    """GFLOP/s of an (n, n) @ (n, n) float32 matmul: best of `repeats` after a warm-up."""
+def matmul_gflops(n: int, repeats: int) -> tuple[float, float]:
+    """GFLOP/s of an (n, n) @ (n, n) float32 matmul, best of `repeats` after a
+    warm-up: per wall second, and per CPU second (summed over threads)."""
     import jax
     import jax.numpy as jnp
 
@@ -160,8 +169,8 @@ def matmul_gflops(n: int, repeats: int) -> float:
     compiled, _, _ = compile_fn(jax.jit(jnp.matmul), (a, b))
     t0 = time.perf_counter()
     jax.block_until_ready(compiled(a, b))
-    best, _ = best_time(compiled, (a, b), repeats, float("inf"), time.perf_counter() - t0)
-    return 2.0 * n**3 / best / 1e9
+    best, _, cpu = best_time(compiled, (a, b), repeats, float("inf"), time.perf_counter() - t0)
+    return 2.0 * n**3 / best / 1e9, 2.0 * n**3 / cpu / 1e9
 
 
 # --------------------------------------------------------------------------- #
@@ -221,18 +230,18 @@ def child_main(args) -> dict:
     gc.collect()
     result["peak_reset"] = _reset_peak_rss()
     baseline = _current_rss()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     jax.block_until_ready(compiled(*xs))
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _max_rss()
     result.update(peak_above_inputs_bytes=peak - baseline, baseline_rss_bytes=baseline, first_run_s=first)
     if first > args.single_run_seconds:
         # So long that warming up buys nothing: the program was compiled ahead of
         # time, so this run holds no compilation. It is the only timed run.
-        result["time_s"], result["runs"] = first, 1
+        result["time_s"], result["runs"], result["cpu_s"] = first, 1, first_cpu
         result["note"] = "timed on its first run"
     else:
-        result["time_s"], result["runs"] = best_time(
+        result["time_s"], result["runs"], result["cpu_s"] = best_time(
             compiled, xs, args.repeats, args.target_seconds, first
         )
     return result
@@ -278,6 +287,9 @@ class Row:
     ratio_vs_jax_nn: float | None = None
     gflops: float | None = None
     frac_of_matmul: float | None = None
+    cpu_s: float | None = None
+    cpu_ratio_vs_jax_nn: float | None = None
+    cpu_frac_of_matmul: float | None = None
     peak_above_inputs_mb: float | None = None
     xla_temp_mb: float | None = None
     note: str = ""
@@ -319,13 +331,16 @@ def run(args) -> tuple[list[Row], dict]:
     t_start = time.perf_counter()
     n = args.matmul_n
     info["matmul_n"] = n
-    info["matmul_gflops"] = matmul_gflops(n, repeats=args.repeats)
-    log(f"# matmul {n}x{n} @ {n}x{n} float32: {info['matmul_gflops']:.1f} GFLOP/s")
+    info["matmul_gflops"], info["matmul_cpu_gflops"] = matmul_gflops(n, repeats=args.repeats)
+    log(
+        f"# matmul {n}x{n} @ {n}x{n} float32: {info['matmul_gflops']:.1f} GFLOP/s, "
+        f"{info['matmul_cpu_gflops']:.1f} GFLOP per CPU second"
+    )
 
     rows: list[Row] = []
     for seq in args.seqs:
         for pass_ in PASSES:
-            base_time = None
+            base_time = base_cpu = None
             for config in args.configs:
                 r = spawn_child(args, config, pass_, seq)
                 row = Row(
@@ -336,6 +351,7 @@ def run(args) -> tuple[list[Row], dict]:
                     status=r["status"],
                     time_s=r.get("time_s"),
                     runs=r.get("runs"),
+                    cpu_s=r.get("cpu_s"),
                     peak_above_inputs_mb=_mb(r.get("peak_above_inputs_bytes")),
                     xla_temp_mb=_mb(r.get("xla_temp_bytes")),
                     note=r.get("note", ""),
@@ -347,10 +363,12 @@ def run(args) -> tuple[list[Row], dict]:
                     work = flops(pass_, args.batch, args.heads, seq, args.head_dim, args.causal)
                     row.gflops = work / row.time_s / 1e9
                     row.frac_of_matmul = row.gflops / info["matmul_gflops"]
+                    row.cpu_frac_of_matmul = work / row.cpu_s / 1e9 / info["matmul_cpu_gflops"]
                     if config == BASELINE:
-                        base_time = row.time_s
+                        base_time, base_cpu = row.time_s, row.cpu_s
                     if base_time is not None:
                         row.ratio_vs_jax_nn = row.time_s / base_time
+                        row.cpu_ratio_vs_jax_nn = row.cpu_s / base_cpu
                     summary = (
                         f"{row.time_s * 1e3:.1f} ms ({_runs(row)}), {row.gflops:.1f} GFLOP/s, "
                         f"peak {_fmt(row.peak_above_inputs_mb, '.0f')} MB"
@@ -387,20 +405,25 @@ def markdown(rows: list[Row], info: dict) -> str:
     lines = [
         f"B={info['B']}, H={info['H']}, D={info['D']}, {info['dtype']}{causal}; jax {info['jax']}, "
         f"{info['backend']} ({info['cpus']} CPUs); {info['matmul_n']}^3 float32 matmul: "
-        f"{info['matmul_gflops']:.0f} GFLOP/s. Peak memory includes the outputs and some tens of MB "
-        "that any first run costs (thread stacks, allocator arenas).",
+        f"{info['matmul_gflops']:.0f} GFLOP/s ({info['matmul_cpu_gflops']:.0f} per CPU second). "
+        "Peak memory includes the outputs and some tens of MB that any first run costs "
+        "(thread stacks, allocator arenas). The CPU columns use process CPU time (all "
+        "threads), which other load on a shared machine disturbs far less than wall time.",
         "",
         "| S | pass | config | runs as | time (ms) | timed runs | time / jax.nn | GFLOP/s | "
-        "% of matmul | peak above inputs (MB) | XLA temp (MB) |",
-        "|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|",
+        "% of matmul | CPU time / jax.nn | % of matmul (CPU) | peak above inputs (MB) | "
+        "XLA temp (MB) |",
+        "|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         time_cell = _fmt(r.time_s and r.time_s * 1e3, ".1f") if r.status == "ok" else r.status
         pct = None if r.frac_of_matmul is None else 100 * r.frac_of_matmul
+        cpu_pct = None if r.cpu_frac_of_matmul is None else 100 * r.cpu_frac_of_matmul
         lines.append(
             f"| {r.seq} | {r.pass_} | `{r.config}` | {r.implementation} | {time_cell} | "
             f"{_runs(r) if r.time_s is not None else '–'} | "
             f"{_fmt(r.ratio_vs_jax_nn, '.2f')} | {_fmt(r.gflops, '.1f')} | {_fmt(pct, '.0f')} | "
+            f"{_fmt(r.cpu_ratio_vs_jax_nn, '.2f')} | {_fmt(cpu_pct, '.0f')} | "
             f"{_fmt(r.peak_above_inputs_mb, '.0f')} | {_fmt(r.xla_temp_mb, '.0f')} |"
         )
     return "\n".join(lines)
@@ -409,7 +432,7 @@ def markdown(rows: list[Row], info: dict) -> str:
 def write_csv(rows: list[Row], info: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fields = [f.name for f in dataclasses.fields(Row)]
-    extra = ("matmul_gflops", "causal", "dtype", "jax", "cpus", "date")
+    extra = ("matmul_gflops", "matmul_cpu_gflops", "causal", "dtype", "jax", "cpus", "date")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([n.rstrip("_") for n in fields] + list(extra))
