@@ -1,0 +1,499 @@
+"""Weight import: state dict round trips, both namings, error messages, hostile files.
+
+The expected parameter names are written out here from the PyTorch reference
+models (Wan2.1's `WanSelfAttention` / `WanT2VCrossAttention`, diffusers'
+`Attention` as CogVideoX and WanAttention use it), not derived from the library.
+Hostile `.safetensors` files are built byte by byte.
+"""
+
+import json
+import os
+import tracemalloc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax_eqx import interop, nn, parallel
+
+
+DIM, HEADS, CTX = 32, 4, 24
+
+WAN_LINEARS = ["q", "k", "v", "o"]
+DIFFUSERS_LINEARS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def _linear_names(linears):
+    return [f"{lin}.{p}" for lin in linears for p in ("weight", "bias")]
+
+
+# kind -> (constructor(key), {naming: expected names})
+KINDS = {
+    "RMSNorm": (lambda key: nn.RMSNorm(DIM), {"wan": ["weight"], "diffusers": ["weight"]}),
+    "TPShardedRMSNorm": (
+        lambda key: nn.TPShardedRMSNorm(DIM // 2, DIM),
+        {"wan": ["weight"], "diffusers": ["weight"]},
+    ),
+    "LayerNorm": (
+        lambda key: nn.LayerNorm(DIM),
+        {"wan": ["weight", "bias"], "diffusers": ["weight", "bias"]},
+    ),
+    "Attention": (
+        lambda key: nn.Attention(DIM, HEADS, key=key),
+        {
+            "wan": _linear_names(WAN_LINEARS) + ["norm_q.weight", "norm_k.weight"],
+            "diffusers": _linear_names(DIFFUSERS_LINEARS) + ["norm_q.weight", "norm_k.weight"],
+        },
+    ),
+    "CrossAttention": (
+        lambda key: nn.CrossAttention(DIM, HEADS, context_dim=CTX, key=key),
+        {
+            "wan": _linear_names(WAN_LINEARS) + ["norm_q.weight", "norm_k.weight"],
+            "diffusers": _linear_names(DIFFUSERS_LINEARS) + ["norm_q.weight", "norm_k.weight"],
+        },
+    ),
+    "JointAttention": (
+        lambda key: nn.JointAttention(DIM, HEADS, key=key),
+        {
+            "wan": _linear_names(WAN_LINEARS)
+            + ["norm_q.weight", "norm_q.bias", "norm_k.weight", "norm_k.bias"],
+            "diffusers": _linear_names(DIFFUSERS_LINEARS)
+            + ["norm_q.weight", "norm_q.bias", "norm_k.weight", "norm_k.bias"],
+        },
+    ),
+}
+
+
+def _randomize(module, seed):
+    """Every array leaf replaced by random values (norm weights included)."""
+    params, static = eqx.partition(module, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    leaves = [jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+
+
+def _make(kind, seed):
+    return _randomize(KINDS[kind][0](jax.random.PRNGKey(seed)), seed)
+
+
+def _arrays(module):
+    return jax.tree.leaves(eqx.filter(module, eqx.is_array))
+
+
+def _assert_same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(_arrays(a), _arrays(b)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _assert_differ(a, b):
+    assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(_arrays(a), _arrays(b)))
+
+
+def _snapshot(module):
+    return [np.array(x) for x in _arrays(module)]
+
+
+def _unchanged(module, snapshot):
+    return all(np.array_equal(np.asarray(x), s) for x, s in zip(_arrays(module), snapshot))
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("naming", interop.NAMINGS)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_round_trip(kind, naming):
+    source, target = _make(kind, 0), _make(kind, 1)
+    _assert_differ(source, target)
+    sd = interop.state_dict(source, naming=naming)
+    assert sorted(sd) == sorted(KINDS[kind][1][naming])
+    assert all(isinstance(v, np.ndarray) for v in sd.values())
+    loaded = interop.load_state_dict(target, sd)
+    _assert_same(loaded, source)
+    assert loaded is not target
+
+
+@pytest.mark.parametrize("kind", ["Attention", "JointAttention"])
+def test_namings_load_the_same(kind):
+    source, target = _make(kind, 0), _make(kind, 1)
+    wan = interop.load_state_dict(target, interop.state_dict(source, naming="wan"))
+    diffusers = interop.load_state_dict(target, interop.state_dict(source, naming="diffusers"))
+    _assert_same(wan, diffusers)
+
+
+def test_linear_layout_is_pytorch():
+    """PyTorch Linear.weight is (out, in), as eqx.nn.Linear.weight."""
+    m = nn.CrossAttention(DIM, HEADS, context_dim=CTX, key=jax.random.PRNGKey(0))
+    sd = interop.state_dict(m)
+    assert sd["k.weight"].shape == (DIM, CTX) and sd["k.bias"].shape == (DIM,)
+
+
+class Block(eqx.Module):
+    """A module tree with PyTorch names: Wan's block layout in miniature."""
+
+    self_attn: nn.Attention
+    norm3: nn.LayerNorm
+    ffn: eqx.nn.Sequential
+    modulation: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.self_attn = nn.Attention(DIM, HEADS, key=k1)
+        self.norm3 = nn.LayerNorm(DIM)
+        self.ffn = eqx.nn.Sequential([
+            eqx.nn.Linear(DIM, 2 * DIM, key=k2),
+            eqx.nn.Lambda(jax.nn.gelu),
+            eqx.nn.Linear(2 * DIM, DIM, key=k3),
+        ])
+        self.modulation = jnp.zeros((1, 6, DIM))
+
+
+def test_nested_module_names_and_prefix():
+    source, target = _randomize(Block(jax.random.PRNGKey(0)), 0), Block(jax.random.PRNGKey(1))
+    sd = interop.state_dict(source, naming="diffusers", prefix="blocks.3.")
+    assert {"blocks.3.self_attn.to_out.0.weight", "blocks.3.ffn.0.weight", "blocks.3.ffn.2.bias",
+            "blocks.3.norm3.bias", "blocks.3.modulation"} <= set(sd)
+    assert not any(".layers." in k for k in sd)
+    other = {"blocks.4.ffn.0.weight": np.zeros(3), "head.weight": np.zeros(2)}  # outside prefix
+    loaded = interop.load_state_dict(target, {**sd, **other}, prefix="blocks.3.")
+    _assert_same(loaded, source)
+
+
+def test_safetensors_round_trip(tmp_path):
+    source, target = _make("JointAttention", 0), _make("JointAttention", 1)
+    path = tmp_path / "model.safetensors"
+    interop.save_safetensors(source, path, naming="diffusers", prefix="transformer_blocks.0.attn1.",
+                             metadata={"format": "pt"})
+    f = interop.open_safetensors(path)
+    assert f.metadata == {"format": "pt"}
+    assert "transformer_blocks.0.attn1.to_out.0.weight" in f
+    assert f.shape("transformer_blocks.0.attn1.to_q.weight") == (DIM, DIM)
+    loaded = interop.load_state_dict(target, path, prefix="transformer_blocks.0.attn1.")
+    _assert_same(loaded, source)
+    loaded = interop.load_state_dict(target, str(path), prefix="transformer_blocks.0.attn1.")
+    _assert_same(loaded, source)
+    assert not [p for p in os.listdir(tmp_path) if p != "model.safetensors"]  # no temp files left
+
+
+def test_safetensors_interoperates_with_reference_package(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    source = _make("Attention", 0)
+    ours = tmp_path / "ours.safetensors"
+    interop.save_safetensors(source, ours)
+    theirs_read = st.load_file(str(ours))
+    for key, value in interop.state_dict(source).items():
+        np.testing.assert_array_equal(theirs_read[key], value)
+    theirs = tmp_path / "theirs.safetensors"
+    tensors = {k: v.astype(np.float16) for k, v in interop.state_dict(source).items()}
+    tensors["q.weight"] = tensors["q.weight"].astype(np.float64)
+    st.save_file(tensors, str(theirs))
+    loaded = interop.load_state_dict(_make("Attention", 1), theirs)
+    for key, value in interop.state_dict(loaded).items():
+        assert value.dtype == np.float32
+        np.testing.assert_array_equal(value, tensors[key].astype(np.float32))
+
+
+def test_float_dtypes_cast_to_module_dtype(tmp_path):
+    source = _make("Attention", 0)
+    target = nn.Attention(DIM, HEADS, dtype=jnp.bfloat16, key=jax.random.PRNGKey(1))
+    sd = interop.state_dict(source)
+    mixed = {k: v.astype([np.float16, np.float64, ml_dtypes.bfloat16][i % 3])
+             for i, (k, v) in enumerate(sd.items())}
+    loaded = interop.load_state_dict(target, mixed)
+    for key, value in interop.state_dict(loaded).items():
+        assert value.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(value, mixed[key].astype(ml_dtypes.bfloat16))
+    path = tmp_path / "bf16.safetensors"
+    interop.save_safetensors(loaded, path)  # bfloat16 on disk
+    assert interop.open_safetensors(path).dtype("q.weight") == ml_dtypes.bfloat16
+    _assert_same(interop.load_state_dict(target, path), loaded)
+
+
+def test_jax_arrays_and_torch_like_tensors():
+    source, target = _make("RMSNorm", 0), _make("RMSNorm", 1)
+    weight = source.weight
+
+    class FakeTensor:  # duck-typed like torch.Tensor, without torch
+        __module__ = "torch"
+
+        def __init__(self, array, dtype):
+            self.array, self.dtype, self.shape = array, dtype, array.shape
+
+        def detach(self):
+            return self
+
+        def cpu(self):
+            return self
+
+        def float(self):
+            return FakeTensor(self.array.astype(np.float32), "torch.float32")
+
+        def numpy(self):
+            if self.dtype == "torch.bfloat16":
+                raise TypeError("Got unsupported ScalarType BFloat16")
+            return self.array
+
+    _assert_same(interop.load_state_dict(target, {"weight": weight}), source)
+    bf16 = np.asarray(weight).astype(ml_dtypes.bfloat16)
+    loaded = interop.load_state_dict(target, {"weight": FakeTensor(bf16, "torch.bfloat16")})
+    np.testing.assert_array_equal(np.asarray(loaded.weight), bf16.astype(np.float32))
+
+
+def test_loaded_arrays_do_not_alias_the_source():
+    target = _make("RMSNorm", 1)
+    weight = np.ones(DIM, np.float32)
+    loaded = interop.load_state_dict(target, {"weight": weight})
+    weight[:] = 5.0
+    np.testing.assert_array_equal(np.asarray(loaded.weight), np.ones(DIM, np.float32))
+
+
+def test_sharding_is_kept():
+    mesh = parallel.make_mesh(tp=2)
+    module = nn.Attention(DIM, HEADS, parallel=nn.ParallelConfig(tp_axis="tp"),
+                          key=jax.random.PRNGKey(0))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), nn.partition_specs(module),
+                             is_leaf=lambda x: isinstance(x, P))
+    module = eqx.filter_shard(module, shardings)
+    loaded = interop.load_state_dict(module, interop.state_dict(_make("Attention", 3)))
+    for old, new in zip(_arrays(module), _arrays(loaded)):
+        assert new.sharding == old.sharding and new.committed
+    assert loaded.q.weight.sharding.spec == P("tp", None)
+    # An uncommitted module (plain initialization) gets uncommitted arrays, which
+    # jit may still place anywhere.
+    loaded = interop.load_state_dict(_make("Attention", 1), interop.state_dict(_make("Attention", 3)))
+    assert not any(x.committed for x in _arrays(loaded))
+
+
+def test_abstract_module_from_eval_shape():
+    abstract = eqx.filter_eval_shape(nn.Attention, DIM, HEADS, key=jax.random.PRNGKey(0))
+    assert isinstance(abstract.q.weight, jax.ShapeDtypeStruct)
+    source = _make("Attention", 0)
+    _assert_same(interop.load_state_dict(abstract, interop.state_dict(source)), source)
+    with pytest.raises(ValueError, match="abstract"):
+        interop.state_dict(abstract)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_all_problems_in_one_error_and_nothing_loaded():
+    target = _make("Attention", 1)
+    before = _snapshot(target)
+    sd = interop.state_dict(_make("Attention", 0))
+    del sd["q.bias"], sd["norm_k.weight"]
+    sd["extra.weight"] = np.zeros(3, np.float32)
+    sd["o.weight"] = np.zeros((DIM, DIM + 1), np.float32)
+    sd["v.bias"] = np.arange(DIM, dtype=np.int32)
+    with pytest.raises(ValueError) as info:
+        interop.load_state_dict(target, sd)
+    message = str(info.value)
+    assert "nothing was loaded" in message
+    assert "missing (2): 'q.bias' or 'to_q.bias', 'norm_k.weight'" in message
+    assert "unexpected (1): 'extra.weight'" in message
+    assert f"'o.weight': got ({DIM}, {DIM + 1}), expected ({DIM}, {DIM})" in message
+    assert "'v.bias': got int32, expected a floating dtype" in message
+    assert "strict=False" in message
+    assert _unchanged(target, before)
+
+
+def test_error_names_keys_with_prefix():
+    sd = interop.state_dict(_make("Attention", 0), naming="diffusers", prefix="blocks.0.attn1.")
+    del sd["blocks.0.attn1.to_out.0.weight"]
+    with pytest.raises(ValueError, match=r"missing \(1\): 'blocks.0.attn1.o.weight' or "
+                                         r"'blocks.0.attn1.to_out.0.weight'"):
+        interop.load_state_dict(_make("Attention", 1), sd, prefix="blocks.0.attn1.")
+
+
+def test_wrong_prefix_hint():
+    sd = interop.state_dict(_make("RMSNorm", 0), prefix="model.norm.")
+    with pytest.raises(ValueError, match=r"is `prefix` right\? The source's keys start with: "
+                                         r"'model.norm.weight'"):
+        interop.load_state_dict(_make("RMSNorm", 1), sd)
+
+
+@pytest.mark.parametrize("bad", [np.zeros(DIM, np.int64), np.zeros(DIM, bool),
+                                 np.zeros(DIM, np.complex64), np.array(["a"] * DIM)])
+def test_non_float_dtypes_rejected(bad):
+    with pytest.raises(ValueError, match=r"wrong dtype \(1\): 'weight': got"):
+        interop.load_state_dict(_make("RMSNorm", 1), {"weight": bad})
+
+
+def test_both_namings_at_once_rejected():
+    sd = interop.state_dict(_make("Attention", 0))
+    sd["to_q.weight"] = sd["q.weight"]
+    with pytest.raises(ValueError, match=r"both namings \(1\): 'q.weight' and 'to_q.weight'"):
+        interop.load_state_dict(_make("Attention", 1), sd)
+
+
+def test_non_strict():
+    source, target = _make("Attention", 0), _make("Attention", 1)
+    sd = interop.state_dict(source)
+    partial = {"q.weight": sd["q.weight"], "unused": np.zeros(2)}
+    loaded = interop.load_state_dict(target, partial, strict=False)
+    np.testing.assert_array_equal(np.asarray(loaded.q.weight), sd["q.weight"])
+    np.testing.assert_array_equal(np.asarray(loaded.k.weight), np.asarray(target.k.weight))
+    with pytest.raises(ValueError, match="no parameter matched"):
+        interop.load_state_dict(target, {"unused": np.zeros(2)}, strict=False)
+    no_params = nn.LayerNorm(DIM, elementwise_affine=False)
+    assert interop.load_state_dict(no_params, {}, strict=False) is not None
+    assert interop.load_state_dict(no_params, {}) is not None
+    with pytest.raises(ValueError, match="wrong shape"):  # shapes are checked all the same
+        interop.load_state_dict(target, {"q.weight": np.zeros((1, 1))}, strict=False)
+
+
+def test_bad_arguments(tmp_path):
+    target = _make("RMSNorm", 1)
+    with pytest.raises(ValueError, match="mapping of names to arrays or a path"):
+        interop.load_state_dict(target, [("weight", np.ones(DIM))])
+    with pytest.raises(ValueError, match="`prefix` must be a string"):
+        interop.load_state_dict(target, {}, prefix=None)
+    with pytest.raises(ValueError, match="`naming` must be one of"):
+        interop.state_dict(target, naming="torch")
+    for name in ("model.pt", "pytorch_model.bin", "model.ckpt"):
+        (tmp_path / name).write_bytes(b"\x80\x04not really a pickle")
+        with pytest.raises(ValueError, match="pickle-based"):
+            interop.load_state_dict(target, tmp_path / name)
+    with pytest.raises(ValueError, match="is a directory"):
+        interop.load_state_dict(target, tmp_path)
+    with pytest.raises(FileNotFoundError):
+        interop.load_state_dict(target, tmp_path / "absent.safetensors")
+
+
+# -- hostile .safetensors files -------------------------------------------------------------
+
+
+def _raw_file(path, header, data=b"", length=None):
+    """A file of `length` (default: the true header length), the header and the data."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(raw) if length is None else length
+    path.write_bytes(np.array([n], "<u8").tobytes() + raw + data)
+    return path
+
+
+def _entry(dtype="F32", shape=(2,), offsets=(0, 8)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+def _valid(tmp_path):
+    path = tmp_path / "valid.safetensors"
+    interop.save_safetensors(_make("Attention", 0), path)
+    return path
+
+
+HOSTILE = {
+    "empty file": lambda p: (p.write_bytes(b"") or p, "shorter than the 8-byte"),
+    "header length beyond the file": lambda p: (_raw_file(p, b"{}", length=1000), "claims 1000 bytes"),
+    "header length over the cap": lambda p: (
+        _raw_file(p, b"{}", length=interop.MAX_HEADER_BYTES + 1), "limit"),
+    "header length 2**64 - 1": lambda p: (_raw_file(p, b"{}", length=2**64 - 1), "limit"),
+    "header not JSON": lambda p: (_raw_file(p, b"{'q.weight': pickle}"), "not valid UTF-8 JSON"),
+    "header not UTF-8": lambda p: (_raw_file(p, b'{"\xff\xfe": 1}'), "not valid UTF-8 JSON"),
+    "header a list": lambda p: (_raw_file(p, [1, 2]), "not an object"),
+    "deeply nested header": lambda p: (_raw_file(p, b"[" * 200_000 + b"]" * 200_000),
+                                       "not valid UTF-8 JSON"),
+    "duplicate key": lambda p: (_raw_file(p, b'{"w": %s, "w": %s}' % (
+        json.dumps(_entry()).encode(), json.dumps(_entry()).encode()), bytes(8)), "duplicate key"),
+    "bad metadata": lambda p: (_raw_file(p, {"__metadata__": {"a": 1}}), "__metadata__"),
+    "entry not an object": lambda p: (_raw_file(p, {"w": [1]}), "exactly the keys"),
+    "extra entry field": lambda p: (_raw_file(p, {"w": {**_entry(), "x": 1}}, bytes(8)),
+                                    "exactly the keys"),
+    "unknown dtype": lambda p: (_raw_file(p, {"w": _entry(dtype="F128")}, bytes(8)),
+                                "unknown dtype 'F128'"),
+    "negative dim": lambda p: (_raw_file(p, {"w": _entry(shape=(-2,))}, bytes(8)), "non-negative"),
+    "bool dim": lambda p: (_raw_file(p, {"w": _entry(shape=(True, 2))}, bytes(8)), "non-negative"),
+    "float dim": lambda p: (_raw_file(p, {"w": _entry(shape=(2.0,))}, bytes(8)), "non-negative"),
+    "offsets out of range": lambda p: (_raw_file(p, {"w": _entry(offsets=(0, 8))}, bytes(4)),
+                                       "outside the data section"),
+    "offsets reversed": lambda p: (_raw_file(p, {"w": _entry(offsets=(8, 0))}, bytes(8)),
+                                   "outside the data section"),
+    "offsets not ints": lambda p: (_raw_file(p, {"w": _entry(offsets=(0, "8"))}, bytes(8)),
+                                   "expected \\[begin, end\\]"),
+    "shape / bytes mismatch": lambda p: (_raw_file(p, {"w": _entry(shape=(3,))}, bytes(8)),
+                                         "needs 12 bytes"),
+    "forged huge shape": lambda p: (_raw_file(p, {"w": _entry(shape=[2**62] * 1000)}, bytes(8)),
+                                    "needs more than 8 bytes"),
+    "overlapping tensors": lambda p: (_raw_file(p, {"a": _entry(), "b": _entry(offsets=(4, 12))},
+                                                bytes(12)), "overlaps"),
+    "gap between tensors": lambda p: (_raw_file(p, {"a": _entry(), "b": _entry(offsets=(12, 20))},
+                                                bytes(20)), "gap"),
+    "trailing bytes": lambda p: (_raw_file(p, {"a": _entry()}, bytes(16)), "trailing"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_file_rejected(tmp_path, case):
+    path, match = HOSTILE[case](tmp_path / "bad.safetensors")
+    target = _make("RMSNorm", 1)
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match=match) as info:
+        interop.load_state_dict(target, path)
+    assert "is not a valid .safetensors file" in str(info.value)
+    assert len(str(info.value)) < 1000
+    assert _unchanged(target, before)
+
+
+def test_huge_header_length_allocates_nothing(tmp_path):
+    path = _raw_file(tmp_path / "bad.safetensors", b"{}", length=interop.MAX_HEADER_BYTES)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="claims"):
+            interop.open_safetensors(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+@pytest.mark.parametrize("keep", [8 + 4, -1, -200])
+def test_truncated_file_rejected(tmp_path, keep):
+    path = _valid(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:keep])
+    target = _make("Attention", 1)
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match="is not a valid .safetensors file"):
+        interop.load_state_dict(target, path)
+    assert _unchanged(target, before)
+
+
+def test_corrupt_byte_in_header_rejected(tmp_path):
+    path = _valid(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[20] = ord("}")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="is not a valid .safetensors file"):
+        interop.open_safetensors(path)
+
+
+def test_wrong_tensors_in_file_checked_before_reading(tmp_path, monkeypatch):
+    """Mis-shaped and integer tensors are reported from the header alone."""
+    sd = interop.state_dict(_make("Attention", 0))
+    sd["q.weight"] = np.zeros((DIM, 2), np.float32)
+    sd["k.bias"] = np.zeros(DIM, np.int32)
+    path = tmp_path / "wrong.safetensors"
+    interop.save_safetensors(sd, path)  # a dict is saved under its own names
+    assert sorted(interop.open_safetensors(path)) == sorted(sd)
+
+    def no_reading(self, name):
+        raise AssertionError(f"tensor {name!r} was read")
+
+    monkeypatch.setattr(interop.SafetensorsFile, "__getitem__", no_reading)
+    with pytest.raises(ValueError) as info:
+        interop.load_state_dict(_make("Attention", 1), path)
+    assert f"'q.weight': got ({DIM}, 2), expected ({DIM}, {DIM})" in str(info.value)
+    assert "'k.bias': got int32, expected a floating dtype" in str(info.value)
+
+
+def test_file_changed_after_opening(tmp_path):
+    path = _valid(tmp_path)
+    f = interop.open_safetensors(path)
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(ValueError, match="size changed"):
+        f["q.weight"]

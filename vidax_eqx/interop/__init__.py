@@ -1,0 +1,16 @@
+"""Weight import: PyTorch-style state dicts and `.safetensors` files <-> Equinox modules.
+
+Names follow the PyTorch reference models, in Wan's naming (`q, k, v, o`) or
+diffusers' (`to_q, to_k, to_v, to_out.0`). `.safetensors` files are read by a
+strict reader of the documented format: no pickle, nothing executed, bounded
+allocation, every header field checked before any tensor data is read.
+"""
+
+from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile as SafetensorsFile
+from ._state_dict import (
+    load_state_dict as load_state_dict,
+    NAMINGS as NAMINGS,
+    open_safetensors as open_safetensors,
+    save_safetensors as save_safetensors,
+    state_dict as state_dict,
+)

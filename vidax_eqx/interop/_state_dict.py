@@ -1,0 +1,399 @@
+"""PyTorch-style state dicts <-> Equinox modules: names, checks, and one-shot replacement."""
+
+import os
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+from .. import nn
+from ._safetensors import SafetensorsFile, write_safetensors
+
+
+NAMINGS = ("wan", "diffusers")
+
+# The attention projections under each naming: Wan's reference model calls them
+# `q, k, v, o`; diffusers (WanAttention, CogVideoX's Attention) `to_q, to_k,
+# to_v, to_out.0` (`to_out` is a ModuleList of the Linear and a Dropout).
+# Field name (either naming) -> (wan name, diffusers name).
+_PROJECTIONS = {
+    "q": ("q", "to_q"),
+    "k": ("k", "to_k"),
+    "v": ("v", "to_v"),
+    "o": ("o", "to_out.0"),
+    "to_q": ("q", "to_q"),
+    "to_k": ("k", "to_k"),
+    "to_v": ("v", "to_v"),
+    "to_out": ("o", "to_out.0"),
+}
+_ATTENTION_TYPES = (nn.Attention, nn.CrossAttention, nn.JointAttention)
+
+# Pickle-based PyTorch formats: loading one would run arbitrary code.
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+
+
+def _renames(node) -> dict[str, tuple[str, str]]:
+    """Field name -> (wan name, diffusers name) for the children of `node`."""
+    if isinstance(node, eqx.nn.Sequential):
+        return {"layers": ("", "")}  # torch.nn.Sequential names its children 0, 1, ...
+    if isinstance(node, _ATTENTION_TYPES):
+        return _PROJECTIONS
+    return {}
+
+
+def _is_parameter(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _check_naming(naming) -> int:
+    if naming not in NAMINGS:
+        raise ValueError(f"`naming` must be one of {NAMINGS}; received {naming!r}.")
+    return NAMINGS.index(naming)
+
+
+def _named_parameters(module) -> tuple[list, list[tuple[str, str]], jax.tree_util.PyTreeDef]:
+    """The module's leaves, and for each array leaf its (wan, diffusers) names.
+
+    Names are PyTorch's: attribute names and sequence indices joined by dots,
+    with the renames of `_renames` applied at each level. Leaves that are not
+    arrays (functions, Python scalars) get `None` and are not parameters.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        module, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    )
+    leaves, names = [], []
+    for path, leaf in flat:
+        leaves.append(leaf)
+        if not _is_parameter(leaf):
+            names.append(None)
+            continue
+        parts: list[list[str]] = [[], []]
+        node = module
+        for key in path:
+            if isinstance(key, GetAttrKey):
+                field, child = key.name, getattr(node, key.name, None)
+            elif isinstance(key, SequenceKey):
+                field, child = str(key.idx), node[key.idx]
+            elif isinstance(key, DictKey):
+                field, child = str(key.key), node[key.key]
+            else:  # a pytree without named children: its flat index
+                field, child = str(getattr(key, "key", key)), None
+            renamed = _renames(node).get(field, (field, field))
+            for i in (0, 1):
+                if renamed[i]:
+                    parts[i].append(renamed[i])
+            node = child
+        names.append((".".join(parts[0]), ".".join(parts[1])))
+    for i, naming in enumerate(NAMINGS):
+        seen = set()
+        for pair in names:
+            if pair is not None and pair[i] in seen:
+                raise ValueError(
+                    f"two parameters of {type(module).__name__} share the {naming} name "
+                    f"{pair[i]!r}; a state dict cannot address them separately."
+                )
+            if pair is not None:
+                seen.add(pair[i])
+    return leaves, names, treedef
+
+
+def _dtype_of(value) -> np.dtype | None:
+    """`value.dtype` as a NumPy dtype (NumPy, JAX, or a torch tensor's dtype), or None."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return np.dtype(getattr(ml_dtypes, name, name))
+    except TypeError:
+        return None
+
+
+def _is_torch(value) -> bool:
+    return type(value).__module__.split(".")[0] == "torch" and hasattr(value, "numpy")
+
+
+def _to_numpy(value) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if _is_torch(value):  # duck-typed: torch is never imported here
+        value = value.detach().cpu()
+        try:
+            return value.numpy()
+        except TypeError:  # bfloat16, float8: no NumPy dtype in torch; exact in float32
+            return value.float().numpy()
+    return np.asarray(value)
+
+
+def _describe(value) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+    shape = getattr(value, "shape", None)
+    try:
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        shape = None
+    return shape, _dtype_of(value)
+
+
+def _is_float(dtype) -> bool:
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _place(array: np.ndarray, like):
+    """`array` as a JAX array placed as the leaf `like` is.
+
+    With `like`'s sharding when that was committed (`device_put`, `filter_shard`) or
+    given (a `ShapeDtypeStruct`'s); uncommitted on the default device otherwise, so
+    that `jit` may still place it anywhere.
+    """
+    sharding = None
+    if isinstance(like, jax.ShapeDtypeStruct):
+        sharding = like.sharding
+    elif isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
+        sharding = like.sharding
+    return jax.device_put(array, sharding)
+
+
+def _fmt_keys(keys, limit=None) -> str:
+    return ", ".join(keys if limit is None else keys[:limit])
+
+
+def _open(path) -> SafetensorsFile:
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        raise ValueError(
+            f"`source` {text!r} is a directory; pass one .safetensors file, or for a sharded "
+            "checkpoint a merged mapping: collections.ChainMap(*(open_safetensors(p) for p in "
+            "paths))."
+        )
+    if text.lower().endswith(_PICKLE_SUFFIXES):
+        raise ValueError(
+            f"`source` {text!r} looks like a pickle-based PyTorch checkpoint, which can run "
+            "arbitrary code when loaded and is never unpickled here. Convert it to "
+            ".safetensors where you trust it (safetensors.torch.save_file(torch.load(path, "
+            "weights_only=True), out)), or pass a mapping of arrays."
+        )
+    return SafetensorsFile(text)
+
+
+def open_safetensors(path) -> SafetensorsFile:
+    """Opens a `.safetensors` file as a read-only mapping of names to NumPy arrays.
+
+    The header is validated strictly on opening (bounded header length, JSON
+    only, known dtypes, shapes that match byte lengths, offsets inside the file,
+    no overlapping tensors); a bad file raises `ValueError` before any tensor
+    data is read. Tensors are then read one at a time, on access, so a large
+    checkpoint is never held in memory whole; `.shape(name)` and `.dtype(name)`
+    answer from the header. No pickle, nothing executed.
+
+    A sharded checkpoint is one mapping through
+    `collections.ChainMap(*(open_safetensors(p) for p in paths))`.
+
+    **Arguments:**
+
+    - `path`: the file.
+
+    **Returns:**
+
+    A `Mapping[str, numpy.ndarray]` (bfloat16 / float8 as `ml_dtypes` dtypes),
+    with a `metadata` dict of the file's `__metadata__` strings.
+    """
+    return _open(path)
+
+
+def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
+    """Loads PyTorch weights into an Equinox module: a new module, every parameter replaced.
+
+    Parameter names are PyTorch's: a module's array fields joined by dots
+    (`q.weight`, `norm_q.weight`, `self_attn.o.bias`; list and
+    `eqx.nn.Sequential` children by index, `ffn.0.weight`). The attention
+    modules accept both namings of their projections: Wan's reference names
+    `q, k, v, o` and diffusers' `to_q, to_k, to_v, to_out.0` (`norm_q` and
+    `norm_k` are the same in both). A PyTorch `Linear.weight` `(out, in)` is
+    `eqx.nn.Linear.weight` as is. Works on any module tree whose field names
+    follow the PyTorch model, e.g. a whole DiT block with `prefix="blocks.0."`.
+
+    Every shape is checked; tensors of any floating dtype (float16, bfloat16,
+    float32, float64, float8) are cast to the dtype of the parameter they
+    replace, i.e. the module's dtype (build the module with `dtype=` to choose
+    it). Integer, boolean and complex tensors are rejected. Each new array is
+    placed as the array it replaces: with its sharding where that was committed
+    (`jax.device_put`, `eqx.filter_shard`), uncommitted on the default device
+    otherwise. Nothing is partially
+    loaded: every check runs, and every new array is built, before the new
+    module is assembled; on any error the module you passed is untouched.
+
+    A module built abstractly (`eqx.filter_eval_shape(Module, ..., key=...)`,
+    whose leaves are `jax.ShapeDtypeStruct`) works too: it is filled without
+    ever allocating random initial weights.
+
+    **Arguments:**
+
+    - `module`: the module to fill (an `eqx.Module` or any pytree of them).
+    - `source`: a mapping of names to arrays (NumPy, JAX, or `torch.Tensor`,
+        which is duck-typed; torch is never imported), or a path to a
+        `.safetensors` file (read by [`open_safetensors`][]: lazily and without
+        pickle). Pickle-based `.pt` / `.bin` checkpoints are refused.
+    - `prefix`: prepended to every parameter name, e.g. `"blocks.0.self_attn."`;
+        keys of `source` that do not start with it are ignored.
+    - `strict`: with `True`, every parameter must be found exactly once and
+        every key under `prefix` must be used. With `False`, missing parameters
+        keep their current values and unused keys are ignored (but at least one
+        key must match, and shapes and dtypes are still checked).
+
+    **Returns:**
+
+    A new module of the same structure with the loaded arrays.
+
+    **Raises:**
+
+    `ValueError` listing, in one message, every missing, unexpected, doubly
+    given (both namings), mis-shaped and wrongly typed tensor by name; or for a
+    malformed `.safetensors` file.
+    """
+    if not isinstance(prefix, str):
+        raise ValueError(f"`prefix` must be a string; received {prefix!r}.")
+    if isinstance(source, (str, os.PathLike)):
+        source = _open(source)
+    elif not isinstance(source, Mapping):
+        raise ValueError(
+            "`source` must be a mapping of names to arrays or a path to a .safetensors file; "
+            f"received {type(source).__name__}."
+        )
+    leaves, names, treedef = _named_parameters(module)
+    what = type(module).__name__ + (f" (prefix={prefix!r})" if prefix else "")
+
+    keys = {}
+    unexpected = []
+    for key in source.keys():
+        if isinstance(key, str) and key.startswith(prefix):
+            keys[key[len(prefix):]] = key
+        elif not isinstance(key, str):
+            unexpected.append(repr(key))
+    used = set()
+    missing, doubled, wrong_shape, wrong_dtype = [], [], [], []
+    matched = {}  # leaf index -> key of source
+    for i, pair in enumerate(names):
+        if pair is None:
+            continue
+        candidates = list(dict.fromkeys(pair))
+        hits = [keys[c] for c in candidates if c in keys]
+        used.update(hits)
+        if not hits:
+            missing.append(" or ".join(repr(prefix + c) for c in candidates))
+        elif len(hits) > 1:
+            doubled.append(" and ".join(repr(h) for h in hits))
+        else:
+            matched[i] = hits[0]
+    unexpected += [repr(k) for k in keys.values() if k not in used]
+
+    values = {}
+    for i, key in matched.items():
+        leaf = leaves[i]
+        if isinstance(source, SafetensorsFile):  # check from the header; read later
+            shape, dtype = source.shape(key), source.dtype(key)
+        else:
+            values[i] = source[key]
+            if not hasattr(values[i], "shape"):
+                values[i] = np.asarray(values[i])
+            shape, dtype = _describe(values[i])
+        if shape != tuple(leaf.shape):
+            wrong_shape.append(f"{key!r}: got {shape}, expected {tuple(leaf.shape)}")
+        want_float = _is_float(leaf.dtype)
+        if (want_float and not _is_float(dtype)) or (not want_float and dtype != leaf.dtype):
+            expected = "a floating dtype" if want_float else str(np.dtype(leaf.dtype))
+            wrong_dtype.append(f"{key!r}: got {dtype if dtype is not None else 'no dtype'}, "
+                               f"expected {expected}")
+
+    problems = []
+    if strict:
+        if missing:
+            problems.append(f"missing ({len(missing)}): {_fmt_keys(missing)}")
+        if unexpected:
+            problems.append(f"unexpected ({len(unexpected)}): {_fmt_keys(unexpected)}")
+    elif missing and not matched and not doubled:
+        problems.append(f"no parameter matched a key of `source` (missing: {_fmt_keys(missing)})")
+    if doubled:
+        problems.append(f"given under both namings ({len(doubled)}): {_fmt_keys(doubled)}")
+    if wrong_shape:
+        problems.append(f"wrong shape ({len(wrong_shape)}): {'; '.join(wrong_shape)}")
+    if wrong_dtype:
+        problems.append(f"wrong dtype ({len(wrong_dtype)}): {'; '.join(wrong_dtype)}")
+    if problems:
+        hints = []
+        if strict and missing and not matched:
+            sample = _fmt_keys([repr(k) for k in source.keys()], 3)
+            hints.append(f"No parameter was found: is `prefix` right? The source's keys start "
+                         f"with: {sample}.")
+        if strict and (missing or unexpected):
+            hints.append("Pass strict=False to keep missing parameters and ignore unused keys.")
+        raise ValueError(
+            f"load_state_dict: the tensors do not fit {what}; nothing was loaded.\n  "
+            + "\n  ".join(problems)
+            + ("\n" + " ".join(hints) if hints else "")
+        )
+
+    new_leaves = list(leaves)
+    for i, key in matched.items():
+        if isinstance(source, SafetensorsFile):  # a fresh buffer that nothing else holds
+            array = source[key].astype(np.dtype(leaves[i].dtype), copy=False)
+        else:  # copy: on CPU, device_put may alias the caller's NumPy memory
+            array = np.array(_to_numpy(values[i]), dtype=np.dtype(leaves[i].dtype), copy=True)
+        new_leaves[i] = _place(array, leaves[i])
+    return jax.tree_util.tree_unflatten(treedef, new_leaves)
+
+
+def state_dict(module, *, naming: str = "wan", prefix: str = "") -> dict[str, np.ndarray]:
+    """The module's parameters as a PyTorch-style state dict of NumPy arrays.
+
+    **Arguments:**
+
+    - `module`: an `eqx.Module` (or any pytree of them) with concrete arrays.
+    - `naming`: `"wan"` (attention projections `q, k, v, o`) or `"diffusers"`
+        (`to_q, to_k, to_v, to_out.0`); see [`load_state_dict`][].
+    - `prefix`: prepended to every name.
+
+    **Returns:**
+
+    A dict from name to a read-only NumPy array of each parameter, in its own
+    dtype (bfloat16 as `ml_dtypes.bfloat16`; a view of the device buffer where
+    the platform allows, so no copy on CPU). `load_state_dict(module, state_dict(module))`
+    gives back the same parameters.
+    """
+    index = _check_naming(naming)
+    leaves, names, _ = _named_parameters(module)
+    out = {}
+    for leaf, pair in zip(leaves, names):
+        if pair is None:
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(
+                f"state_dict needs concrete arrays; parameter {prefix + pair[index]!r} is an "
+                "abstract jax.ShapeDtypeStruct (from eval_shape). Load or initialize it first."
+            )
+        out[prefix + pair[index]] = np.asarray(leaf)
+    return out
+
+
+def save_safetensors(module, path, *, naming: str = "wan", prefix: str = "", metadata=None) -> None:
+    """Writes the module's parameters to a `.safetensors` file.
+
+    The names are those of [`state_dict`][]; the file reads back with
+    [`load_state_dict`][], and with the `safetensors` package (and so PyTorch).
+    The file is written beside `path` and renamed into place.
+
+    **Arguments:**
+
+    - `module`: an `eqx.Module` with concrete arrays, or any pytree of arrays (a
+        dict of names to arrays is written under those names).
+    - `path`: the file to write.
+    - `naming`: `"wan"` or `"diffusers"`.
+    - `prefix`: prepended to every name.
+    - `metadata`: optional `dict[str, str]` stored as the file's `__metadata__`.
+    """
+    write_safetensors(path, state_dict(module, naming=naming, prefix=prefix), metadata)
