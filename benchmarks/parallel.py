@@ -13,7 +13,18 @@ measures, forward (`fwd`) and forward+backward (`fwd+bwd`: the gradient of
   (`--usp U R`; non-causal, contiguous ring), on `make_mesh(sp=U,
   extra_axes={"ring": R})` with the sequence sharded ring-major
   (`PartitionSpec(None, ("ring", "sp"))`, as `usp_attention` documents), when the
-  library has it (reported "not available" otherwise).
+  library has it (reported "not available" otherwise);
+- `ring-mask-full`, `ring-mask-25%`: the kernel object of
+  `parallel.make_ring_attention` (contiguous ring, closed over, so its block
+  plan is static) built from a dense `(S, S)` NumPy mask: all True (the plan
+  sees that it hides nothing, so every step runs without a mask, like
+  `ring-contiguous`), and block-sparse at 25% density (each device's queries see
+  whole key blocks: their own and one other, 2 of 8; the other 6 steps are
+  skipped, though their K/V still travel the ring). The 25% row is timed against
+  the full-mask row (`time / single` holds that ratio; target <= 0.35: skipped
+  blocks cost nothing). Both hold an `S^2`-byte mask on every device, so they run
+  for S <= `--mask-max-seq` only; with `--quick`'s single run at S <= 4096 the
+  fixed per-hop cost and the noise of a shared machine weigh more than at 8192.
 
 Every parallel configuration runs the same kernel (`implementation="blockwise"`)
 inside `jax.shard_map` over `make_mesh`, on inputs already sharded along the
@@ -127,12 +138,16 @@ class Config:
     """
 
     name: str
-    kind: str  # "single" | "ulysses" | "ring" | "usp"
+    kind: str  # "single" | "ulysses" | "ring" | "usp" | "ring-mask"
     causal: bool = False
     layout: str = "contiguous"  # ring layout ("usp": the layout of its ring)
+    mask: str | None = None  # "ring-mask" (and its "single" reference): see `dense_mask`
+    against: str | None = None  # the row `time / single` compares with, if not `single`
 
     @property
     def baseline(self) -> str:
+        if self.against is not None:
+            return self.against
         return "single-causal" if self.causal else "single"
 
     @property
@@ -152,17 +167,40 @@ def configs(usp: tuple[int, int]) -> list[Config]:
         Config("ring-zigzag", "ring", layout="zigzag"),
         Config("ring-zigzag-causal", "ring", causal=True, layout="zigzag"),
         Config(f"usp-{u}x{r}", "usp"),
-        # Extension point (issue 6, `make_ring_attention` with a dense 2D mask):
-        # a "ring-mask" kind whose `build` branch makes the kernel object from a
-        # block-sparse (S, S) NumPy mask, and two entries here, the full mask and
-        # one at 25% block density, the latter timed against the former (make
-        # `Config.baseline` a field) rather than against `single`. `theory_bytes`
-        # (the ring's) and `work` (the mask's visible blocks per device) need a
-        # case for it; the HLO byte counting needs nothing.
+        # `make_ring_attention` with a dense 2D mask: block-sparse against full.
+        Config("ring-mask-full", "ring-mask", mask="full"),
+        Config("ring-mask-25%", "ring-mask", mask="sparse25", against="ring-mask-full"),
     ]
 
 
-CONFIG_NAMES_HELP = "single, single-causal, ulysses, ring-{contiguous,zigzag}[-causal], usp-UxR"
+CONFIG_NAMES_HELP = (
+    "single, single-causal, ulysses, ring-{contiguous,zigzag}[-causal], usp-UxR, "
+    "ring-mask-{full,25%%}"  # %% for argparse
+)
+
+
+def dense_mask(name: str, S: int):
+    """The global `(S, S)` bool NumPy mask of a "ring-mask" row (deterministic, so
+    parent and child build the same one).
+
+    `"full"`: all True. `"sparse25"`: in blocks of the ring's local length
+    `L = S / 8`, query block `r` sees key blocks `r` and one other (a random
+    derangement of the blocks), so every device computes 2 of its 8 ring steps:
+    25% of the pairs, evenly spread.
+    """
+    import numpy as np
+
+    if name == "full":
+        return np.ones((S, S), bool)
+    n, L = N_DEVICES, S // N_DEVICES
+    rng = np.random.default_rng(0)
+    while True:
+        other = rng.permutation(n)
+        if (other != np.arange(n)).all():
+            break
+    blocks = np.eye(n, dtype=bool)
+    blocks[np.arange(n), other] = True
+    return np.kron(blocks, np.ones((L, L), bool)).astype(bool)
 
 
 # --------------------------------------------------------------------------- #
@@ -182,8 +220,10 @@ def build(cfg: Config, args):
     from vidax_eqx import kernels, parallel
 
     if cfg.kind == "single":
+        mask = None if cfg.mask is None else dense_mask(cfg.mask, args.child_seq)
+
         def attend(q, k, v):
-            return kernels.attention(q, k, v, causal=cfg.causal, implementation=KERNEL)
+            return kernels.attention(q, k, v, causal=cfg.causal, mask=mask, implementation=KERNEL)
 
         return attend, jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -216,6 +256,16 @@ def build(cfg: Config, args):
                     q, k, v, axis_name=parallel.SP_AXIS, causal=cfg.causal,
                     layout=cfg.layout, implementation=KERNEL,
                 )
+        elif cfg.kind == "ring-mask":
+            if not hasattr(parallel, "make_ring_attention"):
+                raise NotAvailable("not available (vidax_eqx.parallel has no make_ring_attention)")
+            if args.child_seq > args.mask_max_seq:
+                raise NotAvailable(f"skipped (dense mask, S > --mask-max-seq {args.mask_max_seq})")
+            kernel = parallel.make_ring_attention(
+                dense_mask(cfg.mask, args.child_seq), ring_axis=parallel.SP_AXIS,
+                layout=cfg.layout, implementation=KERNEL,
+            )
+            local = kernel  # closed over: the mask is concrete, the block plan static
         else:
             raise ValueError(f"unknown configuration kind {cfg.kind!r}")
     attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
@@ -418,7 +468,7 @@ def theory_bytes(cfg: Config, pass_: str, S: int, args) -> float | None:
     S_b = S * args.batch
     if cfg.kind == "single":
         return 0.0
-    if cfg.kind == "ring":
+    if cfg.kind in ("ring", "ring-mask"):
         return _ring_bytes(pass_, N_DEVICES, S_b, H_kv, D, b)
     if cfg.kind == "ulysses":
         reps = parallel.kv_head_repeats(H, H_kv, N_DEVICES)
@@ -444,6 +494,11 @@ def work(cfg: Config, S: int, args) -> tuple[float | None, float | None]:
     elif cfg.kind == "usp":
         u, r = args.usp
         w = parallel.ring_work(S, r, layout=cfg.layout, causal=cfg.causal)
+    elif cfg.kind == "ring-mask":
+        if S > args.mask_max_seq:
+            return None, None
+        kernel = parallel.make_ring_attention(dense_mask(cfg.mask, S), layout=cfg.layout)
+        w = kernel.work(N_DEVICES)
     elif cfg.kind == "ulysses":  # every device: the whole sequence for H / n heads
         return 1.0, None
     else:
@@ -541,7 +596,7 @@ def _check(cfg: Config, pass_: str, out, host, args) -> float:
     import jax
 
     to_global, from_global = _zigzag_views(cfg)
-    single, sharding = build(Config("ref", "single", causal=cfg.causal), args)
+    single, sharding = build(Config("ref", "single", causal=cfg.causal, mask=cfg.mask), args)
     fn, n_in = pass_fn(single, pass_)
     xs = [jax.device_put(x, sharding) for x in host]
     ins = [to_global(x) for x in xs[:3]] + [to_global(x) for x in xs[3:n_in]]
@@ -561,6 +616,7 @@ def spawn_child(args, cfg: Config, seq: int) -> dict[str, dict]:
         "--repeats", str(args.repeats), "--target-seconds", str(args.target_seconds),
         "--single-run-seconds", str(args.single_run_seconds),
         "--check-max-seq", str(args.check_max_seq), "--usp", *map(str, args.usp),
+        "--mask-max-seq", str(args.mask_max_seq),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     results: dict[str, dict] = {}
@@ -780,6 +836,22 @@ def notes(rows: list[Row], info: dict, args) -> str:
             "- HLO bytes match the theoretical minimum on every parallel row "
             f"(largest deviation x{worst.bytes_over_theory:.3f}, {worst.config} {worst.pass_})."
         )
+    for pass_ in PASSES:
+        for seq in sorted({x.seq for x in rows}):
+            by = {x.config: x for x in rows if x.pass_ == pass_ and x.seq == seq}
+            sparse, full, plain = by.get("ring-mask-25%"), by.get("ring-mask-full"), by.get("ring-contiguous")
+            if sparse is None or sparse.time_s is None or full is None or not full.time_s:
+                continue
+            vs_plain = (
+                f", x{sparse.time_s / plain.time_s:.2f} the mask-free `ring-contiguous`"
+                if plain is not None and plain.time_s else ""
+            )
+            verdict = "meets" if sparse.time_s / full.time_s <= 0.35 else "MISSES"
+            out.append(
+                f"- S={seq} {pass_}: `ring-mask-25%` takes x{sparse.time_s / full.time_s:.2f} the "
+                f"time of `ring-mask-full` ({verdict} the 0.35 target){vs_plain}; its schedule "
+                f"hands the kernel {_fmt(sparse.pairs_over_s2, '.3f')} of the pairs."
+            )
     bad = [x for x in rows if x.max_rel_err is not None and x.max_rel_err > 1e-4]
     if bad:
         out.append("- LARGE ERRORS: " + "; ".join(f"S={x.seq} {x.pass_} {x.config} {x.max_rel_err:.1e}" for x in bad))
@@ -841,6 +913,9 @@ def parse_args(argv=None):
     p.add_argument("--check-max-seq", type=int, default=8192,
                    help="compare outputs and gradients with the baseline up to this S "
                    "(default 8192; costs one baseline run per configuration)")
+    p.add_argument("--mask-max-seq", type=int, default=8192,
+                   help="run the ring-mask rows (a dense (S, S) mask on every device) up "
+                   "to this S (default 8192)")
     p.add_argument("--csv", default=None, help=f"CSV output (default {rel(DEFAULT_CSV)}; "
                    f"{rel(QUICK_CSV)} with --quick)")
     p.add_argument("--quick", action="store_true",

@@ -30,3 +30,14 @@ from ._ring import (
     zigzag_unpermute as zigzag_unpermute,
 )
 from ._usp import usp_attention as usp_attention
+from ._ring_kernel import (
+    AbstractMask as AbstractMask,
+    CausalMask as CausalMask,
+    DenseMask as DenseMask,
+    FullMask as FullMask,
+    LocalMask as LocalMask,
+    LogicalAnd as LogicalAnd,
+    LogicalOr as LogicalOr,
+    make_ring_attention as make_ring_attention,
+    RingAttentionKernel as RingAttentionKernel,
+)

@@ -199,6 +199,9 @@ _BRANCHES: tuple[tuple[int | None, int | None] | None, ...] = (
     (0, None),  # the first query chunk against every key
 )
 _SKIP, _FULL = 0, 1
+# A step mask's plan (see `_step_plan`) may add `_UNMASKED` to a branch index: the
+# mask hides nothing in that step's block, so the kernel runs without `mask=`.
+_UNMASKED = len(_BRANCHES)
 
 
 def _may_see(causal: bool, window, q_pos: np.ndarray, kv_pos: np.ndarray) -> bool:
@@ -255,7 +258,7 @@ def _plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.n
 
 
 def _branch_slices(index: int, parts: int, length_q: int, length_k: int) -> tuple[slice, slice]:
-    a, b = _BRANCHES[index]
+    a, b = _BRANCHES[index % _UNMASKED]
     full = slice(None)
     qs = full if a is None else _part_slices(length_q, parts)[a]
     ks = full if b is None else _part_slices(length_k, parts)[b]
@@ -274,15 +277,20 @@ def _segments_meet(seg_q: jax.Array, seg_kv: jax.Array) -> jax.Array:
     return jnp.any((q_hi >= k_lo) & (q_lo <= k_hi))
 
 
-def _scheduled(plan: np.ndarray, rank, t, steps, segments_meet, compute, skip, *operands):
+def _scheduled(plan, rank, t, steps, segments_meet, compute, skip, *operands, branches=None):
     """Runs step `t` of the ring on this device: `compute(index, *operands)` for
     its `plan` entry, or `skip(*operands)`.
 
     `steps` are the static step numbers this code serves (one for a peeled step,
     a range for a loop body), so only the branches that occur in them are traced.
-    `segments_meet` (traced bool or `None`) turns the step into a skip.
+    A traced `plan` (a mask that is data, see `_step_plan`) cannot be read at
+    trace time: then every index in `branches` is traced. `segments_meet` (traced
+    bool or `None`) turns the step into a skip.
     """
-    used = sorted({int(i) for i in np.unique(plan[:, list(steps)])})
+    if isinstance(plan, np.ndarray):
+        used = sorted({int(i) for i in np.unique(plan[:, list(steps)])})
+    else:
+        used = sorted(branches)
     if segments_meet is not None and _SKIP not in used:
         used = [_SKIP, *used]
     if len(used) == 1:
@@ -290,10 +298,67 @@ def _scheduled(plan: np.ndarray, rank, t, steps, segments_meet, compute, skip, *
     index = jnp.asarray(plan)[rank, t]
     if segments_meet is not None:
         index = jnp.where(segments_meet, index, _SKIP)
-    remap = np.zeros(len(_BRANCHES), np.int32)
+    remap = np.zeros(2 * _UNMASKED, np.int32)
     remap[used] = np.arange(len(used))
     fns = [skip if i == _SKIP else functools.partial(compute, i) for i in used]
     return lax.switch(jnp.asarray(remap)[index], fns, *operands)
+
+
+def _choose_table(visible, xp):
+    """`_choose` for a whole table: `visible (..., parts, parts)` bool, in `xp`
+    (`np`, or `jnp` for a traced table) -> int32 `(...)` `_BRANCHES` indices."""
+    any_visible = visible.any(axis=(-2, -1))
+    if visible.shape[-1] == 1:
+        return xp.where(any_visible, _FULL, _SKIP).astype(xp.int32)
+    v00, v01 = visible[..., 0, 0], visible[..., 0, 1]
+    v10, v11 = visible[..., 1, 0], visible[..., 1, 1]
+    index = xp.full(any_visible.shape, _FULL, xp.int32)
+    # In reverse order of `_choose`'s tests, so that its first match wins.
+    for branch, hidden in ((5, ~(v10 | v11)), (4, ~(v00 | v01)), (3, ~(v00 | v10)), (2, ~(v01 | v11))):
+        index = xp.where(hidden, branch, index)
+    return xp.where(any_visible, index, _SKIP).astype(xp.int32)
+
+
+def _plan_from_table(layout: str, n: int, table, xp, full_table=None):
+    """int32 `(n, n)` plan (as `_plan`) from chunk visibility tables.
+
+    `table (n * parts, n * parts)` bool (NumPy, or a traced array with `xp=jnp`):
+    `table[a, b]` says whether some query of global chunk `a` may see some key of
+    global chunk `b`, chunks being `L / parts` consecutive global positions.
+    `full_table`, the same shape, says whether every query of chunk `a` sees every
+    key of chunk `b`; where that holds for the whole part of the block a step
+    computes, its index is offset by `_UNMASKED`.
+    """
+    parts = _parts(layout)
+    ranks = np.arange(n)
+    # The global chunks of each rank's block, in local order.
+    chunks = ranks[:, None] if parts == 1 else np.stack([ranks, 2 * n - 1 - ranks], axis=1)
+    held = (ranks[:, None] - ranks[None, :]) % n  # rank whose K/V device r holds at step t
+    pairs = (chunks[:, None, :, None], chunks[held][:, :, None, :])
+    plan = _choose_table(table[pairs], xp)
+    if full_table is None:
+        return plan
+    full = full_table[pairs]  # (n, n, parts, parts)
+    unmasked = xp.zeros(plan.shape, bool)
+    for index in range(1, _UNMASKED) if parts == 2 else (_FULL,):
+        a, b = _BRANCHES[index]
+        region = np.zeros((parts, parts), bool)
+        region[slice(None) if a is None else a, slice(None) if b is None else b] = True
+        covered = (full | ~region).all(axis=(-2, -1))
+        unmasked = unmasked | ((plan == index) & covered)
+    return xp.where(unmasked, plan + _UNMASKED, plan).astype(xp.int32)
+
+
+def _work(plan: np.ndarray, layout: str, n: int, L: int) -> np.ndarray:
+    """Per-device (query, key) pairs a static `plan` hands to the kernel."""
+    parts = _parts(layout)
+    work = np.zeros(n, np.int64)
+    for r in range(n):
+        for t in range(n):
+            if plan[r, t] != _SKIP:
+                qs, ks = _branch_slices(int(plan[r, t]), parts, L, L)
+                work[r] += len(range(L)[qs]) * len(range(L)[ks])
+    return work
 
 
 def ring_work(
@@ -334,14 +399,7 @@ def ring_work(
     if layout == "zigzag":
         _check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
     plan = _plan(layout, n, L, L, bool(causal), None if window is None else tuple(window))
-    parts = _parts(layout)
-    work = np.zeros(n, np.int64)
-    for r in range(n):
-        for t in range(n):
-            if plan[r, t] != _SKIP:
-                qs, ks = _branch_slices(int(plan[r, t]), parts, L, L)
-                work[r] += len(range(L)[qs]) * len(range(L)[ks])
-    return work
+    return _work(plan, layout, n, L)
 
 
 # -- the ring -----------------------------------------------------------------------
@@ -368,6 +426,39 @@ class _Config:
             logits_soft_cap=self.logits_soft_cap,
             implementation=self.implementation,
         )
+
+
+# A step mask (`step_mask=` of `_ring_forward`, `_ring_backward` and `_ring`) adds
+# an arbitrary boolean mask on global positions to the `causal` / `window` of the
+# `_Config` (the two are ANDed). It is a PyTree (its arrays travel through the
+# custom VJP as operands, its structure is static) with two methods:
+#
+# - `plan()`: the `(n, n)` `_BRANCHES` table of this ring (as `_plan`), for the
+#   whole mask, where an index offset by `_UNMASKED` marks a step whose computed
+#   block the mask does not hide at all (it runs without `mask=`): NumPy when
+#   decided at trace time, or a traced int array (a mask that is data), in which
+#   case every branch of the layout is traced;
+# - `block(q_pos, kv_pos)`: bool `(len(q_pos), len(kv_pos))`, the mask over those
+#   global positions, passed to the kernel as `mask=`. Forward and backward steps
+#   call it with the same positions, so each backward step sees exactly the mask
+#   block of the forward step it mirrors.
+
+
+def _step_plan(cfg: "_Config", L_q: int, L_k: int, step_mask):
+    """`(plan, branches)` of this ring for `_scheduled`."""
+    if step_mask is None:
+        return _plan(cfg.layout, cfg.sp_size, L_q, L_k, cfg.causal, cfg.window), None
+    plan = step_mask.plan()
+    if isinstance(plan, np.ndarray):
+        return plan, None
+    computed = range(1, _UNMASKED) if _parts(cfg.layout) == 2 else (_FULL,)
+    return plan, (_SKIP, *computed, *(i + _UNMASKED for i in computed))
+
+
+def _block_mask(step_mask, index: int, q_pos, kv_pos):
+    if step_mask is None or index >= _UNMASKED:
+        return None
+    return step_mask.block(q_pos, kv_pos)
 
 
 def _segments(segment_ids):
@@ -406,15 +497,16 @@ def _merge(out_acc, lse_acc, out, lse):
     return a * out_acc + b * out.astype(F32), lse_new
 
 
-def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
-    """`(out float32, lse)` of the whole ring, merged over all steps."""
+def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
+    """`(out float32, lse)` of the whole ring, merged over all steps (`step_mask`:
+    see `_step_plan`)."""
     n, parts = cfg.sp_size, _parts(cfg.layout)
     B, L_q, H, D = q.shape
     L_k = k.shape[1]
     axes = varying_axes(q)
     rank = lax.axis_index(cfg.axis_name)
     q_pos = ring_positions(L_q, n, rank, cfg.layout)
-    plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
+    plan, branches = _step_plan(cfg, L_q, L_k, step_mask)
     out0 = as_varying(jnp.zeros((B, L_q, H, D), F32), axes)
     if sinks is None:
         lse0 = as_varying(jnp.full((B, H, L_q), -jnp.inf, F32), axes)
@@ -430,6 +522,7 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
             q_positions=q_pos[qs], kv_positions=kv_pos[ks],
+            mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
             **cfg.kernel_options(),
         )
         o, l = _merge(out_acc[:, qs], lse_acc[:, :, qs], out, lse)
@@ -443,7 +536,7 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
         meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
         compute_t = lambda index, acc, blk: compute(index, acc, blk, kv_pos)
         skip = lambda acc, blk: acc
-        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, acc, blk)
+        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, acc, blk, branches=branches)
 
     def body(t, carry):
         blk, acc = carry
@@ -456,7 +549,7 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
     return step(n - 1, [n - 1], blk, acc)
 
 
-def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
+def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_mask=None):
     """`(dq, dk, dv)` float32: the second ring, dK/dV travelling behind K/V."""
     n, parts = cfg.sp_size, _parts(cfg.layout)
     B, L_q, H, D = q.shape
@@ -464,7 +557,7 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
     axes = varying_axes(q)
     rank = lax.axis_index(cfg.axis_name)
     q_pos = ring_positions(L_q, n, rank, cfg.layout)
-    plan = _plan(cfg.layout, n, L_q, L_k, cfg.causal, cfg.window)
+    plan, branches = _step_plan(cfg, L_q, L_k, step_mask)
     zeros_q = as_varying(jnp.zeros(q.shape, F32), axes)
     zeros_kv = as_varying(jnp.zeros(k.shape, F32), axes)
 
@@ -476,6 +569,7 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
             q_positions=q_pos[qs], kv_positions=kv_pos[ks],
+            mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
             **cfg.kernel_options(),
         )
         dq, dk, dv = dq.astype(F32), dk.astype(F32), dv.astype(F32)
@@ -492,7 +586,7 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
         meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
         compute_t = lambda index, dq_acc, blk: compute(index, dq_acc, blk, kv_pos)
         skip = lambda dq_acc, blk: (dq_acc, zeros_kv, zeros_kv)
-        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, dq_acc, blk)
+        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, dq_acc, blk, branches=branches)
 
     blk = (k, v, seg_kv)
     if n == 1:
@@ -527,22 +621,22 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, sinks, seg_q, seg_kv):
-    out, _ = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv)
+def _ring(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask):
+    out, _ = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv, step_mask)
     return out.astype(q.dtype)
 
 
-def _ring_fwd_rule(cfg, q, k, v, sinks, seg_q, seg_kv):
-    out, lse = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv)
+def _ring_fwd_rule(cfg, q, k, v, sinks, seg_q, seg_kv, step_mask):
+    out, lse = _ring_forward(cfg, q, k, v, sinks, seg_q, seg_kv, step_mask)
     out = out.astype(q.dtype)
-    return out, (q, k, v, sinks, seg_q, seg_kv, out, lse)
+    return out, (q, k, v, sinks, seg_q, seg_kv, step_mask, out, lse)
 
 
 def _ring_bwd_rule(cfg, residuals, dout):
-    q, k, v, sinks, seg_q, seg_kv, out, lse = residuals
+    q, k, v, sinks, seg_q, seg_kv, step_mask, out, lse = residuals
     dout = dout.astype(q.dtype)
     with jax.named_scope("vidax_ring_attention_bwd"):
-        dq, dk, dv = _ring_backward(cfg, q, k, v, seg_q, seg_kv, out, lse, dout)
+        dq, dk, dv = _ring_backward(cfg, q, k, v, seg_q, seg_kv, out, lse, dout, step_mask)
     dsinks = None
     if sinks is not None:
         # This device's rows only: `sinks` entered the custom_vjp already cast to
@@ -550,7 +644,7 @@ def _ring_bwd_rule(cfg, residuals, dout):
         delta = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
         p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None, None, None
 
 
 _ring.defvjp(_ring_fwd_rule, _ring_bwd_rule)
@@ -620,6 +714,20 @@ def ring_attention(
     unknown `layout`, or an odd local length with `layout="zigzag"`; the kernel's
     errors for invalid or unsupported options.
     """
+    return _ring_attention(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
+        window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
+        implementation=implementation,
+    )
+
+
+def _ring_attention(
+    q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale, logits_soft_cap, layout,
+    implementation, step_mask=None,
+):
+    """`ring_attention`, and more: `step_mask(sp_size, L)`, when given, builds the
+    step mask of this call (see `_step_plan`) once the arguments are validated;
+    `make_ring_attention`'s kernels use it."""
     n = axis_size(axis_name, what="Ring")
     _check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -633,6 +741,8 @@ def ring_attention(
         q_positions=jnp.arange(L_q, dtype=jnp.int32),
         kv_positions=jnp.arange(L_k, dtype=jnp.int32),
         causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
+        # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
+        mask=None if step_mask is None else jnp.ones((1, 1), bool),
         implementation=implementation,
     )
     if layout == "zigzag":
@@ -663,5 +773,7 @@ def ring_attention(
     # input (sinks, usually) is cast here, so its gradient is summed over devices.
     axes = varying_axes(q, k, v) | frozenset({axis_name})
     q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
+    if step_mask is not None:
+        step_mask = step_mask(n, L_q)
     with jax.named_scope("vidax_ring_attention"):
-        return _ring(cfg, q, k, v, sinks, seg_q, seg_kv)
+        return _ring(cfg, q, k, v, sinks, seg_q, seg_kv, step_mask)
