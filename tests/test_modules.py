@@ -322,9 +322,6 @@ SELF_CASES = {
     "ring-sp2-tp2-segments": ("ring", "contiguous", dict(sp=2, tp=2), True),
     "usp-sp2-ring2-segments": ("usp", "contiguous", dict(sp=2, ring=2), True),
 }
-_KNOWN_FAILURES = ("ring-sp2-tp2-segments", "usp-sp2-ring2-segments")
-
-
 def _config(mode, layout, sizes):
     return nn.ParallelConfig(
         sequence=mode, layout=layout, ring_axis=RING if mode == "usp" else None,
@@ -336,14 +333,7 @@ def _seq_axes(mode):
     return (RING, SP) if mode == "usp" else SP
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(
-        raises=ValueError, strict=True,
-        reason="ring attention with segment ids under jax.vmap, q varying over a second "
-               "mesh axis: pvary error from JAX's cond batching rule (vidax_eqx.parallel)"))
-    if c in _KNOWN_FAILURES else c
-    for c in SELF_CASES
-])
+@pytest.mark.parametrize("case", list(SELF_CASES))
 def test_attention_sharded_equals_single_device(case):
     mode, layout, sizes, segments = SELF_CASES[case]
     B, F, Hh, W, dim, H = 2, 2, 4, 4, 64, 8  # S = 32 tokens, head_dim 8

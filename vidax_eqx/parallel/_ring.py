@@ -12,8 +12,8 @@ hop later, so that the transfer overlaps the next step's compute.
 Steps whose block the mask hides entirely are skipped (`lax.switch`), not
 computed and masked. Token positions are a static function of (rank, step),
 so which blocks the causal mask or window hides is tabulated at trace time
-(`_plan`); segment ids, which are data, can turn any step into a skip at run
-time. In the `"zigzag"` layout each local block is two chunks of the global
+(`_plan`); tiles that segment ids hide are skipped inside the blockwise
+kernel. In the `"zigzag"` layout each local block is two chunks of the global
 sequence (`r` and `2n - 1 - r`) and the skip works per chunk: every causal step
 after the first computes exactly half a block, on every device, so the work is
 balanced ([`ring_work`][] reports it).
@@ -174,8 +174,7 @@ def zigzag_unpermute(x: Array, axis: int, sp_size: int) -> Array:
 # Positions are a static function of (rank, step), so which (part of a) block the
 # causal mask or window hides is decided at trace time for every device and step:
 # `_plan` is an `(n, n)` table of `_BRANCHES` indices. Inside the ring a device
-# looks up its row with its traced rank; segment ids, which are data, can only
-# turn a step into "skip" on top of that.
+# looks up its row with its traced rank.
 
 
 def _parts(layout: str) -> int:
@@ -265,39 +264,27 @@ def _branch_slices(index: int, parts: int, length_q: int, length_k: int) -> tupl
     return qs, ks
 
 
-def _seg_range(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per batch row: (min, max) of the non-negative ids (none: min > max)."""
-    big = jnp.iinfo(jnp.int32).max
-    return jnp.min(jnp.where(seg >= 0, seg, big), axis=-1), jnp.max(seg, axis=-1)
-
-
-def _segments_meet(seg_q: jax.Array, seg_kv: jax.Array) -> jax.Array:
-    """Whether some query id may equal some key id (from the id ranges per row)."""
-    (q_lo, q_hi), (k_lo, k_hi) = _seg_range(seg_q), _seg_range(seg_kv)
-    return jnp.any((q_hi >= k_lo) & (q_lo <= k_hi))
-
-
-def _scheduled(plan, rank, t, steps, segments_meet, compute, skip, *operands, branches=None):
+def _scheduled(plan, rank, t, steps, compute, skip, *operands, branches=None):
     """Runs step `t` of the ring on this device: `compute(index, *operands)` for
     its `plan` entry, or `skip(*operands)`.
 
     `steps` are the static step numbers this code serves (one for a peeled step,
     a range for a loop body), so only the branches that occur in them are traced.
     A traced `plan` (a mask that is data, see `_step_plan`) cannot be read at
-    trace time: then every index in `branches` is traced. `segments_meet` (traced
-    bool or `None`) turns the step into a skip.
+    trace time: then every index in `branches` is traced.
+
+    Segment ids do not steer this choice: under `jax.vmap` a segment-derived
+    index would be batched, and JAX lowers a batched `switch` to a `select` that
+    breaks the varying-axes typing of the branches inside `shard_map`. Tiles that
+    segment ids hide are still skipped inside the blockwise kernel.
     """
     if isinstance(plan, np.ndarray):
         used = sorted({int(i) for i in np.unique(plan[:, list(steps)])})
     else:
         used = sorted(branches)
-    if segments_meet is not None and _SKIP not in used:
-        used = [_SKIP, *used]
     if len(used) == 1:
         return skip(*operands) if used[0] == _SKIP else compute(used[0], *operands)
     index = jnp.asarray(plan)[rank, t]
-    if segments_meet is not None:
-        index = jnp.where(segments_meet, index, _SKIP)
     remap = np.zeros(2 * _UNMASKED, np.int32)
     remap[used] = np.arange(len(used))
     fns = [skip if i == _SKIP else functools.partial(compute, i) for i in used]
@@ -533,10 +520,9 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
     def step(t, steps, blk, acc):
         """Step `t` (traced, or static) of the static `steps`."""
         kv_pos = ring_positions(L_k, n, (rank - t) % n, cfg.layout)
-        meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
         compute_t = lambda index, acc, blk: compute(index, acc, blk, kv_pos)
         skip = lambda acc, blk: acc
-        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, acc, blk, branches=branches)
+        return _scheduled(plan, rank, t, steps, compute_t, skip, acc, blk, branches=branches)
 
     def body(t, carry):
         blk, acc = carry
@@ -583,10 +569,9 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
         block's fresh dk, dv (added to the travelling accumulators by the caller,
         so that this compute does not wait for their transfer)."""
         kv_pos = ring_positions(L_k, n, (rank - t) % n, cfg.layout)
-        meet = None if seg_q is None else _segments_meet(seg_q, blk[2])
         compute_t = lambda index, dq_acc, blk: compute(index, dq_acc, blk, kv_pos)
         skip = lambda dq_acc, blk: (dq_acc, zeros_kv, zeros_kv)
-        return _scheduled(plan, rank, t, steps, meet, compute_t, skip, dq_acc, blk, branches=branches)
+        return _scheduled(plan, rank, t, steps, compute_t, skip, dq_acc, blk, branches=branches)
 
     blk = (k, v, seg_kv)
     if n == 1:
