@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds
 from ._mesh import axis_size
 
@@ -88,15 +89,6 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     return r
 
 
-def _varying_axes(x) -> frozenset:
-    """The mesh axes `x` varies over inside `shard_map` (empty when unchecked)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):  # jax < 0.10
-        return frozenset(aval.vma)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", ()))
-
-
 def _match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
     """Marks `x` as varying over every mesh axis `like` varies over.
 
@@ -105,8 +97,7 @@ def _match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
     would get a varying cotangent; casting it first makes the transpose a `psum`,
     which is the correct gradient of a replicated input.
     """
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return as_varying(x, varying_axes(like))
 
 
 def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str):
