@@ -1,14 +1,19 @@
 """Single-device attention: one interface, several implementations.
 
 `attention`, `attention_fwd` and `attention_bwd` take the same arguments and
-dispatch to a registered implementation (`"xla"`, `"blockwise"`, ...), chosen
-by `implementation=` or automatically per platform and problem size.
+dispatch to a registered implementation, chosen by `implementation=` or
+automatically per platform and problem size: `"xla"` (the materializing
+reference), `"blockwise"` (portable flash attention in pure JAX), `"pallas_tpu"`
+(Pallas TPU splash / flash kernels), `"pallas_gpu"` (Pallas Triton flash kernel)
+and `"cudnn"` (cuDNN through `jax.nn`). The Pallas kernels run on any platform
+in interpret mode (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`).
 """
 
 from ._api import (
     attention as attention,
     attention_bwd as attention_bwd,
     attention_fwd as attention_fwd,
+    implementation_report as implementation_report,
     select_implementation as select_implementation,
 )
 from ._args import SegmentIds as SegmentIds
@@ -18,10 +23,12 @@ from ._base import (
     Request as Request,
 )
 from ._blockwise import Blockwise as Blockwise
+from ._cudnn import Cudnn as Cudnn
 from ._registry import (
     AUTO_XLA_MAX_SCORE_BYTES as AUTO_XLA_MAX_SCORE_BYTES,
     implementations as implementations,
     register as register,
 )
+from ._registry import PallasGpu as PallasGpu, PallasTpu as PallasTpu
 from ._table import feature_table as feature_table
 from ._xla import Xla as Xla

@@ -9,13 +9,13 @@ from jaxtyping import Array, Bool, Float, Int
 from ._args import Operands, Options, SegmentIds, normalize
 from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
-from ._registry import resolve
+from ._registry import report, resolve
 
 
-def _request(q, k, v, kwargs) -> tuple[Operands, Options, AbstractImplementation]:
+def _request(q, k, v, kwargs, *, needs_lse: bool) -> tuple[Operands, Options, AbstractImplementation]:
     implementation = kwargs.pop("implementation", "auto")
     ops, opts = normalize(q, k, v, **kwargs)
-    impl = resolve(implementation, Request.of(ops, opts))
+    impl = resolve(implementation, Request.of(ops, opts, needs_lse=needs_lse))
     # Inside `shard_map(check_vma=True)`, an operand replicated over a mesh axis
     # (e.g. sinks or a bias) meets device-varying q/k/v: mark every operand as
     # varying over all those axes, so the custom VJP's cotangents have the
@@ -95,16 +95,23 @@ def attention(
         side is unbounded.
     - `scale`: logit scale, default `1 / sqrt(D)`.
     - `logits_soft_cap`: `c` applies `c * tanh(s / c)` to the scaled logits.
-    - `implementation`: `"auto"`, a registered name (`"xla"`, `"blockwise"`, ...), or a
-        configured instance such as `Blockwise(block_q=128, block_kv=1024)`. A named
-        implementation that cannot serve the request raises `NotImplementedError`;
-        `"auto"` falls back to one that can.
+    - `implementation`: `"auto"` (the fastest implementation that serves the request on
+        this platform: see [`select_implementation`][]), `"portable"` (the same among
+        the pure-JAX `"xla"` / `"blockwise"`, which XLA can partition over a mesh), a
+        registered name (`"xla"`, `"blockwise"`, `"pallas_tpu"`, `"pallas_gpu"`,
+        `"cudnn"`), or a configured instance such as
+        `Blockwise(block_q=128, block_kv=1024)` or `PallasTpu(interpret=True)`. A named
+        implementation that cannot serve the request raises `NotImplementedError`
+        naming the feature; `"auto"` falls back to one that can.
 
     **Returns:**
 
     `(B, S_q, H, D)` in `q`'s dtype. A query row that can see no key gives 0.
     """
-    ops, opts, impl = _request(q, k, v, _options_from(locals()))
+    ops, opts, impl = _request(q, k, v, _options_from(locals()), needs_lse=False)
+    if not impl.capabilities.float32_lse:  # a fused kernel with its own VJP (cuDNN)
+        with jax.named_scope(f"vidax_attention_{impl.name}"):
+            return impl.fwd(ops, opts)[0]
     return _attention(impl, opts, ops)[0]
 
 
@@ -135,7 +142,7 @@ def attention_fwd(
     including the sink term when `sinks` is given. A row that sees no key (and has
     no sink) has `out = 0` and `lse = -inf`.
     """
-    ops, opts, impl = _request(q, k, v, _options_from(locals()))
+    ops, opts, impl = _request(q, k, v, _options_from(locals()), needs_lse=True)
     return _attention(impl, opts, ops)
 
 
@@ -174,7 +181,7 @@ def attention_bwd(
     scope = _options_from(locals())
     for name in ("out", "lse", "dout", "dlse"):
         scope.pop(name)
-    ops, opts, impl = _request(q, k, v, scope)
+    ops, opts, impl = _request(q, k, v, scope, needs_lse=True)
     B, S_q, H, D = ops.q.shape
     for name, x, want in (
         ("out", out, (B, S_q, H, D)),
@@ -197,13 +204,41 @@ def select_implementation(
     q: Float[Array, "B S_q H D"],
     k: Float[Array, "B S_k H_kv D"],
     v: Float[Array, "B S_k H_kv D"],
+    *,
+    needs_lse: bool = False,
     **kwargs,
 ) -> str:
     """The name of the implementation [`attention`][] would run for these arguments.
 
-    Takes the arguments of [`attention`][] (`implementation` included). Raises the
-    same errors `attention` would.
+    Takes the arguments of [`attention`][] (`implementation` included). With
+    `needs_lse=True`, the one [`attention_fwd`][] / [`attention_bwd`][] (and ring
+    attention) would run: those need a float32 log-sum-exp with a gradient. Raises
+    the same errors `attention` would. [`implementation_report`][] says why the
+    others were passed over.
     """
     kwargs.setdefault("implementation", "auto")
-    return _request(q, k, v, dict(kwargs))[2].name
+    return _request(q, k, v, dict(kwargs), needs_lse=needs_lse)[2].name
+
+
+def implementation_report(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    *,
+    needs_lse: bool = False,
+    **kwargs,
+) -> dict[str, list[str]]:
+    """Why each registered implementation does or does not serve these arguments.
+
+    Takes the arguments of [`select_implementation`][] (without `implementation`).
+
+    **Returns:**
+
+    `{name: reasons}` for every registered implementation, in the order `"auto"`
+    tries them on this platform (then the rest): `reasons` lists the features,
+    platform, dtype or head size it cannot serve, and is empty for those that
+    serve the request. `"auto"` runs the first with no reasons.
+    """
+    ops, opts = normalize(q, k, v, **kwargs)
+    return report(Request.of(ops, opts, needs_lse=needs_lse))
 

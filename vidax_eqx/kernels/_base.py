@@ -55,9 +55,13 @@ class Request:
     positions: bool
     sinks: bool
     logits_soft_cap: bool
+    needs_lse: bool = False
+    shared_segment_ids: bool = False
 
     @classmethod
-    def of(cls, ops: Operands, opts: Options) -> "Request":
+    def of(cls, ops: Operands, opts: Options, *, needs_lse: bool = False) -> "Request":
+        """The request of `ops`/`opts`; `needs_lse`: the caller uses the float32
+        log-sum-exp (`attention_fwd`, `attention_bwd`, ring attention)."""
         B, S_q, H, D = ops.q.shape
         _, S_k, H_kv, _ = ops.k.shape
         return cls(
@@ -79,6 +83,9 @@ class Request:
             positions=not opts.default_positions,
             sinks=ops.sinks is not None,
             logits_soft_cap=opts.logits_soft_cap is not None,
+            needs_lse=needs_lse,
+            # One `(B, S)` array for queries and keys (some kernels take only that).
+            shared_segment_ids=ops.seg_q is not None and ops.seg_q is ops.seg_kv,
         )
 
     @property
@@ -102,8 +109,12 @@ class Capabilities:
 
     Every boolean corresponds to a [`Request`][] field of the same name;
     `platforms`, `dtypes` and `max_head_dim` bound the rest. `float32_lse`
-    says the log-sum-exp comes back in float32 with a gradient (what ring
-    attention needs); `memory` is `"O(S)"` or `"O(S^2)"`.
+    says the log-sum-exp comes back in float32 with a gradient and that the
+    backward takes an external `(out, lse, dlse)` (what `attention_fwd`,
+    `attention_bwd` and ring attention need); `portable` marks pure-JAX
+    implementations that run on every platform and that XLA can partition over
+    a mesh (what `implementation="portable"` chooses from); `memory` is `"O(S)"`
+    or `"O(S^2)"`.
     """
 
     platforms: tuple[str, ...]
@@ -120,12 +131,18 @@ class Capabilities:
     sinks: bool = True
     logits_soft_cap: bool = True
     float32_lse: bool = True
+    portable: bool = False
     memory: str = "O(S)"
 
-    def unsupported(self, request: Request) -> list[str]:
-        """Names the parts of `request` this implementation cannot serve."""
+    def unsupported(self, request: Request, *, any_platform: bool = False) -> list[str]:
+        """Names the parts of `request` this implementation cannot serve.
+
+        `any_platform` skips the platform check (Pallas kernels in interpret mode).
+        """
         missing = [label for attr, label in FEATURES if getattr(request, attr) and not getattr(self, attr)]
-        if request.platform not in self.platforms:
+        if request.needs_lse and not self.float32_lse:
+            missing.append("a float32 log-sum-exp with gradient (attention_fwd / attention_bwd / ring)")
+        if not any_platform and request.platform not in self.platforms:
             missing.append(f"platform {request.platform!r} (serves {', '.join(self.platforms)})")
         if request.dtype not in self.dtypes:
             missing.append(f"dtype {request.dtype} (serves {', '.join(self.dtypes)})")

@@ -104,7 +104,7 @@ class Blockwise(AbstractImplementation):
     block_kv: int = 512
 
     name = "blockwise"
-    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), memory="O(S)")
+    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), portable=True, memory="O(S)")
 
     def __post_init__(self):
         for field in ("block_q", "block_kv"):

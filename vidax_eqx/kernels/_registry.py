@@ -1,7 +1,8 @@
-"""The registry of implementations and the `"auto"` choice."""
+"""The registry of implementations and the `"auto"` / `"portable"` choices."""
 
 from ._base import AbstractImplementation, Request
 from ._blockwise import Blockwise
+from ._cudnn import Cudnn
 from ._xla import Xla
 
 
@@ -18,6 +19,21 @@ def register(impl: AbstractImplementation) -> None:
 
 register(Xla())
 register(Blockwise())
+# The Pallas kernels reach into JAX modules (and private entry points of them)
+# that a JAX version may lack; without them the implementation is simply absent.
+try:
+    from ._pallas_tpu import PallasTpu
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+    PallasTpu = None
+else:
+    register(PallasTpu())
+try:
+    from ._pallas_gpu import PallasGpu
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+    PallasGpu = None
+else:
+    register(PallasGpu())
+register(Cudnn())
 
 
 # On CPU "xla" is faster while the float32 score matrix is small; above this
@@ -25,40 +41,60 @@ register(Blockwise())
 # benchmarks/NOTES.md) and the materializing path's memory grows as S^2.
 AUTO_XLA_MAX_SCORE_BYTES = 8 * 2**20
 
+# What "auto" tries first on each platform, before the portable implementations:
+# the vendor kernels, fastest first (cuDNN's fused kernel before the Triton one).
+_VENDOR_PREFERENCE = {
+    "gpu": ("cudnn", "pallas_gpu"),
+    "tpu": ("pallas_tpu",),
+}
+
 
 def implementations() -> dict[str, AbstractImplementation]:
     """The registered implementations, by name (default configuration)."""
     return dict(_REGISTRY)
 
 
-def _preference(request: Request) -> list[str]:
-    """Names in the order `"auto"` tries them for `request`."""
+def preference(request: Request, *, portable_only: bool = False) -> list[str]:
+    """Names in the order `"auto"` (or `"portable"`) tries them for `request`."""
     if request.score_bytes <= AUTO_XLA_MAX_SCORE_BYTES:
-        return ["xla", "blockwise"]
-    return ["blockwise", "xla"]
+        portable = ["xla", "blockwise"]
+    else:
+        portable = ["blockwise", "xla"]
+    if portable_only:
+        return portable
+    vendor = [n for n in _VENDOR_PREFERENCE.get(request.platform, ()) if n in _REGISTRY]
+    return vendor + portable
+
+
+def report(request: Request) -> dict[str, list[str]]:
+    """Every registered implementation with what it cannot serve of `request`
+    (empty: it serves it), in the order `"auto"` tries them, then the rest."""
+    order = preference(request)
+    order += [n for n in _REGISTRY if n not in order]
+    return {name: _REGISTRY[name].unsupported(request) for name in order}
 
 
 def resolve(implementation, request: Request) -> AbstractImplementation:
     """The implementation that serves `request`, or a clear error."""
     if isinstance(implementation, AbstractImplementation):
         impl = implementation
-    elif implementation == "auto":
+    elif implementation in ("auto", "portable"):
         reasons = {}
-        for name in _preference(request):
+        for name in preference(request, portable_only=implementation == "portable"):
             impl = _REGISTRY[name]
             missing = impl.unsupported(request)
             if not missing:
                 return impl
             reasons[name] = missing
         raise NotImplementedError(
-            "no registered attention implementation serves this request: "
+            f"no registered attention implementation ({implementation!r}) serves this request: "
             + "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
         )
     elif isinstance(implementation, str) and implementation in _REGISTRY:
         impl = _REGISTRY[implementation]
     else:
         raise ValueError(
-            f"`implementation` must be 'auto', one of {sorted(_REGISTRY)}, or an "
+            f"`implementation` must be 'auto', 'portable', one of {sorted(_REGISTRY)}, or an "
             f"AbstractImplementation instance; received {implementation!r}."
         )
     missing = impl.unsupported(request)

@@ -21,7 +21,7 @@ class Xla(AbstractImplementation):
     """The exact, materializing reference (einsum and a float32 softmax)."""
 
     name = "xla"
-    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), memory="O(S^2)")
+    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), portable=True, memory="O(S^2)")
 
     @staticmethod
     def _tile(ops: Operands, opts: Options):

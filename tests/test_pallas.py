@@ -1,0 +1,268 @@
+"""The accelerator implementations, tested on CPU.
+
+`"pallas_tpu"` and `"pallas_gpu"` run in Pallas interpret mode
+(`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`) through the case
+matrix of `test_kernels` against the float64 oracle: forward, lse, gradients
+(with and without `dlse`), padding of odd lengths, rows that see nothing. Every
+case an implementation cannot serve must raise `NotImplementedError` naming the
+feature; which features those are is written out here from the kernels'
+documented limits, independently of the capability flags. `"cudnn"` needs a GPU:
+here its dispatch and errors are checked. Then `"auto"` per platform, and
+`core.dot_product_attention`'s dispatch rules.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from cases import CASES, CASES_BY_NAME, Case, kernel_kwargs
+from test_kernels import _check_all, _empty_row_inputs, _oracle, _run
+from vidax_eqx import core, kernels
+from vidax_eqx.kernels import _registry
+from vidax_eqx.kernels._args import normalize
+
+
+TPU = kernels.PallasTpu(interpret=True, block_q=128, block_kv=128)
+# 16-token tiles: the short test sequences span several tiles, with padding.
+GPU = kernels.PallasGpu(interpret=True, block_q=16, block_k=16, block_bwd=16)
+PALLAS = [pytest.param(TPU, id="pallas_tpu"), pytest.param(GPU, id="pallas_gpu")]
+
+
+def _expected_unsupported(impl, case: Case) -> list[str]:
+    """What `impl` must refuse in `case`, from the kernels' documented limits."""
+    missing = []
+    if case.positions is not None:
+        missing.append("custom positions")
+    if impl is TPU:
+        masked = case.bias is not None or case.mask is not None
+        if masked and case.window is not None:
+            missing.append("sliding window together with")
+        if masked and case.soft_cap is not None:
+            missing.append("logit soft cap together with")
+    else:
+        if case.bias is not None:
+            missing.append("additive bias")
+        if case.mask is not None:
+            missing.append("boolean mask")
+        if case.window is not None:
+            missing.append("sliding window")
+        if case.soft_cap is not None:
+            missing.append("logit soft cap")
+        if case.segments == "split":
+            missing.append("separate q / kv segment ids")
+        if case.S_q != case.S_k and case.S_k % 16:
+            missing.append("not a multiple of 16")
+        if case.causal and case.S_q > case.S_k:
+            missing.append("causal with S_q > S_k")
+    return missing
+
+
+def _raises_naming(impl, case: Case, missing: list[str]):
+    arrays, static = case.inputs()
+    kw = kernel_kwargs(arrays, static, case.segments)
+    for n in ("bias", "sinks"):
+        if n in arrays:
+            kw[n] = jnp.asarray(arrays[n])
+    q, k, v = (jnp.asarray(arrays[n]) for n in "qkv")
+    with pytest.raises(NotImplementedError) as err:
+        kernels.attention(q, k, v, implementation=impl, **kw)
+    message = str(err.value)
+    assert impl.name in message
+    for feature in missing:
+        assert feature in message, (feature, message)
+
+
+MATRIX = [pytest.param(impl, case, id=f"{impl_id}-{case.name}")
+          for impl, impl_id in ((TPU, "pallas_tpu"), (GPU, "pallas_gpu")) for case in CASES]
+
+
+@pytest.mark.parametrize("impl, case", MATRIX)
+def test_matches_oracle_or_refuses(impl, case):
+    missing = _expected_unsupported(impl, case)
+    if missing:
+        _raises_naming(impl, case, missing)
+        return
+    arrays, static, res = _run(impl, case)
+    _check_all(arrays, static, res, np.float32)
+
+
+DLSE_CASES = [
+    pytest.param(TPU, CASES_BY_NAME[n], id=f"pallas_tpu-{n}")
+    for n in ("gqa", "causal_q_gt_k", "sinks", "causal+segments+sinks+softcap+gqa", "bias_qk", "mask_1Hq1")
+] + [
+    pytest.param(GPU, case, id=f"pallas_gpu-{case.name}")
+    for case in (
+        CASES_BY_NAME["gqa"],
+        Case("gpu_causal_segments_sinks", S_q=77, S_k=77, H_kv=2, causal=True, segments="shared", sinks=True),
+        Case("gpu_cross_q_gt_k", S_q=100, S_k=48, H_kv=1, sinks=True),
+        Case("gpu_cross_q_lt_k_causal", S_q=20, S_k=64, H_kv=2, causal=True),
+    )
+]
+
+
+@pytest.mark.parametrize("impl, case", DLSE_CASES)
+def test_lse_gradient_matches_oracle(impl, case):
+    """Gradients through both outputs of `attention_fwd`: the kernels' backward runs
+    from `delta - dlse`, the path ring attention takes."""
+    assert not _expected_unsupported(impl, case)
+    arrays, static, res = _run(impl, case, seed=4, dlse=True)
+    _check_all(arrays, static, res, np.float32, dlse=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("impl", PALLAS)
+def test_low_precision(impl, dtype):
+    case = dataclasses.replace(CASES_BY_NAME["causal+segments+sinks+softcap+gqa"], soft_cap=None)
+    arrays, static, res = _run(impl, case, dtype=dtype, seed=1)
+    _check_all(arrays, static, res, dtype)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # Several 128-token tiles with ragged ends, on both TPU kernels.
+        Case("tpu_tiles_splash", B=1, S_q=300, S_k=260, H=4, H_kv=2, D=16, causal=True, window=(90, 0),
+             segments="split", sinks=True, soft_cap=5.0),
+        Case("tpu_tiles_flash", B=1, S_q=260, S_k=300, H=2, H_kv=1, D=16, causal=True,
+             bias=(1, 2, 260, 300), mask=(1, 1, 260, 300), segments="split"),
+    ],
+    ids=str,
+)
+def test_pallas_tpu_multiple_tiles(case):
+    arrays, static, res = _run(TPU, case, dlse=True)
+    _check_all(arrays, static, res, np.float32, dlse=True)
+
+
+@pytest.mark.parametrize("kind", ["segments", "mask"])
+def test_pallas_tpu_rows_that_see_nothing(kind):
+    """Rows with no visible key give exactly 0 and lse -inf, and no NaN in gradients
+    (the kernels themselves would average over masked keys)."""
+    case, arrays, static = _empty_row_inputs(kind)
+    ref = _oracle(arrays, static)
+    empty = ~np.isfinite(ref.lse)
+    assert empty.any()
+    _, _, res = _run(TPU, case, arrays=arrays, static=static, dlse=True)
+    assert np.all(res["out"][np.transpose(empty, (0, 2, 1))] == 0.0)
+    assert np.all(res["lse"][empty] == -np.inf)
+    _check_all(arrays, static, res, np.float32, dlse=True)
+
+
+def test_pallas_gpu_rows_that_see_nothing():
+    """Shared segment ids with padding (-1) and ids absent elsewhere in the row's causal past."""
+    case = Case("gpu_empty", B=2, S_q=50, S_k=50, H=2, H_kv=1, D=16, causal=True, segments="shared",
+                sinks=True)
+    arrays, static = case.inputs(seed=5)
+    seg = np.random.default_rng(5).integers(0, 3, (2, 50)).astype(np.int32)
+    seg[0, 10:20] = -1
+    seg[1, 0] = 9  # sees only itself
+    seg[1, 30:] = -1
+    arrays.update(seg_q=seg, seg_kv=seg)
+    _, _, res = _run(GPU, case, arrays=arrays, static=static, dlse=True)
+    pad = np.broadcast_to((seg < 0)[:, :, None], res["out"].shape[:3])
+    assert np.all(res["out"][pad] == 0.0)
+    _check_all(arrays, static, res, np.float32, dlse=True)
+
+
+@pytest.mark.parametrize("impl", PALLAS)
+def test_attention_bwd_direct_with_external_lse(impl):
+    """`attention_bwd` with an `lse` that is not the kernel's own (as a ring step gets
+    it): probabilities are `exp(s - lse)`, whatever produced `lse`."""
+    case = CASES_BY_NAME["causal+segments+sinks+softcap+gqa"]
+    if impl is GPU:
+        case = dataclasses.replace(case, soft_cap=None)
+    arrays, static = case.inputs(seed=6)
+    kw = kernel_kwargs(arrays, static, case.segments)
+    q, k, v, dout = (jnp.asarray(arrays[n]) for n in ("q", "k", "v", "dout"))
+    sinks = jnp.asarray(arrays["sinks"])
+    out, lse = kernels.attention_fwd(q, k, v, sinks=sinks, implementation="xla", **kw)
+    shift = 0.25  # a larger normalizer: every probability scaled by exp(-shift)
+    args = (q, k, v, out, lse + shift, dout)
+    want = kernels.attention_bwd(*args, sinks=sinks, implementation="xla", dlse=jnp.asarray(arrays["dlse"]), **kw)
+    got = kernels.attention_bwd(*args, sinks=sinks, implementation=impl, dlse=jnp.asarray(arrays["dlse"]), **kw)
+    for g, w in zip(got, want):
+        if w is not None:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+# -- cuDNN and dispatch -------------------------------------------------------------------
+
+
+def _request(platform: str, dtype=jnp.bfloat16, S=64, needs_lse=False, **kw):
+    q = jnp.zeros((1, S, 4, 64), dtype)
+    ops, opts = normalize(q, q, q, **kw)
+    return dataclasses.replace(kernels.Request.of(ops, opts, needs_lse=needs_lse), platform=platform)
+
+
+def test_cudnn_needs_a_gpu_and_half_precision():
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"'cudnn'.*platform 'cpu'.*dtype float32"):
+        kernels.attention(q, q, q, implementation="cudnn")
+
+
+def test_cudnn_never_serves_the_lse_contract():
+    req = _request("gpu", needs_lse=True)
+    missing = kernels.implementations()["cudnn"].unsupported(req)
+    assert missing == ["a float32 log-sum-exp with gradient (attention_fwd / attention_bwd / ring)"]
+    with pytest.raises(NotImplementedError, match="float32 log-sum-exp"):
+        kernels.attention_fwd(*(jnp.ones((1, 8, 2, 16), jnp.bfloat16),) * 3, implementation="cudnn")
+
+
+@pytest.mark.parametrize(
+    "platform, dtype, kw, needs_lse, want",
+    [
+        ("gpu", jnp.bfloat16, {}, False, "cudnn"),
+        ("gpu", jnp.bfloat16, {"causal": True}, False, "cudnn"),
+        ("gpu", jnp.bfloat16, {}, True, "pallas_gpu"),  # attention_fwd / ring: f32 lse needed
+        ("gpu", jnp.float32, {}, False, "pallas_gpu"),  # cuDNN: half precision only
+        ("gpu", jnp.bfloat16, {"window": (8, 8)}, False, "xla"),  # neither vendor kernel has it
+        ("gpu", jnp.bfloat16, {"sinks": jnp.zeros(4)}, False, "pallas_gpu"),
+        ("tpu", jnp.bfloat16, {"window": (8, 0), "logits_soft_cap": 30.0}, True, "pallas_tpu"),
+        ("tpu", jnp.float32, {"bias": jnp.zeros((64, 64))}, False, "pallas_tpu"),
+        ("tpu", jnp.float32, {"q_positions": jnp.arange(64)}, False, "xla"),  # positions: portable
+        ("cpu", jnp.float32, {}, False, "xla"),
+    ],
+)
+def test_auto_per_platform(platform, dtype, kw, needs_lse, want):
+    req = _request(platform, dtype, needs_lse=needs_lse, **kw)
+    assert _registry.resolve("auto", req).name == want
+    assert _registry.resolve("portable", req).name in ("xla", "blockwise")
+
+
+def test_auto_falls_back_to_blockwise_for_long_sequences_without_a_vendor_kernel():
+    req = _request("gpu", jnp.float32, S=4096, window=(128, 128))
+    assert _registry.resolve("auto", req).name == "blockwise"
+
+
+def test_implementation_report_explains_every_fallback():
+    q = jnp.ones((1, 40, 4, 16), jnp.float32)
+    report = kernels.implementation_report(q, q, q, q_positions=jnp.arange(40))
+    assert list(report)[:2] == ["xla", "blockwise"]  # the CPU order
+    assert report["xla"] == [] and report["blockwise"] == []
+    assert "custom positions" in report["pallas_tpu"] and "platform 'cpu' (serves tpu)" in report["pallas_tpu"]
+    assert any("dtype float32" in r for r in report["cudnn"])
+    assert kernels.select_implementation(q, q, q) == "xla"
+    assert kernels.select_implementation(q, q, q, needs_lse=True) == "xla"
+
+
+@pytest.mark.parametrize(
+    "impl, kwargs, match",
+    [
+        (kernels.PallasTpu, {"block_q": 100}, "multiple of 128"),
+        (kernels.PallasGpu, {"block_k": 24}, "power of two"),
+        (kernels.PallasGpu, {"block_bwd": 8}, "power of two >= 16"),
+    ],
+)
+def test_bad_block_sizes(impl, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        impl(**kwargs)
+
+
+def test_default_instances_need_their_platform():
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    for name, platform in (("pallas_tpu", "tpu"), ("pallas_gpu", "gpu")):
+        with pytest.raises(NotImplementedError, match=f"platform 'cpu' \\(serves {platform}\\)"):
+            kernels.attention(q, q, q, implementation=name)

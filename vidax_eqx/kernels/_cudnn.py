@@ -1,0 +1,57 @@
+"""`"cudnn"`: cuDNN's fused flash attention through `jax.nn.dot_product_attention`.
+
+cuDNN is one fused call with its own VJP. It returns no float32 log-sum-exp
+(`jax.nn` hands back its residual in the input dtype and without a gradient),
+and its backward cannot start from an external `(out, lse, dlse)`, so its
+`capabilities.float32_lse` is False: [`attention`][] may use it, while
+`attention_fwd`, `attention_bwd` and ring attention never do.
+"""
+
+import dataclasses
+
+import jax
+
+from ._args import Operands, Options
+from ._base import AbstractImplementation, Capabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Cudnn(AbstractImplementation):
+    """cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`).
+
+    Serves GQA, bias, boolean masks and causal masks in bfloat16 / float16 with
+    `head_dim <= 128`; differentiated by `jax.nn`'s own VJP.
+    """
+
+    name = "cudnn"
+    capabilities = Capabilities(
+        platforms=("gpu",),
+        dtypes=("bfloat16", "float16"),
+        max_head_dim=128,
+        segment_ids=False,
+        window=False,
+        positions=False,
+        sinks=False,
+        logits_soft_cap=False,
+        float32_lse=False,
+    )
+
+    def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, None]:
+        """`(out, None)`: `out` is differentiable through `jax.nn`'s VJP; no lse."""
+        out = jax.nn.dot_product_attention(
+            ops.q,
+            ops.k,
+            ops.v,
+            bias=None if ops.bias is None else ops.bias.astype(ops.q.dtype),
+            mask=ops.mask,
+            scale=opts.scale,
+            is_causal=opts.causal,
+            implementation="cudnn",
+        )
+        return out, None
+
+    def bwd(self, ops, opts, out, lse, dout, dlse):
+        raise NotImplementedError(
+            "implementation 'cudnn' has no backward from an external (out, lse): it is "
+            "differentiated through jax.nn.dot_product_attention's own VJP."
+        )
