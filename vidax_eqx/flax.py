@@ -72,6 +72,17 @@ __all__ = [
 # ---------------------------------------------------------------------------- norms
 
 
+def _check_last_axis(cls: str, name: str, size, x) -> None:
+    """The linen norms' shape check (the Equinox modules get theirs from jaxtyping)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{cls}: `{name}` must be a positive int; received {size!r}.")
+    if x.ndim < 1 or x.shape[-1] != size:
+        raise ValueError(
+            f"{cls}: the last axis of `x` is normalized and must have size {name}={size}; "
+            f"received shape {x.shape}."
+        )
+
+
 class RMSNorm(linen.Module):
     """Wan's RMSNorm as a linen module, with a parameter `scale` of shape `(dim,)`.
 
@@ -92,9 +103,11 @@ class RMSNorm(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        _check_last_axis("RMSNorm", "dim", self.dim, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim,), self.param_dtype)
         with jax.named_scope("vidax_eqx.flax.RMSNorm"):
-            return _rms_norm(jnp.asarray(x), scale, self.eps)
+            return _rms_norm(x, scale, self.eps)
 
 
 class TPShardedRMSNorm(linen.Module):
@@ -125,11 +138,11 @@ class TPShardedRMSNorm(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        _check_last_axis("TPShardedRMSNorm", "dim_local", self.dim_local, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim_local,), self.param_dtype)
         with jax.named_scope("vidax_eqx.flax.TPShardedRMSNorm"):
-            return _tp_sharded_rms_norm(
-                jnp.asarray(x), scale, self.global_dim, self.eps, self.axis_name
-            )
+            return _tp_sharded_rms_norm(x, scale, self.global_dim, self.eps, self.axis_name)
 
 
 def rms_norm_to_linen(module: _nn.RMSNorm | _nn.TPShardedRMSNorm) -> dict:

@@ -159,8 +159,10 @@ def _place(array: np.ndarray, like):
     return jax.device_put(array, sharding)
 
 
-def _fmt_keys(keys, limit=None) -> str:
-    return ", ".join(keys if limit is None else keys[:limit])
+def _fmt_keys(keys, limit=20, sep=", ") -> str:
+    """At most `limit` keys: a forged or mismatched file can hold a hundred thousand."""
+    shown = sep.join(keys[:limit])
+    return shown if len(keys) <= limit else f"{shown}, ... ({len(keys) - limit} more)"
 
 
 def _open(path) -> SafetensorsFile:
@@ -321,9 +323,9 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
     if doubled:
         problems.append(f"given under both namings ({len(doubled)}): {_fmt_keys(doubled)}")
     if wrong_shape:
-        problems.append(f"wrong shape ({len(wrong_shape)}): {'; '.join(wrong_shape)}")
+        problems.append(f"wrong shape ({len(wrong_shape)}): {_fmt_keys(wrong_shape, sep='; ')}")
     if wrong_dtype:
-        problems.append(f"wrong dtype ({len(wrong_dtype)}): {'; '.join(wrong_dtype)}")
+        problems.append(f"wrong dtype ({len(wrong_dtype)}): {_fmt_keys(wrong_dtype, sep='; ')}")
     if problems:
         hints = []
         if strict and missing and not matched:

@@ -94,8 +94,20 @@ def _check_float(name: str, x: jax.Array) -> None:
 
 
 def _check_int(name: str, x: jax.Array) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"`{name}` must have an integer dtype; received dtype {x.dtype}.")
+    """Ids and positions are int32: any integer dtype whose values all fit int32.
+
+    uint32 / uint64 / int64 ids above 2**31 - 1 would wrap to negative values (which
+    mean padding), so those dtypes are refused rather than cast silently.
+    """
+    dtype = np.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"`{name}` must have an integer dtype; received dtype {dtype}.")
+    if np.iinfo(dtype).max > _INT32_MAX or np.iinfo(dtype).min < -_INT32_MAX - 1:
+        raise TypeError(
+            f"`{name}` must have an integer dtype whose values fit int32 (int8, int16, int32, "
+            f"uint8, uint16); received dtype {dtype}, whose values above 2**31 - 1 would wrap "
+            "to negative ids (padding). Cast it explicitly with `.astype(jnp.int32)`."
+        )
 
 
 def _lift_to_4d(name: str, x: jax.Array, full: tuple[int, int, int, int]) -> jax.Array:
@@ -151,10 +163,12 @@ def _static_float(name: str, x) -> float:
             f"`{name}` must be a concrete Python number (it is static configuration); "
             "received a traced value. Pass it as a static argument of `jax.jit`."
         )
+    if isinstance(x, (str, bytes, bool)):
+        raise TypeError(f"`{name}` must be a number; received {type(x).__name__} {x!r}.")
     try:
         value = float(x)
-    except TypeError:
-        raise TypeError(f"`{name}` must be a number; received {x!r}.") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"`{name}` must be a number; received {type(x).__name__} {x!r}.") from None
     if not math.isfinite(value):
         raise ValueError(f"`{name}` must be finite; received {value}.")
     return value
@@ -212,9 +226,10 @@ def normalize(
             f"the number of query heads must be a multiple of the number of key/value heads "
             f"(GQA); received q: {q.shape} (H={H}), k: {k.shape} (H_kv={H_kv})."
         )
-    if min(B, S_q, S_k, D) == 0:
+    if min(B, S_q, S_k, H, D) == 0:
         raise ValueError(
-            f"attention needs non-empty arrays; received q: {q.shape}, k: {k.shape}."
+            f"attention needs non-empty arrays (B, S_q, S_k, H, H_kv and D all >= 1); received "
+            f"q: {q.shape}, k: {k.shape}."
         )
     full = (B, H, S_q, S_k)
 
@@ -248,7 +263,18 @@ def normalize(
             _check_int(name, s)
             if s.shape != want:
                 raise ValueError(f"`{name}` must have shape (B, S) = {want}; received {s.shape}.")
-        seg_q, seg_kv = seg_q.astype(jnp.int32), seg_kv.astype(jnp.int32)
+        if seg_q is seg_kv:  # one array for both sides: keep it one array
+            seg_q = seg_kv = seg_q.astype(jnp.int32)
+        else:
+            seg_q, seg_kv = seg_q.astype(jnp.int32), seg_kv.astype(jnp.int32)
+        # Padding attends to nothing and nothing attends to it, so its values must not
+        # matter. They would through `0 * x` products (the `p @ v` of the forward and the
+        # `ds @ k`, `ds^T @ q` of the backward): a NaN or Inf left in a padded token
+        # would reach every real token. Zeroing padded q / k / v rows makes padding
+        # inert; its gradient is 0 either way.
+        q = jnp.where((seg_q >= 0)[:, :, None, None], q, jnp.zeros((), q.dtype))
+        k = jnp.where((seg_kv >= 0)[:, :, None, None], k, jnp.zeros((), k.dtype))
+        v = jnp.where((seg_kv >= 0)[:, :, None, None], v, jnp.zeros((), v.dtype))
 
     if sinks is not None:
         sinks = _as_array("sinks", sinks)

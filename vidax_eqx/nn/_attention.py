@@ -37,7 +37,7 @@ from ..parallel import (
     usp_attention,
 )
 from . import functional
-from ._norm import LayerNorm, RMSNorm
+from ._norm import _check_eps, LayerNorm, RMSNorm
 from ._parallel import ParallelConfig
 
 
@@ -48,7 +48,13 @@ _Rope = tuple[Float[Array, "S {self.head_dim//2}"], Float[Array, "S {self.head_d
 # -- shared pieces ---------------------------------------------------------------------
 
 
+def _check_positive(cls: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{cls}: `{name}` must be a positive int; received {value!r}.")
+
+
 def _check_heads(cls: str, dim: int, num_heads: int) -> int:
+    _check_positive(cls, "dim", dim)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"{cls}: `num_heads` must be a positive int; received {num_heads!r}.")
     if dim % num_heads:
@@ -232,6 +238,7 @@ class Attention(eqx.Module):
         - `key`: a PRNG key for the linear layers' initialization.
         """
         self.head_dim = _check_heads("Attention", dim, num_heads)
+        eps = _check_eps("Attention", eps)
         _check_parallel("Attention", parallel)
         if qk_norm not in ("rms", None):
             raise ValueError(f"Attention: `qk_norm` must be 'rms' or None; received {qk_norm!r}.")
@@ -339,12 +346,14 @@ class CrossAttention(eqx.Module):
         - `key`: a PRNG key for the linear layers' initialization.
         """
         self.head_dim = _check_heads("CrossAttention", dim, num_heads)
+        eps = _check_eps("CrossAttention", eps)
         _check_parallel("CrossAttention", parallel)
         if qk_norm not in ("rms", None):
             raise ValueError(
                 f"CrossAttention: `qk_norm` must be 'rms' or None; received {qk_norm!r}."
             )
         context_dim = dim if context_dim is None else context_dim
+        _check_positive("CrossAttention", "context_dim", context_dim)
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
         self.k = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kk)
@@ -458,6 +467,7 @@ class JointAttention(eqx.Module):
         - `key`: a PRNG key for the linear layers' initialization.
         """
         self.head_dim = _check_heads("JointAttention", dim, num_heads)
+        eps = _check_eps("JointAttention", eps)
         _check_parallel("JointAttention", parallel)
         _check_joint_mode(parallel)
         if qk_norm not in ("layer_norm", None):

@@ -14,6 +14,22 @@ from jaxtyping import Array, Float, jaxtyped
 from ..parallel import axis_size, TP_AXIS
 
 
+def _check_eps(owner: str, eps) -> float:
+    """`eps` as a float: finite and >= 0 (a negative one makes `rsqrt` NaN silently)."""
+    if isinstance(eps, (bool, str, bytes)):
+        raise TypeError(f"{owner}: `eps` must be a number; received {type(eps).__name__} {eps!r}.")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: `eps` must be a number; received {type(eps).__name__}.") from None
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(
+            f"{owner}: `eps` must be a finite number >= 0 (it is added to the variance "
+            f"before rsqrt; a negative one gives NaN); received {eps!r}."
+        )
+    return value
+
+
 def _out_dtype(x, *params):
     """The result dtype: the promotion of the input and parameter dtypes (as PyTorch)."""
     return jnp.result_type(x.dtype, *(p.dtype for p in params if p is not None))
@@ -42,6 +58,7 @@ def rms_norm(
 
     An array of `x`'s shape in `promote_types(x.dtype, weight.dtype)`.
     """
+    eps = _check_eps("rms_norm", eps)
     xf = x.astype(jnp.float32)
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     return _scale(xf, ms, x, weight, eps)
@@ -88,6 +105,7 @@ def tp_sharded_rms_norm(
     `ValueError` when `axis_name` is not bound (outside `shard_map`) or when
     `dim_local * axis_size != global_dim`.
     """
+    eps = _check_eps("tp_sharded_rms_norm", eps)
     dim_local = x.shape[-1]
     n = axis_size(axis_name, what="Tensor-parallel")
     if dim_local * n != global_dim:
@@ -127,6 +145,7 @@ def layer_norm(
 
     An array of `x`'s shape in the promotion of the dtypes of `x`, `weight` and `bias`.
     """
+    eps = _check_eps("layer_norm", eps)
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     centred = xf - mean
@@ -166,7 +185,7 @@ class RMSNorm(eqx.Module):
         """
         _check_positive("RMSNorm", dim=dim)
         self.dim = dim
-        self.eps = float(eps)
+        self.eps = _check_eps("RMSNorm", eps)
         self.weight = jnp.ones((dim,), dtype)
 
     @jaxtyped(typechecker=beartype)
@@ -222,7 +241,7 @@ class TPShardedRMSNorm(eqx.Module):
         """
         self.dim_local = dim_local
         self.global_dim = global_dim
-        self.eps = float(eps)
+        self.eps = _check_eps("TPShardedRMSNorm", eps)
         self.axis_name = axis_name
         _check_positive("TPShardedRMSNorm", dim_local=dim_local, global_dim=global_dim)
         self.weight = jnp.ones((dim_local,), dtype)
@@ -283,7 +302,7 @@ class LayerNorm(eqx.Module):
         """
         _check_positive("LayerNorm", dim=dim)
         self.dim = dim
-        self.eps = float(eps)
+        self.eps = _check_eps("LayerNorm", eps)
         self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
         self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-from ..kernels import attention, SegmentIds
+from ..kernels import attention, SegmentIds, select_implementation
 from ._mesh import DP_AXIS, TP_AXIS
 from ._ulysses import kv_head_repeats
 
@@ -24,6 +24,19 @@ def _lift_4d(x):
     if x.ndim > 4:
         return x  # the kernel's validation names the problem
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _check_global(q, k, v, bias, mask, segment_ids, sinks, kernel_options) -> None:
+    """Validates the request on the global shapes, as the kernel would, before any
+    sharding: errors then name the shapes the caller passed, not one device's slice.
+    Traced abstractly (`jax.eval_shape`), so nothing is computed."""
+
+    def check(q, k, v, bias, mask, segment_ids, sinks):
+        select_implementation(q, k, v, bias=bias, mask=mask, segment_ids=segment_ids,
+                              sinks=sinks, **kernel_options)
+        return jnp.zeros(())
+
+    jax.eval_shape(check, q, k, v, bias, mask, segment_ids, sinks)
 
 
 def tensor_parallel_attention(
@@ -61,6 +74,20 @@ def tensor_parallel_attention(
     GQA: key/value heads that do not split over the TP size are repeated by the
     smallest factor that does ([`kv_head_repeats`][]); their gradients sum back.
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. vidax_eqx.parallel.make_mesh(tp=...)); "
+            f"received {type(mesh).__name__}."
+        )
+    for name, axis, default in (("tp_axis", tp_axis, TP_AXIS), ("dp_axis", dp_axis, DP_AXIS)):
+        # The default names may be absent (size 1); a name given explicitly must exist.
+        if axis != default and axis not in mesh.shape:
+            raise ValueError(
+                f"`{name}`={axis!r} is not an axis of the mesh, whose axes are "
+                f"{tuple(mesh.axis_names)}. Pass one of them, or leave the default "
+                f"{default!r} (an absent default axis counts as size 1)."
+            )
+    _check_global(q, k, v, bias, mask, segment_ids, sinks, kernel_options)
     tp = mesh.shape.get(tp_axis, 1)
     dp = mesh.shape.get(dp_axis, 1)
     B, _, H, _ = jnp.shape(q)

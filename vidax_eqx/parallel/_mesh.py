@@ -36,6 +36,13 @@ def make_mesh(
     A `jax.sharding.Mesh` whose axes are `Auto`, so `jax.shard_map` reshards its
     inputs as the in-specs ask.
     """
+    clash = sorted({DP_AXIS, SP_AXIS, TP_AXIS} & set(extra_axes or {}))
+    if clash:
+        raise ValueError(
+            f"`extra_axes` adds axes beside ('dp', 'sp', 'tp') and cannot redefine them; received "
+            f"extra_axes={extra_axes!r} (clashes: {clash}). Set those sizes with dp=, sp=, tp=, "
+            "or give the extra axis another name (e.g. 'ring')."
+        )
     sizes = {DP_AXIS: dp, SP_AXIS: sp, **(extra_axes or {}), TP_AXIS: tp}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
@@ -62,7 +69,7 @@ def make_mesh(
     )
 
 
-def axis_size(axis_name: str, *, what: str = "Axis") -> int:
+def axis_size(axis_name: str, *, what: str = "Mesh") -> int:
     """The size of mesh axis `axis_name` in the current `shard_map` context.
 
     Raises `ValueError("{what} axis 'sp' does not exist in the current context.")`
@@ -70,11 +77,28 @@ def axis_size(axis_name: str, *, what: str = "Axis") -> int:
     """
     try:
         return jax.lax.axis_size(axis_name)
-    except NameError:
+    except (NameError, ValueError):  # ValueError: an int name JAX reads as a position
         raise ValueError(
             f"{what} axis {axis_name!r} does not exist in the current context. Call this "
             "inside `jax.shard_map` over a mesh that has that axis."
         ) from None
+
+
+def _check_axis(x, axis, fn: str) -> int:
+    """`axis` as a non-negative index of `x`'s axes; out of range is an error, not a wrap."""
+    ndim = jnp.ndim(x)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{fn}: `axis` must be an int in [-{ndim}, {ndim}) for `x` of shape {jnp.shape(x)}; "
+            f"received {axis!r}."
+        )
+    return int(axis) % ndim
+
+
+def _check_positive(fn: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{fn}: `{name}` must be a positive int; received {value!r}.")
+    return int(value)
 
 
 def chunk_by_rank(x: jax.Array, axis: int, sp_size: int, rank) -> jax.Array:
@@ -95,7 +119,13 @@ def chunk_by_rank(x: jax.Array, axis: int, sp_size: int, rank) -> jax.Array:
     """
     if isinstance(sp_size, bool) or not isinstance(sp_size, (int, np.integer)) or sp_size < 1:
         raise ValueError(f"`sp_size` must be a positive int; received {sp_size!r}.")
-    axis = axis % x.ndim
+    axis = _check_axis(x, axis, "chunk_by_rank")
+    # A concrete rank outside [0, sp_size) would be clamped by dynamic_slice to the
+    # last chunk: a wrong answer, not an error. (A traced rank cannot be checked.)
+    if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool) and not 0 <= rank < sp_size:
+        raise ValueError(
+            f"chunk_by_rank: `rank` must be in [0, sp_size) = [0, {sp_size}); received {rank}."
+        )
     n = x.shape[axis]
     if n % sp_size:
         raise ValueError(
@@ -109,12 +139,13 @@ def chunk_by_rank(x: jax.Array, axis: int, sp_size: int, rank) -> jax.Array:
 def gather_chunks(x: jax.Array, axis: int, axis_name: str) -> jax.Array:
     """Inverse of `chunk_by_rank` inside `shard_map`: all ranks' chunks, in rank order."""
     axis_size(axis_name)
-    return jax.lax.all_gather(x, axis_name, axis=axis % x.ndim, tiled=True)
+    return jax.lax.all_gather(x, axis_name, axis=_check_axis(x, axis, "gather_chunks"), tiled=True)
 
 
 def pad_to_multiple(x: jax.Array, multiple: int, axis: int = 1, value=0) -> jax.Array:
     """Pads `x` at the end of `axis` up to a multiple of `multiple`."""
-    axis = axis % x.ndim
+    multiple = _check_positive("pad_to_multiple", "multiple", multiple)
+    axis = _check_axis(x, axis, "pad_to_multiple")
     extra = -x.shape[axis] % multiple
     if extra == 0:
         return x
@@ -125,7 +156,14 @@ def pad_to_multiple(x: jax.Array, multiple: int, axis: int = 1, value=0) -> jax.
 
 def unpad(x: jax.Array, length: int, axis: int = 1) -> jax.Array:
     """Drops what [`pad_to_multiple`][] added: the first `length` entries of `axis`."""
-    return jax.lax.slice_in_dim(x, 0, length, axis=axis % x.ndim)
+    axis = _check_axis(x, axis, "unpad")
+    size = x.shape[axis]
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= size:
+        raise ValueError(
+            f"unpad: `length` (the true length before padding) must be an int in [0, {size}] for "
+            f"axis {axis} of `x` of shape {x.shape}; received {length!r}."
+        )
+    return jax.lax.slice_in_dim(x, 0, int(length), axis=axis)
 
 
 def padding_segment_ids(
@@ -137,6 +175,16 @@ def padding_segment_ids(
     [`pad_to_multiple`][] gets id -1, which attends to nothing and is seen by
     nothing, so any token count can be split over any number of devices.
     """
+    fn = "padding_segment_ids"
+    length = _check_positive(fn, "length", length)
+    multiple = _check_positive(fn, "multiple", multiple)
+    batch = _check_positive(fn, "batch", batch)
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, length), jnp.int32)
-    return pad_to_multiple(jnp.asarray(segment_ids, jnp.int32), multiple, axis=1, value=-1)
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{fn}: `segment_ids` must be the unpadded ids, int (batch, length) = "
+            f"{(batch, length)}; received {segment_ids.dtype} {segment_ids.shape}."
+        )
+    return pad_to_multiple(segment_ids.astype(jnp.int32), multiple, axis=1, value=-1)

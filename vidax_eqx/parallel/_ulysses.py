@@ -31,7 +31,11 @@ _WHAT = "Sequence-parallel"
 
 def _static_int(name: str, x) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise ValueError(f"`{name}` must be a Python int; received {x!r}.")
+        got = (f"a {type(x).__name__} of shape {jnp.shape(x)}" if hasattr(x, "shape")
+               else f"{type(x).__name__} {x!r}")
+        raise ValueError(
+            f"`{name}` must be a Python int (static: it sets shapes); received {got}."
+        )
     return int(x)
 
 
@@ -80,6 +84,10 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     multiple of both `num_kv_heads` and `sp_size`: `r = lcm(H_kv, sp) / H_kv`.
     `r == 1` (no repetition) when `sp_size` divides `num_kv_heads`.
     """
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("sp_size", sp_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"kv_head_repeats: `{name}` must be a positive int; received {value!r}.")
     r = math.lcm(num_kv_heads, sp_size) // num_kv_heads
     if num_heads % (num_kv_heads * r):
         raise ValueError(

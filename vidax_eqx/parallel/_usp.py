@@ -228,9 +228,10 @@ def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses
     parts = []
     for name, s in pairs:
         s = jnp.asarray(s)
-        if s.shape != (B, S_local) or not jnp.issubdtype(s.dtype, jnp.integer):
+        if (s.shape != (B, S_local) or not jnp.issubdtype(s.dtype, jnp.integer)
+                or jnp.iinfo(s.dtype).max > 2**31 - 1):  # uint32 ids would wrap to padding
             raise ValueError(
-                f"{_FN}: `{name}` holds this device's tokens: int (B, S_local) = "
+                f"{_FN}: `{name}` holds this device's tokens: ints that fit int32, (B, S_local) = "
                 f"{(B, S_local)}, sharded exactly like `q` (text prefix included in the joint "
                 f"layout); received {s.dtype} {s.shape}."
             )
