@@ -548,17 +548,25 @@ def _attention_specs(m):
     if tp is None:
         return specs
     column, row, norms = _MEGATRON[type(m)]
+
+    def spec(x, *axes):
+        # Leading axes beyond the parameter's own are stacked layers (`eqx.filter_vmap`
+        # construction, scanned over): never sharded.
+        return P(*(None,) * (len(x.shape) - len(axes)), *axes)
+
     where, values = [], []
     for name in column:
+        lin = getattr(m, name)
         where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [P(tp, None), P(tp)]
+        values += [spec(lin.weight, tp, None), spec(lin.bias, tp)]
     for name in row:
+        lin = getattr(m, name)
         where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [P(None, tp), P()]
+        values += [spec(lin.weight, None, tp), P()]
     for name in norms:
         if getattr(m, name) is not None:
             where.append(lambda s, n=name: getattr(s, n).weight)
-            values.append(P(tp))
+            values.append(spec(getattr(m, name).weight, tp))
     return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
 
 
@@ -572,7 +580,8 @@ def partition_specs(module):
     Wan's `norm_q` / `norm_k` weights, over the inner dim, `P(tp)`; CogVideoX's per-head
     LayerNorms `P()`. Every other array, and everything when `tp_axis` is `None`, is
     replicated, `P()`; non-array leaves get `None`. Sequence parallelism never shards a
-    parameter.
+    parameter. Layers stacked with `eqx.filter_vmap` (to `lax.scan` over them) keep their
+    leading layer axes unsharded: a stacked q weight `(L, dim, dim)` gets `P(None, tp, None)`.
 
     **Arguments:**
 

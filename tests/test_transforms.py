@@ -1,0 +1,1026 @@
+"""Composability: every public entry point under JAX's transformations.
+
+A matrix of entry point x transformation. Each entry point is an `Entry`: a
+function of global arrays (and Equinox modules / Flax variables), its inputs
+(small: S = 37..61, D = 8, H = 4; sequence lengths that are not multiples of
+any block size; GQA and MQA), and an independent float64 reference written
+here in NumPy on top of `oracle.attention`. Every transformation is checked
+against that reference, forward and gradients (analytic from the oracle for
+the attention functions, directional central differences of the float64
+reference for the modules), and, where it is cheap, against the untransformed
+call:
+
+| column            | what is checked                                                     |
+|-------------------|---------------------------------------------------------------------|
+| `jit`             | `jax.jit` / `eqx.filter_jit` == reference (== the eager call off-mesh) |
+| `vmap-axis0`      | an extra leading batch axis on every array input                    |
+| `vmap-axis1`      | the batch on axis 1 (`in_axes=1`, `out_axes=1`)                      |
+| `vmap-partial`    | only some inputs batched, e.g. `in_axes=(0, None, None)`            |
+| `grad` / `vjp`    | `jax.grad` / `jax.vjp` (`eqx.filter_grad` / `eqx.filter_vjp` for modules), every differentiable input and parameter |
+| `checkpoint-*`    | `jax.checkpoint` (default policy, `nothing_saveable`) under `vjp`   |
+| `eval_shape`      | `jax.eval_shape` on `ShapeDtypeStruct` inputs                       |
+| `donate`          | `jax.jit(..., donate_argnums=...)` == the undonated call            |
+
+plus scans over stacked layers (`eqx.filter_vmap` construction, `lax.scan` ==
+a Python loop; single device, Ulysses, ring, Ulysses x TP), checkpointing
+inside `shard_map`, module construction under `eval_shape` / `jit` /
+`filter_vmap`, the linen shim's own transformations, and the combinations
+that cannot work (forward-mode autodiff through the custom VJPs, traced RoPE
+grids), which must raise clear errors.
+
+The sharded entries' untransformed call is not run eagerly: an eager
+`shard_map` executes op by op (seconds per call); the float64 reference is
+their untransformed baseline.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import equinox as eqx
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import oracle
+from vidax_eqx import core, kernels, nn, parallel
+from vidax_eqx import flax as vflax
+
+
+F32 = np.float32
+SP, TP, DP, RING = parallel.SP_AXIS, parallel.TP_AXIS, parallel.DP_AXIS, "ring"
+SEQ = P(None, SP)
+H, D = 4, 8
+DIM = H * D  # 32
+NOTHING = jax.checkpoint_policies.nothing_saveable
+
+
+# -- float64 references (NumPy; attention is `oracle.attention`) ---------------------------
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+def to64(tree):
+    """Every array leaf as NumPy: floating ones in float64, others unchanged."""
+
+    def conv(a):
+        a = np.asarray(a)
+        return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
+
+    return jax.tree.map(conv, tree)
+
+
+def ref_linear(x, lin):
+    return x @ lin.weight.T + lin.bias
+
+
+def ref_rms_norm(x, w, eps=1e-6):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def ref_layer_norm(x, w, b, eps=1e-6):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def ref_rope(x, cos, sin):
+    """Adjacent pairs as complex numbers times `cos + i sin`; `x (..., S, H, D)`."""
+    xc = x[..., 0::2] + 1j * x[..., 1::2]
+    yc = xc * (cos + 1j * sin)[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = yc.real, yc.imag
+    return out
+
+
+def ref_attn(q, k, v, **kw):
+    """`oracle.attention` of one example `(S, H, D)`."""
+    return oracle.attention(q[None], k[None], v[None], **kw).out[0]
+
+
+def ref_wan_attention(m, x, cos, sin, seg):
+    S = x.shape[0]
+    q, k, v = ref_linear(x, m.q), ref_linear(x, m.k), ref_linear(x, m.v)
+    q, k = ref_rms_norm(q, m.norm_q.weight, m.eps), ref_rms_norm(k, m.norm_k.weight, m.eps)
+    q, k, v = (a.reshape(S, m.num_heads, m.head_dim) for a in (q, k, v))
+    q, k = ref_rope(q, cos, sin), ref_rope(k, cos, sin)
+    out = ref_attn(q, k, v, segment_ids=None if seg is None else seg[None])
+    return ref_linear(out.reshape(S, -1), m.o)
+
+
+def ref_block(b, x, cos, sin):
+    return x + ref_wan_attention(b.attn, ref_rms_norm(x, b.norm.weight, b.norm.eps), cos, sin, None)
+
+
+# -- entries -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One public entry point with fixed inputs.
+
+    - `fn(*args)`: the untransformed call on global arrays (sharded entries wrap
+        `jax.shard_map` themselves).
+    - `diff`: the positions of the differentiable arguments.
+    - `ref(*args64)`: the float64 reference forward.
+    - `ref_grads(args64, ct64)`: the reference gradients of `<fn(args), ct>` for the
+        `diff` arguments; `None`: checked by finite differences of `ref`.
+    - `partial`: `in_axes` of the `vmap-axis1-partial` case.
+    - `placement`: sharded entries: `(mesh, specs)`, a `PartitionSpec` (prefix) per
+        argument: where a training step would keep the inputs (`test_donate` places them
+        there, so the donated buffers are the ones the program consumes).
+    - `reuses_donation`: `False` where no output has the layout of a donated input (the
+        output is rearranged after the `shard_map`), so XLA cannot reuse any buffer.
+    """
+
+    fn: Callable
+    args: tuple
+    diff: tuple[int, ...]
+    ref: Callable
+    ref_grads: Callable | None = None
+    partial: tuple | None = None
+    placement: tuple | None = None
+    reuses_donation: bool = True
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement is not None
+
+    @functools.cached_property
+    def ref_out(self):
+        return self.ref(*to64(self.args))
+
+    @functools.cached_property
+    def ct(self):
+        rng = np.random.default_rng(123)
+        return jax.tree.map(lambda r: rng.standard_normal(r.shape).astype(F32), self.ref_out)
+
+    @functools.cached_property
+    def has_modules(self) -> bool:
+        return any(not _is_array(a) for a in self.args)
+
+    @functools.cached_property
+    def jit_out(self):
+        return jit(self.fn)(*self.args)
+
+    def with_diff(self, diff_args) -> list:
+        args = list(self.args)
+        for i, a in zip(self.diff, diff_args):
+            args[i] = a
+        return args
+
+
+def _is_array(a) -> bool:
+    return isinstance(a, (jax.Array, np.ndarray))
+
+
+# XLA's CPU backend at LLVM optimization level 0 compiles these small programs about
+# twice as fast and gives the same numbers; it changes code generation, not semantics.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def jit(fn, **kw):
+    """`jax.jit` (Equinox modules are PyTrees of arrays: `jax.jit` takes them as they are)."""
+    return jax.jit(fn, compiler_options=FAST_COMPILE, **kw)
+
+
+_BUILDERS: dict[str, tuple[Callable[[], Entry], bool]] = {}
+
+
+def entry(name: str, *, differentiable: bool = True):
+    """Registers an `Entry` builder (run lazily, once) under `name`."""
+
+    def register(build):
+        _BUILDERS[name] = (build, differentiable)
+        return build
+
+    return register
+
+
+@functools.cache
+def get(name: str) -> Entry:
+    return _BUILDERS[name][0]()
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _normal(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(F32))
+
+
+def _segments(rng, Bn, S):
+    """Sorted runs of 0..2 with a padded (-1) tail, differing per batch element."""
+    seg = np.sort(rng.integers(0, 3, (Bn, S)), axis=1)
+    seg[:, S - S // 7:] = -1
+    return jnp.asarray(seg, jnp.int32)
+
+
+def _oracle_grads(call, names):
+    """`ref_grads` from an oracle call `call(args64, dout=..., dlse=...) -> Result`."""
+
+    def grads(args, ct):
+        if isinstance(ct, tuple):
+            r = call(args, dout=ct[0], dlse=ct[1])
+        else:
+            r = call(args, dout=ct)
+        return tuple(getattr(r, n) for n in names)
+
+    return grads
+
+
+# kernels ---------------------------------------------------------------------------------
+
+
+@entry("kernels.attention[xla,gqa,cross,bias,sinks]")
+def _():
+    r = _rng(0)
+    args = (_normal(r, 2, 45, H, D), _normal(r, 2, 61, 2, D), _normal(r, 2, 61, 2, D),
+            _normal(r, 1, H, 45, 61), _normal(r, H))
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], sinks=a[4], **kw)
+    return Entry(
+        fn=lambda q, k, v, bias, sinks: kernels.attention(
+            q, k, v, bias=bias, sinks=sinks, implementation="xla"),
+        args=args, diff=(0, 1, 2, 3, 4),
+        ref=lambda *a: call(a).out,
+        ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dbias", "dsinks")),
+        partial=(0, None, None, None, None),
+    )
+
+
+BLOCKWISE = kernels.Blockwise(block_q=16, block_kv=16)
+
+
+@entry("kernels.attention[blockwise,mqa,causal,window,segments]")
+def _():
+    r = _rng(1)
+    S = 53  # 16-token tiles: 3 full and one of 5
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 1, D), _normal(r, 2, S, 1, D),
+            _segments(r, 2, S))
+    opts = dict(causal=True, window=(20, None))
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], segment_ids=a[3], **opts, **kw)
+    return Entry(
+        fn=lambda q, k, v, seg: kernels.attention(
+            q, k, v, segment_ids=seg, implementation=BLOCKWISE, **opts),
+        args=args, diff=(0, 1, 2),
+        ref=lambda *a: call(a).out,
+        ref_grads=_oracle_grads(call, ("dq", "dk", "dv")),
+        partial=(0, None, None, None),
+    )
+
+
+@entry("kernels.attention_fwd[auto,gqa,causal,softcap,sinks]")
+def _():
+    r = _rng(2)
+    args = (_normal(r, 2, 44, H, D), _normal(r, 2, 44, 2, D), _normal(r, 2, 44, 2, D),
+            _normal(r, H))
+    opts = dict(causal=True, logits_soft_cap=2.0, scale=0.6)
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], **opts, **kw)
+    return Entry(
+        fn=lambda q, k, v, sinks: kernels.attention_fwd(q, k, v, sinks=sinks, **opts),
+        args=args, diff=(0, 1, 2, 3),
+        ref=lambda *a: (call(a).out, call(a).lse),
+        ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dsinks")),
+        partial=(None, 0, 0, None),
+    )
+
+
+@entry("kernels.attention_bwd[blockwise,gqa,bias]", differentiable=False)
+def _():
+    """The backward from the `(out, lse)` of `attention_fwd` (`"xla"`) on the same inputs, so
+    that every batch element of a `vmap` gets a consistent `(out, lse)`."""
+    r = _rng(3)
+    S_q, S_k = 37, 50
+    args = (_normal(r, 2, S_q, H, D), _normal(r, 2, S_k, 2, D), _normal(r, 2, S_k, 2, D),
+            _normal(r, 2, S_q, H, D), _normal(r, 2, 1, S_q, S_k))
+
+    def fn(q, k, v, dout, bias):
+        out, lse = kernels.attention_fwd(q, k, v, bias=bias, implementation="xla")
+        return kernels.attention_bwd(q, k, v, out, lse, dout, bias=bias, implementation=BLOCKWISE)
+
+    def ref(q, k, v, dout, bias):
+        g = oracle.attention(q, k, v, bias=bias, dout=dout)
+        return (g.dq, g.dk, g.dv, g.dbias, None)
+
+    return Entry(fn=fn, args=args, diff=(), ref=ref, partial=(None, None, None, 0, None))
+
+
+# parallel --------------------------------------------------------------------------------
+
+
+def _shard(fn, mesh, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+@entry("parallel.ring_attention[contiguous,gqa,causal,sinks]")
+def _():
+    r = _rng(4)
+    S = 44  # 11 tokens per device
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D), _normal(r, H))
+    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    f = _shard(lambda q, k, v, s: parallel.ring_attention(q, k, v, axis_name=SP, causal=True,
+                                                          sinks=s), mesh, specs, SEQ)
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], causal=True, **kw)
+    return Entry(fn=f, args=args, diff=(0, 1, 2, 3), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dsinks")),
+                 partial=(0, None, None, None), placement=(mesh, specs))
+
+
+@entry("parallel.ring_attention[zigzag,window,segments]")
+def _():
+    r = _rng(5)
+    S, n = 40, 4  # 10 tokens per device: zigzag chunks of 5
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, H, D), _normal(r, 2, S, H, D),
+            _segments(r, 2, S))
+    mesh, specs = parallel.make_mesh(sp=n), (SEQ,) * 4
+    sharded = _shard(
+        lambda q, k, v, seg: parallel.ring_attention(
+            q, k, v, axis_name=SP, window=(9, 4), segment_ids=seg, layout="zigzag"),
+        mesh, specs, SEQ)
+
+    def fn(q, k, v, seg):
+        zz = lambda x: parallel.zigzag_permute(x, 1, n)
+        return parallel.zigzag_unpermute(sharded(zz(q), zz(k), zz(v), zz(seg)), 1, n)
+
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], segment_ids=a[3], window=(9, 4), **kw)
+    return Entry(fn=fn, args=args, diff=(0, 1, 2), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv")),
+                 partial=(0, None, None, 0), placement=(mesh, specs), reuses_donation=False)
+
+
+@entry("parallel.sequence_parallel_self_attention[gqa,bias]")
+def _():
+    r = _rng(6)
+    S = 44
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D),
+            _normal(r, 1, H, S, S))
+    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    f = _shard(lambda q, k, v, b: parallel.sequence_parallel_self_attention(q, k, v, SP, bias=b),
+               mesh, specs, SEQ)
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], **kw)
+    return Entry(fn=f, args=args, diff=(0, 1, 2, 3), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dbias")),
+                 partial=(None, 0, 0, None), placement=(mesh, specs))
+
+
+T_TEXT = 5
+
+
+@entry("parallel.sequence_parallel_joint_self_attention[text=5,gqa]")
+def _():
+    """Global text `(B, T, ...)` (replicated) and visual `(B, 44, ...)` (sharded); the
+    output is `[text copy of device 0; visual]` (the whole text cotangent goes to that
+    copy, as the function documents)."""
+    r = _rng(7)
+    L = 44
+    args = (_normal(r, 2, T_TEXT, H, D), _normal(r, 2, T_TEXT, 2, D), _normal(r, 2, T_TEXT, 2, D),
+            _normal(r, 2, L, H, D), _normal(r, 2, L, 2, D), _normal(r, 2, L, 2, D))
+
+    def local(qt, kt, vt, qv, kv, vv):
+        cat = lambda t, x: jnp.concatenate([t, x], axis=1)
+        out = parallel.sequence_parallel_joint_self_attention(
+            cat(qt, qv), cat(kt, kv), cat(vt, vv), T_TEXT, SP)
+        return out[:, :T_TEXT][None], out[:, T_TEXT:]
+
+    mesh, specs = parallel.make_mesh(sp=4), (P(),) * 3 + (SEQ,) * 3
+    sharded = _shard(local, mesh, specs, (P(SP), SEQ))
+
+    def fn(*a):
+        copies, visual = sharded(*a)
+        return jnp.concatenate([copies[0], visual], axis=1)
+
+    def call(a, **kw):
+        q, k, v = (np.concatenate([a[i], a[i + 3]], axis=1) for i in range(3))
+        return oracle.attention(q, k, v, **kw)
+
+    def grads(a, ct):
+        g = call(a, dout=ct)
+        text = tuple(getattr(g, n)[:, :T_TEXT] for n in ("dq", "dk", "dv"))
+        return text + tuple(getattr(g, n)[:, T_TEXT:] for n in ("dq", "dk", "dv"))
+
+    return Entry(fn=fn, args=args, diff=(0, 1, 2, 3, 4, 5), ref=lambda *a: call(a).out,
+                 ref_grads=grads, partial=(None,) * 3 + (0, 0, 0), placement=(mesh, specs),
+                 reuses_donation=False)
+
+
+USP_SEQ = P(None, (RING, SP))
+
+
+@entry("parallel.usp_attention[ulysses2xring2,gqa,causal]")
+def _():
+    r = _rng(8)
+    S = 44  # 11 tokens per device, 22 per ring rank
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D))
+    mesh, specs = parallel.make_mesh(sp=2, extra_axes={RING: 2}), (USP_SEQ,) * 3
+    f = _shard(lambda q, k, v: parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis=RING,
+                                                      causal=True), mesh, specs, USP_SEQ)
+    call = lambda a, **kw: oracle.attention(*a, causal=True, **kw)
+    return Entry(fn=f, args=args, diff=(0, 1, 2), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv")),
+                 partial=(0, None, None), placement=(mesh, specs))
+
+
+def _dense_mask(S, seed):
+    m = _rng(seed).random((S, S)) < 0.5
+    m[3] = False  # a row that sees nothing
+    m[10:20, 20:30] = False  # a whole ring step of device 1
+    return m
+
+
+@entry("parallel.make_ring_attention[dense mask,gqa,sinks]")
+def _():
+    r = _rng(9)
+    S = 40
+    mask = _dense_mask(S, 9)
+    kernel = parallel.make_ring_attention(mask, ring_axis=SP, block_sizes=(8, 8))
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D), _normal(r, H))
+    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    f = _shard(lambda q, k, v, s: kernel(q, k, v, sinks=s), mesh, specs, SEQ)
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], mask=mask, **kw)
+    return Entry(fn=f, args=args, diff=(0, 1, 2, 3), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dsinks")),
+                 partial=(0, None, None, None), placement=(mesh, specs))
+
+
+@entry("parallel.tensor_parallel_attention[dp2xtp4,gqa,bias,sinks,segments]")
+def _():
+    r = _rng(10)
+    S = 37
+    args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D),
+            _normal(r, 2, H, S, S), _normal(r, H), _segments(r, 2, S))
+    mesh = parallel.make_mesh(dp=2, tp=4)
+    call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], sinks=a[4],
+                                            segment_ids=a[5], **kw)
+    return Entry(
+        fn=lambda q, k, v, b, s, seg: parallel.tensor_parallel_attention(
+            q, k, v, mesh=mesh, bias=b, sinks=s, segment_ids=seg),
+        args=args, diff=(0, 1, 2, 3, 4), ref=lambda *a: call(a).out,
+        ref_grads=_oracle_grads(call, ("dq", "dk", "dv", "dbias", "dsinks")),
+        partial=(0, None, None, None, None, None),
+        placement=(mesh, (HEADS, P(DP), P(DP), P(DP, TP), P(TP), P(DP))))
+
+
+@entry("parallel.chunk_by_rank+gather_chunks+pad_to_multiple+unpad")
+def _():
+    """Inside shard_map over sp=4: pad 42 -> 44 tokens, take this rank's chunk, scale
+    it by `rank + 1`, gather the chunks back, unpad: `x * (token // 11 + 1)`."""
+    S, n = 42, 4
+    x = _normal(_rng(11), 2, S, 3)
+
+    def local(x):
+        rank = jax.lax.axis_index(SP)
+        chunk = parallel.chunk_by_rank(parallel.pad_to_multiple(x, n, axis=1), 1, n, rank)
+        full = parallel.gather_chunks(chunk * (rank + 1).astype(x.dtype), 1, SP)
+        return parallel.unpad(full, S, axis=1)[None]
+
+    mesh = parallel.make_mesh(sp=n)
+    sharded = _shard(local, mesh, P(), P(SP))
+    factor = (np.arange(S) // 11 + 1)[:, None]
+    return Entry(fn=lambda x: sharded(x)[0], args=(x,), diff=(0,), ref=lambda x: x * factor,
+                 ref_grads=lambda a, ct: (ct * factor,), partial=(0,), placement=(mesh, (P(),)))
+
+
+HEADS = P(DP, None, TP)  # (B, S, H, D) with heads over tp, batch over dp
+
+
+# core ------------------------------------------------------------------------------------
+
+
+def _core_args(seed, S_q, S_k):
+    r = _rng(seed)
+    return (_normal(r, 2, S_q, H, D), _normal(r, 2, S_k, H, D), _normal(r, 2, S_k, H, D),
+            _normal(r, 1, H, S_q, S_k), jnp.asarray(r.random((2, 1, S_q, S_k)) < 0.8))
+
+
+def _core_call(a, **kw):
+    return oracle.attention(a[0], a[1], a[2], bias=a[3], mask=a[4], **kw)
+
+
+@entry("core.dot_product_attention[bias,mask,cross]")
+def _():
+    return Entry(fn=lambda q, k, v, b, m: core.dot_product_attention(q, k, v, b, m),
+                 args=_core_args(12, 40, 52), diff=(0, 1, 2, 3),
+                 ref=lambda *a: _core_call(a).out,
+                 ref_grads=_oracle_grads(_core_call, ("dq", "dk", "dv", "dbias")),
+                 partial=(0, None, None, None, None))
+
+
+@entry("core.dot_product_attention[mesh=dp2xtp4,bias,mask]")
+def _():
+    mesh = parallel.make_mesh(dp=2, tp=4)
+    return Entry(fn=lambda q, k, v, b, m: core.dot_product_attention(q, k, v, b, m, mesh=mesh),
+                 args=_core_args(13, 41, 41), diff=(0, 1, 2, 3),
+                 ref=lambda *a: _core_call(a).out,
+                 ref_grads=_oracle_grads(_core_call, ("dq", "dk", "dv", "dbias")),
+                 partial=(None, 0, 0, None, None),
+                 placement=(mesh, (HEADS, HEADS, HEADS, P(None, TP), P(DP))))
+
+
+@entry("core.local_attention[scale]")
+def _():
+    a = _core_args(14, 43, 43)[:3]
+    call = lambda a, **kw: oracle.attention(*a, scale=0.5, **kw)
+    return Entry(fn=lambda q, k, v: core.local_attention(q, k, v, scale=0.5), args=a,
+                 diff=(0, 1, 2), ref=lambda *a: call(a).out,
+                 ref_grads=_oracle_grads(call, ("dq", "dk", "dv")), partial=(0, None, None))
+
+
+# nn: norms and functional ----------------------------------------------------------------
+
+
+def randomized(module, seed):
+    """Every parameter perturbed (norm weights away from 1, biases away from 0), in NumPy."""
+    rng = _rng(seed)
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.3 * rng.standard_normal(a.shape),
+                                              a.dtype), module)
+
+
+def random_module(make, seed):
+    """`make()`'s structure, traced by `eqx.filter_eval_shape` (nothing is computed), with
+    parameters drawn in NumPy: matrices `N(0, 1 / DIM)`, biases `0.3 N(0, 1)`, other
+    vectors (norm scales) `1 + 0.3 N(0, 1)`. Building modules eagerly would compile a
+    dozen small initialization programs per module."""
+    rng = _rng(seed)
+
+    def draw(path, a):
+        n = rng.standard_normal(a.shape)
+        if "bias" in jax.tree_util.keystr(path):
+            n = 0.3 * n
+        elif len(a.shape) >= 2:
+            n = n / np.sqrt(DIM)
+        else:
+            n = 1 + 0.3 * n
+        return jnp.asarray(n.astype(a.dtype))
+
+    return jax.tree_util.tree_map_with_path(draw, eqx.filter_eval_shape(make))
+
+
+@entry("nn.RMSNorm")
+def _():
+    m = random_module(lambda: nn.RMSNorm(DIM), 20)
+    return Entry(fn=lambda m, x: m(x), args=(m, _normal(_rng(21), 44, DIM)), diff=(0, 1),
+                 ref=lambda m, x: ref_rms_norm(x, m.weight, m.eps), partial=(None, 0))
+
+
+@entry("nn.TPShardedRMSNorm[tp=4]")
+def _():
+    m = eqx.filter_eval_shape(nn.TPShardedRMSNorm, DIM // 4, DIM)
+    m = eqx.tree_at(lambda m: m.weight, m, _normal(_rng(22), DIM))  # the global weight
+    spec = jax.tree.map(lambda _: P(TP), m)
+    mesh, specs = parallel.make_mesh(tp=4), (spec, P(None, TP))
+    f = _shard(lambda m, x: m(x), mesh, specs, P(None, TP))
+    return Entry(fn=f, args=(m, _normal(_rng(23), 44, DIM)), diff=(0, 1),
+                 ref=lambda m, x: ref_rms_norm(x, m.weight, m.eps), partial=(None, 0),
+                 placement=(mesh, specs))
+
+
+@entry("nn.LayerNorm[per head]")
+def _():
+    m = random_module(lambda: nn.LayerNorm(D), 24)
+    return Entry(fn=lambda m, x: m(x), args=(m, _normal(_rng(25), 44, H, D)), diff=(0, 1),
+                 ref=lambda m, x: ref_layer_norm(x, m.weight, m.bias, m.eps), partial=(None, 0))
+
+
+@entry("nn.functional.rms_norm")
+def _():
+    r = _rng(26)
+    return Entry(fn=lambda x, w: nn.functional.rms_norm(x, w, 1e-5),
+                 args=(_normal(r, 2, 44, DIM), _normal(r, DIM)), diff=(0, 1),
+                 ref=lambda x, w: ref_rms_norm(x, w, 1e-5), partial=(0, None))
+
+
+GRID = (4, 1, 11)  # 44 tokens
+
+
+def _rope(grid=GRID):
+    return nn.functional.rope_3d(grid, D)
+
+
+@entry("nn.functional.apply_rope+rope_3d")
+def _():
+    cos, sin = _rope()
+    return Entry(fn=lambda x, c, s: nn.functional.apply_rope(x, c, s),
+                 args=(_normal(_rng(27), 2, 44, H, D), cos, sin), diff=(0, 1, 2),
+                 ref=ref_rope, partial=(0, None, None))
+
+
+# nn: attention modules ---------------------------------------------------------------------
+
+
+@entry("nn.Attention[rope,segments]")
+def _():
+    m = random_module(lambda: nn.Attention(DIM, H, key=jax.random.key(0)), 30)
+    r = _rng(31)
+    seg = np.zeros(44, np.int32)
+    seg[30:], seg[40:] = 1, -1
+    return Entry(fn=lambda m, x, c, s, seg: m(x, rope=(c, s), segment_ids=seg),
+                 args=(m, _normal(r, 44, DIM), *_rope(), jnp.asarray(seg)), diff=(0, 1),
+                 ref=ref_wan_attention, partial=(None, 0, None, None, None))
+
+
+@entry("nn.CrossAttention[context_mask]")
+def _():
+    m = random_module(lambda: nn.CrossAttention(DIM, H, context_dim=24, key=jax.random.key(1)), 32)
+    r = _rng(33)
+    cmask = jnp.asarray(np.arange(13) < 10)
+
+    def ref(m, x, ctx, cmask):
+        S, T = x.shape[0], ctx.shape[0]
+        q = ref_rms_norm(ref_linear(x, m.q), m.norm_q.weight, m.eps).reshape(S, H, D)
+        k = ref_rms_norm(ref_linear(ctx, m.k), m.norm_k.weight, m.eps).reshape(T, H, D)
+        v = ref_linear(ctx, m.v).reshape(T, H, D)
+        return ref_linear(ref_attn(q, k, v, mask=cmask[None, :]).reshape(S, DIM), m.o)
+
+    return Entry(fn=lambda m, x, ctx, cm: m(x, ctx, context_mask=cm),
+                 args=(m, _normal(r, 44, DIM), _normal(r, 13, 24), cmask), diff=(0, 1, 2),
+                 ref=ref, partial=(None, 0, None, None))
+
+
+@entry("nn.JointAttention[rope]")
+def _():
+    m = random_module(lambda: nn.JointAttention(DIM, H, key=jax.random.key(2)), 34)
+    r = _rng(35)
+
+    def ref(m, x, ctx, cos, sin):
+        T, n = ctx.shape[0], ctx.shape[0] + x.shape[0]
+        h = np.concatenate([ctx, x])
+        q, k, v = (ref_linear(h, lin).reshape(n, H, D) for lin in (m.to_q, m.to_k, m.to_v))
+        q = ref_layer_norm(q, m.norm_q.weight, m.norm_q.bias, m.eps)
+        k = ref_layer_norm(k, m.norm_k.weight, m.norm_k.bias, m.eps)
+        q = np.concatenate([q[:T], ref_rope(q[T:], cos, sin)])
+        k = np.concatenate([k[:T], ref_rope(k[T:], cos, sin)])
+        out = ref_linear(ref_attn(q, k, v).reshape(n, DIM), m.to_out)
+        return out[T:], out[:T]
+
+    return Entry(fn=lambda m, x, ctx, c, s: m(x, ctx, rope=(c, s)),
+                 args=(m, _normal(r, 44, DIM), _normal(r, 7, DIM), *_rope()), diff=(0, 1, 2),
+                 ref=ref, partial=(None, 0, None, None, None))
+
+
+class Block(eqx.Module):
+    """A pre-norm residual attention block: `x + attn(norm(x))`."""
+
+    norm: nn.RMSNorm
+    attn: nn.Attention
+
+    def __init__(self, *, parallel_config=nn.ParallelConfig(), key):
+        self.norm = nn.RMSNorm(DIM)
+        self.attn = nn.Attention(DIM, H, parallel=parallel_config, key=key)
+
+    def __call__(self, x, cos, sin):
+        return x + self.attn(self.norm(x), rope=(cos, sin))
+
+
+CONFIGS = {
+    "single": nn.ParallelConfig(),
+    "ulysses": nn.ParallelConfig(sequence="ulysses"),
+    "ring": nn.ParallelConfig(sequence="ring"),
+    "ulysses+tp": nn.ParallelConfig(sequence="ulysses", tp_axis=TP),
+}
+MESHES = {"ulysses": dict(sp=4), "ring": dict(sp=4), "ulysses+tp": dict(sp=2, tp=2)}
+
+
+def block_specs(module):
+    return (nn.partition_specs(module), P(SP), P(SP), P(SP))
+
+
+def block_fn(mode: str, module, wrap=lambda f: f):
+    """`(module, x, cos, sin) -> out` for one example, sharded over the sequence unless
+    `mode == "single"`; `wrap` transforms the per-device function (e.g. a checkpoint)."""
+    call = wrap(lambda b, x, c, s: b(x, c, s))
+    if mode == "single":
+        return call
+    return _shard(call, parallel.make_mesh(**MESHES[mode]), block_specs(module), P(SP))
+
+
+def _block_entry(mode):
+    b = nn.with_parallel(random_module(lambda: Block(key=jax.random.key(3)), 36), CONFIGS[mode])
+    return Entry(fn=block_fn(mode, b), args=(b, _normal(_rng(37), 44, DIM), *_rope()),
+                 diff=(0, 1), ref=ref_block, partial=(None, 0, None, None),
+                 placement=None if mode == "single" else (parallel.make_mesh(**MESHES[mode]),
+                                                          block_specs(b)))
+
+
+for _mode in ("single", "ulysses", "ring"):
+    entry(f"block(RMSNorm+Attention)[{_mode}]")(
+        functools.partial(_block_entry, _mode))
+
+
+# flax ------------------------------------------------------------------------------------
+
+
+@entry("flax.RMSNorm")
+def _():
+    r = _rng(40)
+    model = vflax.RMSNorm(DIM)
+    return Entry(fn=model.apply, args=({"params": {"scale": _normal(r, DIM)}}, _normal(r, 44, DIM)),
+                 diff=(0, 1), ref=lambda v, x: ref_rms_norm(x, v["params"]["scale"]),
+                 partial=(None, 0))
+
+
+@entry("flax.TPShardedRMSNorm[tp=4]")
+def _():
+    r = _rng(41)
+    model = vflax.TPShardedRMSNorm(DIM // 4, DIM)
+    mesh, specs = parallel.make_mesh(tp=4), ({"params": {"scale": P(TP)}}, P(None, TP))
+    f = _shard(model.apply, mesh, specs, P(None, TP))
+    return Entry(fn=f, args=({"params": {"scale": _normal(r, DIM)}}, _normal(r, 44, DIM)),
+                 diff=(0, 1), ref=lambda v, x: ref_rms_norm(x, v["params"]["scale"]),
+                 partial=(None, 0), placement=(mesh, specs))
+
+
+@entry("flax.attention_fn[MultiHeadDotProductAttention]")
+def _():
+    mha = linen.MultiHeadDotProductAttention(num_heads=H, qkv_features=DIM,
+                                             attention_fn=vflax.attention_fn)
+    x = _normal(_rng(42), 44, DIM)
+    variables = random_module(lambda: mha.init(jax.random.key(4), x), 43)
+
+    def ref(variables, x):
+        p = variables["params"]
+        proj = lambda n: np.einsum("sf,fhd->shd", x, p[n]["kernel"]) + p[n]["bias"]
+        out = ref_attn(proj("query"), proj("key"), proj("value"))
+        return np.einsum("shd,hdf->sf", out, p["out"]["kernel"]) + p["out"]["bias"]
+
+    return Entry(fn=lambda v, x: mha.apply(v, x), args=(variables, x), diff=(0, 1), ref=ref,
+                 partial=(None, 0))
+
+
+NAMES = list(_BUILDERS)
+DIFF_NAMES = [n for n in NAMES if _BUILDERS[n][1]]
+
+
+# -- comparison helpers --------------------------------------------------------------------
+
+
+def assert_trees_close(got, ref, what: str, factor: float = 1.0):
+    got_leaves, ref_leaves = jax.tree.leaves(got), jax.tree.leaves(ref)
+    assert len(got_leaves) == len(ref_leaves), (what, len(got_leaves), len(ref_leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)]
+    for path, g, r in zip(paths, got_leaves, ref_leaves):
+        assert np.shape(g) == np.shape(r), f"{what}{path}: shape {np.shape(g)} != {np.shape(r)}"
+        oracle.assert_close(g, r, F32, f"{what}{path}", factor=factor)
+
+
+def vdot_tree(out, ct):
+    return sum(jnp.vdot(o, c) for o, c in zip(jax.tree.leaves(out), jax.tree.leaves(ct)))
+
+
+def check_grads(e: Entry, grads, what: str):
+    """`grads` (of the `diff` arguments, as a tuple) against the reference: analytic
+    oracle gradients, or directional central differences of the float64 reference (one
+    random direction per parameter array)."""
+    args64, ct64 = to64(e.args), to64(e.ct)
+    if e.ref_grads is not None:
+        assert_trees_close(tuple(grads), e.ref_grads(args64, ct64), what)
+        return
+    diff64 = [args64[i] for i in e.diff]
+    leaves64, treedef = jax.tree.flatten(diff64)
+    got = jax.tree.leaves(tuple(grads))
+    assert len(got) == len(leaves64), f"{what}: {len(got)} gradient leaves for {len(leaves64)}"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(diff64)]
+
+    def loss(leaves):
+        args = list(args64)
+        for i, a in zip(e.diff, jax.tree.unflatten(treedef, leaves)):
+            args[i] = a
+        return sum(np.sum(o * c) for o, c in
+                   zip(jax.tree.leaves(e.ref(*args)), jax.tree.leaves(ct64)))
+
+    rng, eps = _rng(99), 1e-6
+    for j, (g, path) in enumerate(zip(got, paths)):
+        g = f64(g)
+        d = rng.standard_normal(g.shape)
+        shifted = lambda s: loss([x + s * eps * d if i == j else x for i, x in enumerate(leaves64)])
+        fd = (shifted(1) - shifted(-1)) / (2 * eps)
+        dot = float(np.sum(g * d))
+        scale = max(float(np.sum(np.abs(g * d))), abs(fd), 1.0)  # floor 1: as `rel_error`
+        assert abs(dot - fd) <= 2e-5 * scale, f"{what}{path}: <grad, d> = {dot:.8g}, FD {fd:.8g}"
+
+
+def diff_args(e: Entry) -> tuple:
+    return tuple(e.args[i] for i in e.diff)
+
+
+def vjp_fn(e: Entry, fn=None):
+    """`diff_args -> (out, grads)` by `jax.vjp` (`eqx.filter_vjp` with modules), jitted."""
+    fn = e.fn if fn is None else fn
+    call = lambda d: fn(*e.with_diff(d))
+    if e.has_modules:
+        def run(d):
+            out, pull = eqx.filter_vjp(call, d)
+            return out, pull(e.ct)[0]
+    else:
+        def run(d):
+            out, pull = jax.vjp(lambda *d: call(d), *d)
+            return out, pull(e.ct)
+    return jit(run)
+
+
+# -- the matrix ----------------------------------------------------------------------------
+
+# The untransformed (eager) call of these is compared with `jit` too; the others' eager
+# calls dispatch dozens of ops one by one (the module entries) or a `shard_map` op by op.
+EAGER = {"kernels.attention[xla,gqa,cross,bias,sinks]", "nn.RMSNorm",
+         "nn.functional.apply_rope+rope_3d", "flax.RMSNorm"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit(name):
+    e = get(name)
+    assert_trees_close(e.jit_out, e.ref_out, "jit vs oracle: out")
+    if name in EAGER:
+        assert_trees_close(e.jit_out, e.fn(*e.args), "jit vs eager: out")
+
+
+def _second(a, rng):
+    """A second, different batch element like `a`."""
+    a = np.asarray(a)
+    if np.issubdtype(a.dtype, np.floating):
+        return (a + 0.5 * rng.standard_normal(a.shape)).astype(a.dtype)
+    return np.roll(a, 3, axis=-1)  # segment ids, masks
+
+
+@pytest.mark.parametrize("mode", ["axis0", "axis1-partial"])
+@pytest.mark.parametrize("name", NAMES)
+def test_vmap(name, mode):
+    """`axis0`: every array input gets a leading batch axis (modules and variables are
+    shared). `axis1-partial`: only some inputs are batched (`e.partial`), on axis 1,
+    the others shared (`None`), and the output is batched on axis 1."""
+    e = get(name)
+    if mode == "axis0":
+        in_axes, out_axes = tuple(0 if _is_array(a) else None for a in e.args), 0
+    else:
+        in_axes, out_axes = tuple(None if ax is None else 1 for ax in e.partial), 1
+    rng = _rng(7)
+    slices = [list(e.args), [a if ax is None else _second(a, rng) for a, ax in zip(e.args, in_axes)]]
+    batched = [a if ax is None else jnp.asarray(np.stack([s[i] for s in slices], axis=ax))
+               for i, (a, ax) in enumerate(zip(e.args, in_axes))]
+    got = jit(jax.vmap(e.fn, in_axes=in_axes, out_axes=out_axes))(*batched)
+    ref = jax.tree.map(lambda *r: np.stack(r, axis=out_axes), *[e.ref(*to64(s)) for s in slices])
+    assert_trees_close(got, ref, f"vmap({mode}) vs oracle: out")
+
+
+@pytest.mark.parametrize("name", DIFF_NAMES)
+def test_grad(name):
+    """`jax.grad` (`eqx.filter_grad` with modules) of `<fn(...), ct>` with respect to every
+    differentiable input and parameter. (`jax.vjp` / `eqx.filter_vjp`: `test_checkpoint`.)"""
+    e = get(name)
+    d = diff_args(e)
+    if e.has_modules:
+        loss = lambda d: vdot_tree(e.fn(*e.with_diff(d)), e.ct)
+        grads = jit(lambda d: eqx.filter_grad(loss)(d))(d)
+    else:
+        loss = lambda *d: vdot_tree(e.fn(*e.with_diff(d)), e.ct)
+        grads = jit(jax.grad(loss, argnums=tuple(range(len(d)))))(*d)
+    check_grads(e, grads, "grad vs oracle: d")
+
+
+BLOCKS = [n for n in NAMES if n.startswith("block")]
+CHECKPOINT_CASES = [(n, "nothing_saveable") for n in DIFF_NAMES] + [(n, "default") for n in BLOCKS]
+POLICIES = {"default": None, "nothing_saveable": jax.checkpoint_policies.nothing_saveable}
+
+
+@pytest.mark.parametrize("name, policy", CHECKPOINT_CASES)
+def test_checkpoint(name, policy):
+    """`jax.vjp` (`eqx.filter_vjp`) of `jax.checkpoint(fn, policy=...)`: around the whole
+    call, `shard_map` included for the sharded entries."""
+    e = get(name)
+    out, grads = vjp_fn(e, jax.checkpoint(e.fn, policy=POLICIES[policy]))(diff_args(e))
+    assert_trees_close(out, e.ref_out, "checkpoint: out")
+    check_grads(e, grads, "checkpoint vs oracle: d")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_eval_shape(name):
+    e = get(name)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.args)
+    got = jax.eval_shape(e.fn, *abstract)
+    want = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape, jnp.float32), e.ref_out)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize("name", NAMES)
+def test_donate(name):
+    """Donating the differentiable inputs (q/k/v, modules' arrays; the float inputs of
+    `attention_bwd`) gives bit-identical results to the undonated call; sharded entries'
+    inputs placed as their `shard_map` wants them."""
+    e = get(name)
+    positions = e.diff or tuple(i for i, a in enumerate(e.args)
+                                if _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating))
+    fresh = [jax.tree.map(lambda a: jnp.asarray(np.array(a)), a) if i in positions else a
+             for i, a in enumerate(e.args)]
+    if e.sharded:
+        mesh, specs = e.placement
+        shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs,
+                                 is_leaf=lambda s: isinstance(s, P))
+        fresh = [jax.device_put(a, s) for a, s in zip(fresh, shardings)]
+    got = jit(e.fn, donate_argnums=positions)(*fresh)
+    assert_trees_close(got, e.jit_out, "donated vs undonated: out", factor=0.0)
+    donated = jax.tree.leaves([fresh[i] for i in positions])
+    assert any(a.is_deleted() for a in donated) == e.reuses_donation, "donation not applied"
+
+
+# -- checkpoint inside shard_map, scans over stacked layers ----------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_checkpoint_inside_shard_map(mode, policy):
+    """`jax.checkpoint` around the per-device block, inside `shard_map`."""
+    e = get(f"block(RMSNorm+Attention)[{mode}]")
+    fn = block_fn(mode, e.args[0], wrap=lambda f: jax.checkpoint(f, policy=POLICIES[policy]))
+    out, grads = vjp_fn(e, fn)(diff_args(e))
+    assert_trees_close(out, e.ref_out, "out")
+    check_grads(e, grads, "d")
+
+
+SCAN_CASES = {  # mode, checkpointed scan body
+    "single": ("single", False),
+    "single-remat": ("single", True),
+    "ulysses": ("ulysses", False),
+    "ring-remat": ("ring", True),
+    "ulysses+tp": ("ulysses+tp", False),
+}
+
+
+N_LAYERS = 3
+
+
+def _stacked_blocks(mode):
+    """`N_LAYERS` blocks built the Equinox way, `eqx.filter_vmap` over keys."""
+    make = lambda key: Block(parallel_config=CONFIGS[mode], key=key)
+    keys = jax.random.split(jax.random.key(5), N_LAYERS)
+    return randomized(eqx.filter_jit(eqx.filter_vmap(make))(keys), 50)
+
+
+def _scan_inputs():
+    return _normal(_rng(51), 44, DIM), _rope(), _normal(_rng(52), 44, DIM)
+
+
+def _value_and_grad(model, tree):
+    """`model(tree, x, cos, sin)` and the gradient of `<., ct>` w.r.t. `(tree, x)`, jitted."""
+    x, (cos, sin), ct = _scan_inputs()
+    loss = lambda tx: vdot_tree(model(tx[0], tx[1], cos, sin), ct)
+    return jit(lambda tx: (model(tx[0], tx[1], cos, sin), eqx.filter_grad(loss)(tx)))((tree, x))
+
+
+@functools.cache
+def _loop_reference():
+    """The Python loop over the unstacked single-device layers: `(layers, out, d layers
+    (stacked), dx)`, the output checked against the float64 reference."""
+    stack = _stacked_blocks("single")
+    layers = [jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[i]), stack) for i in range(N_LAYERS)]
+
+    def loop_model(layers, x, cos, sin):
+        for layer in layers:
+            x = layer(x, cos, sin)
+        return x
+
+    out, (g_layers, g_x) = _value_and_grad(loop_model, layers)
+    x, (cos, sin), _ = _scan_inputs()
+    ref = f64(x)
+    for layer in to64(layers):
+        ref = ref_block(layer, ref, f64(cos), f64(sin))
+    oracle.assert_close(out, ref, F32, "loop vs float64 reference")
+    return stack, out, jax.tree.map(lambda *g: np.stack(g), *g_layers), g_x
+
+
+@pytest.mark.parametrize("case", list(SCAN_CASES))
+def test_scan_over_stacked_layers(case):
+    """The Equinox idiom: layers built by `eqx.filter_vmap` over keys, `eqx.partition`ed,
+    and `lax.scan` over the stacked arrays; equal to a Python loop over the unstacked
+    layers on one device, forward and gradients (stacked parameters and input). Sharded
+    cases run the whole scan inside `shard_map`, the stack placed by `partition_specs`
+    (which leaves the layer axis unsharded)."""
+    mode, remat = SCAN_CASES[case]
+    stack = _stacked_blocks(mode)
+    params, static = eqx.partition(stack, eqx.is_array)
+    assert params.attn.q.weight.shape == (N_LAYERS, DIM, DIM)
+
+    def scan_model(params, x, cos, sin):
+        def body(h, p):
+            return eqx.combine(p, static)(h, cos, sin), None
+        if remat:
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.lax.scan(body, x, params)[0]
+
+    if mode != "single":
+        specs = nn.partition_specs(params)
+        if CONFIGS[mode].tp_axis is not None:
+            assert specs.attn.q.weight == P(None, TP, None)
+        scan_model = _shard(scan_model, parallel.make_mesh(**MESHES[mode]),
+                            (specs, P(SP), P(SP), P(SP)), P(SP))
+    single, out_l, g_layers, g_x_l = _loop_reference()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stack), jax.tree.leaves(single)))
+    out_s, (g_params, g_x) = _value_and_grad(scan_model, params)
+    oracle.assert_close(out_s, out_l, F32, "scan vs loop: out")
+    oracle.assert_close(g_x, g_x_l, F32, "scan vs loop: dx")
+    assert_trees_close(g_params, eqx.filter(g_layers, eqx.is_array), "scan vs loop: d")
