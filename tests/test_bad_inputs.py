@@ -820,6 +820,14 @@ def _nqkv(seed=1):
     return q, k, v
 
 
+def _run(q, k, v, impl, **kw):
+    """`kernels.attention` under one `jit` (array options traced, the rest static)."""
+    arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+    static = {n: x for n, x in kw.items() if n not in arrays}
+    fn = jax.jit(lambda q, k, v, a: kernels.attention(q, k, v, implementation=impl, **static, **a))
+    return fn(*map(jnp.asarray, (q, k, v)), arrays)
+
+
 def _only(nonfinite: np.ndarray, where: np.ndarray, what: str):
     """`nonfinite` (a boolean array) is True exactly on `where`."""
     missing = where & ~nonfinite
@@ -856,7 +864,7 @@ def test_nan_in_k_reaches_the_rows_that_see_it(impl):
     before it are not affected (the mask replaces the NaN score)."""
     q, k, v = _nqkv()
     k[0, 10, 1, 0] = np.nan
-    out = kernels.attention(*map(jnp.asarray, (q, k, v)), causal=True, implementation=impl)
+    out = _run(q, k, v, impl, causal=True)
     where = np.zeros(out.shape, bool)
     where[0, 10:, _GROUP:2 * _GROUP, :] = True
     _only(np.isnan(np.asarray(out)), where, "out")
@@ -866,7 +874,7 @@ def test_nan_in_k_reaches_the_rows_that_see_it(impl):
 def test_inf_in_v_is_not_zeroed(impl):
     q, k, v = _nqkv()
     v[1, 3, 0, 4] = np.inf
-    out = np.asarray(kernels.attention(*map(jnp.asarray, (q, k, v)), implementation=impl))
+    out = np.asarray(_run(q, k, v, impl))
     where = np.zeros(out.shape, bool)
     where[1, :, :_GROUP, 4] = True  # every row sees key 3 (no mask): feature 4 is +inf
     _only(~np.isfinite(out), where, "out")
@@ -878,13 +886,13 @@ def test_nan_in_bias_and_sinks(impl):
     q, k, v = map(jnp.asarray, _nqkv())
     bias = np.zeros((_NS, _NS), np.float32)
     bias[7, 2] = np.nan
-    out = kernels.attention(q, k, v, bias=jnp.asarray(bias), implementation=impl)
+    out = _run(q, k, v, impl, bias=jnp.asarray(bias))
     where = np.zeros(out.shape, bool)
     where[:, 7] = True
     _only(np.isnan(np.asarray(out)), where, "out (bias)")
     sinks = np.zeros(_NH, np.float32)
     sinks[2] = np.nan
-    out = kernels.attention(q, k, v, sinks=jnp.asarray(sinks), implementation=impl)
+    out = _run(q, k, v, impl, sinks=jnp.asarray(sinks))
     where = np.zeros(out.shape, bool)
     where[:, :, 2] = True
     _only(np.isnan(np.asarray(out)), where, "out (sinks)")
