@@ -239,14 +239,6 @@ def row(entry, bad, call, error, match, *, xfail=None, takes_tmp=False, marks=()
 
 _att = kernels.attention
 _seg = kernels.SegmentIds
-_RING_SEG_XFAIL = (
-    "vidax_eqx/parallel/_ring.py `_ring_attention` validates segment ids after "
-    "`_segments` has cast them with `jnp.asarray(..., jnp.int32)`: for a SegmentIds "
-    "tuple the kernel check sees the cast ids, so float ids are truncated and uint32 ids "
-    "above 2**31 - 1 wrap to negative (padding) silently. Fix: validate the ids as given "
-    "(pass `segment_ids` itself to `select_implementation`, as for a single array) "
-    "before casting."
-)
 
 ROWS = [
     # ---- kernels.attention (and everything built on it) -------------------------------
@@ -366,11 +358,6 @@ ROWS = [
         r"`lse` must have shape \(2, 4, 7\); received \(2, 4, 8\)"),
     row("kernels.attention_bwd", "complex dout (imaginary part dropped)",
         lambda: _bwd(dout=jnp.ones((B, S_q, H, D), jnp.complex64)), TypeError, r"`dout`.*complex64",
-        xfail="vidax_eqx/kernels/_api.py `attention_bwd` checks the shapes of out / lse / dout "
-              "/ dlse but not their dtypes: a complex or integer `dout` / `out` / `lse` is "
-              "accepted, complex ones with only JAX's DeprecationWarning while the imaginary part "
-              "is dropped by the casts. Fix: require floating `out`/`dout` (q's dtype) and "
-              "floating `lse`/`dlse` there, with TypeErrors naming them.",
         marks=[pytest.mark.filterwarnings("ignore:Casting from complex:DeprecationWarning")]),
     row("kernels.Blockwise", "block_q = 0",
         lambda: kernels.Blockwise(block_q=0), ValueError,
@@ -518,12 +505,10 @@ ROWS = [
         _ring(logits_soft_cap=0.0), ValueError, r"`logits_soft_cap` must be > 0; received 0\.0"),
     row("parallel.ring_attention", "float SegmentIds (truncated silently)",
         _ring_segment_ids(jnp.zeros((1, 16))), TypeError,
-        r"`segment_ids.q` must have an integer dtype; received dtype float32",
-        xfail=_RING_SEG_XFAIL),
+        r"`segment_ids.q` must have an integer dtype; received dtype float32"),
     row("parallel.ring_attention", "uint32 SegmentIds (wrap to padding silently)",
         _ring_segment_ids(jnp.full((1, 16), 2**31, jnp.uint32)), TypeError,
-        r"`segment_ids.q` must have an integer dtype whose values fit int32",
-        xfail=_RING_SEG_XFAIL),
+        r"`segment_ids.q` must have an integer dtype whose values fit int32"),
     row("parallel.make_ring_attention", "integer dense mask",
         lambda: parallel.make_ring_attention(np.ones((16, 16), np.int32)), TypeError,
         r"a dense mask must be boolean \(True = may attend\); received dtype int32.*astype\(bool\)"),

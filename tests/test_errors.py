@@ -265,7 +265,7 @@ def test_causal_not_bool(call):
 @pytest.mark.parametrize("name", ["flash", "XLA", ""])
 def test_unknown_implementation(call, name):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=rf"`implementation` must be 'auto', one of .*'blockwise'.*'xla'.*received '{name}'"):
+    with pytest.raises(ValueError, match=rf"`implementation` must be 'auto', 'portable', one of .*'blockwise'.*'xla'.*received '{name}'"):
         call(q, k, v, implementation=name)
 
 

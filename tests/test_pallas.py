@@ -137,6 +137,14 @@ def test_pallas_tpu_multiple_tiles(case):
     _check_all(arrays, static, res, np.float32, dlse=True)
 
 
+def test_pallas_gpu_default_tiles():
+    """The default 128-token (power-of-two) tiles over a ragged length, forward and backward."""
+    case = Case("gpu_default_tiles", B=1, S_q=300, S_k=300, H=2, H_kv=1, D=16, causal=True,
+                segments="shared", sinks=True)
+    arrays, static, res = _run(kernels.PallasGpu(interpret=True), case, dlse=True)
+    _check_all(arrays, static, res, np.float32, dlse=True)
+
+
 @pytest.mark.parametrize("kind", ["segments", "mask"])
 def test_pallas_tpu_rows_that_see_nothing(kind):
     """Rows with no visible key give exactly 0 and lse -inf, and no NaN in gradients
@@ -266,3 +274,90 @@ def test_default_instances_need_their_platform():
     for name, platform in (("pallas_tpu", "tpu"), ("pallas_gpu", "gpu")):
         with pytest.raises(NotImplementedError, match=f"platform 'cpu' \\(serves {platform}\\)"):
             kernels.attention(q, q, q, implementation=name)
+
+
+# -- ring attention on the vendor kernels --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "impl, layout, causal",
+    [
+        pytest.param(TPU, "zigzag", True, id="pallas_tpu-zigzag-causal"),
+        pytest.param(TPU, "contiguous", False, id="pallas_tpu-contiguous-full"),
+        # The ring passes each step its own q / kv segment ids: not for the Triton kernel.
+        pytest.param(GPU, "contiguous", True, id="pallas_gpu-contiguous-causal"),
+    ],
+)
+def test_ring_attention_runs_on_the_kernels(impl, layout, causal):
+    """Every step of a causal (or full) ring is position-free, so the explicitly named
+    kernel serves it: forward merge and backward ring run on its `(out, lse)` and
+    `attention_bwd`, with sinks (and segment ids where the kernel takes them)."""
+    import test_ring
+
+    segments = impl is TPU
+    # JAX's HLO interpreter for GPU kernels (interpret mode only) trips over varying
+    # axes while lowering inside shard_map(check_vma=True): test it with the check off.
+    cfg = test_ring.Ring(sp=4, layout=layout, causal=causal, implementation=impl, segments=segments,
+                         sinks=True, check_vma=impl is TPU)
+    inputs = test_ring._inputs(S=64, H=4, H_kv=2, D=16, segments=segments, sinks=True, seed=7)
+    test_ring._check(cfg, inputs)
+
+
+def test_ring_with_a_window_needs_positions():
+    """A window makes some steps position-dependent: a kernel without positions
+    is refused by name, and "auto" takes a portable one."""
+    import test_ring
+
+    with pytest.raises(NotImplementedError, match="custom positions"):
+        test_ring._run(test_ring.Ring(sp=4, causal=True, window=(5, 0), implementation=TPU),
+                       test_ring._inputs(S=64))
+    cfg = test_ring.Ring(sp=4, causal=True, window=(5, 0), implementation="auto")
+    test_ring._check(cfg, test_ring._inputs(S=64, seed=8))
+
+
+# -- core.dot_product_attention: the documented dispatch rules ------------------------------
+
+
+@pytest.mark.parametrize(
+    "devices, with_mask, with_bias, want",
+    [
+        (1, False, False, "auto"),  # flash (the platform's fastest) without a boolean mask
+        (1, False, True, "auto"),
+        (1, True, False, "portable"),  # a boolean mask: the portable path
+        (8, False, False, "portable"),  # several devices, no mesh: what XLA partitions
+        (8, False, True, "portable"),  # ... bias included
+    ],
+)
+def test_core_dot_product_attention_dispatch(monkeypatch, devices, with_mask, with_bias, want):
+    seen = []
+
+    def spy(*args, implementation, **kwargs):
+        seen.append(implementation)
+        return kernels.attention(*args, implementation=implementation, **kwargs)
+
+    monkeypatch.setattr(core, "attention", spy)
+    monkeypatch.setattr(jax, "device_count", lambda *a: devices)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 24, 2, 8)), jnp.float32)
+    mask = jnp.tril(jnp.ones((24, 24), bool)) if with_mask else None
+    bias = jnp.ones((24, 24)) if with_bias else None
+    out = core.dot_product_attention(q, q, q, bias=bias, mask=mask)
+    assert seen == [want]
+    ref = oracle.attention(*(np.asarray(q),) * 3, mask=None if mask is None else np.asarray(mask),
+                           bias=None if bias is None else np.asarray(bias))
+    oracle.assert_close(out, ref.out, np.float32, "dot_product_attention")
+    assert kernels.select_implementation(q, q, q, bias=bias, mask=mask, implementation=want) == "xla"
+
+
+def test_core_dot_product_attention_with_mesh_takes_the_megatron_path(monkeypatch):
+    from vidax_eqx import parallel
+
+    calls = []
+    original = core.tensor_parallel_attention
+    monkeypatch.setattr(core, "tensor_parallel_attention",
+                        lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 4, 8)), jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 24, 24)), jnp.float32)
+    out = core.dot_product_attention(q, q, q, bias=bias, mesh=parallel.make_mesh(dp=2, tp=4))
+    assert len(calls) == 1 and calls[0]["bias"] is bias
+    ref = oracle.attention(*(np.asarray(q),) * 3, bias=np.asarray(bias))
+    oracle.assert_close(out, ref.out, np.float32, "dot_product_attention(mesh=)")

@@ -35,3 +35,23 @@ def as_varying(tree, axes: frozenset):
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def opaque_to_vma(fn, *args):
+    """Calls `fn(*args)`, a function whose Pallas kernels declare no varying axes
+    for their outputs, from inside `shard_map(check_vma=True)`.
+
+    JAX's Pallas attention kernels build their `out_shape`s without varying
+    axes, which `check_vma=True` rejects. A kernel is per-device by nature: `fn`
+    runs with the check off, and its outputs are marked as varying over the axes
+    its inputs vary over. Not for functions that communicate across devices.
+    Outside `shard_map` this is `fn(*args)`.
+    """
+    axes = varying_axes(*jax.tree.leaves(args))
+    if not axes:
+        return fn(*args)
+    from jax._src import config  # the switch `shard_map` sets; no public handle exists
+
+    with config._check_vma(False):
+        out = fn(*args)
+    return as_varying(out, axes)

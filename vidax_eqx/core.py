@@ -34,6 +34,21 @@ def dot_product_attention(
 ) -> Float[Array, "B S_q H D"]:
     """Scaled dot-product attention, choosing the fastest implementation.
 
+    The dispatch rules of the original `vidax.core`:
+
+    - without a boolean mask, on one device: `implementation="auto"`, the fastest
+        kernel for this platform (the Pallas / cuDNN flash kernels on TPU / GPU);
+    - with a boolean mask: the portable path (`"portable"`: the exact `"xla"`
+        kernel for short sequences, the O(S) `"blockwise"` one for long ones);
+    - on more than one device without a `mesh`: the portable path too, which XLA
+        partitions however the arrays are sharded (the fused kernels run per
+        device, so they need the mesh to be given), bias included;
+    - with a `mesh`: the Megatron path below, each device running `"auto"` on
+        its heads (bias and mask sharded with them).
+
+    [`vidax_eqx.kernels.select_implementation`][] tells which implementation a
+    call runs (`implementation="portable"` or `"auto"` as above).
+
     **Arguments:**
 
     - `q`, `k`, `v`: `(B, S_q, H, D)` and `(B, S_k, H_kv, D)`.
@@ -54,7 +69,9 @@ def dot_product_attention(
     """
     if mesh is not None:
         return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
-    return attention(q, k, v, bias=bias, mask=mask, scale=scale)
+    portable = mask is not None or jax.device_count() > 1
+    implementation = "portable" if portable else "auto"
+    return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation)
 
 
 def local_attention(

@@ -189,8 +189,15 @@ def attention_bwd(
         ("lse", lse, (B, H, S_q)),
         ("dlse", dlse, (B, H, S_q)),
     ):
-        if x is not None and jnp.shape(x) != want:
+        if x is None:
+            continue
+        if jnp.shape(x) != want:
             raise ValueError(f"`{name}` must have shape {want}; received {jnp.shape(x)}.")
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(
+                f"`{name}` must have a floating dtype (`out`/`dout` like q, `lse`/`dlse` "
+                f"float32); received dtype {jnp.result_type(x)}."
+            )
     with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
         dq, dk, dv, dbias, dsinks = impl.bwd(
             ops, opts, jnp.asarray(out), jnp.asarray(lse, jnp.float32), jnp.asarray(dout), dlse

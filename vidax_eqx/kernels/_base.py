@@ -114,7 +114,8 @@ class Capabilities:
     `attention_bwd` and ring attention need); `portable` marks pure-JAX
     implementations that run on every platform and that XLA can partition over
     a mesh (what `implementation="portable"` chooses from); `memory` is `"O(S)"`
-    or `"O(S^2)"`.
+    or `"O(S^2)"`; `notes` state the limits on combinations of features that an
+    implementation's `unsupported` adds to these flags.
     """
 
     platforms: tuple[str, ...]
@@ -133,6 +134,7 @@ class Capabilities:
     float32_lse: bool = True
     portable: bool = False
     memory: str = "O(S)"
+    notes: tuple[str, ...] = ()  # limits of combinations, for the feature table
 
     def unsupported(self, request: Request, *, any_platform: bool = False) -> list[str]:
         """Names the parts of `request` this implementation cannot serve.

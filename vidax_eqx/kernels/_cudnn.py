@@ -34,6 +34,10 @@ class Cudnn(AbstractImplementation):
         sinks=False,
         logits_soft_cap=False,
         float32_lse=False,
+        notes=(
+            "no float32 lse: `attention` only; `attention_fwd`, `attention_bwd` and ring "
+            "attention take another implementation",
+        ),
     )
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, None]:

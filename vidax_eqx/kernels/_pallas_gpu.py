@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.gpu import attention as _gpu
 
+from .._vma import opaque_to_vma
 from . import _adapt as a
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
@@ -43,6 +44,12 @@ def _pow2_divisor(n: int, limit: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _pow2_tile(n: int, block: int) -> tuple[int, int]:
+    """`(tile, padded_length)`: Triton tiles are powers of two, >= 16, <= `block`."""
+    t = min(block, max(_MIN_TILE, _next_pow2(n)))
+    return t, a.round_up(n, t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,10 @@ class PallasGpu(AbstractImplementation):
         window=False,
         positions=False,
         logits_soft_cap=False,
+        notes=(
+            "segment ids only as one (B, S) array for queries and keys (so not in ring attention)",
+            "S_q != S_k only with S_k a multiple of 16, and causal only with S_q <= S_k",
+        ),
     )
 
     def __post_init__(self):
@@ -104,9 +115,9 @@ class PallasGpu(AbstractImplementation):
         """`(S_q_pad, S_k_pad, block_q, block_k, segment ids)` of the forward."""
         S_q, S_k = ops.q.shape[1], ops.k.shape[1]
         if S_q == S_k:
-            bq, S_p = a.tile(S_q, min(self.block_q, self.block_k), _MIN_TILE)
+            bq, S_p = _pow2_tile(S_q, min(self.block_q, self.block_k))
             return S_p, S_p, bq, bq, a.shared_segment_ids(ops, S_p)
-        bq, S_qp = a.tile(S_q, self.block_q, _MIN_TILE)
+        bq, S_qp = _pow2_tile(S_q, self.block_q)
         return S_qp, S_k, bq, _pow2_divisor(S_k, self.block_k), None
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
@@ -115,8 +126,8 @@ class PallasGpu(AbstractImplementation):
         q = a.pad_axis(ops.q, 1, S_qp)
         k = a.pad_axis(a.repeat_kv(ops.k, H), 1, S_kp)
         v = a.pad_axis(a.repeat_kv(ops.v, H), 1, S_kp)
-        out, lse2 = _gpu.mha(
-            q, k, v, seg,
+        mha = functools.partial(
+            _gpu.mha,
             sm_scale=opts.scale,
             causal=opts.causal,
             block_sizes=_gpu.BlockSizes(block_q=bq, block_k=bk),
@@ -125,6 +136,7 @@ class PallasGpu(AbstractImplementation):
             interpret=self.interpret,
             return_residuals=True,
         )
+        out, lse2 = opaque_to_vma(mha, q, k, v, seg)
         return a.finish(ops, out[:, :S_q], lse2[:, :, :S_q] * _LN2)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
@@ -134,7 +146,7 @@ class PallasGpu(AbstractImplementation):
         # The fused kernel's grid serves a dK/dV tile and a dQ tile per program:
         # queries and keys must split into the same number of tiles.
         if S_q == S_k:
-            bk, S_kp = a.tile(S_k, self.block_bwd, _MIN_TILE)
+            bk, S_kp = _pow2_tile(S_k, self.block_bwd)
             bq, S_qp = bk, S_kp
             seg = a.shared_segment_ids(ops, S_kp)
         else:
@@ -148,7 +160,8 @@ class PallasGpu(AbstractImplementation):
         do = a.pad_axis(dout.astype(ops.q.dtype), 1, S_qp)
         lse2 = a.pad_axis(kernel_lse / _LN2, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
-        dq, dk, dv = self._backward_call(q, k, v, seg, do, lse2, delta, opts, bq, bk)
+        call = functools.partial(self._backward_call, opts=opts, bq=bq, bk=bk)
+        dq, dk, dv = opaque_to_vma(call, q, k, v, seg, do, lse2, delta)
         dk = a.reduce_kv(dk[:, :S_k], K)
         dv = a.reduce_kv(dv[:, :S_k], K)
         return (

@@ -33,6 +33,7 @@ from jax.experimental.pallas.ops.tpu import flash_attention as _flash
 from jax.experimental.pallas.ops.tpu import splash_attention as _splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash_kernel
 
+from .._vma import opaque_to_vma
 from . import _adapt as a
 from . import _math as m
 from ._args import Operands, Options
@@ -117,6 +118,13 @@ class PallasTpu(AbstractImplementation):
         # A bias or mask takes the flash kernel, which has neither; see `unsupported`.
         window=True,
         logits_soft_cap=True,
+        notes=(
+            "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
+            "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
+            "lengths are padded to multiples of 128, the padding excluded by segment ids",
+            "no custom positions, yet ring attention runs on it when causal or unmasked "
+            "(its steps then need none)",
+        ),
     )
 
     def __post_init__(self):
@@ -164,7 +172,7 @@ class PallasTpu(AbstractImplementation):
             out, (lse,) = kernel(q, k, v, _splash.SegmentIds(seg_q, seg_kv))
             return out, lse
 
-        out, lse = jax.vmap(one)(q, k, v, *seg)
+        out, lse = opaque_to_vma(jax.vmap(one), q, k, v, *seg)
         S_q = ops.q.shape[1]
         return jnp.swapaxes(out[:, :, :S_q], 1, 2), lse[:, :, :S_q]
 
@@ -195,7 +203,7 @@ class PallasTpu(AbstractImplementation):
                 interpret=self.interpret,
             )
 
-        dq, dk, dv = jax.vmap(one)(q, k, v, *seg, lse, do, delta)
+        dq, dk, dv = opaque_to_vma(jax.vmap(one), q, k, v, *seg, lse, do, delta)
         heads_minor = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
         dq = heads_minor(dq, S_q).astype(F32) * opts.scale
         return dq, heads_minor(dk, S_k), heads_minor(dv, S_k), None
@@ -222,10 +230,13 @@ class PallasTpu(AbstractImplementation):
 
     def _flash_fwd(self, ops, opts):
         q, k, v, ab, seg, bq, bkv = self._flash_setup(ops, opts)
-        with self._scope():
-            out, l, mx = _flash._flash_attention_impl(
-                q, k, v, ab, seg, True, opts.causal, 1.0, 1, bq, bkv, bkv, False
-            )
+        def kernel(q, k, v, ab, seg):
+            with self._scope():
+                return _flash._flash_attention_impl(
+                    q, k, v, ab, seg, True, opts.causal, 1.0, 1, bq, bkv, bkv, False
+                )
+
+        out, l, mx = opaque_to_vma(kernel, q, k, v, ab, seg)
         S_q = ops.q.shape[1]
         lse = mx + jnp.log(l)
         return jnp.swapaxes(out[:, :, :S_q], 1, 2), lse[:, :, :S_q]
@@ -240,15 +251,20 @@ class PallasTpu(AbstractImplementation):
         delta = a.pad_axis(delta, 2, S_qp)
         ones = jnp.ones_like(lse)
         common = dict(sm_scale=1.0, causal=opts.causal, mask_value=_flash.DEFAULT_MASK_VALUE, debug=False)
-        with self._scope():
-            dk, dv = _flash._flash_attention_bwd_dkv(
-                q, k, v, ab, seg, ones, lse, do, delta,
-                block_q_major=bq, block_q=bq, block_k_major=bkv, block_k=bkv, **common,
-            )
-            dq, ds = _flash._flash_attention_bwd_dq(
-                q, k, v, ab, seg, ones, lse, do, delta,
-                block_q_major=bq, block_k_major=bkv, block_k=bkv, **common,
-            )
+
+        def kernels(q, k, v, ab, seg, ones, lse, do, delta):
+            with self._scope():
+                dk, dv = _flash._flash_attention_bwd_dkv(
+                    q, k, v, ab, seg, ones, lse, do, delta,
+                    block_q_major=bq, block_q=bq, block_k_major=bkv, block_k=bkv, **common,
+                )
+                dq, ds = _flash._flash_attention_bwd_dq(
+                    q, k, v, ab, seg, ones, lse, do, delta,
+                    block_q_major=bq, block_k_major=bkv, block_k=bkv, **common,
+                )
+            return dq, dk, dv, ds
+
+        dq, dk, dv, ds = opaque_to_vma(kernels, q, k, v, ab, seg, ones, lse, do, delta)
         heads_minor = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
         dq = heads_minor(dq, S_q).astype(F32) * opts.scale
         dk = a.reduce_kv(heads_minor(dk, S_k), K)

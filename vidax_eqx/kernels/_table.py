@@ -22,4 +22,8 @@ def feature_table() -> str:
     rows.append("| memory | " + " | ".join(c.memory for c in caps) + " |")
     rows.append("| platforms | " + " | ".join(", ".join(c.platforms) for c in caps) + " |")
     rows.append("| dtypes | " + " | ".join(", ".join(c.dtypes) for c in caps) + " |")
+    rows.append("| max head_dim | " + " | ".join(str(c.max_head_dim or "any") for c in caps) + " |")
+    notes = [f"- `{n}`: {note}" for n, c in zip(names, caps) for note in c.notes]
+    if notes:
+        rows += ["", *notes]
     return "\n".join(rows)

@@ -256,6 +256,56 @@ def _plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.n
     return plan
 
 
+# How the query and key positions of a step's computed block relate, added to the
+# plan index in multiples of `_RELATION` (see `_relation_plan`). The last two let
+# the step call its kernel without positions, which the vendor kernels
+# (`"pallas_tpu"`, `"pallas_gpu"`) need: the ring runs on them where every
+# computed step is one of those (always, for causal or full attention).
+_GENERAL, _ALL_VISIBLE, _SAME_POSITIONS = 0, 1, 2
+_RELATION = 2 * _UNMASKED
+
+
+def _relation(causal: bool, window, q_pos: np.ndarray, kv_pos: np.ndarray) -> int:
+    """`_ALL_VISIBLE`: causal and window hide no pair (the kernel needs neither);
+    `_SAME_POSITIONS`: queries and keys are the same increasing positions, and
+    contiguous if there is a window (both then act on indices as on positions)."""
+    q_lo, q_hi, k_lo, k_hi = (int(x) for x in (q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max()))
+    every = not causal or k_hi <= q_lo
+    if window is not None:
+        left, right = window
+        every = every and (left is None or k_lo >= q_hi - left)
+        every = every and (right is None or k_hi <= q_lo + right)
+    if every:
+        return _ALL_VISIBLE
+    if np.array_equal(q_pos, kv_pos) and (window is None or np.all(np.diff(q_pos) == 1)):
+        return _SAME_POSITIONS
+    return _GENERAL
+
+
+@functools.lru_cache(maxsize=256)
+def _relation_plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.ndarray:
+    """`_plan` with each computed entry's `_relation` added (times `_RELATION`)."""
+    parts = _parts(layout)
+    plan = _plan(layout, n, L_q, L_k, causal, window).copy()
+    for r in range(n):
+        q_pos = _positions(np, L_q, n, r, layout)
+        for t in range(n):
+            if plan[r, t] == _SKIP:
+                continue
+            qs, ks = _branch_slices(int(plan[r, t]), parts, L_q, L_k)
+            kv_pos = _positions(np, L_k, n, (r - t) % n, layout)
+            plan[r, t] += _RELATION * _relation(causal, window, q_pos[qs], kv_pos[ks])
+    return plan
+
+
+def _position_free(plan) -> bool:
+    """Whether every computed step of a (static) plan can run without positions."""
+    if not isinstance(plan, np.ndarray):
+        return False
+    computed = plan[plan != _SKIP]
+    return bool(np.all(computed // _RELATION != _GENERAL))
+
+
 def _branch_slices(index: int, parts: int, length_q: int, length_k: int) -> tuple[slice, slice]:
     a, b = _BRANCHES[index % _UNMASKED]
     full = slice(None)
@@ -285,7 +335,7 @@ def _scheduled(plan, rank, t, steps, compute, skip, *operands, branches=None):
     if len(used) == 1:
         return skip(*operands) if used[0] == _SKIP else compute(used[0], *operands)
     index = jnp.asarray(plan)[rank, t]
-    remap = np.zeros(2 * _UNMASKED, np.int32)
+    remap = np.zeros(3 * _RELATION, np.int32)
     remap[used] = np.arange(len(used))
     fns = [skip if i == _SKIP else functools.partial(compute, i) for i in used]
     return lax.switch(jnp.asarray(remap)[index], fns, *operands)
@@ -434,7 +484,7 @@ class _Config:
 def _step_plan(cfg: "_Config", L_q: int, L_k: int, step_mask):
     """`(plan, branches)` of this ring for `_scheduled`."""
     if step_mask is None:
-        return _plan(cfg.layout, cfg.sp_size, L_q, L_k, cfg.causal, cfg.window), None
+        return _relation_plan(cfg.layout, cfg.sp_size, L_q, L_k, cfg.causal, cfg.window), None
     plan = step_mask.plan()
     if isinstance(plan, np.ndarray):
         return plan, None
@@ -446,6 +496,18 @@ def _block_mask(step_mask, index: int, q_pos, kv_pos):
     if step_mask is None or index >= _UNMASKED:
         return None
     return step_mask.block(q_pos, kv_pos)
+
+
+def _step_kernel_options(cfg: "_Config", index: int, q_pos, kv_pos) -> dict:
+    """The kernel options of a step with plan entry `index`: positions only where
+    its relation needs them."""
+    relation = index // _RELATION
+    options = cfg.kernel_options()
+    if relation == _ALL_VISIBLE:
+        options.update(causal=False, window=None)
+    elif relation == _GENERAL:
+        options.update(q_positions=q_pos, kv_positions=kv_pos)
+    return options
 
 
 def _segments(segment_ids):
@@ -508,9 +570,8 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
             q[:, qs], k_blk[:, ks], v_blk[:, ks],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
-            q_positions=q_pos[qs], kv_positions=kv_pos[ks],
             mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
-            **cfg.kernel_options(),
+            **_step_kernel_options(cfg, index, q_pos[qs], kv_pos[ks]),
         )
         o, l = _merge(out_acc[:, qs], lse_acc[:, :, qs], out, lse)
         if qs == slice(None):
@@ -554,9 +615,8 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
             q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs], dout[:, qs],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
-            q_positions=q_pos[qs], kv_positions=kv_pos[ks],
             mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
-            **cfg.kernel_options(),
+            **_step_kernel_options(cfg, index, q_pos[qs], kv_pos[ks]),
         )
         dq, dk, dv = dq.astype(F32), dk.astype(F32), dv.astype(F32)
         dq_acc = dq_acc + dq if qs == slice(None) else dq_acc.at[:, qs].add(dq)
@@ -719,17 +779,23 @@ def _ring_attention(
     L_q, L_k = q.shape[1], k.shape[1]
     # Validate the options once, exactly as every step's kernel call will see them.
     seg_q, seg_kv = _segments(segment_ids)
-    kernels.select_implementation(
-        q, k, v,
-        segment_ids=_seg_arg(seg_q, seg_kv) if isinstance(segment_ids, kernels.SegmentIds)
-        else segment_ids,
-        q_positions=jnp.arange(L_q, dtype=jnp.int32),
-        kv_positions=jnp.arange(L_k, dtype=jnp.int32),
-        causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
-        # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
-        mask=None if step_mask is None else jnp.ones((1, 1), bool),
-        implementation=implementation,
-    )
+
+    def validate(implementation, positions: bool, as_given: bool = False):
+        kernels.select_implementation(
+            q, k, v,
+            # As given (validated before any cast, with messages naming the argument),
+            # or as the steps pass them.
+            segment_ids=segment_ids if as_given else _seg_arg(seg_q, seg_kv),
+            q_positions=jnp.arange(L_q, dtype=jnp.int32) if positions else None,
+            kv_positions=jnp.arange(L_k, dtype=jnp.int32) if positions else None,
+            causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
+            # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
+            mask=None if step_mask is None else jnp.ones((1, 1), bool),
+            implementation=implementation,
+            needs_lse=True,
+        )
+
+    validate("xla", positions=True, as_given=True)  # the arguments themselves (xla serves every feature)
     if layout == "zigzag":
         for what, length in (("local length of q", L_q), ("local length of k/v", L_k)):
             _check_zigzag_length(
@@ -737,6 +803,12 @@ def _ring_attention(
                 f"Pad the global sequence to a multiple of 2 * sp_size = {2 * n} before "
                 "zigzag_permute (pad_to_multiple, padding_segment_ids).",
             )
+    # Steps pass positions to their kernel unless the static plan shows that none
+    # needs them (see `_relation_plan`): then a kernel without positions serves.
+    positions = step_mask is not None or not _position_free(
+        _relation_plan(layout, n, L_q, L_k, bool(causal), None if window is None else tuple(window))
+    )
+    validate(implementation, positions)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         if sinks.shape != (q.shape[2],) or not jnp.issubdtype(sinks.dtype, jnp.floating):
