@@ -59,6 +59,13 @@ def rope_3d(
     `(cos, sin)`, each float32 `(frames * height * width, head_dim // 2)`, for
     [`apply_rope`][].
     """
+    if isinstance(grid, (tuple, list)) and any(isinstance(g, jax.Array) for g in grid):
+        raise ValueError(
+            "rope_3d: `grid` must be concrete Python ints: the tables are computed in NumPy "
+            f"when the function is traced; received {grid!r}. Under `jax.jit` pass the grid "
+            "as a static argument (`static_argnums`) or close over it; compute the tables "
+            "outside `jax.vmap`."
+        )
     if (
         not isinstance(grid, (tuple, list))
         or len(grid) != 3
