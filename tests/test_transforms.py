@@ -1118,14 +1118,6 @@ def test_select_implementation_inside_eval_shape():
     assert chosen == ["xla", "blockwise"]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="kernels.select_implementation does not take jax.ShapeDtypeStruct outside "
-    "jax.eval_shape: it normalizes its arguments like `attention` (kernels/_args.py "
-    "`_as_array` lets anything with a `.shape` through to `jnp.asarray`), and "
-    "`jnp.asarray(ShapeDtypeStruct)` raises TypeError. Workaround: call it inside "
-    "jax.eval_shape (test_select_implementation_inside_eval_shape).",
-)
 def test_select_implementation_takes_shape_dtype_structs():
     assert kernels.select_implementation(LARGE, LARGE, LARGE) == "blockwise"
 
