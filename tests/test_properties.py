@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import event, given, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import oracle
@@ -159,13 +159,20 @@ def kernel_problems(draw):
     H_kv = draw(st.sampled_from([1, 2]))
     H = H_kv * draw(st.sampled_from([1, 2]))
     full = (B, H, S_q, S_k)
+    D = draw(st.sampled_from([4, 8]))
+    dtype = draw(dtypes)
+    # Logit scales as multiples of the default 1 / sqrt(D). Low precision stays near
+    # the default: all implementations round the logit gradient `ds` to the input
+    # dtype before the dq / dk matmuls (as flash attention does), and a sharp
+    # softmax (3x the default) can push bfloat16's dq error just past 2e-2 where a
+    # row's terms cancel.
+    multiples = [None, None, 0.5, 2.0, 4.0] if dtype == "float32" else [None, None, 0.5, 1.5]
+    multiple = draw(st.sampled_from(multiples))
     return KernelProblem(
-        B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv,
-        D=draw(st.sampled_from([4, 8])),
-        dtype=draw(dtypes),
+        B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D, dtype=dtype,
         causal=draw(st.booleans()),
         window=draw(windows),
-        scale=draw(st.sampled_from([None, None, 0.5, 1.5])),
+        scale=None if multiple is None else multiple / math.sqrt(D),
         soft_cap=draw(soft_caps),
         segments=segments,
         seg_layout=draw(st.sampled_from(SEGMENT_LAYOUTS)) if segments else None,
@@ -217,12 +224,27 @@ def _kernel_arrays(p: KernelProblem):
 # ------------------------------------------------------------------------------ checks
 
 
-def _compare(name, got, want, dtype):
+def _compare(name, got, want, dtype, rows_summed: int = 1):
+    """`got` against the oracle's `want` within the dtype's tolerance.
+
+    `rows_summed`: how many query rows `(b, h, i)` each entry sums (for a bias
+    broadcast over batch, heads or queries). Each row contributes O(1) and its own
+    rounding error, so such a sum's natural scale, the floor of the relative error,
+    is `sqrt(rows_summed)` instead of 1: a per-query bias `(S_q, 1)` has exactly 0
+    gradient (softmax is shift-invariant), and in bfloat16 each of its `B * H` summed
+    rows adds ~4e-3 of noise from the rounded `out` in `delta = sum(dout * out)`.
+    """
     got = np.asarray(got)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     assert not np.isnan(got).any(), f"{name} has NaN"
     assert np.isfinite(got[np.isfinite(want)]).all(), f"{name} has Inf where the oracle is finite"
-    oracle.assert_close(got, want, dtype, name)
+    oracle.assert_close(got, want, dtype, name, factor=math.sqrt(rows_summed))
+
+
+def _rows_summed(bias_shape, B, H, S_q) -> int:
+    """Query rows `(b, h, i)` that one entry of a bias of `bias_shape` receives."""
+    b4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    return (B // b4[0]) * (H // b4[1]) * (S_q // b4[2])
 
 
 def _check_hidden_exact(vis, out, lse, dq, dk, dv, *, sinks: bool, bias_shape=None, dbias=None):
@@ -307,7 +329,7 @@ def _kernel_oracle(p: KernelProblem, a: dict):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=_impl_id)
-@examples(25)
+@examples(20)
 @given(p=kernel_problems())
 def test_kernel_matches_oracle(impl, p):
     a = _kernel_arrays(p)
@@ -321,10 +343,15 @@ def test_kernel_matches_oracle(impl, p):
         want = getattr(ref, name)
         if want is None:
             assert g is None, f"{name} should be None"
+        elif name == "dbias":
+            _compare(name, g, want, dt, _rows_summed(p.bias, p.B, p.H, p.S_q))
         else:
             _compare(name, g, want, dt)
     dq, dk, dv, dbias, _ = grads
     _check_hidden_exact(vis, out, lse, dq, dk, dv, sinks=p.sinks, bias_shape=p.bias, dbias=dbias)
+    event(p.dtype)
+    if not vis.any(-1).all():
+        event("some rows see nothing")
 
 
 HIDING = ("mask", "q_padding", "kv_padding", "disjoint_segments", "causal", "window")
@@ -348,7 +375,7 @@ def hidden_problems(draw):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=_impl_id)
-@examples(6)
+@examples(5)
 @given(case=hidden_problems())
 def test_kernel_every_row_hidden(impl, case):
     """Nothing visible anywhere: out exactly 0, lse -inf (the sink logit with sinks),
@@ -545,33 +572,38 @@ def _check_parallel(p: ParallelProblem):
         got[name] = np.concatenate([g_text.sum(1), g_vis], 1)
     got["dsinks"], got["dbias"] = grads[3], grads[4]
     _compare("out", got["out"], ref.out, dt)
-    for name in ("dq", "dk", "dv", "dsinks", "dbias"):
+    for name in ("dq", "dk", "dv", "dsinks"):
         if getattr(ref, name) is not None:
             _compare(name, got[name], getattr(ref, name), dt)
+    if p.bias is not None:
+        _compare("dbias", got["dbias"], ref.dbias, dt, _rows_summed(p.bias, p.B, p.H, S))
     vis = oracle.visibility(p.B, p.H, S, S, seg_q=seg_q, seg_kv=seg_kv, causal=p.causal,
                             window=p.window)
     _check_hidden_exact(vis, got["out"], None, got["dq"], got["dk"], got["dv"], sinks=p.sinks)
+    event(f"{p.dtype}, {p.U} x {p.R} devices")
+    if not vis.any(-1).all():
+        event("some rows see nothing")
 
 
-@examples(10)
+@examples(8)
 @given(p=parallel_problems("ulysses"))
 def test_ulysses_matches_oracle(p):
     _check_parallel(p)
 
 
-@examples(8)
+@examples(6)
 @given(p=parallel_problems("joint"))
 def test_joint_ulysses_matches_oracle(p):
     _check_parallel(p)
 
 
-@examples(12)
+@examples(9)
 @given(p=parallel_problems("ring"))
 def test_ring_matches_oracle(p):
     _check_parallel(p)
 
 
-@examples(10)
+@examples(8)
 @given(p=parallel_problems("usp"))
 def test_usp_matches_oracle(p):
     _check_parallel(p)
