@@ -425,7 +425,7 @@ class ParallelProblem:
     segments: str | None  # None | "shared" | "split"; over the global (B, T + L), text first
     seg_layout: str | None  # one of SEGMENT_LAYOUTS
     sinks: bool
-    bias: tuple | None  # Ulysses only: broadcastable to (B, H, T + L, T + L)
+    bias: tuple | None  # (joint) Ulysses only: broadcastable to (B, H, T + L, T + L)
     implementation: object
 
     @property
@@ -446,8 +446,11 @@ def parallel_problems(draw, path: str):
     layout = draw(st.sampled_from(["contiguous", "zigzag"])) if path in ("ring", "usp") else "contiguous"
     unit = math.lcm(2 * R, n) if layout == "zigzag" else n
     L = unit * draw(st.sampled_from([m for m in (1, 2, 3) if unit * m <= 48]))
-    T = {"joint": draw(st.sampled_from([1, 2, 5])),
-         "usp": draw(st.sampled_from([0, 0, 3]))}.get(path, 0)
+    T = 0  # text prefix: the joint layouts
+    if path == "joint":
+        T = draw(st.sampled_from([1, 2, 5]))
+    elif path == "usp":
+        T = draw(st.sampled_from([0, 0, 3]))
     H = U * draw(st.sampled_from([1, 2])) if path != "ring" else draw(st.sampled_from([1, 2, 4]))
     B = draw(st.sampled_from([1, 2]))
     segments = draw(st.sampled_from([None, "shared", "split"]))
