@@ -427,6 +427,8 @@ class ParallelProblem:
     sinks: bool
     bias: tuple | None  # (joint) Ulysses only: broadcastable to (B, H, T + L, T + L)
     implementation: object
+    dp: int  # > 1: the batch is sharded over "dp" too
+    check_vma: bool  # False: shard_map's other transpose (no varying-axes checks)
 
     @property
     def n(self) -> int:
@@ -470,15 +472,19 @@ def parallel_problems(draw, path: str):
         sinks=draw(st.booleans()),
         bias=bias,
         implementation=draw(st.sampled_from(IMPLEMENTATIONS)),
+        dp=draw(st.sampled_from([1, 2])) if B == 2 and 2 * n <= 8 else 1,
+        check_vma=draw(st.booleans()),
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _parallel_fn(path, U, R, T, layout, implementation, segments, sinks, bias, options):
+def _parallel_fn(path, U, R, T, layout, implementation, segments, sinks, bias, options, dp,
+                 check_vma):
     """A jitted `(q, k, v, sinks, bias, seg, dout) -> (out, (dq, dk, dv, dsinks, dbias))`
-    on the per-device layout, sharded ring-major over `make_mesh(sp=U, ring=R)`."""
-    mesh = parallel.make_mesh(sp=U, extra_axes={RING: R})
-    seq = P(None, (RING, SP))
+    on the per-device layout, sharded ring-major over `make_mesh(dp, sp=U, ring=R)`
+    (batch over "dp"). `bias`: None, or its PartitionSpec."""
+    mesh = parallel.make_mesh(dp=dp, sp=U, extra_axes={RING: R})
+    seq = P("dp" if dp > 1 else None, (RING, SP))
 
     def local(q, k, v, sinks, bias, seg):
         kw = dict(options, implementation=implementation)
@@ -497,9 +503,9 @@ def _parallel_fn(path, U, R, T, layout, implementation, segments, sinks, bias, o
         return parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis=RING, layout=layout,
                                       text_len=T, **kw)
 
-    in_specs = (seq, seq, seq, P() if sinks else None, P() if bias else None,
-                seq if segments else None)
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq)
+    in_specs = (seq, seq, seq, P() if sinks else None, bias, seq if segments else None)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq,
+                            check_vma=check_vma)
 
     @jax.jit
     def run(q, k, v, sinks, bias, seg, dout):
@@ -555,8 +561,11 @@ def _check_parallel(p: ParallelProblem):
                                  kv=jnp.asarray(_to_devices(p, seg_kv)))
 
     options = (("causal", p.causal), ("window", p.window), ("logits_soft_cap", p.soft_cap))
+    bias_spec = None
+    if p.bias is not None:  # a bias with a batch axis is sharded like the batch
+        bias_spec = P("dp") if p.dp > 1 and len(p.bias) == 4 and p.bias[0] > 1 else P()
     fn = _parallel_fn(p.path, p.U, p.R, p.T, p.layout, p.implementation, p.segments, p.sinks,
-                      p.bias is not None, options)
+                      bias_spec, options, p.dp, p.check_vma)
     out, grads = fn(*(jnp.asarray(_to_devices(p, x)) for x in (q, k, v)),
                     None if sinks is None else jnp.asarray(sinks),
                     None if bias is None else jnp.asarray(bias), seg, jnp.asarray(dout_dev))
@@ -583,7 +592,7 @@ def _check_parallel(p: ParallelProblem):
     vis = oracle.visibility(p.B, p.H, S, S, seg_q=seg_q, seg_kv=seg_kv, causal=p.causal,
                             window=p.window)
     _check_hidden_exact(vis, got["out"], None, got["dq"], got["dk"], got["dv"], sinks=p.sinks)
-    event(f"{p.dtype}, {p.U} x {p.R} devices")
+    event(f"{p.dtype}, {p.dp} x {p.U} x {p.R} devices")
     if not vis.any(-1).all():
         event("some rows see nothing")
 
