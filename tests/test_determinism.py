@@ -8,8 +8,9 @@ ring attention and Ulysses on 4 simulated devices, USP on 2 x 2, and an
   (single-device kernels and the module) eagerly, op by op with no outer `jit`;
 - two fresh Python processes computing the same jitted things (`PROCESS_RUNS`)
   from the same PRNG key get identical bytes, equal to this process's (a fresh
-  process means a fresh trace and a fresh XLA compilation). The processes run this file as a script:
-  `python tests/test_determinism.py` prints one SHA-256 digest per case and mode.
+  process means a fresh trace and a fresh XLA compilation). The processes run
+  this file as a script: `python tests/test_determinism.py` prints one SHA-256
+  digest per case.
 
 Bitwise equality *between* implementations is not a property (they sum in a
 different order); README's "Determinism and property tests" gives the measured
