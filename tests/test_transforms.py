@@ -1119,6 +1119,8 @@ def test_select_implementation_inside_eval_shape():
 
 
 def test_select_implementation_takes_shape_dtype_structs():
+    """The same question asked directly with `jax.ShapeDtypeStruct`s, outside `eval_shape`."""
+    assert kernels.select_implementation(SMALL, SMALL, SMALL) == "xla"
     assert kernels.select_implementation(LARGE, LARGE, LARGE) == "blockwise"
 
 
