@@ -18,8 +18,9 @@ causal, windows with `None` sides and 0, soft cap, scale, custom positions,
 segment ids (one array or a `SegmentIds` pair, with negative ids, rows that are
 all padding and q segments absent from kv), bias and boolean masks of rank 2 / 3 /
 4 with 1-sized axes, sinks. Parallel paths (Ulysses, joint Ulysses with a text
-prefix, ring contiguous / zigzag, USP with and without a text prefix) over 1, 2,
-4 or 8 simulated devices, each step's kernel drawn from `IMPLEMENTATIONS`.
+prefix, ring contiguous / zigzag with S_k = S_q or not, USP with and without a
+text prefix) over 1, 2, 4 or 8 simulated devices, with or without a data-parallel
+axis and `check_vma`, each step's kernel drawn from `IMPLEMENTATIONS`.
 
 Hypothesis draws the configuration only (sizes, dtype, options, which layout of
 segment ids, ...); the random inputs of a configuration come from a NumPy generator
@@ -415,6 +416,7 @@ class ParallelProblem:
     B: int
     T: int  # replicated text prefix (joint layouts)
     L: int  # visual (sharded) tokens, global
+    L_kv: int  # key / value tokens, global: L, or (ring: cross attention) another length
     H: int
     H_kv: int
     D: int
@@ -454,13 +456,16 @@ def parallel_problems(draw, path: str):
     elif path == "usp":
         T = draw(st.sampled_from([0, 0, 3]))
     H = U * draw(st.sampled_from([1, 2])) if path != "ring" else draw(st.sampled_from([1, 2, 4]))
+    L_kv = L
+    if path == "ring" and draw(st.booleans()):  # cross attention, S_q != S_k
+        L_kv = unit * draw(st.sampled_from([m for m in (1, 2, 3) if unit * m <= 48]))
     B = draw(st.sampled_from([1, 2]))
-    segments = draw(st.sampled_from([None, "shared", "split"]))
+    segments = draw(st.sampled_from([None, "shared", "split"] if L_kv == L else [None, "split"]))
     bias = None
     if path in ("ulysses", "joint") and draw(st.booleans()):
         bias = _broadcast_shape(draw, (B, H, T + L, T + L))
     return ParallelProblem(
-        path=path, U=U, R=R, layout=layout, B=B, T=T, L=L, H=H,
+        path=path, U=U, R=R, layout=layout, B=B, T=T, L=L, L_kv=L_kv, H=H,
         H_kv=draw(st.sampled_from(_divisors(H))),
         D=draw(st.sampled_from([4, 8])),
         dtype=draw(dtypes),
@@ -522,7 +527,7 @@ def _to_devices(p: ParallelProblem, x):
     text, visual = x[:, :p.T], x[:, p.T:]
     if p.layout == "zigzag":
         visual = np.asarray(parallel.zigzag_permute(jnp.asarray(visual), 1, p.R))
-    Ll = p.L // p.n
+    Ll = visual.shape[1] // p.n
     return np.concatenate(
         [np.concatenate([text, visual[:, i * Ll:(i + 1) * Ll]], 1) for i in range(p.n)], 1)
 
@@ -531,7 +536,7 @@ def _from_devices(p: ParallelProblem, x):
     """Per-device layout -> `(text rows of every device (B, n, T, ...), visual (B, L, ...))`."""
     x = np.asarray(x, np.float64)
     blocks = x.reshape(x.shape[0], p.n, -1, *x.shape[2:])
-    visual = blocks[:, :, p.T:].reshape(x.shape[0], p.L, *x.shape[2:])
+    visual = blocks[:, :, p.T:].reshape(x.shape[0], -1, *x.shape[2:])
     if p.layout == "zigzag":
         visual = np.asarray(parallel.zigzag_unpermute(visual, 1, p.R))
     return blocks[:, :, :p.T], visual
@@ -540,10 +545,10 @@ def _from_devices(p: ParallelProblem, x):
 def _check_parallel(p: ParallelProblem):
     rng = np.random.default_rng(_seed(p))
     dt = DTYPES[p.dtype]
-    S = p.T + p.L
+    S, S_k = p.T + p.L, p.T + p.L_kv
     q = _draw(rng, (p.B, S, p.H, p.D), dt)
-    k = _draw(rng, (p.B, S, p.H_kv, p.D), dt)
-    v = _draw(rng, (p.B, S, p.H_kv, p.D), dt)
+    k = _draw(rng, (p.B, S_k, p.H_kv, p.D), dt)
+    v = _draw(rng, (p.B, S_k, p.H_kv, p.D), dt)
     # A random cotangent for every device's rows, text copies included; the
     # single-device cotangent of a text row is the sum over its copies.
     dout_dev = _draw(rng, (p.B, p.n * (p.T + p.L // p.n), p.H, p.D), dt)
@@ -553,7 +558,7 @@ def _check_parallel(p: ParallelProblem):
     bias = None if p.bias is None else rng.standard_normal(p.bias).astype(np.float32)
     seg = seg_q = seg_kv = None
     if p.segments:
-        seg_q, seg_kv = _segment_ids(p.seg_layout, p.B, S, S, p.segments == "shared", rng)
+        seg_q, seg_kv = _segment_ids(p.seg_layout, p.B, S, S_k, p.segments == "shared", rng)
     if p.segments == "shared":
         seg = jnp.asarray(_to_devices(p, seg_q))
     elif p.segments == "split":
@@ -589,7 +594,7 @@ def _check_parallel(p: ParallelProblem):
             _compare(name, got[name], getattr(ref, name), dt)
     if p.bias is not None:
         _compare("dbias", got["dbias"], ref.dbias, dt, _rows_summed(p.bias, p.B, p.H, S))
-    vis = oracle.visibility(p.B, p.H, S, S, seg_q=seg_q, seg_kv=seg_kv, causal=p.causal,
+    vis = oracle.visibility(p.B, p.H, S, S_k, seg_q=seg_q, seg_kv=seg_kv, causal=p.causal,
                             window=p.window)
     _check_hidden_exact(vis, got["out"], None, got["dq"], got["dk"], got["dv"], sinks=p.sinks)
     event(f"{p.dtype}, {p.dp} x {p.U} x {p.R} devices")
