@@ -428,6 +428,7 @@ class ParallelProblem:
     seg_layout: str | None  # one of SEGMENT_LAYOUTS
     sinks: bool
     bias: tuple | None  # (joint) Ulysses only: broadcastable to (B, H, T + L, T + L)
+    positions: str | None  # (joint) Ulysses only: None | "perm" | "offset"
     implementation: object
     dp: int  # > 1: the batch is sharded over "dp" too
     check_vma: bool  # False: shard_map's other transpose (no varying-axes checks)
@@ -461,9 +462,11 @@ def parallel_problems(draw, path: str):
         L_kv = unit * draw(st.sampled_from([m for m in (1, 2, 3) if unit * m <= 48]))
     B = draw(st.sampled_from([1, 2]))
     segments = draw(st.sampled_from([None, "shared", "split"] if L_kv == L else [None, "split"]))
-    bias = None
-    if path in ("ulysses", "joint") and draw(st.booleans()):
-        bias = _broadcast_shape(draw, (B, H, T + L, T + L))
+    bias = positions = None
+    if path in ("ulysses", "joint"):
+        if draw(st.booleans()):
+            bias = _broadcast_shape(draw, (B, H, T + L, T + L))
+        positions = draw(st.sampled_from([None, None, "perm", "offset"]))
     return ParallelProblem(
         path=path, U=U, R=R, layout=layout, B=B, T=T, L=L, L_kv=L_kv, H=H,
         H_kv=draw(st.sampled_from(_divisors(H))),
@@ -476,6 +479,7 @@ def parallel_problems(draw, path: str):
         seg_layout=draw(st.sampled_from(SEGMENT_LAYOUTS)) if segments else None,
         sinks=draw(st.booleans()),
         bias=bias,
+        positions=positions,
         implementation=draw(st.sampled_from(IMPLEMENTATIONS)),
         dp=draw(st.sampled_from([1, 2])) if B == 2 and 2 * n <= 8 else 1,
         check_vma=draw(st.booleans()),
@@ -483,18 +487,18 @@ def parallel_problems(draw, path: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _parallel_fn(path, U, R, T, layout, implementation, segments, sinks, bias, options, dp,
+def _parallel_fn(path, U, R, T, layout, implementation, aux_keys, sinks, bias, options, dp,
                  check_vma):
-    """A jitted `(q, k, v, sinks, bias, seg, dout) -> (out, (dq, dk, dv, dsinks, dbias))`
+    """A jitted `(q, k, v, sinks, bias, aux, dout) -> (out, (dq, dk, dv, dsinks, dbias))`
     on the per-device layout, sharded ring-major over `make_mesh(dp, sp=U, ring=R)`
-    (batch over "dp"). `bias`: None, or its PartitionSpec."""
+    (batch over "dp"). `bias`: None, or its PartitionSpec; `aux`: a dict of the
+    non-differentiable per-token options (`aux_keys`: segment ids, positions)."""
     mesh = parallel.make_mesh(dp=dp, sp=U, extra_axes={RING: R})
     seq = P("dp" if dp > 1 else None, (RING, SP))
+    aux_specs = {key: seq if key == "segment_ids" else P((RING, SP)) for key in aux_keys}
 
-    def local(q, k, v, sinks, bias, seg):
-        kw = dict(options, implementation=implementation)
-        if seg is not None:
-            kw["segment_ids"] = seg
+    def local(q, k, v, sinks, bias, aux):
+        kw = dict(options, implementation=implementation, **aux)
         if sinks is not None:
             kw["sinks"] = sinks
         if bias is not None:
@@ -508,13 +512,13 @@ def _parallel_fn(path, U, R, T, layout, implementation, segments, sinks, bias, o
         return parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis=RING, layout=layout,
                                       text_len=T, **kw)
 
-    in_specs = (seq, seq, seq, P() if sinks else None, bias, seq if segments else None)
+    in_specs = (seq, seq, seq, P() if sinks else None, bias, aux_specs)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq,
                             check_vma=check_vma)
 
     @jax.jit
-    def run(q, k, v, sinks, bias, seg, dout):
-        out, vjp = jax.vjp(lambda q, k, v, s, b: sharded(q, k, v, s, b, seg), q, k, v, sinks, bias)
+    def run(q, k, v, sinks, bias, aux, dout):
+        out, vjp = jax.vjp(lambda q, k, v, s, b: sharded(q, k, v, s, b, aux), q, k, v, sinks, bias)
         return out, vjp(dout)
 
     return run
@@ -559,26 +563,36 @@ def _check_parallel(p: ParallelProblem):
     seg = seg_q = seg_kv = None
     if p.segments:
         seg_q, seg_kv = _segment_ids(p.seg_layout, p.B, S, S_k, p.segments == "shared", rng)
+    aux = {}
     if p.segments == "shared":
-        seg = jnp.asarray(_to_devices(p, seg_q))
+        aux["segment_ids"] = jnp.asarray(_to_devices(p, seg_q))
     elif p.segments == "split":
-        seg = kernels.SegmentIds(q=jnp.asarray(_to_devices(p, seg_q)),
-                                 kv=jnp.asarray(_to_devices(p, seg_kv)))
+        aux["segment_ids"] = kernels.SegmentIds(q=jnp.asarray(_to_devices(p, seg_q)),
+                                                kv=jnp.asarray(_to_devices(p, seg_kv)))
+    q_pos = kv_pos = None
+    if p.positions == "perm":  # the tokens in another order: the same positions for q and kv
+        q_pos = kv_pos = rng.permutation(S).astype(np.int32)
+    elif p.positions == "offset":  # queries 3 positions after their keys
+        q_pos, kv_pos = np.arange(S, dtype=np.int32) + 3, np.arange(S, dtype=np.int32)
+    if p.positions:
+        aux["q_positions"] = jnp.asarray(_to_devices(p, q_pos[None])[0])
+        aux["kv_positions"] = jnp.asarray(_to_devices(p, kv_pos[None])[0])
 
     options = (("causal", p.causal), ("window", p.window), ("logits_soft_cap", p.soft_cap))
     bias_spec = None
     if p.bias is not None:  # a bias with a batch axis is sharded like the batch
         bias_spec = P("dp") if p.dp > 1 and len(p.bias) == 4 and p.bias[0] > 1 else P()
-    fn = _parallel_fn(p.path, p.U, p.R, p.T, p.layout, p.implementation, p.segments, p.sinks,
-                      bias_spec, options, p.dp, p.check_vma)
+    fn = _parallel_fn(p.path, p.U, p.R, p.T, p.layout, p.implementation, tuple(sorted(aux)),
+                      p.sinks, bias_spec, options, p.dp, p.check_vma)
     out, grads = fn(*(jnp.asarray(_to_devices(p, x)) for x in (q, k, v)),
                     None if sinks is None else jnp.asarray(sinks),
-                    None if bias is None else jnp.asarray(bias), seg, jnp.asarray(dout_dev))
+                    None if bias is None else jnp.asarray(bias), aux, jnp.asarray(dout_dev))
     assert out.dtype == np.dtype(dt)
 
     ref = oracle.attention(
         q, k, v, segment_ids=None if p.segments is None else (seg_q, seg_kv), sinks=sinks,
-        bias=bias, causal=p.causal, window=p.window, logits_soft_cap=p.soft_cap, dout=dout,
+        bias=bias, q_positions=q_pos, kv_positions=kv_pos, causal=p.causal, window=p.window,
+        logits_soft_cap=p.soft_cap, dout=dout,
     )
     out_text, out_vis = _from_devices(p, out)
     for i in range(1, p.n):  # the text rows: the same on every device, bit for bit
@@ -594,8 +608,8 @@ def _check_parallel(p: ParallelProblem):
             _compare(name, got[name], getattr(ref, name), dt)
     if p.bias is not None:
         _compare("dbias", got["dbias"], ref.dbias, dt, _rows_summed(p.bias, p.B, p.H, S))
-    vis = oracle.visibility(p.B, p.H, S, S_k, seg_q=seg_q, seg_kv=seg_kv, causal=p.causal,
-                            window=p.window)
+    vis = oracle.visibility(p.B, p.H, S, S_k, seg_q=seg_q, seg_kv=seg_kv, q_pos=q_pos,
+                            kv_pos=kv_pos, causal=p.causal, window=p.window)
     _check_hidden_exact(vis, got["out"], None, got["dq"], got["dk"], got["dv"], sinks=p.sinks)
     event(f"{p.dtype}, {p.dp} x {p.U} x {p.R} devices")
     if not vis.any(-1).all():
