@@ -158,9 +158,9 @@ def kernel_problems(draw):
     segments = draw(st.sampled_from([None, "shared", "split"]))
     S_k = S_q if segments == "shared" else draw(st.sampled_from(SIZES))
     H_kv = draw(st.sampled_from([1, 2]))
-    H = H_kv * draw(st.sampled_from([1, 2]))
+    H = H_kv * draw(st.sampled_from([1, 2, 4]))
     full = (B, H, S_q, S_k)
-    D = draw(st.sampled_from([4, 8]))
+    D = draw(st.sampled_from([4, 8, 64]))
     dtype = draw(dtypes)
     # Logit scales as multiples of the default 1 / sqrt(D). Low precision stays near
     # the default: all implementations round the logit gradient `ds` to the input
