@@ -224,21 +224,21 @@ def select_implementation(
     others were passed over.
     """
     kwargs.setdefault("implementation", "auto")
-    names = []
-    _on_abstract(lambda *a, **kw: names.append(_request(*a, kw, needs_lse=needs_lse)[2].name),
-                 q, k, v, kwargs)
-    return names[0]
+    choose = lambda q, k, v, **kw: _request(q, k, v, kw, needs_lse=needs_lse)[2].name
+    return _on_abstract(choose, q, k, v, kwargs)
 
 
 def _on_abstract(fn, q, k, v, kwargs):
-    """Calls `fn(q, k, v, **kwargs)`, under `jax.eval_shape` when any argument is a
-    `jax.ShapeDtypeStruct` (so shapes alone can be asked about, nothing allocated)."""
+    """`fn(q, k, v, **kwargs)` (a static answer), traced under `jax.eval_shape` when
+    any argument is a `jax.ShapeDtypeStruct`: shapes alone can be asked about."""
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     if not any(is_struct(x) for x in jax.tree.leaves((q, k, v, kwargs), is_leaf=is_struct)):
         return fn(q, k, v, **kwargs)
     arrays = {n: x for n, x in kwargs.items() if is_struct(x) or isinstance(x, (jax.Array, SegmentIds))}
     static = {n: x for n, x in kwargs.items() if n not in arrays}
-    jax.eval_shape(lambda q, k, v, arrays: fn(q, k, v, **arrays, **static), q, k, v, arrays)
+    answer = []
+    jax.eval_shape(lambda q, k, v, arrays: answer.append(fn(q, k, v, **arrays, **static)), q, k, v, arrays)
+    return answer[0]
 
 
 def implementation_report(
@@ -260,12 +260,10 @@ def implementation_report(
     platform, dtype or head size it cannot serve, and is empty for those that
     serve the request. `"auto"` runs the first with no reasons.
     """
-    reports = []
 
-    def probe(q, k, v, **kwargs):
+    def explain(q, k, v, **kwargs):
         ops, opts = normalize(q, k, v, **kwargs)
-        reports.append(report(Request.of(ops, opts, needs_lse=needs_lse)))
+        return report(Request.of(ops, opts, needs_lse=needs_lse))
 
-    _on_abstract(probe, q, k, v, kwargs)
-    return reports[0]
+    return _on_abstract(explain, q, k, v, kwargs)
 

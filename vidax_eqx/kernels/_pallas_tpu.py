@@ -88,6 +88,16 @@ def _splash_kernel_for(
         )
 
 
+def _heads_major(x: jax.Array, length: int) -> jax.Array:
+    """`(B, S, H, D)` -> the kernels' `(B, H, length, D)`, padded at the end."""
+    return a.pad_axis(jnp.swapaxes(x, 1, 2), 2, length)
+
+
+def _heads_minor(x: jax.Array, length: int) -> jax.Array:
+    """The inverse of `_heads_major`: `(B, H, S_pad, D)` -> `(B, length, H, D)`."""
+    return jnp.swapaxes(x[:, :, :length], 1, 2)
+
+
 def _collapse(mask_info):
     """The reshape `splash_attention._splash_attention` applies before its kernels."""
     if mask_info.partial_mask_blocks is None:
@@ -161,9 +171,8 @@ class PallasTpu(AbstractImplementation):
         seg = a.kernel_segment_ids(ops, S_qp, S_kp)
         if seg is None:  # the kernel's batch of one example takes ids of shape (S,)
             seg = (jnp.zeros((B, S_qp), jnp.int32), jnp.zeros((B, S_kp), jnp.int32))
-        heads_major = lambda x, n: a.pad_axis(jnp.swapaxes(x, 1, 2), 2, n)  # (B, H, S, D)
-        q = heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
-        return kernel, q, heads_major(ops.k, S_kp), heads_major(ops.v, S_kp), seg
+        q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
+        return kernel, q, _heads_major(ops.k, S_kp), _heads_major(ops.v, S_kp), seg
 
     def _splash_fwd(self, ops, opts):
         kernel, q, k, v, seg = self._splash_setup(ops, opts)
@@ -180,7 +189,7 @@ class PallasTpu(AbstractImplementation):
         kernel, q, k, v, seg = self._splash_setup(ops, opts)
         S_q, S_k = ops.q.shape[1], ops.k.shape[1]
         S_qp = q.shape[2]
-        do = a.pad_axis(jnp.swapaxes(dout.astype(ops.q.dtype), 1, 2), 2, S_qp)
+        do = _heads_major(dout.astype(ops.q.dtype), S_qp)
         lse = a.pad_axis(kernel_lse, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
         bs = kernel.kwargs["block_sizes"]
@@ -204,9 +213,8 @@ class PallasTpu(AbstractImplementation):
             )
 
         dq, dk, dv = opaque_to_vma(jax.vmap(one), q, k, v, *seg, lse, do, delta)
-        heads_minor = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
-        dq = heads_minor(dq, S_q).astype(F32) * opts.scale
-        return dq, heads_minor(dk, S_k), heads_minor(dv, S_k), None
+        dq = _heads_minor(dq, S_q).astype(F32) * opts.scale
+        return dq, _heads_minor(dk, S_k), _heads_minor(dv, S_k), None
 
     # -------------------------------------------------------- flash (bias or mask)
 
@@ -222,10 +230,9 @@ class PallasTpu(AbstractImplementation):
         ab = a.pad_axis(a.pad_axis(ab, 2, S_qp), 3, S_kp)
         seg = a.kernel_segment_ids(ops, S_qp, S_kp)
         seg = None if seg is None else _flash.SegmentIds(*seg)
-        heads_major = lambda x, n: a.pad_axis(jnp.swapaxes(x, 1, 2), 2, n)
-        q = heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
-        k = heads_major(a.repeat_kv(ops.k, H), S_kp)
-        v = heads_major(a.repeat_kv(ops.v, H), S_kp)
+        q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
+        k = _heads_major(a.repeat_kv(ops.k, H), S_kp)
+        v = _heads_major(a.repeat_kv(ops.v, H), S_kp)
         return q, k, v, ab, seg, bq, bkv
 
     def _flash_fwd(self, ops, opts):
@@ -246,7 +253,7 @@ class PallasTpu(AbstractImplementation):
         S_q, H = ops.q.shape[1], ops.q.shape[2]
         S_k, K = ops.k.shape[1], ops.k.shape[2]
         S_qp = q.shape[2]
-        do = a.pad_axis(jnp.swapaxes(dout.astype(ops.q.dtype), 1, 2), 2, S_qp)
+        do = _heads_major(dout.astype(ops.q.dtype), S_qp)
         lse = a.pad_axis(kernel_lse, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
         ones = jnp.ones_like(lse)
@@ -265,10 +272,9 @@ class PallasTpu(AbstractImplementation):
             return dq, dk, dv, ds
 
         dq, dk, dv, ds = opaque_to_vma(kernels, q, k, v, ab, seg, ones, lse, do, delta)
-        heads_minor = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
-        dq = heads_minor(dq, S_q).astype(F32) * opts.scale
-        dk = a.reduce_kv(heads_minor(dk, S_k), K)
-        dv = a.reduce_kv(heads_minor(dv, S_k), K)
+        dq = _heads_minor(dq, S_q).astype(F32) * opts.scale
+        dk = a.reduce_kv(_heads_minor(dk, S_k), K)
+        dv = a.reduce_kv(_heads_minor(dv, S_k), K)
         dbias = None
         if ops.bias is not None:
             dbias = m.reduce_to(ds[:, :, :S_q, :S_k].astype(F32), ops.bias.shape).astype(ops.bias.dtype)
