@@ -28,7 +28,6 @@ full catalogue of hostile `.safetensors` headers; here each kind of mistake has
 one representative row per public entry point.
 """
 
-import json
 import os
 import pickle
 import re
@@ -44,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 from vidax_eqx import core, interop, kernels, nn, parallel
+from test_interop import _entry, _raw_file  # the hostile-file builders
 from vidax_eqx.nn import functional
 
 
@@ -153,18 +153,6 @@ def _randomized(module, seed):
 
 def _attention_module(seed=0):
     return _randomized(nn.Attention(DIM, HEADS, key=jax.random.PRNGKey(seed)), seed)
-
-
-def _raw_file(path, header, data=b"", length=None):
-    """A `.safetensors` file written byte by byte: length, header, data."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    n = len(raw) if length is None else length
-    path.write_bytes(np.array([n], "<u8").tobytes() + raw + data)
-    return path
-
-
-def _entry(dtype="F32", shape=(2,), offsets=(0, 8)):
-    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
 
 
 def _file_from(edit):
