@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
+from .._order import after
 from ..parallel import (
     axis_size,
     ring_attention,
@@ -120,6 +121,12 @@ def _qk_rms_norm(norm: RMSNorm | None, x: Array, m) -> Array:
     return functional.tp_sharded_rms_norm(
         x, norm.weight, m.dim, m.eps, axis_name=m.parallel.tp_axis
     )
+
+
+def _after_tp(x: Array, q: Array, m) -> Array:
+    """Under TP, `norm_k`'s psum waits for `norm_q`'s (one collective order on every
+    device, see `vidax_eqx._order`)."""
+    return x if m.parallel.tp_axis is None else after(x, q)
 
 
 def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_ids=None):
@@ -279,7 +286,8 @@ class Attention(eqx.Module):
             H = _local_heads("Attention", self, self.q)
             S = x.shape[0]
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = _qk_rms_norm(self.norm_k, _linear(self.k, x), self).reshape(S, H, self.head_dim)
+            k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, x), q, self), self)
+            k = k.reshape(S, H, self.head_dim)
             v = _linear(self.v, x).reshape(S, H, self.head_dim)
             if rope is not None:
                 q = functional.apply_rope(q, *rope)
@@ -390,7 +398,7 @@ class CrossAttention(eqx.Module):
             H = _local_heads("CrossAttention", self, self.q)
             S, S_ctx = x.shape[0], context.shape[0]
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = _qk_rms_norm(self.norm_k, _linear(self.k, context), self)
+            k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, context), q, self), self)
             k = k.reshape(S_ctx, H, self.head_dim)
             v = _linear(self.v, context).reshape(S_ctx, H, self.head_dim)
             mask = None if context_mask is None else context_mask[None, None, None, :]

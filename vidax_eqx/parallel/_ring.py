@@ -34,6 +34,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
+from .._order import after
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size
 
@@ -523,9 +524,27 @@ def _seg_arg(seg_q, seg_kv):
     return None if seg_q is None else kernels.SegmentIds(q=seg_q, kv=seg_kv)
 
 
-def _ppermute(x, cfg: _Config):
+def _ppermute(x, cfg: _Config, *, deps=()):
+    """`x` (a PyTree) one hop along the ring, after `deps` (see `vidax_eqx._order`).
+
+    Arrays of one shape, dtype and varying axes (K and V; dK and dV) travel stacked
+    in one collective-permute; any further group waits for the one before it, so
+    every device issues the same permutes in the same order.
+    """
     n = cfg.sp_size
-    return lax.ppermute(x, cfg.axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    leaves, treedef = jax.tree.flatten(x)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.shape, leaf.dtype, varying_axes(leaf)), []).append(i)
+    out = [None] * len(leaves)
+    last = deps
+    for idx in groups.values():
+        stacked = after(jnp.stack([leaves[i] for i in idx]), last)
+        last = lax.ppermute(stacked, cfg.axis_name, perm=perm)
+        for j, i in enumerate(idx):
+            out[i] = last[j]
+    return jax.tree.unflatten(treedef, out)
 
 
 def _merge(out_acc, lse_acc, out, lse):
@@ -590,7 +609,8 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
         nxt = _ppermute(blk, cfg)  # issued first: independent of this step's compute
         return nxt, step(t, range(n - 1), blk, acc)
 
-    blk, acc = (k, v, seg_kv), (out0, lse0)
+    # The first hop waits for every input: collectives that produced them came first.
+    blk, acc = after((k, v, seg_kv), q, sinks, seg_q, step_mask), (out0, lse0)
     if n > 1:
         blk, acc = lax.fori_loop(0, n - 1, body, (blk, acc))
     return step(n - 1, [n - 1], blk, acc)
@@ -636,8 +656,10 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
     blk = (k, v, seg_kv)
     if n == 1:
         return grads(0, [0], blk, zeros_q)
+    # Every permute waits for the one issued before it (`_ppermute`'s `deps`), the
+    # first for every input, so all devices issue them in one order.
     # Step 0: the local block; its dK/dV stay home.
-    nxt = _ppermute(blk, cfg)
+    nxt = _ppermute(blk, cfg, deps=(q, out, lse, dout, seg_q, step_mask))
     dq, dk_home, dv_home = grads(0, [0], blk, zeros_q)
     blk = nxt
     # Step 1: the first travelling accumulators start here (nothing to receive).
@@ -647,8 +669,8 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
 
     def body(t, carry):
         blk, dk, dv, dq = carry
-        nxt = _ppermute(blk, cfg)
-        dk, dv = _ppermute((dk, dv), cfg)  # in flight during this step's compute
+        nxt = _ppermute(blk, cfg, deps=(dk, dv))  # after the last step's dK/dV hop
+        dk, dv = _ppermute((dk, dv), cfg, deps=nxt)  # in flight during this step's compute
         dq, gk, gv = grads(t, range(2, n - 1), blk, dq)
         return nxt, dk + gk, dv + gv, dq
 
@@ -657,11 +679,11 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
         if n > 3:
             blk, dk, dv, dq = lax.fori_loop(2, n - 1, body, (blk, dk, dv, dq))
         # Last step: no K/V to send on.
-        rk, rv = _ppermute((dk, dv), cfg)
+        rk, rv = _ppermute((dk, dv), cfg, deps=blk)
         dq, gk, gv = grads(n - 1, [n - 1], blk, dq)
         dk, dv = rk + gk, rv + gv
     # One more hop brings each block's accumulators home.
-    dk, dv = _ppermute((dk, dv), cfg)
+    dk, dv = _ppermute((dk, dv), cfg, deps=blk)
     return dq, dk_home + dk, dv_home + dv
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds
 from ._mesh import axis_size
@@ -108,13 +109,13 @@ def _match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
     return as_varying(x, varying_axes(like))
 
 
-def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str):
+def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str, order: Sequence):
     """A per-token array of this device, `[text; visual chunk]` along `axis`, to
     the whole sequence `[text; all visual chunks]` (the text prefix once)."""
     axis = axis % jnp.ndim(x)
     text = jax.lax.slice_in_dim(x, 0, text_len, axis=axis)
     visual = jax.lax.slice_in_dim(x, text_len, x.shape[axis], axis=axis)
-    visual = jax.lax.all_gather(visual, sp_axis_name, axis=axis, tiled=True)
+    visual = order(jax.lax.all_gather, visual, sp_axis_name, axis=axis, tiled=True)
     return jnp.concatenate([text, visual], axis=axis) if text_len else visual
 
 
@@ -125,13 +126,13 @@ def _local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
 
 def _per_token_options(
     opts: dict[str, Any], *, fn: str, B: int, S_local: int, S: int, H: int, sp: int,
-    text_len: int, sp_axis_name: str, like: jax.Array,
+    text_len: int, sp_axis_name: str, like: jax.Array, order: Sequence,
 ) -> dict[str, Any]:
     """Turns the per-device kernel options into the options of the one kernel call
     over the whole sequence and this device's `H / sp` heads."""
     opts = dict(opts)
     heads_local = H // sp
-    gather = lambda x: _gather_tokens(x, 1, text_len, sp_axis_name)  # noqa: E731
+    gather = lambda x: _gather_tokens(x, 1, text_len, sp_axis_name, order)  # noqa: E731
 
     seg = opts.get("segment_ids")
     if seg is not None:
@@ -158,7 +159,7 @@ def _per_token_options(
                     f"({S_local},); received {jnp.shape(pos)}. Omit it for the default "
                     "(the global arange of the whole sequence)."
                 )
-            opts[name] = _gather_tokens(pos, 0, text_len, sp_axis_name)
+            opts[name] = _gather_tokens(pos, 0, text_len, sp_axis_name, order)
 
     sinks = opts.get("sinks")
     if sinks is not None:
@@ -211,14 +212,16 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
         k = jnp.repeat(k, r, axis=2)
         v = jnp.repeat(v, r, axis=2)
     kv_heads_local = H_kv * r // sp
+    # Every collective below waits for the one before it (`vidax_eqx._order`).
+    order = Sequence(q, k, v, jax.tree.leaves(kernel_options))
 
     def seq_to_heads(x, n_local):
         """(B, text + L_local, H, D) -> (B, text + L, H / sp, D)."""
         text = x[:, :text_len]
         visual = x[:, text_len:]
         if L_local:
-            visual = jax.lax.all_to_all(
-                visual, sp_axis_name, split_axis=2, concat_axis=1, tiled=True
+            visual = order(
+                jax.lax.all_to_all, visual, sp_axis_name, split_axis=2, concat_axis=1, tiled=True
             )
         else:
             visual = visual[:, :, :n_local]
@@ -228,7 +231,7 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
 
     opts = _per_token_options(
         kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
-        sp_axis_name=sp_axis_name, like=q,
+        sp_axis_name=sp_axis_name, like=q, order=order,
     )
     out = attention(
         seq_to_heads(q, heads_local),
@@ -241,8 +244,8 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     text_out = out[:, :text_len]
     visual_out = out[:, text_len:]
     if L_local:
-        visual_out = jax.lax.all_to_all(
-            visual_out, sp_axis_name, split_axis=1, concat_axis=2, tiled=True
+        visual_out = order(
+            jax.lax.all_to_all, visual_out, sp_axis_name, split_axis=1, concat_axis=2, tiled=True
         )
     else:
         visual_out = jnp.zeros((B, 0, H, D), out.dtype)
@@ -250,7 +253,7 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
         return visual_out
     # Every device computed the text rows for its own heads; gather all heads so
     # the text output is the same, complete, single-device result everywhere.
-    text_out = jax.lax.all_gather(text_out, sp_axis_name, axis=2, tiled=True)
+    text_out = order(jax.lax.all_gather, text_out, sp_axis_name, axis=2, tiled=True)
     return jnp.concatenate([text_out, visual_out], axis=1)
 
 

@@ -31,6 +31,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
+from .._order import after, Sequence
 from .._vma import as_varying, varying_axes
 from . import _ring
 from ._mesh import axis_size
@@ -131,8 +132,9 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
         )
         # Every device merges all ring ranks' partials in the same order: the text
         # rows come out bitwise identical on every device.
-        o_all = lax.all_gather(o, rc.axis_name, axis=0)
-        l_all = lax.all_gather(l, rc.axis_name, axis=0)
+        # After the ring's permutes, one gather after the other (`vidax_eqx._order`).
+        o_all = lax.all_gather(after(o, out_v), rc.axis_name, axis=0)
+        l_all = lax.all_gather(after(l, o_all), rc.axis_name, axis=0)
         for i in range(rc.sp_size):
             out_t, lse_t = _ring._merge(out_t, lse_t, o_all[i], l_all[i])
     return (out_t.astype(q_t.dtype), out_v.astype(q_v.dtype)), (lse_t, lse_v)
@@ -168,8 +170,9 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     ct_t, ct_v = cotangents
     # Every ring rank's text rows are the same function of the same inputs, so the
     # cotangent of this head slice's text rows is the sum of all the copies'.
-    dout_t = as_varying(lax.psum(ct_t.astype(F32), rc.axis_name).astype(q_t.dtype), axes)
-    dout_v = ct_v.astype(q_v.dtype)
+    dout_t = lax.psum(after(ct_t.astype(F32), ct_v), rc.axis_name)
+    dout_t = as_varying(dout_t.astype(q_t.dtype), axes)
+    dout_v = after(ct_v.astype(q_v.dtype), dout_t)  # the ring's permutes after the psum
 
     with jax.named_scope("vidax_usp_attention_bwd"):
         dq_v, dk_v, dv_v = _ring._ring_backward(
@@ -216,7 +219,7 @@ _joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
 # -- the public function -------------------------------------------------------------
 
 
-def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses_axis):
+def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses_axis, order):
     """This device's ids `(B, text_len + L)` -> `(text q, text kv, visual q, visual kv)`,
     the visual parts gathered over the Ulysses group to `(B, U * L)`."""
     if segment_ids is None:
@@ -236,7 +239,7 @@ def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses
                 f"layout); received {s.dtype} {s.shape}."
             )
         s = s.astype(jnp.int32)
-        visual = lax.all_gather(s[:, text_len:], ulysses_axis, axis=1, tiled=True)
+        visual = order(lax.all_gather, s[:, text_len:], ulysses_axis, axis=1, tiled=True)
         parts.append((s[:, :text_len], visual))
     (tq, vq), (tkv, vkv) = parts[0], parts[-1]
     return tq, tkv, vq, vkv
@@ -380,13 +383,18 @@ def usp_attention(
     def text_heads(x, n):
         return _local_heads(x[:, :text_len], 2, n, ulysses_axis)
 
+    # Every collective below waits for the one before it (`vidax_eqx._order`); the
+    # ring's own permutes wait for its inputs.
+    order = Sequence(q, k, v, sinks, jax.tree.leaves(segment_ids))
+
     def seq_to_heads(x):
         """(B, L, H, D) visual -> (B, U * L, H / U, D): ring rank r's share."""
-        return lax.all_to_all(x[:, text_len:], ulysses_axis, split_axis=2, concat_axis=1,
-                              tiled=True)
+        return order(lax.all_to_all, x[:, text_len:], ulysses_axis, split_axis=2,
+                     concat_axis=1, tiled=True)
 
     sq_t, skv_t, sq_v, skv_v = _split_segments(
-        segment_ids, B=B, S_local=S_local, text_len=text_len, ulysses_axis=ulysses_axis
+        segment_ids, B=B, S_local=S_local, text_len=text_len, ulysses_axis=ulysses_axis,
+        order=order,
     )
     if sinks is not None:
         sinks = _local_heads(_match_vma(sinks, q), 0, heads_local, ulysses_axis)
@@ -401,7 +409,7 @@ def usp_attention(
                 segment_ids=None if sq_t is None else kernels.SegmentIds(q=sq_t, kv=skv_t),
                 **opts,
             )
-            return lax.all_gather(out_t, ulysses_axis, axis=2, tiled=True)
+            return order(lax.all_gather, out_t, ulysses_axis, axis=2, tiled=True)
 
         q_v, k_v, v_v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if text_len == 0:
@@ -414,10 +422,11 @@ def usp_attention(
                 text_heads(v, kv_heads_local), q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
                 text_len=text_len, ring_axis=ring_axis, ring_size=R, layout=layout, **opts,
             )
-        out_v = lax.all_to_all(out_v, ulysses_axis, split_axis=1, concat_axis=2, tiled=True)
+        out_v = order(lax.all_to_all, out_v, ulysses_axis, split_axis=1, concat_axis=2,
+                      tiled=True)
         if text_len == 0:
             return out_v
-        out_t = lax.all_gather(out_t, ulysses_axis, axis=2, tiled=True)
+        out_t = order(lax.all_gather, out_t, ulysses_axis, axis=2, tiled=True)
         return jnp.concatenate([out_t, out_v], axis=1)
 
 
