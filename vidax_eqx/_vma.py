@@ -55,3 +55,21 @@ def opaque_to_vma(fn, *args):
     with config._check_vma(False):
         out = fn(*args)
     return as_varying(out, axes)
+
+
+def manual_axes() -> frozenset:
+    """The mesh axes the surrounding `shard_map` is manual over; empty outside one."""
+    return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def tracks_vma() -> bool:
+    """Whether values here carry their varying axes: inside `shard_map(check_vma=True)`.
+
+    With `check_vma=False` every value reports no varying axes, so nothing can be
+    concluded from `varying_axes` there.
+    """
+    if not manual_axes():
+        return False
+    from jax._src import config  # the switch `shard_map` sets; no public handle exists
+
+    return bool(config._check_vma.value)

@@ -13,10 +13,12 @@ needs flax).
 import jax
 from jaxtyping import Array, Bool, Float
 
+from ._vma import tracks_vma, varying_axes
 from .kernels import attention
 from .nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
 from .parallel import (
     chunk_by_rank as chunk_by_rank,
+    SP_AXIS,
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention as sequence_parallel_self_attention,
     tensor_parallel_attention,
@@ -69,9 +71,43 @@ def dot_product_attention(
     """
     if mesh is not None:
         return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
+    explicit = _explicit_axes(q, k, v, bias, mask)
+    if explicit:
+        raise ValueError(
+            "dot_product_attention: the inputs are sharded over the Explicit mesh axes "
+            f"{explicit} (`jax.make_mesh`'s default axis type), and attention over a sharded "
+            "sequence or head axis needs a plan: pass `mesh=` (heads over its 'tp' axis, "
+            "batch over 'dp'), call the sequence-parallel functions inside `jax.shard_map`, "
+            "or replicate the inputs first (`jax.sharding.reshard(x, P())`)."
+        )
+    if SP_AXIS in (varying_axes(q) if tracks_vma() else ()):
+        raise ValueError(
+            f"dot_product_attention: `q` varies over the mesh axis {SP_AXIS!r} (its sequence "
+            "is sharded), but this function attends over the whole sequence on one device: "
+            "each device would attend only to its own chunk. Call "
+            "sequence_parallel_self_attention(q, k, v, 'sp') inside the shard_map, or "
+            "local_attention(q, k, v) if per-chunk attention is really meant."
+        )
     portable = mask is not None or jax.device_count() > 1
     implementation = "portable" if portable else "auto"
     return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation)
+
+
+def _explicit_axes(*xs) -> list:
+    """The Explicit mesh axes any of `xs` is sharded over (sharding in types)."""
+    axes = set()
+    for x in xs:
+        if x is None:
+            continue
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        spec = getattr(sharding, "spec", None) or ()
+        mesh = getattr(sharding, "mesh", None)
+        types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+        for entry in spec:
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                if name is not None and types.get(name) == jax.sharding.AxisType.Explicit:
+                    axes.add(name)
+    return sorted(axes, key=str)
 
 
 def local_attention(

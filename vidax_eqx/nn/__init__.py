@@ -18,4 +18,4 @@ from ._attention import (
     partition_specs as partition_specs,
     with_parallel as with_parallel,
 )
-from ._parallel import ParallelConfig as ParallelConfig
+from ._parallel import ParallelConfig as ParallelConfig, shard_tokens as shard_tokens

@@ -39,7 +39,7 @@ from ..parallel import (
 )
 from . import functional
 from ._norm import _check_eps, LayerNorm, RMSNorm
-from ._parallel import ParallelConfig
+from ._parallel import check_context, ParallelConfig
 
 
 # (cos, sin), each (S, head_dim // 2): this device's tokens, as `rope_3d` returns them.
@@ -102,6 +102,13 @@ def _local_heads(cls: str, m, column: eqx.nn.Linear) -> int:
             f"num_heads={m.num_heads}, tp={tp}."
         )
     rows = column.weight.shape[0]
+    if tp_axis is None and rows != m.dim:
+        raise ValueError(
+            f"{cls}: the module's ParallelConfig has no tp_axis, so every device needs all "
+            f"{m.dim} rows of the q/k/v weights; received {rows} (weights placed for tensor "
+            "parallelism?). Use `nn.with_parallel(module, nn.ParallelConfig(tp_axis=...))` "
+            "to match how they are placed, or place them with `partition_specs(module)`."
+        )
     if rows * tp != m.dim:
         raise ValueError(
             f"{cls}: with tp_axis={tp_axis!r} of size {tp}, each device holds "
@@ -283,6 +290,7 @@ class Attention(eqx.Module):
         `(S, dim)`, the same tokens as `x`.
         """
         with jax.named_scope("vidax_eqx.nn.Attention"):
+            check_context("Attention", self.parallel, x)
             H = _local_heads("Attention", self, self.q)
             S = x.shape[0]
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
@@ -395,6 +403,7 @@ class CrossAttention(eqx.Module):
         `(S, dim)`.
         """
         with jax.named_scope("vidax_eqx.nn.CrossAttention"):
+            check_context("CrossAttention", self.parallel, x, context=context, sharded_x=False)
             H = _local_heads("CrossAttention", self, self.q)
             S, S_ctx = x.shape[0], context.shape[0]
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
@@ -517,6 +526,7 @@ class JointAttention(eqx.Module):
         `(hidden_states, encoder_hidden_states)`.
         """
         with jax.named_scope("vidax_eqx.nn.JointAttention"):
+            check_context("JointAttention", self.parallel, x, context=context)
             H = _local_heads("JointAttention", self, self.to_q)
             T, S = context.shape[0], x.shape[0]
             h = jnp.concatenate([context, x], axis=0)

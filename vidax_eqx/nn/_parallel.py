@@ -2,7 +2,11 @@
 
 import dataclasses
 
-from ..parallel import SP_AXIS
+import jax
+from jax import lax
+
+from .._vma import manual_axes, tracks_vma, varying_axes
+from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute
 
 
 SEQUENCE_MODES = ("none", "ulysses", "ring", "usp")
@@ -78,3 +82,127 @@ class ParallelConfig:
                 f"`tp_axis` must differ from the sequence axes; received tp_axis="
                 f"{self.tp_axis!r}, sp_axis={self.sp_axis!r}, ring_axis={self.ring_axis!r}."
             )
+
+
+def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
+                  sharded_x: bool = True) -> None:
+    """Raises where `parallel` cannot be how this call is sharded.
+
+    Inside `shard_map(check_vma=True)` every value knows the mesh axes it varies
+    over, so a module can tell a sequence that is sharded from one that is
+    replicated, and refuse a configuration that would silently give a wrong answer:
+
+    - `sequence="none"` with `x` varying over the configured `sp_axis` (default
+        `"sp"`): each device would attend only to its own chunk (`with_parallel`
+        forgotten);
+    - a sequence-parallel configuration with `x` the same on every device of one of
+        its axes: the replicated sequence would be taken as a chunk;
+    - `x` varying over `tp_axis`: Megatron splits heads, never tokens;
+    - `context` (the text, whole on every device) varying over any of these axes.
+
+    `sharded_x=False` (cross-attention, whose queries need no communication) skips
+    the checks of `x`'s sequence axes. Outside `shard_map`, or with
+    `check_vma=False`, nothing is known and nothing is checked; a data-parallel axis
+    is never a mismatch. Mismatches no value records (RoPE tables or segment ids
+    sharded in another layout than `x`) cannot be detected: build those with
+    [`vidax_eqx.nn.shard_tokens`][].
+    """
+    if not tracks_vma():
+        return
+    vma = varying_axes(x)
+    seq_axes = _sequence_axes(parallel)
+    if sharded_x and parallel.sequence == "none":
+        wrong = vma & {parallel.sp_axis, SP_AXIS}
+        if wrong:
+            axis = sorted(wrong)[0]
+            raise ValueError(
+                f"{cls}: `x` varies over the mesh axis {axis!r} (its sequence is sharded over "
+                f"it), but the module's ParallelConfig says one device (sequence='none'): each "
+                f"device would attend only to its own {x.shape[0]} tokens, a wrong answer. Run "
+                "the sharded twin, `nn.with_parallel(module, nn.ParallelConfig(sequence="
+                f"'ulysses' | 'ring' | 'usp', sp_axis={axis!r}))`, or replicate `x` over "
+                f"{axis!r}."
+            )
+    if sharded_x and x.shape[0]:
+        missing = [a for a in seq_axes if a in manual_axes() and a not in vma]
+        if missing:
+            raise ValueError(
+                f"{cls}: ParallelConfig(sequence={parallel.sequence!r}) takes `x` as this "
+                f"device's chunk of a sequence sharded over {missing[0]!r}, but `x` is the "
+                f"same on every device of {missing[0]!r} (replicated): the sequence would be "
+                f"counted once per device. Shard `x` over {missing[0]!r} (its in_spec), or "
+                "run a replicated sequence with `nn.with_parallel(module, nn.ParallelConfig("
+                f"tp_axis={parallel.tp_axis!r}))`."
+            )
+    if parallel.tp_axis is not None and parallel.tp_axis in vma:
+        raise ValueError(
+            f"{cls}: `x` varies over the tensor-parallel axis {parallel.tp_axis!r}, but "
+            "Megatron tensor parallelism splits heads, not tokens: every device of "
+            f"{parallel.tp_axis!r} needs the same `x`. Leave {parallel.tp_axis!r} out of "
+            "x's in_spec."
+        )
+    if context is not None:
+        wrong = varying_axes(context) & {*seq_axes, parallel.sp_axis, SP_AXIS, parallel.tp_axis}
+        if wrong:
+            raise ValueError(
+                f"{cls}: `context` (the text) must be whole and the same on every device "
+                f"(in_spec P()); it varies over the mesh axes {sorted(wrong, key=str)}."
+            )
+
+
+def _sequence_axes(parallel: ParallelConfig) -> tuple:
+    if parallel.sequence == "none":
+        return ()
+    if parallel.sequence == "usp":
+        return (parallel.ring_axis, parallel.sp_axis)
+    return (parallel.sp_axis,)
+
+
+def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
+    """This device's share of a per-token array, in the layout `parallel` shards `x` in.
+
+    Call it inside `jax.shard_map` with `x` whole (the same on every device, e.g. a
+    closed-over constant or in_spec `P()`): RoPE tables, segment ids, positions, or the
+    tokens themselves. It returns exactly the rows a module configured with `parallel`
+    expects next to its `x`, so the tables always follow the tokens: contiguous chunks
+    of `sp_axis` for Ulysses and ring; for `layout="zigzag"` the
+    [`vidax_eqx.parallel.zigzag_permute`][]d sequence, chunked; for `"usp"` ring-major
+    chunks over `(ring_axis, sp_axis)` (zigzag over the ring). A mismatch here is not
+    detectable afterwards (a RoPE table is just numbers), which is why this one call
+    exists: `rope = nn.shard_tokens(nn.functional.rope_3d(grid, head_dim), parallel)`.
+
+    **Arguments:**
+
+    - `x`: an array, or a PyTree of arrays (e.g. the `(cos, sin)` pair), each with the
+        whole sequence along `axis`.
+    - `parallel`: the [`ParallelConfig`][] of the module the result is for.
+    - `axis`: the sequence axis of every array.
+
+    **Returns:**
+
+    The same structure with `S / n` rows along `axis` (`n` the number of devices the
+    sequence is split over); `x` itself for `sequence="none"`. `S` must be a multiple of
+    `n` (`2n` for zigzag): pad first with [`vidax_eqx.parallel.pad_to_multiple`][].
+    """
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(
+            f"shard_tokens: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
+        )
+    if parallel.sequence == "none":
+        return x
+    if parallel.sequence == "usp":
+        ring, sp = parallel.ring_axis, parallel.sp_axis
+        n_ring = axis_size(ring, what="Ring")
+        n_sp = axis_size(sp, what="Sequence-parallel")
+        rank = lax.axis_index(ring) * n_sp + lax.axis_index(sp)
+        n, zigzag_n = n_ring * n_sp, n_ring
+    else:
+        n = axis_size(parallel.sp_axis, what="Sequence-parallel")
+        rank, zigzag_n = lax.axis_index(parallel.sp_axis), n
+
+    def shard(a):
+        if parallel.layout == "zigzag":
+            a = zigzag_permute(a, axis, zigzag_n)
+        return chunk_by_rank(a, axis, n, rank)
+
+    return jax.tree.map(shard, x)

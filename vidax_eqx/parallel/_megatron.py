@@ -9,7 +9,7 @@ needed beyond placing the inputs.
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from ..kernels import attention, SegmentIds, select_implementation
@@ -130,4 +130,11 @@ def tensor_parallel_attention(
 
     # `None` operands are empty pytrees: give them an empty spec.
     specs = tuple(None if x is None else s for x, s in zip(operands, specs))
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # `jax.make_mesh`'s default: shard_map does not move Explicit-sharded inputs.
+        operands = tuple(
+            None if x is None else jax.tree.map(
+                lambda a, sp: jax.sharding.reshard(a, NamedSharding(mesh, sp)), x, s)
+            for x, s in zip(operands, specs)
+        )
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv_spec)(*operands)

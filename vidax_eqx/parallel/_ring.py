@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from .. import kernels
 from .._order import after
 from .._vma import as_varying, varying_axes
-from ._mesh import axis_size
+from ._mesh import axis_size, check_sharded
 
 
 F32 = jnp.float32
@@ -799,6 +799,8 @@ def _ring_attention(
     _check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     L_q, L_k = q.shape[1], k.shape[1]
+    check_sharded("ring_attention", (axis_name,), q=q if L_q else None, k=k if L_k else None,
+                  v=v if L_k else None)
     # Validate the options once, exactly as every step's kernel call will see them.
     seg_q, seg_kv = _segments(segment_ids)
 

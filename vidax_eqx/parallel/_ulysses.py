@@ -24,7 +24,7 @@ from jaxtyping import Array, Float
 from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds
-from ._mesh import axis_size
+from ._mesh import axis_size, check_sharded
 
 
 _WHAT = "Sequence-parallel"
@@ -202,6 +202,8 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     H_kv = k.shape[2]
     _check_heads(H, sp, sp_axis_name, fn)
     L_local = S_local - text_len
+    if L_local:
+        check_sharded(fn, (sp_axis_name,), q=q, k=k, v=v)
     S = text_len + sp * L_local
     heads_local = H // sp
 

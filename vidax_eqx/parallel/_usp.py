@@ -34,7 +34,7 @@ from .. import kernels
 from .._order import after, Sequence
 from .._vma import as_varying, varying_axes
 from . import _ring
-from ._mesh import axis_size
+from ._mesh import axis_size, check_sharded
 from ._ring import ring_attention, ring_positions
 from ._ulysses import (
     _check_heads,
@@ -358,6 +358,8 @@ def usp_attention(
             f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
         )
     L = S_local - text_len  # this device's visual tokens
+    if L:
+        check_sharded(_FN, (ring_axis, ulysses_axis), q=q, k=k, v=v)
     if layout == "zigzag" and (U * L) % 2:
         multiple = np.lcm(2 * R, U * R)
         raise ValueError(
