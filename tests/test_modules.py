@@ -127,18 +127,24 @@ def ref_cogvideox_attention(m, x, context, angles=None):
 # -- helpers -----------------------------------------------------------------------------
 
 
-def randomized(module, seed):
-    """Every parameter perturbed (norm weights away from 1, biases away from 0)."""
-    leaves, treedef = jax.tree.flatten(module)
-    rng = np.random.default_rng(seed)
-    leaves = [jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(x.shape), x.dtype)
-              for x in leaves]
-    return jax.tree.unflatten(treedef, leaves)
+def params(module):
+    """The module's arrays (its `ParallelConfig` and other static leaves left out)."""
+    return jax.tree.leaves(eqx.filter(module, eqx.is_array))
 
 
 def with_leaves(module, leaves):
-    """The module's structure holding other leaves (float64 NumPy arrays for the reference)."""
-    return jax.tree.unflatten(jax.tree.structure(module), leaves)
+    """The module with other arrays in place of its own (float64 NumPy arrays for the
+    reference), its non-array leaves kept."""
+    arrays, static = eqx.partition(module, eqx.is_array)
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(arrays), leaves), static)
+
+
+def randomized(module, seed):
+    """Every parameter perturbed (norm weights away from 1, biases away from 0)."""
+    rng = np.random.default_rng(seed)
+    return with_leaves(module, [
+        jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(x.shape), x.dtype)
+        for x in params(module)])
 
 
 def rope_tables(S, D, seed):
@@ -168,7 +174,8 @@ def check_grads_fd(ref_loss, params, grads, names, seed, tol=2e-5):
 
 
 def leaf_names(tree):
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return [jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))]
 
 
 # -- 1. single device against the float64 reference -------------------------------------
@@ -190,7 +197,7 @@ def test_attention_matches_wan_reference(qk_norm):
         return jnp.sum(out * ct), out
 
     (_, out), (gm, gx) = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))((m, x))
-    ref = np.stack([ref_wan_self_attention(with_leaves(m, jax.tree.leaves(m)), f64(x[b]),
+    ref = np.stack([ref_wan_self_attention(with_leaves(m, params(m)), f64(x[b]),
                                            angles, seg[b]) for b in range(B)])
     oracle.assert_close(out, ref, F32, "out")
 
@@ -199,8 +206,8 @@ def test_attention_matches_wan_reference(qk_norm):
         out = np.stack([ref_wan_self_attention(mm, xx[b], angles, seg[b]) for b in range(B)])
         return float(np.sum(out * ct))
 
-    grads = [*jax.tree.leaves(gm), gx]
-    check_grads_fd(ref_loss, [*jax.tree.leaves(m), x], grads, [*leaf_names(m), "x"], seed=4)
+    grads = [*params(gm), gx]
+    check_grads_fd(ref_loss, [*params(m), x], grads, [*leaf_names(m), "x"], seed=4)
 
 
 def test_attention_bfloat16():
@@ -211,7 +218,7 @@ def test_attention_bfloat16():
     out = m(jnp.asarray(x, jnp.bfloat16), rope=rope)
     assert out.dtype == jnp.bfloat16
     xb = f64(jnp.asarray(x, jnp.bfloat16))
-    ref = ref_wan_self_attention(with_leaves(m, [f64(a) for a in jax.tree.leaves(m)]), xb, angles)
+    ref = ref_wan_self_attention(with_leaves(m, [f64(a) for a in params(m)]), xb, angles)
     # bf16 rounds after every linear and norm: a few bf16 ulps of O(1) values.
     oracle.assert_close(out, ref, jnp.bfloat16, "bf16 out")
 
@@ -242,13 +249,13 @@ def test_cross_attention_matches_wan_reference(masked):
         masks = [None] * B if mask is None else mask
         return np.stack([ref_wan_cross_attention(mm, xx[b], cc[b], masks[b]) for b in range(B)])
 
-    ref = ref_out(with_leaves(m, jax.tree.leaves(m)), f64(x), f64(ctx))
+    ref = ref_out(with_leaves(m, params(m)), f64(x), f64(ctx))
     oracle.assert_close(out, ref, F32, "out")
 
     def ref_loss(a):
         return float(np.sum(ref_out(with_leaves(m, a[:-2]), a[-2], a[-1]) * ct))
 
-    check_grads_fd(ref_loss, [*jax.tree.leaves(m), x, ctx], [*jax.tree.leaves(gm), gx, gc],
+    check_grads_fd(ref_loss, [*params(m), x, ctx], [*params(gm), gx, gc],
                    [*leaf_names(m), "x", "context"], seed=5)
 
 
@@ -282,7 +289,7 @@ def test_joint_attention_matches_cogvideox_reference(qk_norm):
         outs = [ref_cogvideox_attention(mm, xx[b], cc[b], angles) for b in range(B)]
         return np.stack([o[0] for o in outs]), np.stack([o[1] for o in outs])
 
-    rx, rc = ref_outs(with_leaves(m, jax.tree.leaves(m)), f64(x), f64(ctx))
+    rx, rc = ref_outs(with_leaves(m, params(m)), f64(x), f64(ctx))
     oracle.assert_close(xo, rx, F32, "x_out")
     oracle.assert_close(co, rc, F32, "context_out")
 
@@ -290,7 +297,7 @@ def test_joint_attention_matches_cogvideox_reference(qk_norm):
         rx, rc = ref_outs(with_leaves(m, a[:-2]), a[-2], a[-1])
         return float(np.sum(rx * ct_x) + np.sum(rc * ct_c))
 
-    check_grads_fd(ref_loss, [*jax.tree.leaves(m), x, ctx], [*jax.tree.leaves(gm), gx, gc],
+    check_grads_fd(ref_loss, [*params(m), x, ctx], [*params(gm), gx, gc],
                    [*leaf_names(m), "x", "context"], seed=6)
 
 
@@ -363,7 +370,7 @@ def test_attention_sharded_equals_single_device(case):
     unzz = functools.partial(parallel.zigzag_unpermute, sp_size=n_ring)
     seq, b = _seq_axes(mode), DP if sizes.get("dp", 1) > 1 else None
     mesh = _mesh(**sizes)
-    f = jax.shard_map(
+    f = nn.filter_shard_map(
         call, mesh=mesh,
         in_specs=(nn.partition_specs(sharded), P(b, seq), P(seq), P(seq),
                   None if seg is None else P(b, seq)),
@@ -413,7 +420,7 @@ def test_cross_attention_sharded_equals_single_device(case):
         return jax.vmap(lambda x, c, k: m(x, c, context_mask=k))(x, c, k)
 
     b = DP if sizes.get("dp", 1) > 1 else None
-    f = jax.shard_map(call, mesh=_mesh(**sizes),
+    f = nn.filter_shard_map(call, mesh=_mesh(**sizes),
                       in_specs=(nn.partition_specs(sharded), P(b, SP), P(b), P(b)),
                       out_specs=P(b, SP))
 
@@ -456,7 +463,7 @@ def test_joint_attention_sharded_equals_single_device(case):
         return xo, co[None]  # every SP device's copy of the text output
 
     seq = _seq_axes(mode)
-    f = jax.shard_map(per_device, mesh=_mesh(**sizes),
+    f = nn.filter_shard_map(per_device, mesh=_mesh(**sizes),
                       in_specs=(nn.partition_specs(sharded), P(None, seq), P(), P(seq), P(seq)),
                       out_specs=(P(None, seq), P(seq)))
 
@@ -551,10 +558,10 @@ def test_module_errors():
     x = jnp.ones((16, 32))
     # Weights not placed by partition_specs (replicated) under TP: a clear error.
     with pytest.raises(ValueError, match="partition_specs"):
-        jax.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P(SP)), out_specs=P(SP))(
+        nn.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())(
             tp_only, x)
     # 3 heads do not split over tp = 2.
     odd = nn.Attention(24, 3, parallel=nn.ParallelConfig(tp_axis=TP), key=jax.random.key(0))
     with pytest.raises(ValueError, match="multiple of the TP size"):
-        jax.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(nn.partition_specs(odd), P(SP)),
-                      out_specs=P(SP))(odd, jnp.ones((16, 24)))
+        nn.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(nn.partition_specs(odd), P()),
+                            out_specs=P())(odd, jnp.ones((16, 24)))

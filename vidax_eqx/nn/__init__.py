@@ -18,4 +18,8 @@ from ._attention import (
     partition_specs as partition_specs,
     with_parallel as with_parallel,
 )
-from ._parallel import ParallelConfig as ParallelConfig, shard_tokens as shard_tokens
+from ._parallel import (
+    filter_shard_map as filter_shard_map,
+    ParallelConfig as ParallelConfig,
+    shard_tokens as shard_tokens,
+)

@@ -225,7 +225,7 @@ class Attention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     qk_norm: str | None = eqx.field(static=True)
     eps: float = eqx.field(static=True)
-    parallel: ParallelConfig = eqx.field(static=True)
+    parallel: ParallelConfig
     implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
 
     def __init__(
@@ -337,7 +337,7 @@ class CrossAttention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     qk_norm: str | None = eqx.field(static=True)
     eps: float = eqx.field(static=True)
-    parallel: ParallelConfig = eqx.field(static=True)
+    parallel: ParallelConfig
     implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
 
     def __init__(
@@ -458,7 +458,7 @@ class JointAttention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     qk_norm: str | None = eqx.field(static=True)
     eps: float = eqx.field(static=True)
-    parallel: ParallelConfig = eqx.field(static=True)
+    parallel: ParallelConfig
     implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
 
     def __init__(

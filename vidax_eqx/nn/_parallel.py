@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import equinox as eqx
 import jax
 from jax import lax
 
@@ -206,3 +207,40 @@ def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
         return chunk_by_rank(a, axis, n, rank)
 
     return jax.tree.map(shard, x)
+
+
+def filter_shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):
+    """`jax.shard_map` for arguments that hold Equinox modules: the Equinox idiom
+    (`eqx.filter_jit`, `eqx.filter_grad`) for `shard_map`.
+
+    A module's non-array leaves (its [`ParallelConfig`][], activation functions) are
+    not JAX types, so `jax.shard_map` cannot take them; here every argument is
+    split with `eqx.partition(args, eqx.is_array)`, only the arrays cross the
+    `shard_map` boundary, and `fn` gets the modules back whole on every device.
+    [`partition_specs`][]`(module)` is the in_spec of a module (its non-array leaves
+    get `None`, which matches). `fn` must return arrays (or `None` leaves, as
+    `eqx.filter_grad`'s gradients have).
+
+    **Arguments:**
+
+    - `fn`: the per-device function.
+    - `mesh`, `in_specs`, `out_specs`, `**kwargs`: as for `jax.shard_map`; `in_specs`
+        is a tuple with one entry per positional argument.
+
+    **Returns:**
+
+    A function of the same arguments as `fn`, callable under `eqx.filter_jit`, or
+    under `jax.jit` when it closes over the modules.
+    """
+
+    def call(*args):
+        dynamic, static = eqx.partition(args, eqx.is_array)
+
+        def per_device(*dynamic):
+            return fn(*eqx.combine(dynamic, static))
+
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, **kwargs
+        )(*dynamic)
+
+    return call
