@@ -239,21 +239,21 @@ def sharded_forward(block, mode, sp, tp):
         mesh = parallel.make_mesh(sp=sp, tp=tp)
         config = nn.ParallelConfig(sequence=mode, tp_axis="tp")
         seq = "sp"
-    block = nn.with_parallel(block, config)
-    params, static = eqx.partition(block, eqx.is_array)
+    block = nn.with_parallel(block, config)  # the same arrays, another ParallelConfig leaf
     specs = block_partition_specs(block)
 
-    def body(params, x, e, context, cos, sin):
-        local = eqx.combine(params, static)
-        return jax.vmap(lambda x, e, c: local(x, e, c, (cos, sin)))(x, e, context)
+    def body(block, x, e, context, cos, sin):
+        return jax.vmap(lambda x, e, c: block(x, e, c, (cos, sin)))(x, e, context)
 
-    run = jax.jit(jax.shard_map(
+    # Modules hold their ParallelConfig as a (non-array) leaf: Equinox's filtered
+    # transformations, and `nn.filter_shard_map` for the shard_map, take them whole.
+    run = eqx.filter_jit(nn.filter_shard_map(
         body,
         mesh=mesh,
         in_specs=(specs, P(None, seq), P(), P(), P(seq), P(seq)),
         out_specs=P(None, seq),
     ))
-    return lambda x, e, context, cos, sin: run(params, x, e, context, cos, sin)
+    return lambda x, e, context, cos, sin: run(block, x, e, context, cos, sin)
 
 
 def main(argv=None) -> int:
