@@ -270,3 +270,14 @@ def test_explicit_mesh_megatron_works_and_sharded_inputs_name_the_fix():
     qs = jax.device_put(q, NamedSharding(seq_mesh, P(None, SP)))
     with pytest.raises(ValueError, match=r"Explicit mesh axes \['sp'\].*pass `mesh=`"):
         core.dot_product_attention(qs, qs, qs)
+
+
+def test_partition_specs_of_the_whole_module_place_its_arrays_part(attn):
+    tp = nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP))
+    arrays, _ = eqx.partition(tp, eqx.is_array)
+    specs = nn.partition_specs(tp)
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(_mesh(tp=2), s)),
+                          arrays, specs)
+    assert placed.q.weight.sharding.spec == P(TP, None)
+    with pytest.raises(ValueError, match=r"partition_specs on the whole module"):
+        nn.partition_specs(arrays)

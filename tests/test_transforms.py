@@ -12,13 +12,21 @@ where that is cheap:
 
 | test                 | what is checked                                                  |
 |----------------------|------------------------------------------------------------------|
-| `test_jit`           | `jax.jit` == reference (== the eager call for the `EAGER` entries) |
+| `test_jit`           | `jax.jit` / `eqx.filter_jit` == reference (== the eager call for the `EAGER` entries) |
 | `test_vmap[axis0]`   | an extra leading batch axis on every array input                 |
 | `test_vmap[axis1-partial]` | the batch on axis 1 for some inputs, `None` for the others, `out_axes=1` |
 | `test_grad`          | `jax.grad` / `eqx.filter_grad` (and `jax.vjp` / `eqx.filter_vjp`), every differentiable input and parameter |
-| `test_checkpoint`    | `jax.vjp` of `jax.checkpoint(fn, policy)` around the call (`shard_map` included) |
-| `test_eval_shape`    | `jax.eval_shape` on `ShapeDtypeStruct` inputs                    |
-| `test_donate`        | `jax.jit(..., donate_argnums=...)` bit-identical to the undonated call |
+| `test_checkpoint`    | `jax.vjp` of `jax.checkpoint(fn, policy)` / `eqx.filter_checkpoint` around the call (`shard_map` included) |
+| `test_eval_shape`    | `jax.eval_shape` / `eqx.filter_eval_shape` on `ShapeDtypeStruct` inputs |
+| `test_donate`        | `jax.jit(..., donate_argnums=...)` / `eqx.filter_jit(..., donate=...)` bit-identical to the undonated call |
+
+Entries whose arguments are arrays (and Flax variables, dicts of arrays) go through
+JAX's transformations as they are. Equinox modules go through Equinox's filtered ones
+(`eqx.filter_jit`, `filter_vmap`, `filter_grad`, `filter_vjp`, `filter_checkpoint`,
+`filter_eval_shape`, and `nn.filter_shard_map`): an attention module's
+`ParallelConfig` is a non-array leaf, so that its tree structure does not depend on
+the parallel configuration, and `jax.jit` does not take it as an argument
+(`test_jit_rejects_module_arguments`).
 
 and beyond the matrix: checkpointing inside `shard_map`, scans over stacked
 layers (`eqx.filter_vmap` construction, `lax.scan` == a Python loop; one
@@ -66,6 +74,12 @@ def f64(x):
     return np.asarray(x, np.float64)
 
 
+def map_arrays(f, tree):
+    """`f` applied to every array leaf of `tree`; other leaves (a module's
+    `ParallelConfig`) kept as they are."""
+    return jax.tree.map(lambda a: f(a) if eqx.is_array(a) else a, tree)
+
+
 def to64(tree):
     """Every array leaf as NumPy: floating ones in float64, others unchanged."""
 
@@ -73,7 +87,7 @@ def to64(tree):
         a = np.asarray(a)
         return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
 
-    return jax.tree.map(conv, tree)
+    return map_arrays(conv, tree)
 
 
 def ref_linear(x, lin):
@@ -125,7 +139,7 @@ class Entry:
     """One public entry point with fixed inputs.
 
     - `fn(*args)`: the untransformed call on global arrays (sharded entries wrap
-        `jax.shard_map` themselves).
+        `jax.shard_map`, or `nn.filter_shard_map` where they take modules, themselves).
     - `diff`: the positions of the differentiable arguments.
     - `ref(*args64)`: the float64 reference forward.
     - `ref_grads(args64, ct64)`: the reference gradients of `<fn(args), ct>` for the
@@ -162,11 +176,22 @@ class Entry:
 
     @functools.cached_property
     def has_modules(self) -> bool:
+        """Equinox modules or Flax variables among the arguments: gradients by
+        `eqx.filter_grad` / `eqx.filter_vjp`."""
         return any(not _is_array(a) for a in self.args)
 
     @functools.cached_property
+    def has_eqx_modules(self) -> bool:
+        """Equinox modules among the arguments: Equinox's filtered transformations."""
+        return any(isinstance(a, eqx.Module) for a in self.args)
+
+    def jit(self, fn, **kw):
+        """`filter_jit` for the entries that take Equinox modules, else `jit`."""
+        return (filter_jit if self.has_eqx_modules else jit)(fn, **kw)
+
+    @functools.cached_property
     def jit_out(self):
-        return jit(self.fn)(*self.args)
+        return self.jit(self.fn)(*self.args)
 
     def with_diff(self, diff_args) -> list:
         args = list(self.args)
@@ -185,8 +210,15 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def jit(fn, **kw):
-    """`jax.jit` (Equinox modules are PyTrees of arrays: `jax.jit` takes them as they are)."""
+    """`jax.jit`, for functions of arrays (and Flax variables: dicts of arrays)."""
     return jax.jit(fn, compiler_options=FAST_COMPILE, **kw)
+
+
+def filter_jit(fn, **kw):
+    """`eqx.filter_jit`, for functions of Equinox modules: their arrays are traced, their
+    other leaves (an attention module's `ParallelConfig`) static. `jax.jit` does not take
+    a module as an argument (`test_jit_rejects_module_arguments`)."""
+    return eqx.filter_jit(fn, compiler_options=FAST_COMPILE, **kw)
 
 
 _BUILDERS: dict[str, tuple[Callable[[], Entry], bool]] = {}
@@ -215,7 +247,7 @@ def replicated(e: Entry, tree):
     if not e.sharded:
         return tree
     sharding = jax.NamedSharding(e.placement[0], P())
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), sharding), tree)
+    return map_arrays(lambda a: jax.device_put(np.asarray(a), sharding), tree)
 
 
 def _rng(seed):
@@ -548,8 +580,8 @@ def _():
 def randomized(module, seed):
     """Every parameter perturbed (norm weights away from 1, biases away from 0), in NumPy."""
     rng = _rng(seed)
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.3 * rng.standard_normal(a.shape),
-                                              a.dtype), module)
+    return map_arrays(lambda a: jnp.asarray(np.asarray(a) + 0.3 * rng.standard_normal(a.shape),
+                                            a.dtype), module)
 
 
 def random_module(make, seed):
@@ -560,6 +592,8 @@ def random_module(make, seed):
     rng = _rng(seed)
 
     def draw(path, a):
+        if not isinstance(a, jax.ShapeDtypeStruct):
+            return a  # a non-array leaf: an attention module's `ParallelConfig`
         n = rng.standard_normal(a.shape)
         if "bias" in jax.tree_util.keystr(path):
             n = 0.3 * n
@@ -702,12 +736,14 @@ def block_specs(module):
 
 
 def block_fn(mode: str, module, wrap=lambda f: f):
-    """`(module, x, cos, sin) -> out` for one example, sharded over the sequence unless
-    `mode == "single"`; `wrap` transforms the per-device function (e.g. a checkpoint)."""
+    """`(module, x, cos, sin) -> out` for one example, sharded over the sequence by
+    `nn.filter_shard_map` unless `mode == "single"`; `wrap` transforms the per-device
+    function (e.g. a checkpoint)."""
     call = wrap(lambda b, x, c, s: b(x, c, s))
     if mode == "single":
         return call
-    return _shard(call, parallel.make_mesh(**MESHES[mode]), block_specs(module), P(SP))
+    return nn.filter_shard_map(call, mesh=parallel.make_mesh(**MESHES[mode]),
+                               in_specs=block_specs(module), out_specs=P(SP))
 
 
 def _block_entry(mode):
@@ -791,7 +827,9 @@ def check_grads(e: Entry, grads, what: str):
     if e.ref_grads is not None:
         assert_trees_close(tuple(grads), e.ref_grads(args64, ct64), what)
         return
-    diff64 = [args64[i] for i in e.diff]
+    # The arrays are differentiated; the other leaves (`ParallelConfig`) have `None`
+    # gradients, which `jax.tree.leaves` drops.
+    diff64, static64 = eqx.partition([args64[i] for i in e.diff], eqx.is_array)
     leaves64, treedef = jax.tree.flatten(diff64)
     got = jax.tree.leaves(tuple(grads))
     assert len(got) == len(leaves64), f"{what}: {len(got)} gradient leaves for {len(leaves64)}"
@@ -799,7 +837,7 @@ def check_grads(e: Entry, grads, what: str):
 
     def loss(leaves):
         args = list(args64)
-        for i, a in zip(e.diff, jax.tree.unflatten(treedef, leaves)):
+        for i, a in zip(e.diff, eqx.combine(jax.tree.unflatten(treedef, leaves), static64)):
             args[i] = a
         return sum(np.sum(o * c) for o, c in
                    zip(jax.tree.leaves(e.ref(*args)), jax.tree.leaves(ct64)))
@@ -822,7 +860,8 @@ def diff_args(e: Entry) -> tuple:
 
 
 def vjp_fn(e: Entry, fn=None):
-    """`diff_args -> (out, grads)` by `jax.vjp` (`eqx.filter_vjp` with modules), jitted."""
+    """`diff_args -> (out, grads)` by `jax.vjp` (`eqx.filter_vjp` with modules), jitted
+    (`eqx.filter_jit` with Equinox modules)."""
     fn = e.fn if fn is None else fn
     call = lambda d: fn(*e.with_diff(d))
     if e.has_modules:
@@ -833,7 +872,7 @@ def vjp_fn(e: Entry, fn=None):
         def run(d):
             out, pull = jax.vjp(lambda *d: call(d), *d)
             return out, pull(e.ct)
-    return jit(run)
+    return e.jit(run)
 
 
 # -- the matrix ----------------------------------------------------------------------------
@@ -846,10 +885,26 @@ EAGER = {"kernels.attention[xla,gqa,cross,bias,sinks]", "nn.RMSNorm",
 
 @pytest.mark.parametrize("name", NAMES)
 def test_jit(name):
+    """`jax.jit`, or `eqx.filter_jit` for the entries that take Equinox modules."""
     e = get(name)
     assert_trees_close(e.jit_out, e.ref_out, "jit vs oracle: out")
     if name in EAGER:
         assert_trees_close(e.jit_out, e.fn(*e.args), "jit vs eager: out")
+
+
+def test_jit_rejects_module_arguments():
+    """An attention module's `ParallelConfig` is a non-array leaf: `jax.jit` does not
+    take the module as an argument (a `TypeError` naming the leaf); closing over the
+    module, or `eqx.filter_jit`, does. Both equal the float64 reference."""
+    m, x = get("nn.Attention[rope,segments]").args[:2]
+    with pytest.raises(TypeError, match=r"ParallelConfig.*m\.parallel"):
+        jax.jit(lambda m, x: m(x))(m, x)
+    closed = jax.jit(lambda x: m(x))(x)
+    filtered = filter_jit(lambda m, x: m(x))(m, x)
+    no_rope = np.ones((x.shape[0], D // 2)), np.zeros((x.shape[0], D // 2))  # the identity
+    ref = ref_wan_attention(to64(m), f64(x), *no_rope, None)
+    oracle.assert_close(closed, ref, F32, "jit closing over the module vs oracle")
+    oracle.assert_close(filtered, ref, F32, "filter_jit vs oracle")
 
 
 def _second(a, rng):
@@ -865,7 +920,9 @@ def _second(a, rng):
 def test_vmap(name, mode):
     """`axis0`: every array input gets a leading batch axis (modules and variables are
     shared). `axis1-partial`: only some inputs are batched (`e.partial`), on axis 1,
-    the others shared (`None`), and the output is batched on axis 1."""
+    the others shared (`None`), and the output is batched on axis 1. `jax.vmap`, or
+    `eqx.filter_vmap` (under `eqx.filter_jit`) for the entries that take Equinox
+    modules."""
     e = get(name)
     if mode == "axis0":
         in_axes, out_axes = tuple(0 if _is_array(a) else None for a in e.args), 0
@@ -875,7 +932,8 @@ def test_vmap(name, mode):
     slices = [list(e.args), [a if ax is None else _second(a, rng) for a, ax in zip(e.args, in_axes)]]
     batched = [a if ax is None else replicated(e, jnp.asarray(np.stack([s[i] for s in slices], axis=ax)))
                for i, (a, ax) in enumerate(zip(e.args, in_axes))]
-    got = jit(jax.vmap(e.fn, in_axes=in_axes, out_axes=out_axes))(*batched)
+    vmap = eqx.filter_vmap if e.has_eqx_modules else jax.vmap
+    got = e.jit(vmap(e.fn, in_axes=in_axes, out_axes=out_axes))(*batched)
     ref = jax.tree.map(lambda *r: np.stack(r, axis=out_axes), *[e.ref(*to64(s)) for s in slices])
     assert_trees_close(got, ref, f"vmap({mode}) vs oracle: out")
 
@@ -910,7 +968,7 @@ def test_grad(name, mode):
         assert_trees_close(out, e.ref_out, "vjp: out")
     elif e.has_modules:
         loss = lambda d: vdot_tree(e.fn(*e.with_diff(d)), e.ct)
-        grads = jit(lambda d: eqx.filter_grad(loss)(d))(d)
+        grads = e.jit(lambda d: eqx.filter_grad(loss)(d))(d)
     else:
         loss = lambda *d: vdot_tree(e.fn(*e.with_diff(d)), e.ct)
         grads = jit(jax.grad(loss, argnums=tuple(range(len(d)))))(*d)
@@ -919,19 +977,24 @@ def test_grad(name, mode):
 
 @pytest.mark.parametrize("name, policy", CHECKPOINT_CASES)
 def test_checkpoint(name, policy):
-    """`jax.vjp` (`eqx.filter_vjp`) of `jax.checkpoint(fn, policy=...)`: around the whole
-    call, `shard_map` included for the sharded entries."""
+    """`jax.vjp` (`eqx.filter_vjp`) of `jax.checkpoint(fn, policy=...)`
+    (`eqx.filter_checkpoint` with Equinox modules): around the whole call, `shard_map`
+    included for the sharded entries."""
     e = get(name)
-    out, grads = vjp_fn(e, jax.checkpoint(e.fn, policy=POLICIES[policy]))(diff_args(e))
+    checkpoint = eqx.filter_checkpoint if e.has_eqx_modules else jax.checkpoint
+    out, grads = vjp_fn(e, checkpoint(e.fn, policy=POLICIES[policy]))(diff_args(e))
     assert_trees_close(out, e.ref_out, "checkpoint: out")
     check_grads(e, grads, "checkpoint vs oracle: d")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_eval_shape(name):
+    """`jax.eval_shape`, or `eqx.filter_eval_shape` for the entries that take Equinox
+    modules, on `ShapeDtypeStruct`s in place of every array."""
     e = get(name)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.args)
-    got = jax.eval_shape(e.fn, *abstract)
+    abstract = map_arrays(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), e.args)
+    eval_shape = eqx.filter_eval_shape if e.has_eqx_modules else jax.eval_shape
+    got = eval_shape(e.fn, *abstract)
     want = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape, jnp.float32), e.ref_out)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert jax.tree.leaves(got) == jax.tree.leaves(want)
@@ -942,20 +1005,37 @@ def test_eval_shape(name):
 def test_donate(name):
     """Donating the differentiable inputs (q/k/v, modules' arrays; the float inputs of
     `attention_bwd`) gives bit-identical results to the undonated call; sharded entries'
-    inputs placed as their `shard_map` wants them."""
+    inputs placed as their `shard_map` wants them. `jax.jit(..., donate_argnums=...)`,
+    or for the entries that take Equinox modules `eqx.filter_jit(...,
+    donate="all-except-first")` with the kept arguments passed first."""
     e = get(name)
     positions = e.diff or tuple(i for i, a in enumerate(e.args)
                                 if _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating))
-    fresh = [jax.tree.map(lambda a: jnp.asarray(np.array(a)), a) if i in positions else a
+    fresh = [map_arrays(lambda a: jnp.asarray(np.array(a)), a) if i in positions else a
              for i, a in enumerate(e.args)]
     if e.sharded:
         mesh, specs = e.placement
         shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs,
                                  is_leaf=lambda s: isinstance(s, P))
-        fresh = [jax.device_put(a, s) for a, s in zip(fresh, shardings)]
-    got = jit(e.fn, donate_argnums=positions)(*fresh)
+
+        def place(a, sharding):  # the arrays; a module's `ParallelConfig` stays as it is
+            arrays, static = eqx.partition(a, eqx.is_array)
+            return eqx.combine(jax.device_put(arrays, sharding), static)
+
+        fresh = [place(a, s) for a, s in zip(fresh, shardings)]
+    if e.has_eqx_modules:
+        kept = tuple(i for i in range(len(fresh)) if i not in positions)
+
+        def call(kept_args, donated_args):
+            args = dict(zip(kept, kept_args)) | dict(zip(positions, donated_args))
+            return e.fn(*(args[i] for i in range(len(fresh))))
+
+        got = filter_jit(call, donate="all-except-first")(
+            tuple(fresh[i] for i in kept), tuple(fresh[i] for i in positions))
+    else:
+        got = jit(e.fn, donate_argnums=positions)(*fresh)
     assert_trees_close(got, e.jit_out, "donated vs undonated: out", factor=0.0)
-    donated = jax.tree.leaves([fresh[i] for i in positions])
+    donated = jax.tree.leaves(eqx.filter([fresh[i] for i in positions], eqx.is_array))
     assert any(a.is_deleted() for a in donated) == e.reuses_donation, "donation not applied"
 
 
@@ -965,9 +1045,10 @@ def test_donate(name):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_checkpoint_inside_shard_map(mode, policy):
-    """`jax.checkpoint` around the per-device block, inside `shard_map`."""
+    """`eqx.filter_checkpoint` around the per-device block, inside `nn.filter_shard_map`."""
     e = get(f"block(RMSNorm+Attention)[{mode}]")
-    fn = block_fn(mode, e.args[0], wrap=lambda f: jax.checkpoint(f, policy=POLICIES[policy]))
+    fn = block_fn(mode, e.args[0],
+                  wrap=lambda f: eqx.filter_checkpoint(f, policy=POLICIES[policy]))
     out, grads = vjp_fn(e, fn)(diff_args(e))
     assert_trees_close(out, e.ref_out, "out")
     check_grads(e, grads, "d")
@@ -996,10 +1077,12 @@ def _scan_inputs():
 
 
 def _value_and_grad(model, tree):
-    """`model(tree, x, cos, sin)` and the gradient of `<., ct>` w.r.t. `(tree, x)`, jitted."""
+    """`model(tree, x, cos, sin)` and the gradient of `<., ct>` w.r.t. `(tree, x)`, under
+    `eqx.filter_jit` (`tree`: modules, or their arrays)."""
     x, (cos, sin), ct = _scan_inputs()
     loss = lambda tx: vdot_tree(model(tx[0], tx[1], cos, sin), ct)
-    return jit(lambda tx: (model(tx[0], tx[1], cos, sin), eqx.filter_grad(loss)(tx)))((tree, x))
+    return filter_jit(lambda tx: (model(tx[0], tx[1], cos, sin), eqx.filter_grad(loss)(tx)))(
+        (tree, x))
 
 
 @functools.cache
@@ -1007,7 +1090,7 @@ def _loop_reference():
     """The Python loop over the unstacked single-device layers: `(layers, out, d layers
     (stacked), dx)`, the output checked against the float64 reference."""
     stack = _stacked_blocks("single")
-    layers = [jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[i]), stack) for i in range(N_LAYERS)]
+    layers = [map_arrays(lambda a: jnp.asarray(np.asarray(a)[i]), stack) for i in range(N_LAYERS)]
 
     def loop_model(layers, x, cos, sin):
         for layer in layers:
@@ -1029,7 +1112,7 @@ def test_scan_over_stacked_layers(case):
     and `lax.scan` over the stacked arrays; equal to a Python loop over the unstacked
     layers on one device, forward and gradients (stacked parameters and input). Sharded
     cases run the whole scan inside `shard_map`, the stack placed by `partition_specs`
-    (which leaves the layer axis unsharded)."""
+    (which leaves the layer axis unsharded; `jax.shard_map` takes the arrays alone)."""
     mode, remat = SCAN_CASES[case]
     stack = _stacked_blocks(mode)
     params, static = eqx.partition(stack, eqx.is_array)
@@ -1043,13 +1126,17 @@ def test_scan_over_stacked_layers(case):
         return jax.lax.scan(body, x, params)[0]
 
     if mode != "single":
-        specs = nn.partition_specs(params)
+        # Of the module (it reads `parallel.tp_axis`): `None` at the config leaf, as in
+        # `params`.
+        specs = nn.partition_specs(stack)
         if CONFIGS[mode].tp_axis is not None:
             assert specs.attn.q.weight == P(None, TP, None)
         scan_model = _shard(scan_model, parallel.make_mesh(**MESHES[mode]),
                             (specs, P(SP), P(SP), P(SP)), P(SP))
     single, out_l, g_layers, g_x_l = _loop_reference()
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stack), jax.tree.leaves(single)))
+    assert jax.tree.structure(stack) == jax.tree.structure(single)
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(params), jax.tree.leaves(eqx.filter(single, eqx.is_array))))
     out_s, (g_params, g_x) = _value_and_grad(scan_model, params)
     oracle.assert_close(out_s, out_l, F32, "scan vs loop: out")
     oracle.assert_close(g_x, g_x_l, F32, "scan vs loop: dx")
@@ -1073,26 +1160,34 @@ CONSTRUCTORS = {
 @pytest.mark.parametrize("name", list(CONSTRUCTORS))
 def test_module_construction_eval_shape(name):
     """`eqx.filter_eval_shape` builds the module abstractly: the eager module's structure,
-    shapes and dtypes, nothing computed."""
+    shapes and dtypes, nothing computed; its non-array leaves (an attention module's
+    `ParallelConfig`) are the eager module's."""
     make = CONSTRUCTORS[name]
     abstract = eqx.filter_eval_shape(make, jax.random.key(0))
-    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(abstract))
     eager = make(jax.random.key(0))
     assert jax.tree.structure(abstract) == jax.tree.structure(eager)
-    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract)] == [
-        (a.shape, a.dtype) for a in jax.tree.leaves(eager)]
+    arrays, others = eqx.partition(eager, eqx.is_array)
+    abstract_arrays, abstract_others = eqx.partition(
+        abstract, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    assert jax.tree.structure(abstract_arrays) == jax.tree.structure(arrays)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract_arrays)] == [
+        (a.shape, a.dtype) for a in jax.tree.leaves(arrays)]
+    assert jax.tree.leaves(abstract_others) == jax.tree.leaves(others)
 
 
 def test_module_construction_jit_and_vmap():
     """`eqx.filter_jit` construction gives the eager parameters; `eqx.filter_vmap` over
-    keys stacks the modules built from each key."""
+    keys stacks the modules built from each key. Both keep the `ParallelConfig` leaf."""
     make = CONSTRUCTORS["Attention"]
     keys = jax.random.split(jax.random.key(0), 2)
     eager = [make(key) for key in keys]
     jitted = eqx.filter_jit(make)(keys[0])
     stacked = eqx.filter_vmap(make)(keys)
     assert jax.tree.structure(jitted) == jax.tree.structure(eager[0])
-    for j, s, a, b in zip(*(jax.tree.leaves(t) for t in (jitted, stacked, *eager))):
+    assert jax.tree.structure(stacked) == jax.tree.structure(eager[0])
+    assert jitted.parallel == stacked.parallel == eager[0].parallel
+    arrays = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
+    for j, s, a, b in zip(*(arrays(t) for t in (jitted, stacked, *eager))):
         np.testing.assert_allclose(j, a, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(s, np.stack([a, b]), rtol=1e-6, atol=1e-7)
 
@@ -1138,11 +1233,12 @@ def test_forward_mode_raises(name):
     """Attention is a `jax.custom_vjp` (the backward recomputes tiles): forward mode
     (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, and `jax.linearize`'s linear function) is not
     available and says so, at trace time. (Not jitted, a `shard_map` run eagerly fails
-    inside JAX with `unhashable type: 'Unhashable'` instead.)"""
+    inside JAX with `unhashable type: 'Unhashable'` instead.) Modules are
+    `eqx.partition`ed: their arrays are the primals, the rest is closed over."""
     e = get(name)
-    d = diff_args(e)
+    d, static = eqx.partition(diff_args(e), eqx.is_array)
     tangents = jax.tree.map(np.zeros_like, d)
-    call = lambda *d: e.fn(*e.with_diff(d))
+    call = lambda *d: e.fn(*e.with_diff(eqx.combine(d, static)))
     with pytest.raises(TypeError, match=JVP_ERROR):
         jax.jit(lambda d, t: jax.jvp(call, d, t))(d, tangents)
     with pytest.raises(TypeError, match=JVP_ERROR):

@@ -10,9 +10,11 @@ batch):
     (`to_q`, `to_k`, `to_v`, `to_out`, per-head `norm_q` / `norm_k`) over
     `[context; x]`.
 
-Parameters always have their global (single-device) shapes. A static
-[`ParallelConfig`][] chooses how the module runs over a mesh: the same parameters,
-placed by [`partition_specs`][], run inside `jax.shard_map` with the sequence split
+Parameters always have their global (single-device) shapes. A [`ParallelConfig`][]
+(a non-array leaf of the module, so that every configuration of the same weights has
+one tree structure and one optimizer state) chooses how the module runs over a mesh:
+the same parameters, placed by [`partition_specs`][], run inside `jax.shard_map`
+([`filter_shard_map`][]) with the sequence split
 (Ulysses, ring, or both) and the heads split over a tensor-parallel axis
 (Megatron: q/k/v column-parallel, the output projection row-parallel), and give
 the single-device numbers. The attention itself is `vidax_eqx.kernels` or
@@ -209,9 +211,9 @@ class Attention(eqx.Module):
     sums of squares), so one module class serves both cases.
 
     **Fields:** `q`, `k`, `v`, `o` (`eqx.nn.Linear(dim, dim)`, with bias), `norm_q`,
-    `norm_k` ([`RMSNorm`][]`(dim)`, or `None` without qk-norm), and the static
-    configuration `dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`, `parallel`,
-    `implementation`.
+    `norm_k` ([`RMSNorm`][]`(dim)`, or `None` without qk-norm), `parallel` (a
+    [`ParallelConfig`][], a non-array leaf), and the static configuration `dim`,
+    `num_heads`, `head_dim`, `qk_norm`, `eps`, `implementation`.
     """
 
     q: eqx.nn.Linear
@@ -321,8 +323,8 @@ class CrossAttention(eqx.Module):
 
     **Fields:** `q` (`Linear(dim, dim)`), `k`, `v` (`Linear(context_dim, dim)`), `o`
     (`Linear(dim, dim)`), all with bias; `norm_q`, `norm_k` ([`RMSNorm`][]`(dim)` or
-    `None`); static `dim`, `context_dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`,
-    `parallel`, `implementation`.
+    `None`); `parallel` (a leaf, as in [`Attention`][]); static `dim`, `context_dim`,
+    `num_heads`, `head_dim`, `qk_norm`, `eps`, `implementation`.
     """
 
     q: eqx.nn.Linear
@@ -443,8 +445,8 @@ class JointAttention(eqx.Module):
 
     **Fields:** `to_q`, `to_k`, `to_v`, `to_out` (`eqx.nn.Linear(dim, dim)`, with
     bias), `norm_q`, `norm_k` ([`LayerNorm`][]`(head_dim)` with weight and bias, or
-    `None`); static `dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`, `parallel`,
-    `implementation`.
+    `None`); `parallel` (a leaf, as in [`Attention`][]); static `dim`, `num_heads`,
+    `head_dim`, `qk_norm`, `eps`, `implementation`.
     """
 
     to_q: eqx.nn.Linear
@@ -561,6 +563,13 @@ def _is_attention(x) -> bool:
 
 
 def _attention_specs(m):
+    if not isinstance(m.parallel, ParallelConfig):
+        raise ValueError(
+            f"partition_specs: the {type(m).__name__} holds no ParallelConfig (received "
+            f"parallel={m.parallel!r}): the configuration decides the specs. Call "
+            "partition_specs on the whole module, before `eqx.partition`; the specs then "
+            "match the arrays part too (both have None at the configuration)."
+        )
     specs = jax.tree.map(lambda x: P() if eqx.is_array(x) else None, m)
     tp = m.parallel.tp_axis
     if tp is None:
@@ -607,9 +616,13 @@ def partition_specs(module):
 
     **Returns:**
 
-    A PyTree of the same structure with a `PartitionSpec` per array, for
-    `jax.shard_map(..., in_specs=(partition_specs(module), ...))`, or, mapped to
-    `NamedSharding(mesh, spec)`, for `eqx.filter_shard` / `jax.device_put`.
+    A PyTree of the same structure with a `PartitionSpec` per array and `None` at every
+    other leaf (the [`ParallelConfig`][] included), for
+    [`filter_shard_map`][]`(..., in_specs=(partition_specs(module), ...))`, or, mapped to
+    `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec of the
+    module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since the
+    configuration is a leaf, of every [`with_parallel`][] variant with the same
+    `tp_axis`. Call it on the whole module: the configuration decides the specs.
     """
 
     def specs(x):
@@ -643,7 +656,7 @@ def with_parallel(module, parallel: ParallelConfig):
         if isinstance(m, JointAttention):
             _check_joint_mode(parallel)
         # Equinox rebuilds modules the same way when unflattening: fields set on a new
-        # instance without running `__init__`. Only the static configuration changes.
+        # instance without running `__init__`. Only the configuration leaf changes.
         new = object.__new__(type(m))
         for field in dataclasses.fields(m):
             value = parallel if field.name == "parallel" else getattr(m, field.name)

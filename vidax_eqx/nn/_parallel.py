@@ -16,13 +16,21 @@ LAYOUTS = ("contiguous", "zigzag")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How an attention module runs over a device mesh: static and hashable.
+    """How an attention module runs over a device mesh: immutable and hashable.
 
     The configuration only chooses which collective functions of
     [`vidax_eqx.parallel`][] the module calls; the module's parameters are the
     same (global shapes) whatever it says. `ParallelConfig()` is a single device.
     Anything else runs inside `jax.shard_map` over a mesh that has the named axes,
     with the parameters placed by [`vidax_eqx.nn.partition_specs`][].
+
+    Modules hold it as an ordinary field: a non-array *leaf*, not part of the tree
+    structure, so the single-device module and all its [`with_parallel`][] variants
+    share one structure (one optax state, one set of specs, one checkpoint layout).
+    Like any non-array field it is static under `eqx.filter_jit` (hashed into the
+    cache key); plain `jax.jit` does not take a module argument (close over it, or
+    use Equinox's filtered transformations and [`filter_shard_map`][]). Inside
+    `shard_map` the modules check their call against it and raise on a mismatch.
 
     **Fields:**
 
