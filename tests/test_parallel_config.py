@@ -281,3 +281,10 @@ def test_partition_specs_of_the_whole_module_place_its_arrays_part(attn):
     assert placed.q.weight.sharding.spec == P(TP, None)
     with pytest.raises(ValueError, match=r"partition_specs on the whole module"):
         nn.partition_specs(arrays)
+
+
+def test_module_on_an_explicitly_sharded_sequence_outside_shard_map_names_the_fix(attn, x):
+    mesh = jax.make_mesh((8,), (SP,), axis_types=(AxisType.Explicit,))
+    xs = jax.device_put(x[0], NamedSharding(mesh, P(SP)))
+    with pytest.raises(ValueError, match=r"Attention: `x` is sharded over the Explicit mesh axes"):
+        attn(xs)

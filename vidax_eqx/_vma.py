@@ -73,3 +73,20 @@ def tracks_vma() -> bool:
     from jax._src import config  # the switch `shard_map` sets; no public handle exists
 
     return bool(config._check_vma.value)
+
+
+def explicit_axes(*xs) -> list:
+    """The Explicit mesh axes any of `xs` is sharded over (sharding in types)."""
+    axes = set()
+    for x in xs:
+        if x is None:
+            continue
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        spec = getattr(sharding, "spec", None) or ()
+        mesh = getattr(sharding, "mesh", None)
+        types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+        for entry in spec:
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                if name is not None and types.get(name) == jax.sharding.AxisType.Explicit:
+                    axes.add(name)
+    return sorted(axes, key=str)

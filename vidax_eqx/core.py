@@ -13,7 +13,7 @@ needs flax).
 import jax
 from jaxtyping import Array, Bool, Float
 
-from ._vma import tracks_vma, varying_axes
+from ._vma import explicit_axes, tracks_vma, varying_axes
 from .kernels import attention
 from .nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
 from .parallel import (
@@ -71,7 +71,7 @@ def dot_product_attention(
     """
     if mesh is not None:
         return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
-    explicit = _explicit_axes(q, k, v, bias, mask)
+    explicit = explicit_axes(q, k, v, bias, mask)
     if explicit:
         raise ValueError(
             "dot_product_attention: the inputs are sharded over the Explicit mesh axes "
@@ -91,23 +91,6 @@ def dot_product_attention(
     portable = mask is not None or jax.device_count() > 1
     implementation = "portable" if portable else "auto"
     return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation)
-
-
-def _explicit_axes(*xs) -> list:
-    """The Explicit mesh axes any of `xs` is sharded over (sharding in types)."""
-    axes = set()
-    for x in xs:
-        if x is None:
-            continue
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        spec = getattr(sharding, "spec", None) or ()
-        mesh = getattr(sharding, "mesh", None)
-        types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
-        for entry in spec:
-            for name in (entry if isinstance(entry, tuple) else (entry,)):
-                if name is not None and types.get(name) == jax.sharding.AxisType.Explicit:
-                    axes.add(name)
-    return sorted(axes, key=str)
 
 
 def local_attention(

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 from jax import lax
 
-from .._vma import manual_axes, tracks_vma, varying_axes
+from .._vma import explicit_axes, manual_axes, tracks_vma, varying_axes
 from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute
 
 
@@ -116,6 +116,16 @@ def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
     sharded in another layout than `x`) cannot be detected: build those with
     [`vidax_eqx.nn.shard_tokens`][].
     """
+    if not manual_axes():
+        explicit = explicit_axes(x, context)
+        if explicit:
+            raise ValueError(
+                f"{cls}: `x` is sharded over the Explicit mesh axes {explicit} "
+                "(`jax.make_mesh`'s default axis type) outside `shard_map`; the module needs "
+                "to know how its sequence is split. Call it inside "
+                "`nn.filter_shard_map(...)` with a matching ParallelConfig "
+                "(`nn.with_parallel`), or replicate `x` first (`jax.sharding.reshard(x, P())`)."
+            )
     if not tracks_vma():
         return
     vma = varying_axes(x)
