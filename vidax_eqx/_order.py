@@ -18,7 +18,10 @@ transposes) into barriers too, so gradients and second-order gradients keep an
 order as well. Sits below `kernels/`, `parallel/` and `nn/`.
 """
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -53,3 +56,52 @@ class Sequence:
         y = collective(after(x, self.last), *args, **kwargs)
         self.last = y
         return y
+
+
+def tokens(deps) -> jax.Array:
+    """One float32 element of every array in `deps`: a real data dependence on them.
+
+    XLA (its CPU pipeline at least) deletes `optimization_barrier`s before it runs
+    a program, order and all, so a collective that must wait carries these few
+    elements in its own buffer instead: nothing can run it before `deps` exist.
+    """
+    parts = [d.reshape(-1)[:1].astype(jnp.float32)
+             for d in jax.tree.leaves(deps) if isinstance(d, jax.Array)]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+
+
+def _packed_ppermute(x, token, axis_name, perm):
+    flat = jnp.concatenate([x.reshape(-1), token.astype(x.dtype)])
+    return lax.ppermute(flat, axis_name, perm=list(perm))[: x.size].reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ordered_ppermute(x, token, axis_name, perm):
+    return _packed_ppermute(x, token, axis_name, perm)
+
+
+def _ordered_ppermute_fwd(x, token, axis_name, perm):
+    y = _packed_ppermute(x, token, axis_name, perm)
+    return y, (tokens(y), jnp.zeros_like(token))
+
+
+def _ordered_ppermute_bwd(axis_name, perm, residuals, ct):
+    # The inverse permute carries its forward permute's result: a transposed
+    # collective cannot start before the forward one it mirrors has finished.
+    y_token, zero = residuals
+    inverse = tuple((dst, src) for src, dst in perm)
+    return _ordered_ppermute(ct, y_token, axis_name, inverse), zero
+
+
+_ordered_ppermute.defvjp(_ordered_ppermute_fwd, _ordered_ppermute_bwd)
+
+
+def ppermute(x: jax.Array, axis_name, perm, *, deps=()) -> jax.Array:
+    """`lax.ppermute(x, axis_name, perm)` that runs after every array in `deps` exists
+    (their tokens travel in its buffer), and whose transpose, at any order of
+    differentiation, runs after it."""
+    perm = tuple((int(a), int(b)) for a, b in perm)
+    token = tokens(deps)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return _ordered_ppermute(x, token, axis_name, perm)
+    return _packed_ppermute(x, token, axis_name, perm)  # ids: nothing to differentiate

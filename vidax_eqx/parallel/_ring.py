@@ -34,7 +34,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
-from .._order import after
+from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size, check_sharded
 
@@ -532,7 +532,7 @@ def _ppermute(x, cfg: _Config, *, deps=()):
     every device issues the same permutes in the same order.
     """
     n = cfg.sp_size
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    perm = tuple((i, (i + 1) % n) for i in range(n))
     leaves, treedef = jax.tree.flatten(x)
     groups: dict = {}
     for i, leaf in enumerate(leaves):
@@ -540,8 +540,8 @@ def _ppermute(x, cfg: _Config, *, deps=()):
     out = [None] * len(leaves)
     last = deps
     for idx in groups.values():
-        stacked = after(jnp.stack([leaves[i] for i in idx]), last)
-        last = lax.ppermute(stacked, cfg.axis_name, perm=perm)
+        last = ordered_ppermute(jnp.stack([leaves[i] for i in idx]), cfg.axis_name, perm,
+                                deps=last)
         for j, i in enumerate(idx):
             out[i] = last[j]
     return jax.tree.unflatten(treedef, out)
@@ -606,11 +606,11 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
 
     def body(t, carry):
         blk, acc = carry
-        nxt = _ppermute(blk, cfg)  # issued first: independent of this step's compute
+        nxt = _ppermute(blk, cfg, deps=inputs)  # first: independent of this step's compute
         return nxt, step(t, range(n - 1), blk, acc)
 
-    # The first hop waits for every input: collectives that produced them came first.
-    blk, acc = after((k, v, seg_kv), q, sinks, seg_q, step_mask), (out0, lse0)
+    blk, acc = (k, v, seg_kv), (out0, lse0)
+    inputs = (q, sinks, seg_q, step_mask)
     if n > 1:
         blk, acc = lax.fori_loop(0, n - 1, body, (blk, acc))
     return step(n - 1, [n - 1], blk, acc)
