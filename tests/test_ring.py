@@ -347,7 +347,8 @@ def _ppermute_bytes(jaxpr, times=1) -> int:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_communication_is_minimal(layout):
     """Forward: n - 1 hops of K/V. Forward + backward: that, n - 1 hops of K/V
-    again and n - 1 hops of the float32 dK/dV; no wasted transfer."""
+    again and n - 1 hops of the float32 dK/dV; no wasted transfer beyond the
+    ordering tokens (`vidax_eqx._order`: a few float32 elements per permute)."""
     for sp in (2, 3, 4, 8):
         mesh = parallel.make_mesh(sp=sp)
         x = jnp.ones((1, 4 * sp, 2, 8), jnp.float32)
@@ -358,8 +359,11 @@ def test_communication_is_minimal(layout):
         block = 4 * 2 * 8 * 4  # one local k (or v, dk, dv) in bytes
         fwd = jax.make_jaxpr(g)(x, x, x).jaxpr
         both = jax.make_jaxpr(lambda q: jax.vjp(g, q, q, q)[1](q))(x).jaxpr
-        assert _ppermute_bytes(fwd) == 2 * (sp - 1) * block
-        assert _ppermute_bytes(both) == 6 * (sp - 1) * block
+        # K and V travel stacked (one permute per hop), so at most 8 token elements a
+        # hop; the minimum itself must be there.
+        tokens = 8 * 4
+        assert 0 <= _ppermute_bytes(fwd) - 2 * (sp - 1) * block <= (sp - 1) * tokens
+        assert 0 <= _ppermute_bytes(both) - 6 * (sp - 1) * block <= 4 * (sp - 1) * tokens
 
 
 # -- layout helpers -----------------------------------------------------------------

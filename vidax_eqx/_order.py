@@ -10,12 +10,15 @@ for each other. Either way the runtime aborts the whole process
 RendezvousKey`). Accelerator runtimes order their collectives themselves, but
 a single program order costs nothing there either.
 
-So every collective issued by `vidax_eqx` waits, through a data dependence, for
-the inputs of the function issuing it and for the collective issued before it:
-[`after`][] ties an operand to earlier results with `lax.optimization_barrier`,
-which XLA cannot see through or reorder, and which differentiates (and
-transposes) into barriers too, so gradients and second-order gradients keep an
-order as well. Sits below `kernels/`, `parallel/` and `nn/`.
+So every collective issued by `vidax_eqx` waits, through a real data
+dependence, for the inputs of the function issuing it and for the collective
+issued before it (`lax.optimization_barrier` would not do: XLA's CPU pipeline
+deletes barriers, order and all). Ring permutes carry tokens of what they wait
+for in their own buffer, and their transposes carry their forward result's, at
+any order of differentiation ([`ppermute`][]); other collectives get their
+operand tied to earlier results ([`after`][], [`Sequence`][]); arrays that
+travel together (K and V) share one collective. Sits below `kernels/`,
+`parallel/` and `nn/`.
 """
 
 import functools
@@ -26,19 +29,27 @@ from jax import lax
 
 
 def after(x, *deps):
-    """`x` (any PyTree), made to depend on every array in `deps`.
+    """`x` (any PyTree), made to depend on every array in `deps` through its data.
 
     Whatever consumes the result (a collective, typically) runs after `deps` were
-    computed. The values are unchanged; leaves of `deps` that are not arrays
-    (`None`, static structure) are ignored, and with no arrays this is `x` itself.
+    computed. Each floating or integer leaf gets `0 * nan_to_num(token)` added, a
+    token being one element of each dep: the values are unchanged (a `-0.0` may
+    become `+0.0`), the gradient flows to `x` alone, and XLA cannot drop the
+    dependence (it does not fold `y * 0` for floats, and it deletes
+    `optimization_barrier`s on CPU). Leaves of `deps` that are not arrays (`None`,
+    static structure) are ignored; with no arrays this is `x` itself.
     """
-    # One element of each stands for the whole array: its producer must have run,
-    # and the barrier's transpose then instantiates a scalar zero, not a copy.
-    tokens = [d.reshape(-1)[:1] for d in jax.tree.leaves(deps) if isinstance(d, jax.Array)]
-    if x is None or not tokens:
+    token = tokens(deps)
+    if x is None or not token.size:
         return x
-    x, _ = lax.optimization_barrier((x, tokens))
-    return x
+    zero = jnp.sum(jnp.nan_to_num(token)) * 0.0
+
+    def tie(leaf):
+        if not isinstance(leaf, jax.Array) or leaf.dtype == jnp.bool_:
+            return leaf
+        return leaf + zero.astype(leaf.dtype)
+
+    return jax.tree.map(tie, x)
 
 
 class Sequence:
