@@ -7,8 +7,8 @@ so two independent collective-permutes (or all-to-alls, all-gathers, psums)
 can meet in one rendezvous, or two devices can wait in different collectives
 for each other. Either way the runtime aborts the whole process
 (`Check failed: id < num_threads` / `Termination timeout for collective permute
-RendezvousKey`). Accelerator runtimes order their collectives themselves, but
-a single program order costs nothing there either.
+RendezvousKey`). Accelerator runtimes issue collectives in their scheduled
+order; there the dependences below cost a few bytes and constrain nothing else.
 
 So every collective issued by `vidax_eqx` waits, through a real data
 dependence, for the inputs of the function issuing it and for the collective
