@@ -284,3 +284,11 @@ def test_module_on_an_explicitly_sharded_sequence_outside_shard_map_names_the_fi
     xs = jax.device_put(x[0], NamedSharding(mesh, P(SP)))
     with pytest.raises(ValueError, match=r"Attention: `x` is sharded over the Explicit mesh axes"):
         attn(xs)
+
+
+def test_a_sequence_axis_of_size_one_is_never_a_mismatch(attn, x):
+    # Ulysses over sp = 1 (x trivially "replicated" over it) is the single-device answer.
+    uly = nn.with_parallel(attn, nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
+    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=_mesh(sp=1, tp=2),
+                            in_specs=(nn.partition_specs(uly), P()), out_specs=P(None, SP))
+    oracle.assert_close(eqx.filter_jit(f)(uly, x), jax.vmap(attn)(x), F32, "sp = 1")

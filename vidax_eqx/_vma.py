@@ -90,3 +90,13 @@ def explicit_axes(*xs) -> list:
                 if name is not None and types.get(name) == jax.sharding.AxisType.Explicit:
                     axes.add(name)
     return sorted(axes, key=str)
+
+
+def replicated_axes(x, axes) -> list:
+    """The axes of `axes` over which `x` is the same on every device although the
+    surrounding `shard_map` splits them over more than one: manual, of size > 1, and
+    absent from `x`'s varying axes. Empty where values carry no axes (`tracks_vma`)."""
+    if not tracks_vma():
+        return []
+    manual, vma = manual_axes(), varying_axes(x)
+    return [a for a in axes if a in manual and a not in vma and jax.lax.axis_size(a) > 1]

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 from jax import lax
 
-from .._vma import explicit_axes, manual_axes, tracks_vma, varying_axes
+from .._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
 from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute
 
 
@@ -143,7 +143,7 @@ def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
                 f"{axis!r}."
             )
     if sharded_x and x.shape[0]:
-        missing = [a for a in seq_axes if a in manual_axes() and a not in vma]
+        missing = replicated_axes(x, seq_axes)
         if missing:
             raise ValueError(
                 f"{cls}: ParallelConfig(sequence={parallel.sequence!r}) takes `x` as this "

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from .._vma import manual_axes, tracks_vma, varying_axes
+from .._vma import replicated_axes
 
 
 DP_AXIS = "dp"
@@ -200,20 +200,15 @@ def check_sharded(fn: str, axes, **arrays) -> None:
     over; elsewhere nothing is known and nothing is checked. A replicated sequence
     passed as a chunk would be attended to once per device: a wrong answer.
     """
-    if not tracks_vma():
-        return
-    manual = manual_axes()
     for name, x in arrays.items():
         if x is None:
             continue
-        vma = varying_axes(x)
-        for axis in axes:
-            if axis in manual and axis not in vma and jax.lax.axis_size(axis) > 1:
-                raise ValueError(
-                    f"{fn}: `{name}` must be this device's chunk of a sequence sharded over "
-                    f"the mesh axis {axis!r}, but it is the same on every device of {axis!r} "
-                    f"(replicated): the sequence would be counted once per device. Shard it "
-                    f"over {axis!r} (in_specs P(None, {axis!r}) for (B, S, H, D)), or call "
-                    "single-device attention (vidax_eqx.kernels.attention) on a replicated "
-                    "sequence."
-                )
+        for axis in replicated_axes(x, axes)[:1]:
+            raise ValueError(
+                f"{fn}: `{name}` must be this device's chunk of a sequence sharded over "
+                f"the mesh axis {axis!r}, but it is the same on every device of {axis!r} "
+                f"(replicated): the sequence would be counted once per device. Shard it "
+                f"over {axis!r} (in_specs P(None, {axis!r}) for (B, S, H, D)), or call "
+                "single-device attention (vidax_eqx.kernels.attention) on a replicated "
+                "sequence."
+            )
