@@ -360,7 +360,7 @@ def test_bad_arguments(tmp_path):
         (tmp_path / name).write_bytes(b"\x80\x04not really a pickle")
         with pytest.raises(ValueError, match="pickle-based"):
             interop.load_state_dict(target, tmp_path / name)
-    with pytest.raises(ValueError, match="is a directory"):
+    with pytest.raises(ValueError, match="no candidate checkpoints"):
         interop.load_state_dict(target, tmp_path)
     with pytest.raises(FileNotFoundError):
         interop.load_state_dict(target, tmp_path / "absent.safetensors")

@@ -6,6 +6,11 @@ strict reader of the documented format: no pickle, nothing executed, bounded
 allocation, every header field checked before any tensor data is read.
 """
 
+from ._checkpoint import (
+    open_checkpoint as open_checkpoint,
+    SafetensorsShards as SafetensorsShards,
+    write_checkpoint as write_checkpoint,
+)
 from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile as SafetensorsFile
 from ._state_dict import (
     load_state_dict as load_state_dict,

@@ -2,6 +2,7 @@
 
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from .. import nn
+from ._checkpoint import open_checkpoint, SafetensorsShards
 from ._safetensors import SafetensorsFile, write_safetensors
 
 
@@ -31,6 +33,20 @@ _PROJECTIONS = {
     "to_out": ("o", "to_out.0"),
 }
 _ATTENTION_TYPES = (nn.Attention, nn.CrossAttention, nn.JointAttention)
+# Wan's I2V image branch of the cross-attention: diffusers' added key/value projections.
+_IMAGE_BRANCH = {
+    "k_img": ("k_img", "add_k_proj"),
+    "v_img": ("v_img", "add_v_proj"),
+    "norm_k_img": ("norm_k_img", "norm_added_k"),
+}
+# Wan's MLPs are `nn.Sequential(Linear, GELU, Linear)` (`ffn.0`, `ffn.2`); diffusers'
+# `FeedForward` is `net.0.proj` (the GELU module's projection) and `net.2`.
+_FEED_FORWARD = {"fc1": ("0", "net.0.proj"), "fc2": ("2", "net.2")}
+# Wan's `time_embedding` is `nn.Sequential(Linear, SiLU, Linear)`; diffusers'
+# `TimestepEmbedding` names them `linear_1`, `linear_2`.
+_TIMESTEP = {"linear_1": ("0", "linear_1"), "linear_2": ("2", "linear_2")}
+
+_LAZY = (SafetensorsFile, SafetensorsShards)  # read on access, shape/dtype from headers
 
 # Pickle-based PyTorch formats: loading one would run arbitrary code.
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
@@ -40,8 +56,14 @@ def _renames(node) -> dict[str, tuple[str, str]]:
     """Field name -> (wan name, diffusers name) for the children of `node`."""
     if isinstance(node, eqx.nn.Sequential):
         return {"layers": ("", "")}  # torch.nn.Sequential names its children 0, 1, ...
+    if isinstance(node, nn.CrossAttention):
+        return {**_PROJECTIONS, **_IMAGE_BRANCH}
     if isinstance(node, _ATTENTION_TYPES):
         return _PROJECTIONS
+    if isinstance(node, nn.FeedForward):
+        return _FEED_FORWARD
+    if isinstance(node, nn.TimestepEmbedding):
+        return _TIMESTEP
     return {}
 
 
@@ -55,24 +77,45 @@ def _check_naming(naming) -> int:
     return NAMINGS.index(naming)
 
 
-def _named_parameters(module) -> tuple[list, list[tuple[str, str]], jax.tree_util.PyTreeDef]:
-    """The module's leaves, and for each array leaf its (wan, diffusers) names.
+class _Entry(NamedTuple):
+    """One tensor of the state dict: leaf `leaf` (its layer `layer` when stacked)."""
+
+    leaf: int
+    layer: int | None
+    names: tuple[str, str]  # (wan, diffusers)
+
+
+def _check_stacked(stacked) -> tuple[str, ...]:
+    if isinstance(stacked, str) or not all(isinstance(p, str) and p for p in stacked):
+        raise ValueError(
+            "`stacked` must be a sequence of field paths (e.g. ('blocks',)); received "
+            f"{stacked!r}."
+        )
+    return tuple(stacked)
+
+
+def _named_parameters(module, stacked=(), rename=None) -> tuple[list, list[_Entry], jax.tree_util.PyTreeDef]:
+    """The module's leaves, and the state dict's tensors: one entry per array leaf, or
+    one per layer for the leaves under a `stacked` field path.
 
     Names are PyTorch's: attribute names and sequence indices joined by dots,
-    with the renames of `_renames` applied at each level. Leaves that are not
-    arrays (functions, Python scalars) get `None` and are not parameters.
+    with the renames of `_renames` applied at each level, the layer index inserted
+    after a stacked path, then `rename(name, naming)`. Leaves that are not arrays
+    (functions, Python scalars, configurations) are not parameters.
     """
+    stacked = _check_stacked(stacked)
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         module, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
     )
-    leaves, names = [], []
-    for path, leaf in flat:
+    leaves, entries = [], []
+    for index, (path, leaf) in enumerate(flat):
         leaves.append(leaf)
         if not _is_parameter(leaf):
-            names.append(None)
             continue
         parts: list[list[str]] = [[], []]
+        fields: list[str] = []
         node = module
+        layered = False
         for key in path:
             if isinstance(key, GetAttrKey):
                 field, child = key.name, getattr(node, key.name, None)
@@ -86,19 +129,29 @@ def _named_parameters(module) -> tuple[list, list[tuple[str, str]], jax.tree_uti
             for i in (0, 1):
                 if renamed[i]:
                     parts[i].append(renamed[i])
+            fields.append(field)
+            if ".".join(fields) in stacked:
+                layered = True
+                for i in (0, 1):
+                    parts[i].append("{layer}")
             node = child
-        names.append((".".join(parts[0]), ".".join(parts[1])))
+        pair = (".".join(parts[0]), ".".join(parts[1]))
+        layers = [None] if not layered else range(leaf.shape[0] if leaf.ndim else 0)
+        for layer in layers:
+            names = tuple(p.replace("{layer}", str(layer)) for p in pair)
+            if rename is not None:
+                names = (rename(names[0], "wan"), rename(names[1], "diffusers"))
+            entries.append(_Entry(index, layer, names))
     for i, naming in enumerate(NAMINGS):
         seen = set()
-        for pair in names:
-            if pair is not None and pair[i] in seen:
+        for entry in entries:
+            if entry.names[i] in seen:
                 raise ValueError(
                     f"two parameters of {type(module).__name__} share the {naming} name "
-                    f"{pair[i]!r}; a state dict cannot address them separately."
+                    f"{entry.names[i]!r}; a state dict cannot address them separately."
                 )
-            if pair is not None:
-                seen.add(pair[i])
-    return leaves, names, treedef
+            seen.add(entry.names[i])
+    return leaves, entries, treedef
 
 
 def _dtype_of(value) -> np.dtype | None:
@@ -208,7 +261,8 @@ def open_safetensors(path) -> SafetensorsFile:
     return _open(path)
 
 
-def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
+def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, stacked=(),
+                    rename=None):
     """Loads PyTorch weights into an Equinox module: a new module, every parameter replaced.
 
     Parameter names are PyTorch's: a module's array fields joined by dots
@@ -247,6 +301,13 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
         every key under `prefix` must be used. With `False`, missing parameters
         keep their current values and unused keys are ignored (but at least one
         key must match, and shapes and dtypes are still checked).
+    - `stacked`: field paths (e.g. `("blocks",)`) of layers stacked along a leading
+        axis (built with `eqx.filter_vmap`, run with `lax.scan`): each of their arrays
+        `(L, ...)` is read from the checkpoint's per-layer tensors, `blocks.0.<name>`
+        ... `blocks.{L-1}.<name>`, one tensor at a time into one buffer.
+    - `rename`: `rename(name, naming) -> str`, applied to each generated name under
+        each naming (`"wan"`, `"diffusers"`), for a model whose checkpoint names
+        differ from its field names beyond the attention projections.
 
     **Returns:**
 
@@ -261,14 +322,16 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
     if not isinstance(prefix, str):
         raise ValueError(f"`prefix` must be a string; received {prefix!r}.")
     if isinstance(source, (str, os.PathLike)):
-        source = _open(source)
+        text = os.fspath(source)
+        source = open_checkpoint(text) if os.path.isdir(text) or text.endswith(".json") else _open(text)
     elif not isinstance(source, Mapping):
         raise ValueError(
             "`source` must be a mapping of names to arrays or a path to a .safetensors file; "
             f"received {type(source).__name__}."
         )
-    leaves, names, treedef = _named_parameters(module)
+    leaves, entries, treedef = _named_parameters(module, stacked, rename)
     what = type(module).__name__ + (f" (prefix={prefix!r})" if prefix else "")
+    lazy = isinstance(source, _LAZY)
 
     keys = {}
     unexpected = []
@@ -279,11 +342,9 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
             unexpected.append(repr(key))
     used = set()
     missing, doubled, wrong_shape, wrong_dtype = [], [], [], []
-    matched = {}  # leaf index -> key of source
-    for i, pair in enumerate(names):
-        if pair is None:
-            continue
-        candidates = list(dict.fromkeys(pair))
+    matched = {}  # entry index -> key of source
+    for e, entry in enumerate(entries):
+        candidates = list(dict.fromkeys(entry.names))
         hits = [keys[c] for c in candidates if c in keys]
         used.update(hits)
         if not hits:
@@ -291,26 +352,28 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
         elif len(hits) > 1:
             doubled.append(" and ".join(repr(h) for h in hits))
         else:
-            matched[i] = hits[0]
+            matched[e] = hits[0]
     unexpected += [repr(k) for k in keys.values() if k not in used]
 
     values = {}
-    for i, key in matched.items():
-        leaf = leaves[i]
-        if isinstance(source, SafetensorsFile):  # check from the header; read later
+    for e, key in matched.items():
+        entry = entries[e]
+        leaf = leaves[entry.leaf]
+        expected = tuple(leaf.shape) if entry.layer is None else tuple(leaf.shape[1:])
+        if lazy:  # check from the header; read later
             shape, dtype = source.shape(key), source.dtype(key)
         else:
-            values[i] = source[key]
-            if not hasattr(values[i], "shape"):
-                values[i] = np.asarray(values[i])
-            shape, dtype = _describe(values[i])
-        if shape != tuple(leaf.shape):
-            wrong_shape.append(f"{key!r}: got {shape}, expected {tuple(leaf.shape)}")
+            values[e] = source[key]
+            if not hasattr(values[e], "shape"):
+                values[e] = np.asarray(values[e])
+            shape, dtype = _describe(values[e])
+        if shape != expected:
+            wrong_shape.append(f"{key!r}: got {shape}, expected {expected}")
         want_float = _is_float(leaf.dtype)
         if (want_float and not _is_float(dtype)) or (not want_float and dtype != leaf.dtype):
-            expected = "a floating dtype" if want_float else str(np.dtype(leaf.dtype))
+            want = "a floating dtype" if want_float else str(np.dtype(leaf.dtype))
             wrong_dtype.append(f"{key!r}: got {dtype if dtype is not None else 'no dtype'}, "
-                               f"expected {expected}")
+                               f"expected {want}")
 
     problems = []
     if strict:
@@ -340,17 +403,34 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True):
             + ("\n" + " ".join(hints) if hints else "")
         )
 
+    def read(e):
+        """Entry `e`'s tensor as a fresh NumPy array in its leaf's dtype."""
+        dtype = np.dtype(leaves[entries[e].leaf].dtype)
+        if lazy:  # a fresh buffer that nothing else holds
+            return source[matched[e]].astype(dtype, copy=False)
+        # copy: on CPU, device_put may alias the caller's NumPy memory
+        return np.array(_to_numpy(values.pop(e)), dtype=dtype, copy=True)
+
     new_leaves = list(leaves)
-    for i, key in matched.items():
-        if isinstance(source, SafetensorsFile):  # a fresh buffer that nothing else holds
-            array = source[key].astype(np.dtype(leaves[i].dtype), copy=False)
-        else:  # copy: on CPU, device_put may alias the caller's NumPy memory
-            array = np.array(_to_numpy(values[i]), dtype=np.dtype(leaves[i].dtype), copy=True)
+    by_leaf: dict[int, list[int]] = {}
+    for e in matched:
+        by_leaf.setdefault(entries[e].leaf, []).append(e)
+    for i, group in by_leaf.items():
+        if entries[group[0]].layer is None:
+            array = read(group[0])
+        else:  # stacked: one (L, ...) buffer filled layer by layer, one tensor at a time
+            leaf = leaves[i]
+            array = np.asarray(leaf).copy() if len(group) < leaf.shape[0] else np.empty(
+                leaf.shape, np.dtype(leaf.dtype))
+            for e in group:
+                array[entries[e].layer] = read(e)
         new_leaves[i] = _place(array, leaves[i])
+        del array
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
-def state_dict(module, *, naming: str = "wan", prefix: str = "") -> dict[str, np.ndarray]:
+def state_dict(module, *, naming: str = "wan", prefix: str = "", stacked=(),
+               rename=None) -> dict[str, np.ndarray]:
     """The module's parameters as a PyTorch-style state dict of NumPy arrays.
 
     **Arguments:**
@@ -359,6 +439,8 @@ def state_dict(module, *, naming: str = "wan", prefix: str = "") -> dict[str, np
     - `naming`: `"wan"` (attention projections `q, k, v, o`) or `"diffusers"`
         (`to_q, to_k, to_v, to_out.0`); see [`load_state_dict`][].
     - `prefix`: prepended to every name.
+    - `stacked`, `rename`: as for [`load_state_dict`][]; a stacked array gives one
+        tensor per layer (a view).
 
     **Returns:**
 
@@ -368,21 +450,23 @@ def state_dict(module, *, naming: str = "wan", prefix: str = "") -> dict[str, np
     gives back the same parameters.
     """
     index = _check_naming(naming)
-    leaves, names, _ = _named_parameters(module)
+    leaves, entries, _ = _named_parameters(module, stacked, rename)
     out = {}
-    for leaf, pair in zip(leaves, names):
-        if pair is None:
-            continue
+    for entry in entries:
+        leaf = leaves[entry.leaf]
+        name = prefix + entry.names[index]
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise ValueError(
-                f"state_dict needs concrete arrays; parameter {prefix + pair[index]!r} is an "
+                f"state_dict needs concrete arrays; parameter {name!r} is an "
                 "abstract jax.ShapeDtypeStruct (from eval_shape). Load or initialize it first."
             )
-        out[prefix + pair[index]] = np.asarray(leaf)
+        array = np.asarray(leaf)
+        out[name] = array if entry.layer is None else array[entry.layer]
     return out
 
 
-def save_safetensors(module, path, *, naming: str = "wan", prefix: str = "", metadata=None) -> None:
+def save_safetensors(module, path, *, naming: str = "wan", prefix: str = "", metadata=None,
+                     stacked=(), rename=None) -> None:
     """Writes the module's parameters to a `.safetensors` file.
 
     The names are those of [`state_dict`][]; the file reads back with
@@ -397,5 +481,9 @@ def save_safetensors(module, path, *, naming: str = "wan", prefix: str = "", met
     - `naming`: `"wan"` or `"diffusers"`.
     - `prefix`: prepended to every name.
     - `metadata`: optional `dict[str, str]` stored as the file's `__metadata__`.
+    - `stacked`, `rename`: as for [`load_state_dict`][].
     """
-    write_safetensors(path, state_dict(module, naming=naming, prefix=prefix), metadata)
+    write_safetensors(
+        path, state_dict(module, naming=naming, prefix=prefix, stacked=stacked, rename=rename),
+        metadata,
+    )

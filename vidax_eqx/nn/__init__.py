@@ -1,4 +1,4 @@
-"""Equinox modules for video diffusion transformers: norms, RoPE and attention layers.
+"""Equinox modules for video diffusion transformers: norms, attention and feed-forward layers.
 
 The math lives in [`vidax_eqx.nn.functional`][]; the modules hold parameters
 (arrays) and static configuration, take one example per call and are batched
@@ -8,6 +8,7 @@ with `jax.vmap`.
 from . import functional as functional
 from ._norm import (
     LayerNorm as LayerNorm,
+    ModulatedLayerNorm as ModulatedLayerNorm,
     RMSNorm as RMSNorm,
     TPShardedRMSNorm as TPShardedRMSNorm,
 )
@@ -15,11 +16,17 @@ from ._attention import (
     Attention as Attention,
     CrossAttention as CrossAttention,
     JointAttention as JointAttention,
+)
+from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
+from ._patch import PatchEmbedding as PatchEmbedding
+from ._placement import (
     partition_specs as partition_specs,
+    shard_module as shard_module,
     with_parallel as with_parallel,
 )
 from ._parallel import (
     filter_shard_map as filter_shard_map,
+    gather_tokens as gather_tokens,
     ParallelConfig as ParallelConfig,
     shard_tokens as shard_tokens,
 )

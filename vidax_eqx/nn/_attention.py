@@ -321,10 +321,17 @@ class CrossAttention(eqx.Module):
     own chunk of queries to the whole, replicated `context` (in_spec `P()`): no
     sequence communication. Tensor parallelism splits the heads as in [`Attention`][].
 
+    **Image branch** (Wan's I2V `WanI2VCrossAttention`, `image_context_dim` set): the
+    same queries also attend to the image context through `k_img`, `v_img` and
+    `norm_k_img` (diffusers' `add_k_proj`, `add_v_proj`, `norm_added_k`), and the two
+    attention outputs are added before `o`.
+
     **Fields:** `q` (`Linear(dim, dim)`), `k`, `v` (`Linear(context_dim, dim)`), `o`
     (`Linear(dim, dim)`), all with bias; `norm_q`, `norm_k` ([`RMSNorm`][]`(dim)` or
-    `None`); `parallel` (a leaf, as in [`Attention`][]); static `dim`, `context_dim`,
-    `num_heads`, `head_dim`, `qk_norm`, `eps`, `implementation`.
+    `None`); `k_img`, `v_img` (`Linear(image_context_dim, dim)`), `norm_k_img`, or
+    `None` without the image branch; `parallel` (a leaf, as in [`Attention`][]);
+    static `dim`, `context_dim`, `image_context_dim`, `num_heads`, `head_dim`,
+    `qk_norm`, `eps`, `implementation`.
     """
 
     q: eqx.nn.Linear
@@ -333,8 +340,12 @@ class CrossAttention(eqx.Module):
     o: eqx.nn.Linear
     norm_q: RMSNorm | None
     norm_k: RMSNorm | None
+    k_img: eqx.nn.Linear | None
+    v_img: eqx.nn.Linear | None
+    norm_k_img: RMSNorm | None
     dim: int = eqx.field(static=True)
     context_dim: int = eqx.field(static=True)
+    image_context_dim: int | None = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     qk_norm: str | None = eqx.field(static=True)
@@ -348,6 +359,7 @@ class CrossAttention(eqx.Module):
         num_heads: int,
         *,
         context_dim: int | None = None,
+        image_context_dim: int | None = None,
         qk_norm: str | None = "rms",
         eps: float = 1e-6,
         parallel: ParallelConfig = ParallelConfig(),
@@ -361,6 +373,8 @@ class CrossAttention(eqx.Module):
             as in [`Attention`][].
         - `context_dim`: the width of the text context, default `dim` (Wan embeds the
             text to `dim` before its blocks).
+        - `image_context_dim`: the width of the image context of Wan's I2V models (Wan
+            embeds it to `dim`), or `None` (text-to-video: no image branch).
         - `key`: a PRNG key for the linear layers' initialization.
         """
         self.head_dim = _check_heads("CrossAttention", dim, num_heads)
@@ -372,13 +386,22 @@ class CrossAttention(eqx.Module):
             )
         context_dim = dim if context_dim is None else context_dim
         _check_positive("CrossAttention", "context_dim", context_dim)
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        if image_context_dim is not None:
+            _check_positive("CrossAttention", "image_context_dim", image_context_dim)
+        kq, kk, kv, ko, kki, kvi = jax.random.split(key, 6)
         self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
         self.k = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kk)
         self.v = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kv)
         self.o = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
         norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
         self.norm_q, self.norm_k = norm(), norm()
+        if image_context_dim is None:
+            self.k_img = self.v_img = self.norm_k_img = None
+        else:
+            self.k_img = eqx.nn.Linear(image_context_dim, dim, use_bias=True, dtype=dtype, key=kki)
+            self.v_img = eqx.nn.Linear(image_context_dim, dim, use_bias=True, dtype=dtype, key=kvi)
+            self.norm_k_img = norm()
+        self.image_context_dim = image_context_dim
         self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
         self.qk_norm, self.eps = qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
@@ -390,6 +413,7 @@ class CrossAttention(eqx.Module):
         context: Float[Array, "S_ctx {self.context_dim}"],
         *,
         context_mask: Bool[Array, " S_ctx"] | None = None,
+        context_image: Float[Array, "S_img {self.image_context_dim}"] | None = None,
     ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
@@ -399,6 +423,8 @@ class CrossAttention(eqx.Module):
         - `context_mask`: optional bool `(S_ctx,)`, `True` for real text tokens.
             `None` (the reference's behaviour) attends to every text token. A query
             whose mask hides every token gets 0 before `o`.
+        - `context_image`: the image tokens `(S_img, image_context_dim)` of the image
+            branch, whole on every device; required with the branch, refused without.
 
         **Returns:**
 
@@ -416,6 +442,24 @@ class CrossAttention(eqx.Module):
             out = kernels.attention(
                 q[None], k[None], v[None], mask=mask, implementation=self.implementation
             )[0]
+            if (self.k_img is None) != (context_image is None):
+                raise ValueError(
+                    "CrossAttention: `context_image` is required with the image branch "
+                    "(image_context_dim set) and refused without it; received image_context_dim="
+                    f"{self.image_context_dim}, context_image="
+                    f"{None if context_image is None else context_image.shape}."
+                )
+            if context_image is not None:
+                check_context("CrossAttention", self.parallel, x, context=context_image,
+                              sharded_x=False)
+                S_img = context_image.shape[0]
+                k_img = _linear(self.k_img, context_image)
+                k_img = _qk_rms_norm(self.norm_k_img, _after_tp(k_img, k, self), self)
+                k_img = k_img.reshape(S_img, H, self.head_dim)
+                v_img = _linear(self.v_img, context_image).reshape(S_img, H, self.head_dim)
+                out = out + kernels.attention(
+                    q[None], k_img[None], v_img[None], implementation=self.implementation
+                )[0]
             return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
 
@@ -544,123 +588,3 @@ class JointAttention(eqx.Module):
             out = _row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
             return out[T:], out[:T]
-
-
-# -- placement --------------------------------------------------------------------------
-
-
-_ATTENTION = (Attention, CrossAttention, JointAttention)
-# (column-parallel linears, row-parallel linears, norms sharded with the features)
-_MEGATRON = {
-    Attention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
-    CrossAttention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
-    JointAttention: (("to_q", "to_k", "to_v"), ("to_out",), ()),
-}
-
-
-def _is_attention(x) -> bool:
-    return isinstance(x, _ATTENTION)
-
-
-def _attention_specs(m):
-    if not isinstance(m.parallel, ParallelConfig):
-        raise ValueError(
-            f"partition_specs: the {type(m).__name__} holds no ParallelConfig (received "
-            f"parallel={m.parallel!r}): the configuration decides the specs. Call "
-            "partition_specs on the whole module, before `eqx.partition`; the specs then "
-            "match the arrays part too (both have None at the configuration)."
-        )
-    specs = jax.tree.map(lambda x: P() if eqx.is_array(x) else None, m)
-    tp = m.parallel.tp_axis
-    if tp is None:
-        return specs
-    column, row, norms = _MEGATRON[type(m)]
-
-    def spec(x, *axes):
-        # Leading axes beyond the parameter's own are stacked layers (`eqx.filter_vmap`
-        # construction, scanned over): never sharded.
-        return P(*(None,) * (len(x.shape) - len(axes)), *axes)
-
-    where, values = [], []
-    for name in column:
-        lin = getattr(m, name)
-        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [spec(lin.weight, tp, None), spec(lin.bias, tp)]
-    for name in row:
-        lin = getattr(m, name)
-        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [spec(lin.weight, None, tp), P()]
-    for name in norms:
-        if getattr(m, name) is not None:
-            where.append(lambda s, n=name: getattr(s, n).weight)
-            values.append(spec(getattr(m, name).weight, tp))
-    return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
-
-
-def partition_specs(module):
-    """The `PartitionSpec` of every parameter of `module` (Megatron tensor parallelism).
-
-    For every attention module inside `module` (any PyTree: one layer or a whole
-    model) whose `parallel.tp_axis` is set: q/k/v (`to_q`/`to_k`/`to_v`) weights
-    `P(tp, None)` and biases `P(tp)` (column-parallel: each device holds its heads'
-    output features); `o` / `to_out` weight `P(None, tp)` (row-parallel) and bias `P()`;
-    Wan's `norm_q` / `norm_k` weights, over the inner dim, `P(tp)`; CogVideoX's per-head
-    LayerNorms `P()`. Every other array, and everything when `tp_axis` is `None`, is
-    replicated, `P()`; non-array leaves get `None`. Sequence parallelism never shards a
-    parameter. Layers stacked with `eqx.filter_vmap` (to `lax.scan` over them) keep their
-    leading layer axes unsharded: a stacked q weight `(L, dim, dim)` gets `P(None, tp, None)`.
-
-    **Arguments:**
-
-    - `module`: a PyTree of Equinox modules.
-
-    **Returns:**
-
-    A PyTree of the same structure with a `PartitionSpec` per array and `None` at every
-    other leaf (the [`ParallelConfig`][] included), for
-    [`filter_shard_map`][]`(..., in_specs=(partition_specs(module), ...))`, or, mapped to
-    `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec of the
-    module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since the
-    configuration is a leaf, of every [`with_parallel`][] variant with the same
-    `tp_axis`. Call it on the whole module: the configuration decides the specs.
-    """
-
-    def specs(x):
-        if _is_attention(x):
-            return _attention_specs(x)
-        return P() if eqx.is_array(x) else None
-
-    return jax.tree.map(specs, module, is_leaf=_is_attention)
-
-
-def with_parallel(module, parallel: ParallelConfig):
-    """`module` with every attention module's `parallel` configuration replaced.
-
-    The parameters are shared, not copied: the single-device model and its sharded
-    twin are the same arrays. Works on one layer or any PyTree containing them.
-
-    **Arguments:**
-
-    - `module`: a PyTree of Equinox modules.
-    - `parallel`: the new [`ParallelConfig`][].
-
-    **Returns:**
-
-    A PyTree of the same structure.
-    """
-    _check_parallel("with_parallel", parallel)
-
-    def swap(m):
-        if not _is_attention(m):
-            return m
-        if isinstance(m, JointAttention):
-            _check_joint_mode(parallel)
-        # Equinox rebuilds modules the same way when unflattening: fields set on a new
-        # instance without running `__init__`. Only the configuration leaf changes.
-        new = object.__new__(type(m))
-        for field in dataclasses.fields(m):
-            value = parallel if field.name == "parallel" else getattr(m, field.name)
-            object.__setattr__(new, field.name, value)
-        return new
-
-    return jax.tree.map(swap, module, is_leaf=_is_attention)

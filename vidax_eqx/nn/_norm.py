@@ -158,6 +158,40 @@ def layer_norm(
     return y.astype(_out_dtype(x, weight, bias))
 
 
+
+@jaxtyped(typechecker=beartype)
+def modulated_layer_norm(
+    x: Float[Array, "*batch dim"],
+    shift: Float[Array, "*#batch dim"],
+    scale: Float[Array, "*#batch dim"],
+    eps: float = 1e-6,
+    weight: Float[Array, "dim"] | None = None,
+    bias: Float[Array, "dim"] | None = None,
+) -> Float[Array, "*batch dim"]:
+    """Adaptive layer normalization (adaLN): `layer_norm(x) * (1 + scale) + shift`, in float32.
+
+    The modulation of Wan's blocks and head (`norm1`, the FFN norm, `head.norm`:
+    LayerNorm without affine, then the timestep's `shift` and `scale`) and of
+    CogVideoX's `LayerNormZero`. Everything is computed in float32, as Wan does
+    under `autocast(float32)` and diffusers with its `FP32LayerNorm`, and the result
+    is float32: cast it to the compute dtype where the reference does
+    (`.type_as(hidden_states)`).
+
+    **Arguments:**
+
+    - `x`: the input, normalized over its last axis.
+    - `shift`, `scale`: broadcastable to `x` (e.g. `(dim,)` per example).
+    - `eps`: the LayerNorm epsilon.
+    - `weight`, `bias`: the LayerNorm's own affine parameters, or `None` (Wan).
+
+    **Returns:**
+
+    A float32 array of `x`'s shape.
+    """
+    y = layer_norm(x.astype(jnp.float32), weight, bias, eps).astype(jnp.float32)
+    return y * (1 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
+
+
 def _check_positive(owner: str, **sizes) -> None:
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -318,3 +352,51 @@ class LayerNorm(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.LayerNorm"):
             return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class ModulatedLayerNorm(eqx.Module):
+    """Adaptive LayerNorm: `LayerNorm(x) * (1 + scale) + shift`, float32 (adaLN).
+
+    Wan's `norm1` / FFN norm / `head.norm` with their modulation (no affine
+    parameters, the default), or with `elementwise_affine=True` CogVideoX's
+    `LayerNormZero` norm. See [`vidax_eqx.nn.functional.modulated_layer_norm`][].
+    """
+
+    weight: Float[Array, "dim"] | None
+    bias: Float[Array, "dim"] | None
+    dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(
+        self, dim: int, eps: float = 1e-6, *, elementwise_affine: bool = False, dtype=jnp.float32
+    ):
+        """**Arguments:**
+
+        - `dim`: the size of the normalized (last) axis.
+        - `eps`: the LayerNorm epsilon.
+        - `elementwise_affine`: whether the LayerNorm learns its own `weight` and `bias`.
+        - `dtype`: their dtype.
+        """
+        _check_positive("ModulatedLayerNorm", dim=dim)
+        self.dim = dim
+        self.eps = _check_eps("ModulatedLayerNorm", eps)
+        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
+        self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[Array, "*batch {self.dim}"],
+        shift: Float[Array, "*#batch {self.dim}"],
+        scale: Float[Array, "*#batch {self.dim}"],
+    ) -> Float[Array, "*batch {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: the input; `shift`, `scale`: the modulation, broadcastable to `x`.
+
+        **Returns:**
+
+        `layer_norm(x) * (1 + scale) + shift`, float32, `x`'s shape.
+        """
+        with jax.named_scope("vidax_eqx.nn.ModulatedLayerNorm"):
+            return modulated_layer_norm(x, shift, scale, self.eps, self.weight, self.bias)

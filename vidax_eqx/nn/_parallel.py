@@ -7,7 +7,7 @@ import jax
 from jax import lax
 
 from .._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
-from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute
+from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute, zigzag_unpermute
 
 
 SEQUENCE_MODES = ("none", "ulysses", "ring", "usp")
@@ -225,6 +225,49 @@ def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
         return chunk_by_rank(a, axis, n, rank)
 
     return jax.tree.map(shard, x)
+
+
+def gather_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
+    """The inverse of [`shard_tokens`][]: the whole sequence from every device's share.
+
+    Call it inside `jax.shard_map` on per-token arrays sharded as `parallel` shards
+    `x` (a module's output, e.g. a DiT's last hidden states before unpatchify): an
+    `all_gather` over the sequence axes, in the layout's order, and the zigzag undone.
+    The result is the same on every device of those axes; its gradient is the
+    matching reduce-scatter.
+
+    **Arguments:**
+
+    - `x`: an array, or a PyTree of arrays, each this device's rows along `axis`.
+    - `parallel`: the [`ParallelConfig`][] the rows were sharded by.
+    - `axis`: the sequence axis of every array.
+
+    **Returns:**
+
+    The same structure with `n` times the rows along `axis`, in global order; `x`
+    itself for `sequence="none"`.
+    """
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(
+            f"gather_tokens: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
+        )
+    if parallel.sequence == "none":
+        return x
+    if parallel.sequence == "usp":
+        axes = (parallel.ring_axis, parallel.sp_axis)
+        zigzag_n = axis_size(parallel.ring_axis, what="Ring")
+        axis_size(parallel.sp_axis, what="Sequence-parallel")
+    else:
+        axes = parallel.sp_axis
+        zigzag_n = axis_size(parallel.sp_axis, what="Sequence-parallel")
+
+    def gather(a):
+        a = lax.all_gather(a, axes, axis=axis, tiled=True)
+        if parallel.layout == "zigzag":
+            a = zigzag_unpermute(a, axis, zigzag_n)
+        return a
+
+    return jax.tree.map(gather, x)
 
 
 def filter_shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):

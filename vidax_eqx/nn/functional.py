@@ -1,4 +1,4 @@
-"""The pure functions behind `vidax_eqx.nn`: normalization and rotary embedding.
+"""The pure functions behind `vidax_eqx.nn`: normalization, rotary and timestep embeddings.
 
 The Equinox modules of `vidax_eqx.nn` and the linen shim `vidax_eqx.flax` hold
 parameters and call these; use them directly in code that keeps its own weights.
@@ -6,6 +6,7 @@ parameters and call these; use them directly in code that keeps its own weights.
 
 from ._norm import (
     layer_norm as layer_norm,
+    modulated_layer_norm as modulated_layer_norm,
     rms_norm as rms_norm,
     tp_sharded_rms_norm as tp_sharded_rms_norm,
 )
@@ -14,3 +15,5 @@ from ._rope import (
     rope_3d as rope_3d,
     wan_rope_split as wan_rope_split,
 )
+from ._feedforward import timestep_embedding as timestep_embedding
+from ._patch import patch_grid as patch_grid, unpatchify as unpatchify

@@ -1,0 +1,17 @@
+"""Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
+call that runs a model over a mesh.
+
+- [`WanTransformer3D`][]: Wan 2.1's video DiT (T2V and I2V), from diffusers or original
+    Wan checkpoints.
+- [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
+    with global inputs and outputs.
+"""
+
+from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
+from ._wan import (
+    WanBlock as WanBlock,
+    WanConfig as WanConfig,
+    WanHead as WanHead,
+    WanImageEmbedding as WanImageEmbedding,
+    WanTransformer3D as WanTransformer3D,
+)

@@ -1,0 +1,161 @@
+"""What the whole models share: checkpoint directories, the token split of a sharded
+run, scanned layers with rematerialization, and the one call that runs a model over a mesh."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .. import interop, nn
+from ..parallel import axis_size
+
+
+# Rematerialization policies a model's `remat=` accepts: "full" (save nothing) and the
+# policies of `jax.checkpoint_policies` that take no argument.
+REMAT_POLICIES = (
+    "full",
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
+_NO_REMAT = object()
+
+
+def check_remat(remat):
+    """`remat` as a `jax.checkpoint` policy: `_NO_REMAT` for None, `None` for "full"."""
+    if remat is None:
+        return _NO_REMAT
+    if remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"`remat` must be None or one of {REMAT_POLICIES}; received {remat!r}."
+        )
+    return None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+
+
+def scan_layers(fn, x, layers, policy):
+    """`x = fn(x, layer)` for each layer of a stacked module (arrays with a leading layer
+    axis, e.g. built with `eqx.filter_vmap`), by `lax.scan`, each step under
+    `jax.checkpoint(policy=policy)` unless `policy` is `_NO_REMAT`."""
+    arrays, static = eqx.partition(layers, eqx.is_array)
+
+    def step(x, layer_arrays):
+        return fn(x, eqx.combine(layer_arrays, static)), None
+
+    if policy is not _NO_REMAT:
+        step = jax.checkpoint(step, policy=policy)
+    return lax.scan(step, x, arrays)[0]
+
+
+def token_multiple(parallel: nn.ParallelConfig) -> int:
+    """The multiple a sharded sequence is padded to: the number of devices it is split
+    over, twice that for the zigzag layout (two chunks per ring rank)."""
+    if parallel.sequence == "none":
+        return 1
+    n = axis_size(parallel.sp_axis, what="Sequence-parallel")
+    if parallel.sequence == "usp":
+        n *= axis_size(parallel.ring_axis, what="Ring")
+    return 2 * n if parallel.layout == "zigzag" else n
+
+
+def padded_tokens(tokens, rope, parallel: nn.ParallelConfig):
+    """This device's tokens and RoPE rows under `parallel`, and the padding's segment ids.
+
+    The sequence is padded with zero tokens to a multiple of [`token_multiple`][], the
+    padding given segment id -1 (invisible to attention) and the rest 0, and each array
+    is split by [`vidax_eqx.nn.shard_tokens`][]. Returns `(tokens, rope, segment_ids,
+    n)`: `segment_ids` is `None` when nothing is padded, `n` the real token count.
+    """
+    n = tokens.shape[0]
+    if parallel.sequence == "none":
+        return tokens, rope, None, n
+    total = -(-n // token_multiple(parallel)) * token_multiple(parallel)
+    segment_ids = None
+    if total != n:
+        pad = ((0, total - n), (0, 0))
+        tokens = jnp.pad(tokens, pad)
+        rope = tuple(jnp.pad(r, pad) for r in rope)
+        segment_ids = jnp.where(jnp.arange(total) < n, 0, -1).astype(jnp.int32)
+    tokens, rope, segment_ids = nn.shard_tokens((tokens, rope, segment_ids), parallel)
+    return tokens, rope, segment_ids, n
+
+
+def read_config(path, owner: str):
+    """`(config.json as a dict, the lazy tensor mapping)` of a checkpoint directory."""
+    text = os.fspath(path)
+    config_path = os.path.join(text, "config.json")
+    if not os.path.isdir(text) or not os.path.isfile(config_path):
+        raise ValueError(
+            f"{owner}.from_pretrained: {text!r} must be a checkpoint directory holding "
+            "config.json and the safetensors weights (diffusers' save_pretrained layout, or "
+            "a Wan 2.1 release)."
+        )
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{owner}.from_pretrained: {config_path!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{owner}.from_pretrained: {config_path!r} must hold a JSON object.")
+    return raw, interop.open_checkpoint(text)
+
+
+def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
+                remat: str | None = None, **kwargs):
+    """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
+
+    `jax.shard_map` of `jax.vmap(model)`: the weights placed by
+    [`vidax_eqx.nn.partition_specs`][] (Megatron shards when the model's
+    `parallel.tp_axis` is set; place them once beforehand with
+    [`vidax_eqx.nn.shard_module`][] to avoid a reshard per call), the batch split over
+    `batch_axis` (data parallelism), everything else whole on every device. Inside,
+    the model splits its own tokens over its sequence axes after the patch embedding
+    and gathers them before unpatchify, as its [`vidax_eqx.nn.ParallelConfig`][]
+    says (set it with [`vidax_eqx.nn.with_parallel`][]). Works under `eqx.filter_jit`
+    and `eqx.filter_grad` (the model is an argument), and gives the single-device
+    numbers.
+
+    **Arguments:**
+
+    - `model`: e.g. a [`WanTransformer3D`][], configured for the mesh.
+    - `x`, `timestep`, `context`: batched inputs `(B, ...)`, as `jax.vmap(model)` takes.
+    - `mesh`: a `jax.sharding.Mesh` with the model's axes (and `batch_axis`).
+    - `batch_axis`: the data-parallel mesh axis, or `None` (the batch on every device).
+    - `remat`: the model's rematerialization policy (see its `__call__`).
+    - `**kwargs`: further batched array inputs of the model (e.g. `context_image`).
+
+    **Returns:**
+
+    The batched output, sharded over `batch_axis`.
+    """
+    if batch_axis is not None:
+        if batch_axis not in mesh.shape:
+            raise ValueError(
+                f"run_sharded: `batch_axis` {batch_axis!r} is not an axis of the mesh "
+                f"{dict(mesh.shape)}."
+            )
+        if x.shape[0] % mesh.shape[batch_axis]:
+            raise ValueError(
+                f"run_sharded: the batch ({x.shape[0]}) must be a multiple of the size of "
+                f"`batch_axis` {batch_axis!r} ({mesh.shape[batch_axis]})."
+            )
+    batch = P(batch_axis)
+    names = sorted(kwargs)
+
+    def per_device(model, x, timestep, context, *extra):
+        def one(x, timestep, context, *extra):
+            return model(x, timestep, context, remat=remat, **dict(zip(names, extra)))
+
+        return jax.vmap(one)(x, timestep, context, *extra)
+
+    run = nn.filter_shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(nn.partition_specs(model), batch, batch, batch, *(batch for _ in names)),
+        out_specs=batch,
+    )
+    return run(model, x, timestep, context, *(kwargs[n] for n in names))

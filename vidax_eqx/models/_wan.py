@@ -1,0 +1,574 @@
+"""Wan 2.1's video DiT (`WanModel` of Wan2.1's `wan/modules/model.py`; diffusers'
+`WanTransformer3DModel`), composed from `vidax_eqx.nn`."""
+
+import dataclasses
+import json
+import os
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
+
+from .. import interop, nn
+from ..nn import functional
+from ._common import check_remat, padded_tokens, read_config, scan_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class WanConfig:
+    """The shape of a Wan 2.1 transformer (immutable, hashable: a static field).
+
+    The defaults are Wan 2.1 T2V 1.3B. Wan 14B: `dim=5120, ffn_dim=13824,
+    num_heads=40, num_layers=40`. Build one from a checkpoint's `config.json` with
+    [`WanConfig.from_diffusers`][] or [`WanConfig.from_wan`][] (what
+    [`WanTransformer3D.from_pretrained`][] does).
+
+    **Fields:**
+
+    - `dim`, `ffn_dim`, `num_heads`, `num_layers`: width, MLP width, heads, blocks.
+    - `in_channels`, `out_channels`: latent channels in and out (16; I2V takes 36 in).
+    - `patch_size`: `(pt, ph, pw)`, default `(1, 2, 2)`.
+    - `text_dim`: the text encoder's width (umT5: 4096); `freq_dim`: the timestep
+        sinusoid's width (256).
+    - `eps`: the norms' epsilon.
+    - `qk_norm`: RMSNorm on queries and keys (Wan 2.1: always).
+    - `cross_attn_norm`: the affine LayerNorm before the cross-attention.
+    - `image_dim`: the CLIP image feature width of the I2V models (1280), or `None`
+        (text-to-video: no image branch).
+    - `text_len`: `None` uses the text context as given (diffusers' transformer);
+        an int zero-pads it to that many tokens before the text embedding, as Wan's
+        own `WanModel.forward` does (`text_len=512`), so that the model also attends
+        to the embedded padding. The two differ in their numbers.
+    - `rope_theta`: the RoPE base (10000).
+    """
+
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    in_channels: int = 16
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 4096
+    freq_dim: int = 256
+    eps: float = 1e-6
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    image_dim: int | None = None
+    text_len: int | None = None
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels",
+                     "text_dim", "freq_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WanConfig: `{name}` must be a positive int; received {value!r}.")
+        if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
+            raise ValueError(
+                "WanConfig: `dim` must be a multiple of `num_heads` with an even head_dim; "
+                f"received dim={self.dim}, num_heads={self.num_heads}."
+            )
+        object.__setattr__(self, "patch_size", tuple(self.patch_size))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @classmethod
+    def from_diffusers(cls, config: dict, **overrides) -> "WanConfig":
+        """From a diffusers `WanTransformer3DModel` `config.json` (as a dict)."""
+        if config.get("pos_embed_seq_len") is not None:
+            raise NotImplementedError(
+                "WanConfig: pos_embed_seq_len (Wan FLF2V's image position embedding) is not "
+                f"implemented; received pos_embed_seq_len={config['pos_embed_seq_len']}."
+            )
+        heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
+        dim = heads * head_dim
+        image_dim = config.get("image_dim")
+        added = config.get("added_kv_proj_dim")
+        if (image_dim is None) != (added is None) or added not in (None, dim):
+            raise ValueError(
+                "WanConfig: an I2V config has image_dim and added_kv_proj_dim == the model "
+                f"width ({dim}); received image_dim={image_dim}, added_kv_proj_dim={added}."
+            )
+        fields = dict(
+            dim=dim,
+            ffn_dim=config.get("ffn_dim", 13824),
+            num_heads=heads,
+            num_layers=config.get("num_layers", 40),
+            in_channels=config.get("in_channels", 16),
+            out_channels=config.get("out_channels") or config.get("in_channels", 16),
+            patch_size=tuple(config.get("patch_size", (1, 2, 2))),
+            text_dim=config.get("text_dim", 4096),
+            freq_dim=config.get("freq_dim", 256),
+            eps=config.get("eps", 1e-6),
+            qk_norm=config.get("qk_norm", "rms_norm_across_heads") is not None,
+            cross_attn_norm=config.get("cross_attn_norm", True),
+            image_dim=image_dim,
+        )
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def from_wan(cls, config: dict, tensors=None, **overrides) -> "WanConfig":
+        """From an original Wan 2.1 `config.json` (`dim`, `ffn_dim`, `num_heads`, ...).
+
+        Real Wan configs leave out `text_dim`, `patch_size`, `qk_norm`,
+        `cross_attn_norm` and `window_size`: they are read off the checkpoint's tensor
+        shapes when `tensors` (a mapping with `shape(name)`, e.g.
+        [`vidax_eqx.interop.open_checkpoint`][]) is given, and take Wan's defaults
+        otherwise.
+        """
+        model_type = config.get("model_type", "t2v")
+        if model_type not in ("t2v", "i2v"):
+            raise NotImplementedError(
+                f"WanConfig: model_type={model_type!r} is not implemented (t2v and i2v are)."
+            )
+        window = tuple(config.get("window_size", (-1, -1)))
+        if window != (-1, -1):
+            raise NotImplementedError(
+                f"WanConfig: window_size={window} (local attention on flattened tokens) is not "
+                "implemented; Wan 2.1's released models use (-1, -1)."
+            )
+        shape = (lambda name: tensors.shape(name) if tensors is not None and name in tensors
+                 else None)
+        has = (lambda name: None if tensors is None else name in tensors)
+        patch = shape("patch_embedding.weight")
+        text = shape("text_embedding.0.weight")
+        image = shape("img_emb.proj.0.weight")
+        fields = dict(
+            dim=config.get("dim", 2048),
+            ffn_dim=config.get("ffn_dim", 8192),
+            num_heads=config.get("num_heads", 16),
+            num_layers=config.get("num_layers", 32),
+            in_channels=config.get("in_dim", 16 if patch is None else patch[1]),
+            out_channels=config.get("out_dim", 16),
+            patch_size=tuple(config.get("patch_size", (1, 2, 2) if patch is None else patch[2:])),
+            text_dim=config.get("text_dim", 4096 if text is None else text[1]),
+            freq_dim=config.get("freq_dim", 256),
+            eps=config.get("eps", 1e-6),
+            qk_norm=config.get("qk_norm", has("blocks.0.self_attn.norm_q.weight") is not False),
+            cross_attn_norm=config.get("cross_attn_norm", has("blocks.0.norm3.weight") is not False),
+            image_dim=(None if model_type == "t2v" else 1280 if image is None else image[0]),
+        )
+        return cls(**{**fields, **overrides})
+
+    def to_diffusers(self) -> dict:
+        """The diffusers `config.json` of this model."""
+        return {
+            "_class_name": "WanTransformer3DModel",
+            "patch_size": list(self.patch_size),
+            "num_attention_heads": self.num_heads,
+            "attention_head_dim": self.head_dim,
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "text_dim": self.text_dim,
+            "freq_dim": self.freq_dim,
+            "ffn_dim": self.ffn_dim,
+            "num_layers": self.num_layers,
+            "cross_attn_norm": self.cross_attn_norm,
+            "qk_norm": "rms_norm_across_heads" if self.qk_norm else None,
+            "eps": self.eps,
+            "image_dim": self.image_dim,
+            "added_kv_proj_dim": None if self.image_dim is None else self.dim,
+            "rope_max_seq_len": 1024,
+            "pos_embed_seq_len": None,
+        }
+
+    def to_wan(self) -> dict:
+        """The original Wan 2.1 `config.json` of this model (with every key it may omit)."""
+        return {
+            "_class_name": "WanModel",
+            "model_type": "t2v" if self.image_dim is None else "i2v",
+            "patch_size": list(self.patch_size),
+            "text_len": 512 if self.text_len is None else self.text_len,
+            "in_dim": self.in_channels,
+            "dim": self.dim,
+            "ffn_dim": self.ffn_dim,
+            "freq_dim": self.freq_dim,
+            "text_dim": self.text_dim,
+            "out_dim": self.out_channels,
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "window_size": [-1, -1],
+            "qk_norm": self.qk_norm,
+            "cross_attn_norm": self.cross_attn_norm,
+            "eps": self.eps,
+        }
+
+
+class WanImageEmbedding(eqx.Module):
+    """Wan I2V's projection of CLIP image features (`MLPProj`; diffusers'
+    `WanImageEmbedding`): LayerNorm, Linear, GELU, Linear, LayerNorm (eps 1e-5)."""
+
+    norm1: nn.LayerNorm
+    ff: nn.FeedForward
+    norm2: nn.LayerNorm
+
+    def __init__(self, image_dim: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+        self.norm1 = nn.LayerNorm(image_dim, 1e-5, dtype=dtype)
+        self.ff = nn.FeedForward(image_dim, image_dim, dim, activation="gelu", dtype=dtype, key=key)
+        self.norm2 = nn.LayerNorm(dim, 1e-5, dtype=dtype)
+
+    def __call__(self, x):
+        return self.norm2(self.ff(self.norm1(x)))
+
+
+class WanBlock(eqx.Module):
+    """One Wan 2.1 block (`WanAttentionBlock`; diffusers' `WanTransformerBlock`).
+
+        e = modulation + e0                                        # float32 (6, dim)
+        x = x + self_attn(norm1(x) * (1 + e[1]) + e[0], rope) * e[2]
+        x = x + cross_attn(norm3(x), context)
+        x = x + ffn(norm2(x) * (1 + e[4]) + e[3]) * e[5]
+
+    The residual stream `x` and the modulation are float32 (Wan runs them under
+    `autocast(float32)`); the attention and FFN inputs are cast to the weights' dtype
+    and their outputs back to float32. Field names are Wan's.
+    """
+
+    norm1: nn.ModulatedLayerNorm
+    self_attn: nn.Attention
+    norm3: nn.LayerNorm | None
+    cross_attn: nn.CrossAttention
+    norm2: nn.ModulatedLayerNorm
+    ffn: nn.FeedForward
+    modulation: Float[Array, "1 6 dim"]
+
+    def __init__(self, config: WanConfig, *, parallel: nn.ParallelConfig, implementation,
+                 dtype, key: PRNGKeyArray):
+        c = config
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        qk_norm = "rms" if c.qk_norm else None
+        self.norm1 = nn.ModulatedLayerNorm(c.dim, c.eps)
+        self.self_attn = nn.Attention(c.dim, c.num_heads, qk_norm=qk_norm, eps=c.eps,
+                                      parallel=parallel, implementation=implementation,
+                                      dtype=dtype, key=k1)
+        self.norm3 = nn.LayerNorm(c.dim, c.eps, dtype=dtype) if c.cross_attn_norm else None
+        self.cross_attn = nn.CrossAttention(
+            c.dim, c.num_heads, image_context_dim=None if c.image_dim is None else c.dim,
+            qk_norm=qk_norm, eps=c.eps, parallel=parallel, implementation=implementation,
+            dtype=dtype, key=k2,
+        )
+        self.norm2 = nn.ModulatedLayerNorm(c.dim, c.eps)
+        self.ffn = nn.FeedForward(c.dim, c.ffn_dim, activation="gelu_tanh", parallel=parallel,
+                                  dtype=dtype, key=k3)
+        self.modulation = (jax.random.normal(k4, (1, 6, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
+
+    def __call__(self, x, e0, context, rope, segment_ids, context_image):
+        with jax.named_scope("vidax_eqx.models.WanBlock"):
+            dtype = self.self_attn.q.weight.dtype
+            e = self.modulation[0].astype(jnp.float32) + e0
+            shift1, scale1, gate1, shift2, scale2, gate2 = e
+            h = self.norm1(x, shift1, scale1).astype(dtype)
+            y = self.self_attn(h, rope=rope, segment_ids=segment_ids)
+            x = x + y.astype(jnp.float32) * gate1
+            h = x if self.norm3 is None else self.norm3(x)
+            y = self.cross_attn(h.astype(dtype), context, context_image=context_image)
+            x = x + y.astype(jnp.float32)
+            h = self.norm2(x, shift2, scale2).astype(dtype)
+            return x + self.ffn(h).astype(jnp.float32) * gate2
+
+
+class WanHead(eqx.Module):
+    """Wan's output head: modulated LayerNorm (float32), then `head` to patch values."""
+
+    norm: nn.ModulatedLayerNorm
+    head: eqx.nn.Linear
+    modulation: Float[Array, "1 2 dim"]
+
+    def __init__(self, config: WanConfig, *, dtype, key: PRNGKeyArray):
+        c = config
+        k1, k2 = jax.random.split(key)
+        out = c.out_channels * int(np.prod(c.patch_size))
+        self.norm = nn.ModulatedLayerNorm(c.dim, c.eps)
+        self.head = eqx.nn.Linear(c.dim, out, use_bias=True, dtype=dtype, key=k1)
+        self.modulation = (jax.random.normal(k2, (1, 2, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
+
+    def __call__(self, x, e):
+        with jax.named_scope("vidax_eqx.models.WanHead"):
+            shift, scale = self.modulation[0].astype(jnp.float32) + e
+            h = self.norm(x, shift, scale).astype(self.head.weight.dtype)
+            return h @ self.head.weight.T + self.head.bias
+
+
+# Checkpoint names: the fields carry Wan's names, except where a module of `nn` serves a
+# role that Wan spells as a `Sequential` index; diffusers renames most of the model.
+# (pattern, wan replacement, diffusers replacement), applied to the generated names.
+_NAMES = (
+    (r"^time_projection\.", "time_projection.1.", "condition_embedder.time_proj."),
+    (r"^time_embedding\.", "time_embedding.", "condition_embedder.time_embedder."),
+    (r"^text_embedding\.net\.0\.proj\.", None, "condition_embedder.text_embedder.linear_1."),
+    (r"^text_embedding\.net\.2\.", None, "condition_embedder.text_embedder.linear_2."),
+    (r"^img_emb\.norm1\.", "img_emb.proj.0.", "condition_embedder.image_embedder.norm1."),
+    (r"^img_emb\.ff\.0\.", "img_emb.proj.1.", None),
+    (r"^img_emb\.ff\.2\.", "img_emb.proj.3.", None),
+    (r"^img_emb\.ff\.", None, "condition_embedder.image_embedder.ff."),
+    (r"^img_emb\.norm2\.", "img_emb.proj.4.", "condition_embedder.image_embedder.norm2."),
+    (r"^(blocks\.\d+\.)self_attn\.", None, r"\1attn1."),
+    (r"^(blocks\.\d+\.)cross_attn\.", None, r"\1attn2."),
+    (r"^(blocks\.\d+\.)norm3\.", None, r"\1norm2."),
+    (r"^(blocks\.\d+\.)modulation$", None, r"\1scale_shift_table"),
+    (r"^head\.head\.", None, "proj_out."),
+    (r"^head\.modulation$", None, "scale_shift_table"),
+)
+_STACKED = ("blocks",)
+
+
+def _rename(name: str, naming: str) -> str:
+    column = 1 if naming == "wan" else 2
+    for rule in _NAMES:
+        if rule[column] is not None and re.match(rule[0], name):
+            return re.sub(rule[0], rule[column], name)
+    return name
+
+
+class WanTransformer3D(eqx.Module):
+    """The Wan 2.1 video DiT, one example per call (`jax.vmap` for a batch).
+
+        tokens = patch_embedding(x)                       # (S, dim), S = F/pt * H/ph * W/pw
+        t = time_embedding(sinusoid(timestep));  e0 = time_projection(silu(t))  # (6, dim)
+        context = text_embedding(context)                 # (+ img_emb(context_image): I2V)
+        tokens = blocks(tokens, e0, context, rope_3d)     # lax.scan over stacked blocks
+        out = unpatchify(head(tokens, t))                 # (C_out, F, H, W)
+
+    Built from [`vidax_eqx.nn`][]: [`vidax_eqx.nn.PatchEmbedding`][],
+    [`vidax_eqx.nn.TimestepEmbedding`][], [`vidax_eqx.nn.FeedForward`][],
+    [`vidax_eqx.nn.Attention`][] with 3D RoPE, [`vidax_eqx.nn.CrossAttention`][],
+    [`vidax_eqx.nn.ModulatedLayerNorm`][]. The blocks are one [`WanBlock`][] whose
+    arrays carry a leading layer axis (built with `eqx.filter_vmap`), run by
+    `lax.scan`; checkpoints name them per layer (`blocks.0.`, ...), and
+    [`from_pretrained`][WanTransformer3D.from_pretrained] / [`save_pretrained`][]
+    stack and unstack them.
+
+    **Parallelism:** the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
+    modules (set with [`vidax_eqx.nn.with_parallel`][]) decides. Inside
+    `jax.shard_map` with `x` whole on every device (see [`run_sharded`][], the one
+    call that does all of it), a sequence-parallel model splits its tokens after the
+    patch embedding (padded to a multiple of the devices; the padding is invisible
+    through segment ids), takes its rows of the RoPE tables, runs its blocks on its
+    chunk, and gathers the tokens before unpatchify; a tensor-parallel one splits
+    heads and MLP features (weights placed by [`vidax_eqx.nn.partition_specs`][]).
+
+    **Fields:** `patch_embedding`, `text_embedding`, `time_embedding`,
+    `time_projection`, `img_emb` (I2V, else `None`), `blocks`, `head`, and the static
+    `config` ([`WanConfig`][]).
+    """
+
+    patch_embedding: nn.PatchEmbedding
+    text_embedding: nn.FeedForward
+    time_embedding: nn.TimestepEmbedding
+    time_projection: eqx.nn.Linear
+    img_emb: WanImageEmbedding | None
+    blocks: WanBlock
+    head: WanHead
+    config: WanConfig = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: WanConfig,
+        *,
+        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        implementation="auto",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `config`: a [`WanConfig`][].
+        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of every attention and FFN
+            module; default one device.
+        - `implementation`: the attention kernel (`vidax_eqx.kernels.attention`).
+        - `dtype`: the parameters' dtype (the computation's, outside the float32
+            residual stream and modulation).
+        - `key`: a PRNG key for the initialization.
+        """
+        if not isinstance(config, WanConfig):
+            raise ValueError(f"WanTransformer3D: `config` must be a WanConfig; received {config!r}.")
+        c = config
+        keys = jax.random.split(key, 7)
+        self.patch_embedding = nn.PatchEmbedding(c.in_channels, c.dim, c.patch_size, dtype=dtype,
+                                                 key=keys[0])
+        self.text_embedding = nn.FeedForward(c.text_dim, c.dim, c.dim, activation="gelu_tanh",
+                                             dtype=dtype, key=keys[1])
+        self.time_embedding = nn.TimestepEmbedding(c.freq_dim, c.dim, dtype=dtype, key=keys[2])
+        self.time_projection = eqx.nn.Linear(c.dim, 6 * c.dim, dtype=dtype, key=keys[3])
+        self.img_emb = (None if c.image_dim is None
+                        else WanImageEmbedding(c.image_dim, c.dim, dtype=dtype, key=keys[4]))
+
+        @eqx.filter_vmap
+        def make_blocks(k):
+            return WanBlock(c, parallel=parallel, implementation=implementation, dtype=dtype, key=k)
+
+        self.blocks = make_blocks(jax.random.split(keys[5], c.num_layers))
+        self.head = WanHead(c, dtype=dtype, key=keys[6])
+        self.config = c
+
+    @property
+    def parallel(self) -> nn.ParallelConfig:
+        """The [`vidax_eqx.nn.ParallelConfig`][] the model runs with."""
+        return self.blocks.self_attn.parallel
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""],
+        context: Float[Array, "L {self.config.text_dim}"],
+        *,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        remat: str | None = None,
+    ) -> Float[Array, "{self.config.out_channels} F H W"]:
+        """**Arguments:**
+
+        - `x`: the noisy latents `(C, F, H, W)` of one video (the reference's layout
+            without the batch axis), `F, H, W` multiples of the patch size. Whole on
+            every device under sequence parallelism.
+        - `timestep`: the diffusion timestep, a scalar (0 to 1000 in Wan).
+        - `context`: the text encoder's output `(L, text_dim)`, whole on every device.
+        - `context_image`: I2V only: the CLIP image features `(257, image_dim)`.
+        - `remat`: the rematerialization policy of each block in the backward pass:
+            `None` (store activations), `"full"` (recompute everything), or the name
+            of a `jax.checkpoint_policies` policy (e.g. `"dots_saveable"`).
+
+        **Returns:**
+
+        The prediction `(out_channels, F, H, W)` (Wan: the flow velocity), in the
+        weights' dtype.
+        """
+        with jax.named_scope("vidax_eqx.models.WanTransformer3D"):
+            c = self.config
+            policy = check_remat(remat)
+            if (self.img_emb is None) != (context_image is None):
+                raise ValueError(
+                    "WanTransformer3D: `context_image` is required by an I2V model (image_dim "
+                    f"set) and refused otherwise; the model has image_dim={c.image_dim}, "
+                    f"received context_image={None if context_image is None else context_image.shape}."
+                )
+            dtype = self.patch_embedding.weight.dtype
+            grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
+            tokens = self.patch_embedding(x).astype(jnp.float32)
+
+            t = self.time_embedding(timestep)
+            e0 = self.time_projection(jax.nn.silu(t)).reshape(6, c.dim).astype(jnp.float32)
+            if c.text_len is not None:
+                if context.shape[0] > c.text_len:
+                    raise ValueError(
+                        f"WanTransformer3D: the config pads the text to text_len={c.text_len} "
+                        f"tokens (Wan's forward); received {context.shape[0]} tokens."
+                    )
+                context = jnp.pad(context, ((0, c.text_len - context.shape[0]), (0, 0)))
+            context = self.text_embedding(context.astype(dtype))
+            if context_image is not None:
+                context_image = self.img_emb(context_image.astype(dtype))
+
+            rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
+            parallel = self.parallel
+            tokens, rope, segment_ids, n = padded_tokens(tokens, rope, parallel)
+
+            def block(x, b):
+                return b(x, e0, context, rope, segment_ids, context_image)
+
+            tokens = scan_layers(block, tokens, self.blocks, policy)
+            out = self.head(tokens, t.astype(jnp.float32))
+            out = nn.gather_tokens(out, parallel)[:n]
+            return functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path,
+        *,
+        dtype=None,
+        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        implementation="auto",
+        pad_text: bool = False,
+    ) -> "WanTransformer3D":
+        """Loads a Wan 2.1 checkpoint: a diffusers directory or the original Wan layout.
+
+        The directory holds `config.json` and `diffusion_pytorch_model.safetensors`
+        (or the shards of `diffusion_pytorch_model.safetensors.index.json`). The
+        layout is told by the config: diffusers' (`num_attention_heads`, ...;
+        tensors `condition_embedder.*`, `blocks.0.attn1.to_q.weight`, ...) or Wan's
+        (`dim`, `num_heads`, ...; tensors `time_embedding.0.weight`,
+        `blocks.0.self_attn.q.weight`, `head.head.weight`, ...), whose missing keys
+        are read off the tensors' shapes. The model is built abstractly (no random
+        weights), every tensor's shape is checked before any is read, missing and
+        unexpected names are listed together, nothing is partially loaded, and
+        tensors are read one at a time: peak host memory stays near the model's size.
+        No pickle.
+
+        **Arguments:**
+
+        - `path`: the checkpoint directory.
+        - `dtype`: the parameters' dtype; default: the checkpoint's (a bfloat16
+            checkpoint stays bfloat16).
+        - `parallel`, `implementation`: as for the constructor.
+        - `pad_text`: zero-pad the text context to the config's `text_len` (Wan's
+            own forward, 512 tokens) instead of using it as given (diffusers').
+
+        **Returns:**
+
+        The loaded model, its arrays uncommitted on the default device.
+        """
+        raw, tensors = read_config(path, "WanTransformer3D")
+        if "num_attention_heads" in raw or raw.get("_class_name") == "WanTransformer3DModel":
+            config = WanConfig.from_diffusers(raw)
+        elif "dim" in raw or raw.get("_class_name") == "WanModel":
+            config = WanConfig.from_wan(raw, tensors)
+        else:
+            raise ValueError(
+                f"WanTransformer3D.from_pretrained: {os.fspath(path)!r}/config.json is neither a "
+                "diffusers WanTransformer3DModel config (num_attention_heads, ...) nor a Wan "
+                f"2.1 config (dim, num_heads, ...); its keys are {sorted(raw)[:12]}."
+            )
+        if pad_text:
+            config = dataclasses.replace(config, text_len=raw.get("text_len", 512))
+        if dtype is None:
+            name = next((n for n in ("patch_embedding.weight",) if n in tensors), None)
+            dtype = tensors.dtype(name) if name else jnp.float32
+        model = eqx.filter_eval_shape(
+            cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
+            key=jax.random.PRNGKey(0),
+        )
+        return interop.load_state_dict(model, tensors, stacked=_STACKED, rename=_rename)
+
+    def state_dict(self, *, layout: str = "diffusers") -> dict[str, np.ndarray]:
+        """The parameters under the checkpoint names of `layout` (`"diffusers"` or
+        `"wan"`), one tensor per layer (views, no copies on CPU)."""
+        naming = _layout(layout)
+        return interop.state_dict(self, naming=naming, stacked=_STACKED, rename=_rename)
+
+    def save_pretrained(self, path, *, layout: str = "diffusers",
+                        max_shard_bytes: int | None = None) -> None:
+        """Writes `config.json` and the weights as safetensors in `layout`.
+
+        **Arguments:**
+
+        - `path`: the directory (created if needed).
+        - `layout`: `"diffusers"` (loadable by diffusers'
+            `WanTransformer3DModel.from_pretrained`) or `"wan"` (Wan 2.1's names and
+            config keys).
+        - `max_shard_bytes`: split the weights into shards of at most this size with an
+            index, as large releases are; default one file.
+
+        `from_pretrained(path)` gives back the same arrays bit for bit.
+        """
+        config = self.config.to_diffusers() if _layout(layout) == "diffusers" else self.config.to_wan()
+        os.makedirs(path, exist_ok=True)
+        interop.write_checkpoint(path, self.state_dict(layout=layout),
+                                 max_shard_bytes=max_shard_bytes)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+
+
+def _layout(layout: str) -> str:
+    if layout not in ("diffusers", "wan"):
+        raise ValueError(f"`layout` must be 'diffusers' or 'wan'; received {layout!r}.")
+    return layout

@@ -1,0 +1,131 @@
+"""Video patches <-> tokens: the patch embedding of video DiTs and its inverse."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
+
+from ._attention import _check_positive
+
+
+def _check_patch(owner: str, patch_size) -> tuple[int, int, int]:
+    if (
+        not isinstance(patch_size, (tuple, list))
+        or len(patch_size) != 3
+        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in patch_size)
+    ):
+        raise ValueError(
+            f"{owner}: `patch_size` must be three positive ints (frames, height, width); "
+            f"received {patch_size!r}."
+        )
+    return tuple(patch_size)
+
+
+def patch_grid(shape, patch_size, owner: str = "patch_grid") -> tuple[int, int, int]:
+    """The token grid `(F / pt, H / ph, W / pw)` of a `(C, F, H, W)` video.
+
+    Raises where a dimension is not a multiple of its patch size (a `Conv3d` would
+    silently drop the remainder).
+    """
+    pt, ph, pw = _check_patch(owner, patch_size)
+    _, f, h, w = shape
+    if f % pt or h % ph or w % pw:
+        raise ValueError(
+            f"{owner}: the video's (frames, height, width) = {(f, h, w)} must be multiples of "
+            f"patch_size {(pt, ph, pw)}; crop or pad the latents first."
+        )
+    return f // pt, h // ph, w // pw
+
+
+class PatchEmbedding(eqx.Module):
+    """The patch embedding of video DiTs: a `Conv3d` whose kernel equals its stride.
+
+    Computed as what it is, one linear map per non-overlapping `(pt, ph, pw)` patch:
+    the video `(C, F, H, W)` is cut into patches, each flattened in `(C, pt, ph, pw)`
+    order, and multiplied by `weight` reshaped to `(dim, C * pt * ph * pw)`. The
+    weight keeps the `Conv3d` shape `(dim, C, pt, ph, pw)`, so the reference's
+    `patch_embedding.weight` loads as is. Tokens come out frame-major, then height,
+    then width (`flatten(2).transpose(1, 2)` of the reference).
+
+    **Fields:** `weight` `(dim, in_channels, *patch_size)`, `bias` `(dim,)`; static
+    `in_channels`, `dim`, `patch_size`.
+    """
+
+    weight: Float[Array, "dim C pt ph pw"]
+    bias: Float[Array, " dim"]
+    in_channels: int = eqx.field(static=True)
+    dim: int = eqx.field(static=True)
+    patch_size: tuple[int, int, int] = eqx.field(static=True)
+
+    def __init__(self, in_channels: int, dim: int, patch_size=(1, 2, 2), *, dtype=jnp.float32,
+                 key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `in_channels`: the latent channels `C`.
+        - `dim`: the token width.
+        - `patch_size`: `(pt, ph, pw)`.
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the initialization (PyTorch's `Conv3d` default).
+        """
+        _check_positive("PatchEmbedding", "in_channels", in_channels)
+        _check_positive("PatchEmbedding", "dim", dim)
+        patch_size = _check_patch("PatchEmbedding", patch_size)
+        fan_in = in_channels * patch_size[0] * patch_size[1] * patch_size[2]
+        bound = 1 / fan_in**0.5
+        kw, kb = jax.random.split(key)
+        shape = (dim, in_channels, *patch_size)
+        self.weight = jax.random.uniform(kw, shape, dtype, -bound, bound)
+        self.bias = jax.random.uniform(kb, (dim,), dtype, -bound, bound)
+        self.in_channels, self.dim, self.patch_size = in_channels, dim, patch_size
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, x: Float[Array, "{self.in_channels} F H W"]) -> Float[Array, "S {self.dim}"]:
+        """**Arguments:**
+
+        - `x`: one video `(C, F, H, W)`, each of `F, H, W` a multiple of its patch size.
+
+        **Returns:**
+
+        The tokens `(F/pt * H/ph * W/pw, dim)` in the weight's dtype (`x` is cast to it,
+        as a `Conv3d` needs).
+        """
+        with jax.named_scope("vidax_eqx.nn.PatchEmbedding"):
+            f, h, w = patch_grid(x.shape, self.patch_size, "PatchEmbedding")
+            pt, ph, pw = self.patch_size
+            c = self.in_channels
+            x = x.astype(self.weight.dtype).reshape(c, f, pt, h, ph, w, pw)
+            patches = x.transpose(1, 3, 5, 0, 2, 4, 6).reshape(f * h * w, c * pt * ph * pw)
+            return patches @ self.weight.reshape(self.dim, -1).T + self.bias
+
+
+@jaxtyped(typechecker=beartype)
+def unpatchify(
+    tokens: Float[Array, "S D"], grid: tuple[int, int, int], patch_size: tuple[int, int, int]
+) -> Float[Array, "C F H W"]:
+    """The inverse of the patch layout: tokens `(S, C * pt * ph * pw)` -> video `(C, F, H, W)`.
+
+    Token `(f, h, w)` (frame-major order) holds its patch's values in `(pt, ph, pw, C)`
+    order, as Wan's and diffusers' `proj_out` produce them.
+
+    **Arguments:**
+
+    - `tokens`: `(F' * H' * W', C * pt * ph * pw)`.
+    - `grid`: `(F', H', W')`, the token grid.
+    - `patch_size`: `(pt, ph, pw)`.
+
+    **Returns:**
+
+    `(C, F' * pt, H' * ph, W' * pw)`.
+    """
+    f, h, w = grid
+    pt, ph, pw = _check_patch("unpatchify", patch_size)
+    patch = pt * ph * pw
+    if tokens.shape[0] != f * h * w or tokens.shape[1] % patch:
+        raise ValueError(
+            f"unpatchify: `tokens` must be (F*H*W, C*pt*ph*pw) = ({f * h * w}, C*{patch}) for "
+            f"grid {grid} and patch_size {patch_size}; received {tokens.shape}."
+        )
+    c = tokens.shape[1] // patch
+    x = tokens.reshape(f, h, w, pt, ph, pw, c).transpose(6, 0, 3, 1, 4, 2, 5)
+    return x.reshape(c, f * pt, h * ph, w * pw)
