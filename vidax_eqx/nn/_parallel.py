@@ -4,6 +4,7 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from .._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
@@ -231,10 +232,13 @@ def gather_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     """The inverse of [`shard_tokens`][]: the whole sequence from every device's share.
 
     Call it inside `jax.shard_map` on per-token arrays sharded as `parallel` shards
-    `x` (a module's output, e.g. a DiT's last hidden states before unpatchify): an
-    `all_gather` over the sequence axes, in the layout's order, and the zigzag undone.
-    The result is the same on every device of those axes; its gradient is the
-    matching reduce-scatter.
+    `x` (a module's output, e.g. a DiT's last hidden states before unpatchify): every
+    device's rows, in the layout's order, with the zigzag undone. The result is the
+    same on every device of the sequence axes, and known to be (it is a `psum`, so it
+    may leave `shard_map` with an out_spec that does not name those axes); its
+    gradient gives each device the cotangent of its own rows. It moves `n` times the
+    rows of an `all_gather`: gather small arrays (a model's output projection, not
+    its hidden states).
 
     **Arguments:**
 
@@ -255,14 +259,25 @@ def gather_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
         return x
     if parallel.sequence == "usp":
         axes = (parallel.ring_axis, parallel.sp_axis)
-        zigzag_n = axis_size(parallel.ring_axis, what="Ring")
-        axis_size(parallel.sp_axis, what="Sequence-parallel")
+        n_ring = axis_size(parallel.ring_axis, what="Ring")
+        n_sp = axis_size(parallel.sp_axis, what="Sequence-parallel")
+        rank, n, zigzag_n = lax.axis_index(parallel.ring_axis) * n_sp + lax.axis_index(
+            parallel.sp_axis), n_ring * n_sp, n_ring
     else:
         axes = parallel.sp_axis
-        zigzag_n = axis_size(parallel.sp_axis, what="Sequence-parallel")
+        n = zigzag_n = axis_size(parallel.sp_axis, what="Sequence-parallel")
+        rank = lax.axis_index(axes)
 
     def gather(a):
-        a = lax.all_gather(a, axes, axis=axis, tiled=True)
+        # A psum of each device's rows placed in a zero buffer: unlike all_gather, its
+        # result is known to be the same on every device (replicated under check_vma,
+        # so it can leave shard_map with an unsharded out_spec); its transpose hands
+        # each device the cotangent of its own rows.
+        rows = a.shape[axis]
+        shape = (*a.shape[:axis], n * rows, *a.shape[axis + 1:])
+        start = [0] * a.ndim
+        start[axis] = rank * rows
+        a = lax.psum(lax.dynamic_update_slice(jnp.zeros(shape, a.dtype), a, start), axes)
         if parallel.layout == "zigzag":
             a = zigzag_unpermute(a, axis, zigzag_n)
         return a
