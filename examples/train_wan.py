@@ -1,0 +1,325 @@
+"""Trains a tiny Wan 2.1 DiT with flow matching, on 1 device and sharded, and resumes it from an orbax checkpoint.
+
+The model is `vidax_eqx.models.WanTransformer3D` at a tiny size (dim 64, 8 heads,
+2 blocks). The data is a fixed synthetic set: 4 video latents `(4, 3, 6, 10)` and
+4 text contexts `(7, 32)`. Each step takes the whole set and Wan's
+rectified-flow (flow matching) loss:
+
+    sigma = sigmoid(n),  n ~ N(0, 1)           # one per example
+    eps ~ N(0, 1)
+    x_t = (1 - sigma) * x0 + sigma * eps       # the noisy latents
+    v = eps - x0                               # the target velocity
+    loss = mean((model(x_t, 1000 * sigma, context) - v) ** 2)
+
+and one AdamW update. The noise of step `i` is drawn from `fold_in(key, i)`, so
+every run below sees the same draws.
+
+1. **Single device vs sharded.** `--steps` steps on one device, then the same
+   steps from the same initial weights on 8 simulated CPU devices: the tokens
+   split over "sp" (`--sequence ulysses`, `ring`, or `usp`: Ulysses x ring), the
+   heads and MLP features over "tp" (Megatron), the batch over "dp"
+   (`--dp`), through `models.run_sharded` with `remat="full"` (each block
+   recomputed in the backward pass). The optimizer state has one tree
+   structure whatever the model's `ParallelConfig`. Checks: the loss went
+   down, and the sharded losses equal the single-device ones to `--tol`
+   (relative).
+2. **Resume.** The sharded model, optimizer state and step are saved with
+   orbax (`StandardCheckpointer`; only arrays are saved: the model's
+   non-array parts, e.g. its `ParallelConfig`, come from the config), restored
+   into a freshly initialized model, and both the live and the restored state
+   train `--resume-steps` more steps. Check: losses and parameters are
+   bit-identical.
+
+    python examples/train_wan.py
+    python examples/train_wan.py --sequence ring --steps 8
+    python examples/train_wan.py --sequence usp --dp 2 --sp 2 --tp 2
+
+Prints the per-step losses and every check; exits non-zero if one fails.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+
+# 8 simulated CPU devices; XLA reads this when JAX initializes its backend.
+_FLAG = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split()
+     if not f.startswith("--xla_force_host_platform_device_count")] + [_FLAG]
+)
+
+# Run against this checkout's vidax_eqx when it is not installed.
+try:
+    import vidax_eqx  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax_eqx import models, nn, parallel
+
+
+CONFIG = models.WanConfig(dim=64, ffn_dim=96, num_heads=8, num_layers=2, in_channels=4,
+                          out_channels=4, text_dim=32, freq_dim=32)
+LATENTS = (4, 4, 3, 6, 10)  # (examples, channels, frames, height, width)
+TEXT = (7, 32)  # (tokens, text_dim)
+
+
+# -- data and loss -----------------------------------------------------------------------
+
+
+def dataset(key):
+    """The fixed training set: clean latents `x0 (B, C, F, H, W)` and text `context (B, L, D)`."""
+    k1, k2 = jax.random.split(key)
+    x0 = jax.random.normal(k1, LATENTS, jnp.float32)
+    context = jax.random.normal(k2, (LATENTS[0], *TEXT), jnp.float32)
+    return x0, context
+
+
+@jax.jit
+def flow_matching_batch(key, x0):
+    """Wan's rectified flow: `(x_t, timestep, v)` for one draw of noise and sigmas.
+
+    `sigma = sigmoid(N(0, 1))` per example (logit-normal), `x_t = (1 - sigma) x0 +
+    sigma eps`, `timestep = 1000 sigma`, target velocity `v = eps - x0`.
+    """
+    k_sigma, k_eps = jax.random.split(key)
+    sigma = jax.nn.sigmoid(jax.random.normal(k_sigma, (x0.shape[0],), jnp.float32))
+    eps = jax.random.normal(k_eps, x0.shape, jnp.float32)
+    s = sigma[:, None, None, None, None]
+    return (1 - s) * x0 + s * eps, 1000 * sigma, eps - x0
+
+
+def make_step(optimizer, forward):
+    """One jitted AdamW step of the flow-matching loss; `forward(model, x_t, t, context)`
+    is the batched model (one device or sharded). Compiled once per input placement."""
+
+    @eqx.filter_jit
+    def step(model, opt_state, x_t, timestep, context, v):
+        def loss_fn(model):
+            pred = forward(model, x_t, timestep, context)
+            return jnp.mean((pred.astype(jnp.float32) - v) ** 2)
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def train(step, model, opt_state, data, key, steps, *, first=0, place=lambda a: a):
+    """Runs `steps` steps from step number `first`; returns the model, state and losses."""
+    x0, context = data
+    losses = []
+    for i in range(first, first + steps):
+        x_t, timestep, v = place(flow_matching_batch(jax.random.fold_in(key, i), x0))
+        model, opt_state, loss = step(model, opt_state, x_t, timestep, place(context), v)
+        losses.append(float(loss))
+    return model, opt_state, losses
+
+
+# -- the mesh ----------------------------------------------------------------------------
+
+
+def sharded_setup(sequence, dp, sp, tp):
+    """`(mesh, ParallelConfig)` for `sequence` over `sp` devices x `tp` x `dp`.
+
+    `usp` splits the `sp` devices into Ulysses over "sp" (`sp // 2`) and a ring of 2
+    over "ring".
+    """
+    if sequence == "usp":
+        mesh = parallel.make_mesh(dp=dp, sp=sp // 2, tp=tp, extra_axes={"ring": 2})
+        config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp")
+    else:
+        mesh = parallel.make_mesh(dp=dp, sp=sp, tp=tp)
+        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp")
+    return mesh, config
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def save(path, model, opt_state, step):
+    """Writes the model's arrays, the optimizer state and the step to `path` with orbax."""
+    state = {"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state, "step": step}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state, force=True)
+        checkpointer.wait_until_finished()
+
+
+def restore(path, model_template, opt_state_template):
+    """Reads a checkpoint of `save` into the templates' shapes, dtypes and placements.
+
+    The arrays come from the checkpoint, the rest of the model (its config and
+    `ParallelConfig`) from `model_template`. Returns `(model, opt_state, step)`.
+    """
+    arrays, static = eqx.partition(model_template, eqx.is_array)
+    target = {"model": arrays, "opt_state": opt_state_template, "step": 0}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path, abstract)
+    return eqx.combine(state["model"], static), state["opt_state"], int(state["step"])
+
+
+def bitwise_equal(a, b) -> bool:
+    """Whether two PyTrees have the same structure and bit-identical arrays."""
+    a_leaves, a_def = jax.tree.flatten(eqx.filter(a, eqx.is_array))
+    b_leaves, b_def = jax.tree.flatten(eqx.filter(b, eqx.is_array))
+    return a_def == b_def and all(
+        x.dtype == y.dtype and x.shape == y.shape
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(a_leaves, b_leaves)
+    )
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def check(name: str, ok: bool, detail: str) -> bool:
+    print(f"  check {name:<32} {'ok' if ok else 'FAILED'}  ({detail})")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Runs on 8 simulated CPU devices (XLA_FLAGS is set by this script).",
+    )
+    p.add_argument("--steps", type=int, default=4, help="training steps compared (default 4)")
+    p.add_argument("--resume-steps", type=int, default=2,
+                   help="steps run after the checkpoint, live and restored (default 2)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--sequence", default="ulysses", choices=["ulysses", "ring", "usp"],
+                   help="sequence parallelism over 'sp' (default ulysses; usp: Ulysses over "
+                        "sp/2 x a ring of 2)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    p.add_argument("--sp", type=int, default=4, help="sequence-parallel size (default 4)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--remat", default="full", choices=models.REMAT_POLICIES,
+                   help="rematerialization of the sharded run (default full)")
+    p.add_argument("--checkpoint-dir",
+                   help="where the orbax checkpoint goes (default: a temporary directory, "
+                        "removed at exit)")
+    p.add_argument("--tol", type=float, default=1e-5,
+                   help="largest allowed |sharded - single| / |single| per loss (default 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+    args = p.parse_args(argv)
+
+    n_devices = args.dp * args.sp * args.tp
+    if args.steps < 2 or args.resume_steps < 1:
+        print(f"needs --steps >= 2 (to see the loss go down) and --resume-steps >= 1; received "
+              f"--steps {args.steps}, --resume-steps {args.resume_steps}", file=sys.stderr)
+        return 2
+    if n_devices > len(jax.devices()):
+        print(f"dp={args.dp} x sp={args.sp} x tp={args.tp} needs {n_devices} devices, found "
+              f"{len(jax.devices())} (was JAX imported before XLA_FLAGS was set?)", file=sys.stderr)
+        return 2
+    if LATENTS[0] % args.dp or (args.sequence == "usp" and args.sp % 2):
+        print(f"the batch ({LATENTS[0]}) must be a multiple of --dp and usp needs an even --sp; "
+              f"received --dp {args.dp}, --sp {args.sp}, --sequence {args.sequence}",
+              file=sys.stderr)
+        return 2
+
+    k_model, k_data, k_noise, k_fresh = jax.random.split(jax.random.PRNGKey(args.seed), 4)
+    model = models.WanTransformer3D(CONFIG, key=k_model)
+    data = dataset(k_data)
+    optimizer = optax.adamw(args.lr)
+    n_params = sum(a.size for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    print(f"Wan: dim={CONFIG.dim}, heads={CONFIG.num_heads}, layers={CONFIG.num_layers}, "
+          f"{n_params:,} parameters; data: {LATENTS[0]} latents {LATENTS[1:]}, text {TEXT}; "
+          f"AdamW lr={args.lr:g}")
+
+    # 1. One device.
+    t0 = time.perf_counter()
+    single_step = make_step(optimizer, lambda m, x, t, c: jax.vmap(m)(x, t, c))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    single_model, single_state, single = train(single_step, model, opt_state, data, k_noise,
+                                               args.steps)
+    single_time = time.perf_counter() - t0
+
+    # 2. The same weights and draws, sharded.
+    t0 = time.perf_counter()
+    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp)
+    batch_axis = "dp" if args.dp > 1 else None
+    sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
+    sharded_state = optimizer.init(eqx.filter(sharded, eqx.is_array))  # zeros placed like the weights
+    same_structure = jax.tree.structure(sharded_state) == jax.tree.structure(opt_state)
+    sharded_step = make_step(optimizer, lambda m, x, t, c: models.run_sharded(
+        m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
+    data_sharding = NamedSharding(mesh, P(batch_axis))
+    place = lambda tree: jax.device_put(tree, data_sharding)  # noqa: E731
+    sharded_data = place(data)
+    sharded, sharded_state, losses = train(sharded_step, sharded, sharded_state, sharded_data,
+                                           k_noise, args.steps, place=place)
+    sharded_time = time.perf_counter() - t0
+
+    layout = (f"sp={args.sp // 2}(ulysses) x ring=2" if args.sequence == "usp"
+              else f"sp={args.sp}({args.sequence})")
+    label = f"dp={args.dp} x {layout} x tp={args.tp}, remat={args.remat}"
+    print(f"\n step  {'1 device':>12}  {'sharded':>12}  |diff|")
+    for i, (a, b) in enumerate(zip(single, losses)):
+        print(f" {i:4d}  {a:12.8f}  {b:12.8f}  {abs(a - b):.2e}")
+    print(f" 1 device: {single_time:.1f} s; sharded ({label}): {sharded_time:.1f} s "
+          "(both including compilation)")
+    max_diff = max(abs(a - b) for a, b in zip(single, losses))
+    max_rel = max(abs(a - b) / abs(a) for a, b in zip(single, losses))
+    ok = check("loss decreased (1 device)", single[-1] < single[0],
+               f"{single[0]:.6f} -> {single[-1]:.6f}")
+    ok &= check("loss decreased (sharded)", losses[-1] < losses[0],
+                f"{losses[0]:.6f} -> {losses[-1]:.6f}")
+    ok &= check("sharded == 1 device", max_rel <= args.tol,
+                f"max|diff| = {max_diff:.2e}, max relative {max_rel:.2e} <= {args.tol:g}")
+    ok &= check("one optimizer state structure", same_structure,
+                "1-device and sharded AdamW states")
+
+    # 3. Checkpoint the sharded run, restore into a fresh model, continue both.
+    tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="train_wan_")
+    path = os.path.abspath(os.path.join(args.checkpoint_dir or tmp, f"step_{args.steps}"))
+    try:
+        t0 = time.perf_counter()
+        save(path, sharded, sharded_state, args.steps)
+        fresh = nn.shard_module(nn.with_parallel(models.WanTransformer3D(CONFIG, key=k_fresh),
+                                                 pconfig), mesh)
+        fresh_state = optimizer.init(eqx.filter(fresh, eqx.is_array))
+        restored, restored_state, step = restore(path, fresh, fresh_state)
+        checkpoint_time = time.perf_counter() - t0
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n checkpoint: {path} ({'temporary, removed' if tmp else 'kept'}); save + restore "
+          f"{checkpoint_time:.1f} s")
+    ok &= check("restored == saved", step == args.steps and bitwise_equal(restored, sharded)
+                and bitwise_equal(restored_state, sharded_state),
+                f"step {step}, model and AdamW state bit for bit")
+
+    t0 = time.perf_counter()
+    live, live_state, live_losses = train(sharded_step, sharded, sharded_state, sharded_data,
+                                          k_noise, args.resume_steps, first=args.steps,
+                                          place=place)
+    restored, restored_state, restored_losses = train(
+        sharded_step, restored, restored_state, sharded_data, k_noise, args.resume_steps,
+        first=step, place=place)
+    resume_time = time.perf_counter() - t0
+    print(f"\n step  {'live':>12}  {'restored':>12}")
+    for i, (a, b) in enumerate(zip(live_losses, restored_losses), start=args.steps):
+        print(f" {i:4d}  {a:12.8f}  {b:12.8f}  {'same bits' if a == b else 'DIFFERENT'}")
+    print(f" {2 * args.resume_steps} steps: {resume_time:.1f} s")
+    ok &= check("resume bit-exact", live_losses == restored_losses
+                and bitwise_equal(live, restored) and bitwise_equal(live_state, restored_state),
+                "losses, parameters and AdamW state")
+    print("all checks passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
