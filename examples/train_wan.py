@@ -78,31 +78,32 @@ TEXT = (7, 32)  # (tokens, text_dim)
 # -- data and loss -----------------------------------------------------------------------
 
 
-def dataset(key):
+def dataset(seed):
     """The fixed training set: clean latents `x0 (B, C, F, H, W)` and text `context (B, L, D)`."""
-    k1, k2 = jax.random.split(key)
-    x0 = jax.random.normal(k1, LATENTS, jnp.float32)
-    context = jax.random.normal(k2, (LATENTS[0], *TEXT), jnp.float32)
+    rng = np.random.default_rng([seed, 0])
+    x0 = rng.standard_normal(LATENTS, np.float32)
+    context = rng.standard_normal((LATENTS[0], *TEXT), np.float32)
     return x0, context
 
 
-@jax.jit
-def flow_matching_batch(key, x0):
-    """Wan's rectified flow: `(x_t, timestep, v)` for one draw of noise and sigmas.
+def flow_matching_batch(seed, step, x0):
+    """Wan's rectified flow at step `step`: `(x_t, timestep, v)`.
 
-    `sigma = sigmoid(N(0, 1))` per example (logit-normal), `x_t = (1 - sigma) x0 +
-    sigma eps`, `timestep = 1000 sigma`, target velocity `v = eps - x0`.
+    `sigma = sigmoid(N(0, 1))` per example (logit-normal), `eps ~ N(0, 1)`,
+    `x_t = (1 - sigma) x0 + sigma eps`, `timestep = 1000 sigma`, target velocity
+    `v = eps - x0`. Drawn with NumPy from `(seed, step)`: every run sees the same
+    draws, whatever its devices.
     """
-    k_sigma, k_eps = jax.random.split(key)
-    sigma = jax.nn.sigmoid(jax.random.normal(k_sigma, (x0.shape[0],), jnp.float32))
-    eps = jax.random.normal(k_eps, x0.shape, jnp.float32)
+    rng = np.random.default_rng([seed, 1, step])
+    sigma = 1 / (1 + np.exp(-rng.standard_normal(x0.shape[0]).astype(np.float32)))
+    eps = rng.standard_normal(x0.shape, np.float32)
     s = sigma[:, None, None, None, None]
     return (1 - s) * x0 + s * eps, 1000 * sigma, eps - x0
 
 
 def make_step(optimizer, forward):
-    """One jitted AdamW step of the flow-matching loss; `forward(model, x_t, t, context)`
-    is the batched model (one device or sharded). Compiled once per input placement."""
+    """One jitted AdamW step of the flow-matching loss; `forward(model, x_t, timestep,
+    context)` is the batched model (one device or sharded)."""
 
     @eqx.filter_jit
     def step(model, opt_state, x_t, timestep, context, v):
@@ -117,12 +118,15 @@ def make_step(optimizer, forward):
     return step
 
 
-def train(step, model, opt_state, data, key, steps, *, first=0, place=lambda a: a):
-    """Runs `steps` steps from step number `first`; returns the model, state and losses."""
+def train(step, model, opt_state, data, seed, steps, *, first=0, place=lambda a: a):
+    """Runs steps `first, ..., first + steps - 1`; returns the model, state and losses.
+
+    `place` puts each batch where the step wants it (the mesh, for a sharded run).
+    """
     x0, context = data
     losses = []
     for i in range(first, first + steps):
-        x_t, timestep, v = place(flow_matching_batch(jax.random.fold_in(key, i), x0))
+        x_t, timestep, v = place(flow_matching_batch(seed, i, x0))
         model, opt_state, loss = step(model, opt_state, x_t, timestep, place(context), v)
         losses.append(float(loss))
     return model, opt_state, losses
@@ -144,6 +148,18 @@ def sharded_setup(sequence, dp, sp, tp):
         mesh = parallel.make_mesh(dp=dp, sp=sp, tp=tp)
         config = nn.ParallelConfig(sequence=sequence, tp_axis="tp")
     return mesh, config
+
+
+def place_state(optimizer, opt_state, model, mesh):
+    """`opt_state` on `mesh`: the moments placed like the parameters of `model` they
+    follow, the rest (AdamW's step count) replicated; as the sharded step returns it,
+    so that the step compiles once."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda x, p: jax.device_put(x, p.sharding), opt_state,
+        eqx.filter(model, eqx.is_array),
+        transform_non_params=lambda x: jax.device_put(x, replicated),
+    )
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -177,7 +193,7 @@ def bitwise_equal(a, b) -> bool:
     b_leaves, b_def = jax.tree.flatten(eqx.filter(b, eqx.is_array))
     return a_def == b_def and all(
         x.dtype == y.dtype and x.shape == y.shape
-        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
         for x, y in zip(a_leaves, b_leaves)
     )
 
@@ -230,10 +246,14 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    k_model, k_data, k_noise, k_fresh = jax.random.split(jax.random.PRNGKey(args.seed), 4)
-    model = models.WanTransformer3D(CONFIG, key=k_model)
-    data = dataset(k_data)
+    # The constructor under `eqx.filter_jit`: one compilation serves both models built here
+    # (the random initialization, run op by op, would compile each draw separately).
+    init = eqx.filter_jit(lambda key: models.WanTransformer3D(CONFIG, key=key))
+    k_model, k_fresh = jax.random.split(jax.random.PRNGKey(args.seed))
+    model = init(k_model)
+    data = dataset(args.seed)
     optimizer = optax.adamw(args.lr)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     n_params = sum(a.size for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     print(f"Wan: dim={CONFIG.dim}, heads={CONFIG.num_heads}, layers={CONFIG.num_layers}, "
           f"{n_params:,} parameters; data: {LATENTS[0]} latents {LATENTS[1:]}, text {TEXT}; "
@@ -242,25 +262,20 @@ def main(argv=None) -> int:
     # 1. One device.
     t0 = time.perf_counter()
     single_step = make_step(optimizer, lambda m, x, t, c: jax.vmap(m)(x, t, c))
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    single_model, single_state, single = train(single_step, model, opt_state, data, k_noise,
-                                               args.steps)
+    single_model, _, single = train(single_step, model, opt_state, data, args.seed, args.steps)
     single_time = time.perf_counter() - t0
 
-    # 2. The same weights and draws, sharded.
+    # 2. The same weights, optimizer state and draws, sharded.
     t0 = time.perf_counter()
     mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp)
     batch_axis = "dp" if args.dp > 1 else None
-    sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
-    sharded_state = optimizer.init(eqx.filter(sharded, eqx.is_array))  # zeros placed like the weights
-    same_structure = jax.tree.structure(sharded_state) == jax.tree.structure(opt_state)
+    place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
     sharded_step = make_step(optimizer, lambda m, x, t, c: models.run_sharded(
         m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
-    data_sharding = NamedSharding(mesh, P(batch_axis))
-    place = lambda tree: jax.device_put(tree, data_sharding)  # noqa: E731
-    sharded_data = place(data)
-    sharded, sharded_state, losses = train(sharded_step, sharded, sharded_state, sharded_data,
-                                           k_noise, args.steps, place=place)
+    sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
+    sharded_state = place_state(optimizer, opt_state, sharded, mesh)
+    sharded, sharded_state, losses = train(sharded_step, sharded, sharded_state, data, args.seed,
+                                           args.steps, place=place)
     sharded_time = time.perf_counter() - t0
 
     layout = (f"sp={args.sp // 2}(ulysses) x ring=2" if args.sequence == "usp"
@@ -273,14 +288,16 @@ def main(argv=None) -> int:
           "(both including compilation)")
     max_diff = max(abs(a - b) for a, b in zip(single, losses))
     max_rel = max(abs(a - b) / abs(a) for a, b in zip(single, losses))
+    param_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(eqx.filter(single_model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(sharded, eqx.is_array))))
     ok = check("loss decreased (1 device)", single[-1] < single[0],
                f"{single[0]:.6f} -> {single[-1]:.6f}")
     ok &= check("loss decreased (sharded)", losses[-1] < losses[0],
                 f"{losses[0]:.6f} -> {losses[-1]:.6f}")
     ok &= check("sharded == 1 device", max_rel <= args.tol,
-                f"max|diff| = {max_diff:.2e}, max relative {max_rel:.2e} <= {args.tol:g}")
-    ok &= check("one optimizer state structure", same_structure,
-                "1-device and sharded AdamW states")
+                f"max|diff| = {max_diff:.2e}, relative {max_rel:.2e} <= {args.tol:g}; "
+                f"parameters max|diff| = {param_diff:.2e}")
 
     # 3. Checkpoint the sharded run, restore into a fresh model, continue both.
     tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="train_wan_")
@@ -288,9 +305,9 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         save(path, sharded, sharded_state, args.steps)
-        fresh = nn.shard_module(nn.with_parallel(models.WanTransformer3D(CONFIG, key=k_fresh),
-                                                 pconfig), mesh)
-        fresh_state = optimizer.init(eqx.filter(fresh, eqx.is_array))
+        fresh = nn.shard_module(nn.with_parallel(init(k_fresh), pconfig), mesh)
+        fresh_state = place_state(optimizer, optimizer.init(eqx.filter(fresh, eqx.is_array)),
+                                  fresh, mesh)
         restored, restored_state, step = restore(path, fresh, fresh_state)
         checkpoint_time = time.perf_counter() - t0
     finally:
@@ -303,12 +320,11 @@ def main(argv=None) -> int:
                 f"step {step}, model and AdamW state bit for bit")
 
     t0 = time.perf_counter()
-    live, live_state, live_losses = train(sharded_step, sharded, sharded_state, sharded_data,
-                                          k_noise, args.resume_steps, first=args.steps,
-                                          place=place)
+    live, live_state, live_losses = train(sharded_step, sharded, sharded_state, data, args.seed,
+                                          args.resume_steps, first=args.steps, place=place)
     restored, restored_state, restored_losses = train(
-        sharded_step, restored, restored_state, sharded_data, k_noise, args.resume_steps,
-        first=step, place=place)
+        sharded_step, restored, restored_state, data, args.seed, args.resume_steps, first=step,
+        place=place)
     resume_time = time.perf_counter() - t0
     print(f"\n step  {'live':>12}  {'restored':>12}")
     for i, (a, b) in enumerate(zip(live_losses, restored_losses), start=args.steps):

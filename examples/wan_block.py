@@ -9,8 +9,8 @@ The block is Wan's `WanAttentionBlock`, built from vidax_eqx modules:
 
 with `self_attn` an `nn.Attention` (q/k RMSNorm, Wan's 3D RoPE from
 `nn.functional.rope_3d` over a (frames, height, width) token grid),
-`cross_attn` an `nn.CrossAttention` over the text tokens, and `ffn` two
-`eqx.nn.Linear` around a tanh-GELU. Its fields carry Wan's parameter names,
+`cross_attn` an `nn.CrossAttention` over the text tokens, and `ffn` an
+`nn.FeedForward` (tanh-GELU). Its fields carry Wan's parameter names,
 so the weights load from a Wan checkpoint with
 `interop.load_state_dict(block, path, prefix="blocks.0.")`. Here, unless
 `--weights` names a real file, they come from a synthetic checkpoint in Wan's
@@ -105,7 +105,7 @@ class WanBlock(eqx.Module):
     `cross_attn`, `norm2`, `ffn.0`, `ffn.2`, `modulation`). The attention
     modules' `parallel` configuration decides how the block runs: with a
     tensor-parallel axis the MLP is split over it too (`ffn.0` column-parallel,
-    `ffn.2` row-parallel; see `block_partition_specs`).
+    `ffn.2` row-parallel, placed by `nn.partition_specs`).
     """
 
     norm1: nn.LayerNorm
@@ -113,33 +113,19 @@ class WanBlock(eqx.Module):
     norm3: nn.LayerNorm
     cross_attn: nn.CrossAttention
     norm2: nn.LayerNorm
-    ffn: eqx.nn.Sequential
+    ffn: nn.FeedForward
     modulation: jax.Array
 
     def __init__(self, dim, ffn_dim, num_heads, *, eps=1e-6, parallel=nn.ParallelConfig(), key):
-        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        k1, k2, k3, k5 = jax.random.split(key, 4)
         self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.self_attn = nn.Attention(dim, num_heads, eps=eps, parallel=parallel, key=k1)
         self.norm3 = nn.LayerNorm(dim, eps)  # Wan 2.1: cross_attn_norm=True
         self.cross_attn = nn.CrossAttention(dim, num_heads, eps=eps, parallel=parallel, key=k2)
         self.norm2 = nn.LayerNorm(dim, eps, elementwise_affine=False)
-        self.ffn = eqx.nn.Sequential([
-            eqx.nn.Linear(dim, ffn_dim, key=k3),
-            eqx.nn.Lambda(lambda x: jax.nn.gelu(x, approximate=True)),
-            eqx.nn.Linear(ffn_dim, dim, key=k4),
-        ])
+        # ffn.0 -> tanh-GELU -> ffn.2; with a tp_axis, column- then row-parallel.
+        self.ffn = nn.FeedForward(dim, ffn_dim, activation="gelu_tanh", parallel=parallel, key=k3)
         self.modulation = jax.random.normal(k5, (1, 6, dim), jnp.float32) / dim**0.5
-
-    def _mlp(self, x):
-        # ffn.0 -> tanh-GELU -> ffn.2, written out so that under tensor parallelism the
-        # partial products of ffn.2 are summed over the axis before its bias is added.
-        up, down = self.ffn.layers[0], self.ffn.layers[2]
-        h = jax.nn.gelu(x @ up.weight.T + up.bias, approximate=True)
-        y = h @ down.weight.T
-        tp_axis = self.self_attn.parallel.tp_axis
-        if tp_axis is not None:
-            y = jax.lax.psum(y, tp_axis)
-        return y + down.bias
 
     def __call__(self, x, e, context, rope):
         """`x (S, dim)` video tokens (this device's under SP), `e (6, dim)` float32 from
@@ -151,20 +137,7 @@ class WanBlock(eqx.Module):
             x = x + self.self_attn(h.astype(x.dtype), rope=rope) * gate1
             x = x + self.cross_attn(self.norm3(x), context)
             h = self.norm2(x).astype(jnp.float32) * (1 + scale2) + shift2
-            return x + self._mlp(h.astype(x.dtype)) * gate2
-
-
-def block_partition_specs(block: WanBlock):
-    """`nn.partition_specs` (Megatron attention), plus the MLP split over the same axis."""
-    specs = nn.partition_specs(block)
-    tp = block.self_attn.parallel.tp_axis
-    if tp is None:
-        return specs
-    return eqx.tree_at(
-        lambda s: (s.ffn.layers[0].weight, s.ffn.layers[0].bias, s.ffn.layers[2].weight),
-        specs,
-        (P(tp, None), P(tp), P(None, tp)),
-    )
+            return x + self.ffn(h.astype(x.dtype)) * gate2
 
 
 # -- weights ---------------------------------------------------------------------------
@@ -240,7 +213,7 @@ def sharded_forward(block, mode, sp, tp):
         config = nn.ParallelConfig(sequence=mode, tp_axis="tp")
         seq = "sp"
     block = nn.with_parallel(block, config)  # the same arrays, another ParallelConfig leaf
-    specs = block_partition_specs(block)
+    specs = nn.partition_specs(block)  # Megatron attention and FFN
 
     def body(block, x, e, context, cos, sin):
         return jax.vmap(lambda x, e, c: block(x, e, c, (cos, sin)))(x, e, context)
