@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ref = jax.block_until_ready(single(model, x, context))
     scale = float(jnp.max(jnp.abs(ref)))
-    print(f"  {"1 device":<40} {time.perf_counter() - t0:6.1f} s (incl. compile)  "
+    print(f"  {'1 device':<40} {time.perf_counter() - t0:6.1f} s (incl. compile)  "
           f"max|x_next| = {scale:.3g}")
 
     failed = False
