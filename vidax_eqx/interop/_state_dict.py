@@ -1,5 +1,6 @@
 """PyTorch-style state dicts <-> Equinox modules: names, checks, and one-shot replacement."""
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -204,12 +205,33 @@ def _place(array: np.ndarray, like):
     given (a `ShapeDtypeStruct`'s); uncommitted on the default device otherwise, so
     that `jit` may still place it anywhere.
     """
-    sharding = None
+    return jax.device_put(array, _sharding_of(like))
+
+
+def _sharding_of(like):
     if isinstance(like, jax.ShapeDtypeStruct):
-        sharding = like.sharding
-    elif isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
-        sharding = like.sharding
-    return jax.device_put(array, sharding)
+        return like.sharding
+    if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
+        return like.sharding
+    return None
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack, layer, index):
+    """`stack` with `stack[index] = layer`, in place (the old buffer is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
+
+
+def _place_stacked(like, layers):
+    """A stacked leaf `(L, ...)` on the device, filled one layer at a time.
+
+    `layers` yields `(index, NumPy array)`; each is copied into a device buffer that
+    is updated in place, so host memory holds one layer, never the whole stack."""
+    zeros = jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=_sharding_of(like))
+    stack = zeros()
+    for index, array in layers:
+        stack = _set_layer(stack, array, np.int32(index))
+    return stack
 
 
 def _fmt_keys(keys, limit=20, sep=", ") -> str:
@@ -417,15 +439,14 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
         by_leaf.setdefault(entries[e].leaf, []).append(e)
     for i, group in by_leaf.items():
         if entries[group[0]].layer is None:
-            array = read(group[0])
-        else:  # stacked: one (L, ...) buffer filled layer by layer, one tensor at a time
-            leaf = leaves[i]
-            array = np.asarray(leaf).copy() if len(group) < leaf.shape[0] else np.empty(
-                leaf.shape, np.dtype(leaf.dtype))
+            new_leaves[i] = _place(read(group[0]), leaves[i])
+        elif len(group) < leaves[i].shape[0]:  # strict=False: some layers keep their values
+            array = np.array(leaves[i], copy=True)
             for e in group:
                 array[entries[e].layer] = read(e)
-        new_leaves[i] = _place(array, leaves[i])
-        del array
+            new_leaves[i] = _place(array, leaves[i])
+        else:  # stacked: one device buffer, filled one layer (one tensor read) at a time
+            new_leaves[i] = _place_stacked(leaves[i], ((entries[e].layer, read(e)) for e in group))
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
