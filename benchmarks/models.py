@@ -9,15 +9,16 @@ Two parts, each configuration in a fresh process (this script with a hidden
 (`jax.jit(...).lower(ShapeDtypeStructs).compile()`) through `models.run_sharded`,
 for two meshes:
 
-- `sp8`: sequence parallelism over 8 devices. Ulysses needs the local head count to
-  be a multiple of the sequence axis: 1.3B has 12 heads (12 % 8 != 0), 14B has 40
-  (40 % 8 == 0). `--sequence auto` (the default) takes Ulysses where the heads allow
-  it and ring attention (contiguous layout) otherwise; `ring` or `ulysses` force one
-  mode (a case Ulysses cannot serve is then reported as such). The mode is in
-  every row.
+- `sp8`: sequence parallelism over 8 devices.
 - `sp4xtp2`: sequence parallelism over 4 devices x Megatron tensor parallelism over
-  2 (heads and MLP features split; 6 local heads for 1.3B: ring; 20 for 14B:
-  Ulysses, under `auto`).
+  2 (heads and MLP features split).
+
+Sequence modes: Ulysses needs the local head count (heads / tp) to be a multiple of
+sp: 1.3B has 12 heads (12 % 8 != 0 on sp8, 6 % 4 != 0 on sp4xtp2: ring only), 14B has
+40 (40 % 8 == 0, 20 % 4 == 0: both). By default every case runs ring attention
+(contiguous layout) and, where it fits, Ulysses too; `--sequence` chooses (`auto`:
+Ulysses where it fits, ring otherwise; a single mode that cannot serve a case gives a
+"not measured" row). The mode is in every row.
 
 Reported per (model, tokens, mesh), per device (each device runs its own SPMD
 program: every number below is one device's):
@@ -44,7 +45,11 @@ program: every number below is one device's):
     optimized HLO, each `while` body multiplied by its `known_trip_count`, fusions
     and called computations followed, a `conditional` counted by its costliest
     branch (elementwise work not included);
-  - `analytic`: the formula below, per device, and its ratio to `HLO dots`.
+  - `analytic`: the formula below, per device; `analytic (tiles)`: the same with
+    the attention's sequences padded as the blockwise kernel pads them (to multiples
+    of block_q = 256 queries and block_kv = 512 keys, each at most the length; ring:
+    per step, local queries against one local chunk; Ulysses: the whole sequence for
+    heads / sp heads), and `HLO / analytic (tiles)`.
 - compile time (lower + compile) of each program.
 
 Analytic dot FLOPs of one forward (2 flops per multiply-add). S tokens, d = dim,
@@ -568,13 +573,16 @@ def spawn_scale(args, case: Case, probe: bool) -> dict:
 
 
 def _times(fn, repeats: int) -> dict:
+    """Wall and process CPU time (all threads) of `repeats` runs after a warm-up."""
     fn()  # warm-up
-    runs = []
+    runs, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         runs.append(time.perf_counter() - t0)
-    return {"best_s": min(runs), "median_s": statistics.median(runs), "runs_s": runs}
+        cpu.append(time.process_time() - c0)
+    return {"best_s": min(runs), "median_s": statistics.median(runs), "runs_s": runs,
+            "best_cpu_s": min(cpu), "cpu_s": cpu}
 
 
 MATMUL_N = 2048  # the reference matmul of the wall-time part: (N x N) @ (N x N), float32
@@ -658,12 +666,15 @@ def run_wall(args) -> dict:
     difference."""
     import numpy as np
 
-    check = subprocess.run([args.torch_python, "-c", "import torch, diffusers"],
-                           capture_output=True, text=True) if os.path.exists(args.torch_python) else None
+    check = None
+    if os.path.exists(args.torch_python):
+        check = subprocess.run([args.torch_python, "-c", "import torch, diffusers"],
+                               capture_output=True, text=True)
     if check is None or check.returncode != 0:
         why = ("not found" if check is None else
                (check.stderr.strip().splitlines() or ["import failed"])[-1][:200])
-        return {"status": f"skipped: torch/diffusers not importable with {args.torch_python} ({why})"}
+        return {"status": f"skipped: torch/diffusers not importable with "
+                          f"{args.torch_python} ({why})"}
     d = tempfile.mkdtemp(prefix="vidax_wan_wall_")
     try:
         out = {"status": "ok"}
@@ -685,9 +696,10 @@ def run_wall(args) -> dict:
         out["max_abs_diff"] = float(np.max(np.abs(a - b)))
         out["max_abs_ref"] = float(np.max(np.abs(b)))
         out["shape"] = list(a.shape)
-        for k in ("best_s", "median_s"):
+        for k in ("best_s", "median_s", "best_cpu_s"):
             out[f"ratio_{k}"] = out["vidax_eqx"][k] / out["diffusers"][k]
-        out["analytic_fwd_flops"] = analytic_flops(WALL_CONFIG, math.prod(WALL_LATENTS[1:]) // 4)["fwd_total"]
+        tokens = math.prod(WALL_LATENTS[1:]) // 4
+        out["analytic_fwd_flops"] = analytic_flops(WALL_CONFIG, tokens)["fwd_total"]
         for side in ("vidax_eqx", "diffusers"):
             r = out[side]
             r["gflops"] = out["analytic_fwd_flops"] / r["best_s"] / 1e9
@@ -807,6 +819,10 @@ def scale_notes(rows: list[dict], info: dict) -> str:
         "array, `remat=\"full\"` (each block saves only its input and is recomputed in the "
         "backward pass); gradients come out sharded like the parameters (bf16), so `train "
         "XLA total` counts parameters, gradients and temp; no optimizer state.",
+        "- `HLO / analytic (tiles)` near 1 says the compiled program does the work the "
+        "formula expects, no more (dots only; elementwise work is not counted); `analytic` "
+        "without tiles is the model's own work, which the kernel's padding exceeds slightly "
+        "where a length is not a multiple of its blocks.",
         "- Compiled ahead of time only: nothing was run, no weight allocated.",
     ]
     for r in rows:
@@ -840,23 +856,25 @@ def wall_markdown(w: dict, args) -> str:
     v, t = w["vidax_eqx"], w["diffusers"]
 
     def row(name, r, setup, versions):
-        return (f"| {name} | {r['best_s']:.2f} | {r['median_s']:.2f} | {len(r['runs_s'])} | "
+        return (f"| {name} | {r['best_s']:.2f} | {r['median_s']:.2f} | {r['best_cpu_s']:.2f} | "
+                f"{len(r['runs_s'])} | "
                 f"{r['gflops']:.0f} | {r['matmul_gflops']:.0f} | "
                 f"{r['gflops'] / r['matmul_gflops']:.2f} | {setup} | {versions} |")
 
     return "\n".join([
         head,
         "",
-        "| implementation | best (s) | median (s) | runs | GFLOP/s | matmul GFLOP/s | "
-        "of matmul | setup (s) | versions |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| implementation | best (s) | median (s) | best CPU time (s) | runs | GFLOP/s | "
+        "matmul GFLOP/s | of matmul | setup (s) | versions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         row("vidax_eqx (`eqx.filter_jit`, 1 device)", v, f"{v['compile_s']:.1f} compile",
             f"jax {v['jax']}"),
         row("diffusers `WanTransformer3DModel` (`torch.no_grad`)", t, f"{t['load_s']:.1f} load",
             f"torch {t['torch']} ({t['threads']} threads), diffusers {t['diffusers']}"),
         "",
         f"**vidax_eqx / diffusers: {w['ratio_best_s']:.2f} (best), {w['ratio_median_s']:.2f} "
-        f"(median).** Max relative difference of the outputs (max |vidax - diffusers| / max "
+        f"(median); process CPU time {w['ratio_best_cpu_s']:.2f} (best).** Max relative "
+        "difference of the outputs (max |vidax - diffusers| / max "
         f"|diffusers|): {w['max_rel_diff']:.1e} (max |diff| {w['max_abs_diff']:.1e}, max "
         f"|diffusers| {w['max_abs_ref']:.2f}).",
         "",
@@ -865,7 +883,9 @@ def wall_markdown(w: dict, args) -> str:
         f"{MATMUL_N}x{MATMUL_N}x{MATMUL_N} product in the same process (best of 5), the "
         "framework's own ceiling on this machine. Each side ran in its own process, one after "
         "the other; one warm-up run each, then the timed runs; vidax_eqx's kernel choice is "
-        "`implementation=\"auto\"`.",
+        "`implementation=\"auto\"`. The machine is shared: other jobs slow wall time (and "
+        "the matmul rate) by different amounts in the two processes; process CPU time (all "
+        "threads of the process) moves less, but counts threads that spin.",
     ])
 
 
@@ -935,7 +955,8 @@ def parse_args(argv=None):
     p.add_argument("--torch-python", default=TORCH_PYTHON,
                    help=f"a Python with torch and diffusers (default {TORCH_PYTHON})")
     p.add_argument("--out", default=None,
-                   help="output stem (default benchmarks/results/models, models_quick with --quick)")
+                   help="output stem (default benchmarks/results/models; models_quick with "
+                   "--quick)")
     p.add_argument("--quick", action="store_true",
                    help="1.3B at 4,096 tokens on sp8, and the diffusers comparison with 1 run")
     # Hidden: one measurement in this (fresh) process.
@@ -974,7 +995,8 @@ def main(argv=None) -> int:
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.machine(), "cpus": os.cpu_count(),
-        "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]) if argv is None else None,
+        "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]) if argv is None
+        else None,
     }
     sections = []
     if args.part in ("all", "scale"):
@@ -993,8 +1015,9 @@ def main(argv=None) -> int:
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w", encoding="utf-8") as f:
-        f.write(f"# Wan 2.1 models benchmark\n\n`python {report['command'] or 'benchmarks/models.py'}`"
-                f", {report['date']}, {report['seconds']:.0f} s.\n\n{text}\n")
+        command = report["command"] or "benchmarks/models.py"
+        f.write(f"# Wan 2.1 models benchmark\n\n`python {command}`, {report['date']}, "
+                f"{report['seconds']:.0f} s.\n\n{text}\n")
     with open(args.out + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     log(f"# wrote {os.path.relpath(args.out)}.md and .json after {report['seconds']:.0f} s")

@@ -1,34 +1,35 @@
-"""Trains a tiny Wan 2.1 DiT with flow matching, on 1 device and sharded, and resumes it from an orbax checkpoint.
+"""Trains a tiny Wan 2.1 DiT by flow matching, on 1 device and sharded, and resumes it from orbax.
 
 The model is `vidax_eqx.models.WanTransformer3D` at a tiny size (dim 64, 8 heads,
-2 blocks). The data is a fixed synthetic set: 4 video latents `(4, 3, 6, 10)` and
-4 text contexts `(7, 32)`. Each step takes the whole set and Wan's
-rectified-flow (flow matching) loss:
+2 blocks, weights drawn with NumPy). The data is a fixed synthetic set: 4 video
+latents `(4, 3, 6, 10)` (4 channels, 3 frames, 6 x 10 pixels: 45 tokens of 1 x 2 x 2
+patches) and 4 text contexts `(7, 32)`. Each step takes the whole set, Wan's
+rectified-flow (flow matching) loss, and one AdamW update:
 
     sigma = sigmoid(n),  n ~ N(0, 1)           # one per example
-    eps ~ N(0, 1)
+    eps ~ N(0, 1)                              # like x0
     x_t = (1 - sigma) * x0 + sigma * eps       # the noisy latents
     v = eps - x0                               # the target velocity
     loss = mean((model(x_t, 1000 * sigma, context) - v) ** 2)
 
-and one AdamW update. The noise of step `i` is drawn from `fold_in(key, i)`, so
-every run below sees the same draws.
+The draws of step `i` come from NumPy seeded with `(seed, i)`, so every run below
+sees the same ones.
 
-1. **Single device vs sharded.** `--steps` steps on one device, then the same
-   steps from the same initial weights on 8 simulated CPU devices: the tokens
-   split over "sp" (`--sequence ulysses`, `ring`, or `usp`: Ulysses x ring), the
-   heads and MLP features over "tp" (Megatron), the batch over "dp"
-   (`--dp`), through `models.run_sharded` with `remat="full"` (each block
-   recomputed in the backward pass). The optimizer state has one tree
-   structure whatever the model's `ParallelConfig`. Checks: the loss went
-   down, and the sharded losses equal the single-device ones to `--tol`
-   (relative).
-2. **Resume.** The sharded model, optimizer state and step are saved with
-   orbax (`StandardCheckpointer`; only arrays are saved: the model's
-   non-array parts, e.g. its `ParallelConfig`, come from the config), restored
-   into a freshly initialized model, and both the live and the restored state
-   train `--resume-steps` more steps. Check: losses and parameters are
-   bit-identical.
+1. **One device vs sharded.** `--steps` steps on one device, then the same steps
+   from the same weights and AdamW state on 8 simulated CPU devices through
+   `models.run_sharded`: the tokens split over "sp" (`--sequence ulysses`, `ring`,
+   or `usp`: Ulysses over sp/2 x a ring of 2), the heads and MLP features over "tp"
+   (Megatron, weights placed by `nn.shard_module`), the batch over "dp" (`--dp`),
+   and each block rematerialized in the backward pass (`--remat`, default
+   `"full"`). The model's `ParallelConfig` is a non-array leaf, not tree
+   structure, so the one AdamW state serves both (placed on the mesh like the
+   weights). Checks: the loss went down, and the sharded losses equal the
+   1-device ones to `--tol` (relative).
+2. **Resume.** The sharded run's model arrays, AdamW state and step are saved with
+   orbax and restored into a fresh model: its arrays from the checkpoint, its
+   non-array parts (config, `ParallelConfig`) from the constructor. The live and
+   the restored state then train `--resume-steps` more steps. Checks: the restore
+   is bit for bit, and so are the losses, parameters and AdamW state after.
 
     python examples/train_wan.py
     python examples/train_wan.py --sequence ring --steps 8
@@ -75,7 +76,38 @@ LATENTS = (4, 4, 3, 6, 10)  # (examples, channels, frames, height, width)
 TEXT = (7, 32)  # (tokens, text_dim)
 
 
-# -- data and loss -----------------------------------------------------------------------
+# -- model, data and loss ----------------------------------------------------------------
+
+
+def init_model(seed):
+    """A `WanTransformer3D(CONFIG)` with weights drawn by NumPy.
+
+    The model is built abstractly (`eqx.filter_eval_shape`: shapes only; its static
+    config and `ParallelConfig` leaves are the constructor's) and each array drawn on
+    the host: norm scales 1, biases 0, every other array `N(0, 1 / fan_in)`, `fan_in`
+    its size over all axes but the first, per layer. (The constructor's own JAX
+    initialization compiles a random kernel per weight, which on a 2-core CPU takes
+    longer than the training here.)
+    """
+    abstract = eqx.filter_eval_shape(models.WanTransformer3D, CONFIG, key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng([seed, 2])
+
+    def draw(path, leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        name = jax.tree_util.keystr(path)
+        # The blocks are stacked: a leading layer axis (lax.scan over it).
+        shape = leaf.shape[1:] if name.startswith(".blocks.") else leaf.shape
+        if name.endswith("bias"):
+            value = np.zeros(leaf.shape)
+        elif "norm" in name:
+            value = np.ones(leaf.shape)
+        else:
+            value = rng.standard_normal(leaf.shape) / np.sqrt(np.prod(shape[1:]))
+        return jnp.asarray(value.astype(leaf.dtype))
+
+    return jax.tree_util.tree_map_with_path(
+        draw, abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def dataset(seed):
@@ -126,8 +158,8 @@ def train(step, model, opt_state, data, seed, steps, *, first=0, place=lambda a:
     x0, context = data
     losses = []
     for i in range(first, first + steps):
-        x_t, timestep, v = place(flow_matching_batch(seed, i, x0))
-        model, opt_state, loss = step(model, opt_state, x_t, timestep, place(context), v)
+        x_t, timestep, v = flow_matching_batch(seed, i, x0)
+        model, opt_state, loss = step(model, opt_state, *place((x_t, timestep, context, v)))
         losses.append(float(loss))
     return model, opt_state, losses
 
@@ -260,11 +292,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    # The constructor under `eqx.filter_jit`: one compilation serves both models built here
-    # (the random initialization, run op by op, would compile each draw separately).
-    init = eqx.filter_jit(lambda key: models.WanTransformer3D(CONFIG, key=key))
-    k_model, k_fresh = jax.random.split(jax.random.PRNGKey(args.seed))
-    model = init(k_model)
+    model = init_model(args.seed)
     data = dataset(args.seed)
     optimizer = optax.adamw(args.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
@@ -302,7 +330,7 @@ def main(argv=None) -> int:
           "(both including compilation)")
     max_diff = max(abs(a - b) for a, b in zip(single, losses))
     max_rel = max(abs(a - b) / abs(a) for a, b in zip(single, losses))
-    param_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+    param_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
         jax.tree.leaves(eqx.filter(single_model, eqx.is_array)),
         jax.tree.leaves(eqx.filter(sharded, eqx.is_array))))
     ok = check("loss decreased (1 device)", single[-1] < single[0],
@@ -319,7 +347,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         save(path, sharded, sharded_state, args.steps)
-        fresh = nn.shard_module(nn.with_parallel(init(k_fresh), pconfig), mesh)
+        fresh = nn.shard_module(nn.with_parallel(init_model(args.seed + 1), pconfig), mesh)
         fresh_state = place_state(optimizer, optimizer.init(eqx.filter(fresh, eqx.is_array)),
                                   fresh, mesh)
         restored, restored_state, step = restore(path, fresh, fresh_state)

@@ -226,11 +226,14 @@ def _place_stacked(like, layers):
     """A stacked leaf `(L, ...)` on the device, filled one layer at a time.
 
     `layers` yields `(index, NumPy array)`; each is copied into a device buffer that
-    is updated in place, so host memory holds one layer, never the whole stack."""
+    is updated in place (donated), so host memory holds one layer besides the model,
+    never a second copy of the stack."""
     zeros = jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=_sharding_of(like))
     stack = zeros()
     for index, array in layers:
-        stack = _set_layer(stack, array, np.int32(index))
+        # Wait for each copy: dispatch is asynchronous, and every update in flight
+        # would hold its layer's host array.
+        stack = jax.block_until_ready(_set_layer(stack, array, np.int32(index)))
     return stack
 
 
@@ -438,8 +441,8 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     for e in matched:
         by_leaf.setdefault(entries[e].leaf, []).append(e)
     for i, group in by_leaf.items():
-        if entries[group[0]].layer is None:
-            new_leaves[i] = _place(read(group[0]), leaves[i])
+        if entries[group[0]].layer is None:  # one host array in flight at a time
+            new_leaves[i] = jax.block_until_ready(_place(read(group[0]), leaves[i]))
         elif len(group) < leaves[i].shape[0]:  # strict=False: some layers keep their values
             array = np.array(leaves[i], copy=True)
             for e in group:
