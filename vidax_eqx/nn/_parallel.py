@@ -178,6 +178,25 @@ def _sequence_axes(parallel: ParallelConfig) -> tuple:
     return (parallel.sp_axis,)
 
 
+def _split(fn: str, parallel):
+    """How `parallel` splits a sequence on this device: `(axes, rank, n, zigzag_n)` (the
+    mesh axes, this device's chunk among `n`, the ring size of the zigzag), or `None`
+    for one device."""
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(
+            f"{fn}: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
+        )
+    if parallel.sequence == "none":
+        return None
+    sp = parallel.sp_axis
+    n_sp = axis_size(sp, what="Sequence-parallel")
+    if parallel.sequence != "usp":
+        return sp, lax.axis_index(sp), n_sp, n_sp
+    ring = parallel.ring_axis
+    n_ring = axis_size(ring, what="Ring")  # ring-major: chunk ring_rank * n_sp + sp_rank
+    return (ring, sp), lax.axis_index(ring) * n_sp + lax.axis_index(sp), n_ring * n_sp, n_ring
+
+
 def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     """This device's share of a per-token array, in the layout `parallel` shards `x` in.
 
@@ -204,21 +223,10 @@ def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     sequence is split over); `x` itself for `sequence="none"`. `S` must be a multiple of
     `n` (`2n` for zigzag): pad first with [`vidax_eqx.parallel.pad_to_multiple`][].
     """
-    if not isinstance(parallel, ParallelConfig):
-        raise ValueError(
-            f"shard_tokens: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
-        )
-    if parallel.sequence == "none":
+    split = _split("shard_tokens", parallel)
+    if split is None:
         return x
-    if parallel.sequence == "usp":
-        ring, sp = parallel.ring_axis, parallel.sp_axis
-        n_ring = axis_size(ring, what="Ring")
-        n_sp = axis_size(sp, what="Sequence-parallel")
-        rank = lax.axis_index(ring) * n_sp + lax.axis_index(sp)
-        n, zigzag_n = n_ring * n_sp, n_ring
-    else:
-        n = axis_size(parallel.sp_axis, what="Sequence-parallel")
-        rank, zigzag_n = lax.axis_index(parallel.sp_axis), n
+    _, rank, n, zigzag_n = split
 
     def shard(a):
         if parallel.layout == "zigzag":
@@ -251,22 +259,10 @@ def gather_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     The same structure with `n` times the rows along `axis`, in global order; `x`
     itself for `sequence="none"`.
     """
-    if not isinstance(parallel, ParallelConfig):
-        raise ValueError(
-            f"gather_tokens: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
-        )
-    if parallel.sequence == "none":
+    split = _split("gather_tokens", parallel)
+    if split is None:
         return x
-    if parallel.sequence == "usp":
-        axes = (parallel.ring_axis, parallel.sp_axis)
-        n_ring = axis_size(parallel.ring_axis, what="Ring")
-        n_sp = axis_size(parallel.sp_axis, what="Sequence-parallel")
-        rank, n, zigzag_n = lax.axis_index(parallel.ring_axis) * n_sp + lax.axis_index(
-            parallel.sp_axis), n_ring * n_sp, n_ring
-    else:
-        axes = parallel.sp_axis
-        n = zigzag_n = axis_size(parallel.sp_axis, what="Sequence-parallel")
-        rank = lax.axis_index(axes)
+    axes, rank, n, zigzag_n = split
 
     def gather(a):
         # A psum of each device's rows placed in a zero buffer: unlike all_gather, its
