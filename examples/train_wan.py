@@ -32,8 +32,8 @@ sees the same ones.
    is bit for bit, and so are the losses, parameters and AdamW state after.
 
     python examples/train_wan.py
-    python examples/train_wan.py --sequence ring --steps 8
-    python examples/train_wan.py --sequence usp --dp 2 --sp 2 --tp 2
+    python examples/train_wan.py --sequence usp --steps 8
+    python examples/train_wan.py --sequence ring --dp 2 --sp 2 --tp 2 --remat dots_saveable
 
 Prints the per-step losses and every check; exits non-zero if one fails.
 """
@@ -247,7 +247,34 @@ def bitwise_equal(a, b) -> bool:
 # -- main ------------------------------------------------------------------------------------
 
 
+def invalid_arguments(args) -> str | None:
+    """What is wrong with the command line, with the fix, or `None`."""
+    n_devices = args.dp * args.sp * args.tp
+    ulysses = {"ulysses": args.sp, "usp": args.sp // 2, "ring": 1}[args.sequence]
+    if args.steps < 2 or args.resume_steps < 1:
+        return (f"needs --steps >= 2 (to see the loss go down) and --resume-steps >= 1; "
+                f"received --steps {args.steps}, --resume-steps {args.resume_steps}.")
+    if min(args.dp, args.sp, args.tp) < 1:
+        return (f"--dp, --sp and --tp must be positive; received --dp {args.dp}, --sp {args.sp}, "
+                f"--tp {args.tp}.")
+    if n_devices > len(jax.devices()):
+        return (f"dp={args.dp} x sp={args.sp} x tp={args.tp} needs {n_devices} devices, found "
+                f"{len(jax.devices())}; use smaller sizes (or set XLA_FLAGS before JAX is "
+                "imported).")
+    if LATENTS[0] % args.dp:
+        return f"--dp must divide the batch ({LATENTS[0]}); received --dp {args.dp}."
+    if args.sequence == "usp" and args.sp % 2:
+        return (f"--sequence usp splits --sp into Ulysses over sp/2 x a ring of 2, so --sp must "
+                f"be even; received --sp {args.sp}.")
+    if CONFIG.num_heads % (args.tp * ulysses):
+        return (f"the {CONFIG.num_heads} heads split over tp ({args.tp}) and then over the "
+                f"Ulysses devices ({ulysses}) must divide evenly; received --tp {args.tp}, "
+                f"--sp {args.sp}, --sequence {args.sequence}. Use powers of 2.")
+    return None
+
+
 def check(name: str, ok: bool, detail: str) -> bool:
+    """Prints one check's line; returns `ok`."""
     print(f"  check {name:<32} {'ok' if ok else 'FAILED'}  ({detail})")
     return ok
 
@@ -277,19 +304,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
     args = p.parse_args(argv)
 
-    n_devices = args.dp * args.sp * args.tp
-    if args.steps < 2 or args.resume_steps < 1:
-        print(f"needs --steps >= 2 (to see the loss go down) and --resume-steps >= 1; received "
-              f"--steps {args.steps}, --resume-steps {args.resume_steps}", file=sys.stderr)
-        return 2
-    if n_devices > len(jax.devices()):
-        print(f"dp={args.dp} x sp={args.sp} x tp={args.tp} needs {n_devices} devices, found "
-              f"{len(jax.devices())} (was JAX imported before XLA_FLAGS was set?)", file=sys.stderr)
-        return 2
-    if LATENTS[0] % args.dp or (args.sequence == "usp" and args.sp % 2):
-        print(f"the batch ({LATENTS[0]}) must be a multiple of --dp and usp needs an even --sp; "
-              f"received --dp {args.dp}, --sp {args.sp}, --sequence {args.sequence}",
-              file=sys.stderr)
+    error = invalid_arguments(args)
+    if error:
+        print(error, file=sys.stderr)
         return 2
 
     model = init_model(args.seed)
