@@ -19,11 +19,12 @@ The models (2 layers, width 64, 8 heads):
 
 - `t2v`: patch (1, 2, 2), cross-attention norm (Wan 2.1 T2V).
 - `t2v_patch2`: patch (2, 2, 2), no cross-attention norm.
+- `t2v_no_qk_norm`: Wan's `qk_norm=False`: diffusers' attention norms replaced by
+    the identity after construction (diffusers >= 0.35 always builds them; its
+    `qk_norm` config key is not used), the config saying `qk_norm: null`.
 - `i2v`: the image branch (image_dim 24, `added_kv_proj_dim` 64), 36 -> 16 channels
     as Wan I2V; diffusers hard-codes 512 text tokens for it.
 
-Diffusers >= 0.35 always applies q/k RMSNorm in `WanAttention` (its `qk_norm` argument
-is not used), so no model without qk-norm can be made with it.
 """
 
 import argparse
@@ -49,6 +50,12 @@ MODELS = {
                     in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96,
                     num_layers=2, cross_attn_norm=False, eps=1e-6),
         video=(4, 4, 6, 6), text_len=5, image_len=None,
+    ),
+    "t2v_no_qk_norm": dict(
+        config=dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=8,
+                    in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96,
+                    num_layers=2, cross_attn_norm=True, eps=1e-6, qk_norm=None),
+        video=(4, 2, 4, 6), text_len=6, image_len=None, no_qk_norm=True,
     ),
     "i2v": dict(
         config=dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=8,
@@ -109,12 +116,19 @@ def wan_config(config: dict) -> dict:
         "num_heads": config["num_attention_heads"],
         "num_layers": config["num_layers"],
         "eps": config["eps"],
+        **({"qk_norm": False} if config.get("qk_norm", "rms_norm_across_heads") is None else {}),
     }
 
 
 def make(name: str, spec: dict, root: str, seed: int) -> None:
     torch.manual_seed(seed)
     model = WanTransformer3DModel(**spec["config"]).eval()
+    if spec.get("no_qk_norm"):
+        # Wan's qk_norm=False: diffusers' WanAttention always builds the norms (its
+        # config's qk_norm is not used), so they are replaced by the identity here.
+        for block in model.blocks:
+            for attn in (block.attn1, block.attn2):
+                attn.norm_q = attn.norm_k = torch.nn.Identity()
     with torch.no_grad():  # move every parameter off its init (norm weights of 1, ...)
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -2,7 +2,8 @@
 
 The fixtures under `tests/fixtures/wan/` come from `scripts/make_wan_fixtures.py`
 (run by hand with torch + diffusers): tiny random diffusers `WanTransformer3DModel`s
-(2 layers, width 64, 8 heads; T2V with patch (1, 2, 2) and (2, 2, 2), I2V) saved in
+(2 layers, width 64, 8 heads; T2V with patch (1, 2, 2) and (2, 2, 2), T2V without
+qk-norm, I2V) saved in
 diffusers' and Wan's layouts, with inputs and diffusers' float32 outputs. Here,
 without torch:
 
@@ -68,7 +69,7 @@ def t2v():
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "wan"])
-@pytest.mark.parametrize("name", ["t2v", "t2v_patch2", "i2v"])
+@pytest.mark.parametrize("name", ["t2v", "t2v_patch2", "t2v_no_qk_norm", "i2v"])
 def test_matches_diffusers(name, layout):
     io = _io(name)
     args, kwargs = _inputs(io)
