@@ -63,9 +63,10 @@ def token_multiple(parallel: nn.ParallelConfig) -> int:
 
 
 def padded_tokens(tokens, rope, parallel: nn.ParallelConfig):
-    """This device's tokens and RoPE rows under `parallel`, and the padding's segment ids.
+    """This device's tokens (or patches) and RoPE rows under `parallel`, and the
+    padding's segment ids.
 
-    The sequence is padded with zero tokens to a multiple of [`token_multiple`][], the
+    The sequence is padded with zero rows to a multiple of [`token_multiple`][], the
     padding given segment id -1 (invisible to attention) and the rest 0, and each array
     is split by [`vidax_eqx.nn.shard_tokens`][]. Returns `(tokens, rope, segment_ids,
     n)`: `segment_ids` is `None` when nothing is padded, `n` the real token count.

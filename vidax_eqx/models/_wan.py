@@ -348,10 +348,10 @@ class WanTransformer3D(eqx.Module):
     **Parallelism:** the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
     modules (set with [`vidax_eqx.nn.with_parallel`][]) decides. Inside
     `jax.shard_map` with `x` whole on every device (see [`run_sharded`][], the one
-    call that does all of it), a sequence-parallel model splits its tokens after the
-    patch embedding (padded to a multiple of the devices; the padding is invisible
-    through segment ids), takes its rows of the RoPE tables, runs its blocks on its
-    chunk, and gathers the tokens before unpatchify; a tensor-parallel one splits
+    call that does all of it), a sequence-parallel model cuts the video into patches,
+    keeps its own share (padded to a multiple of the devices; the padding is invisible
+    through segment ids) and embeds only those, takes its rows of the RoPE tables,
+    runs its blocks on its chunk, and gathers the output tokens before unpatchify; a tensor-parallel one splits
     heads and MLP features (weights placed by [`vidax_eqx.nn.partition_specs`][]).
 
     **Fields:** `patch_embedding`, `text_embedding`, `time_embedding`,
@@ -451,7 +451,7 @@ class WanTransformer3D(eqx.Module):
                 )
             dtype = self.patch_embedding.weight.dtype
             grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
-            tokens = self.patch_embedding(x).astype(jnp.float32)
+            patches = functional.patchify(x.astype(dtype), c.patch_size)
 
             t = self.time_embedding(timestep)
             e0 = self.time_projection(jax.nn.silu(t)).reshape(6, c.dim).astype(jnp.float32)
@@ -468,7 +468,10 @@ class WanTransformer3D(eqx.Module):
 
             rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
             parallel = self.parallel
-            tokens, rope, segment_ids, n = padded_tokens(tokens, rope, parallel)
+            # Each device embeds only its share of the patches (padding: zero patches,
+            # invisible through segment id -1).
+            patches, rope, segment_ids, n = padded_tokens(patches, rope, parallel)
+            tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
             def block(x, b):
                 return b(x, e0, context, rope, segment_ids, context_image)

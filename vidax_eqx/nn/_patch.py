@@ -91,12 +91,57 @@ class PatchEmbedding(eqx.Module):
         as a `Conv3d` needs).
         """
         with jax.named_scope("vidax_eqx.nn.PatchEmbedding"):
-            f, h, w = patch_grid(x.shape, self.patch_size, "PatchEmbedding")
-            pt, ph, pw = self.patch_size
-            c = self.in_channels
-            x = x.astype(self.weight.dtype).reshape(c, f, pt, h, ph, w, pw)
-            patches = x.transpose(1, 3, 5, 0, 2, 4, 6).reshape(f * h * w, c * pt * ph * pw)
+            return self.project(patchify(x.astype(self.weight.dtype), self.patch_size))
+
+    @jaxtyped(typechecker=beartype)
+    def project(self, patches: Float[Array, "S P"]) -> Float[Array, "S {self.dim}"]:
+        """The embedding of patches already cut by [`vidax_eqx.nn.functional.patchify`][].
+
+        `__call__` is `project(patchify(x))`. A sequence-parallel model cuts the whole
+        video into patches (cheap: `C * pt * ph * pw` values per token), takes its own
+        share of them, and projects only those: no device holds the `(S, dim)` tokens
+        of the whole video.
+
+        **Arguments:**
+
+        - `patches`: `(S, in_channels * pt * ph * pw)`.
+
+        **Returns:**
+
+        `(S, dim)` in the weight's dtype.
+        """
+        if patches.shape[1] != self.weight[0].size:
+            raise ValueError(
+                f"PatchEmbedding.project: `patches` must have in_channels * pt * ph * pw = "
+                f"{self.weight[0].size} columns; received shape {patches.shape}."
+            )
+        with jax.named_scope("vidax_eqx.nn.PatchEmbedding"):
+            patches = patches.astype(self.weight.dtype)
             return patches @ self.weight.reshape(self.dim, -1).T + self.bias
+
+
+@jaxtyped(typechecker=beartype)
+def patchify(x: Float[Array, "C F H W"], patch_size: tuple[int, int, int]) -> Float[Array, "S P"]:
+    """A video `(C, F, H, W)` cut into non-overlapping `(pt, ph, pw)` patches.
+
+    Patches in frame-major token order, each flattened in `(C, pt, ph, pw)` order (the
+    order of a `Conv3d` weight's input axes); the inverse layout of [`unpatchify`][] is
+    `(pt, ph, pw, C)`, as the models' output projections produce it.
+
+    **Arguments:**
+
+    - `x`: one video, each of `F, H, W` a multiple of its patch size.
+    - `patch_size`: `(pt, ph, pw)`.
+
+    **Returns:**
+
+    `(F/pt * H/ph * W/pw, C * pt * ph * pw)`.
+    """
+    f, h, w = patch_grid(x.shape, patch_size, "patchify")
+    pt, ph, pw = patch_size
+    c = x.shape[0]
+    x = x.reshape(c, f, pt, h, ph, w, pw).transpose(1, 3, 5, 0, 2, 4, 6)
+    return x.reshape(f * h * w, c * pt * ph * pw)
 
 
 @jaxtyped(typechecker=beartype)

@@ -24,6 +24,11 @@ _MEGATRON = {
 _PARALLEL = tuple(_MEGATRON)
 
 
+def _is_parameter(x) -> bool:
+    """An array, or its abstract stand-in (a model built with `eqx.filter_eval_shape`)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _is_parallel(x) -> bool:
     return isinstance(x, _PARALLEL)
 
@@ -36,7 +41,7 @@ def _module_specs(m):
             "partition_specs on the whole module, before `eqx.partition`; the specs then "
             "match the arrays part too (both have None at the configuration)."
         )
-    specs = jax.tree.map(lambda x: P() if eqx.is_array(x) else None, m)
+    specs = jax.tree.map(lambda x: P() if _is_parameter(x) else None, m)
     tp = m.parallel.tp_axis
     if tp is None:
         return specs
@@ -87,8 +92,9 @@ def partition_specs(module):
 
     **Returns:**
 
-    A PyTree of the same structure with a `PartitionSpec` per array and `None` at every
-    other leaf (the [`ParallelConfig`][] included), for
+    A PyTree of the same structure with a `PartitionSpec` per array (or
+    `jax.ShapeDtypeStruct`: a model built with `eqx.filter_eval_shape` gets the specs
+    of its real twin) and `None` at every other leaf (the [`ParallelConfig`][] included), for
     [`filter_shard_map`][]`(..., in_specs=(partition_specs(module), ...))`, or, mapped to
     `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec of the
     module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since the
@@ -99,7 +105,7 @@ def partition_specs(module):
     def specs(x):
         if _is_parallel(x):
             return _module_specs(x)
-        return P() if eqx.is_array(x) else None
+        return P() if _is_parameter(x) else None
 
     return jax.tree.map(specs, module, is_leaf=_is_parallel)
 

@@ -16,4 +16,4 @@ from ._rope import (
     wan_rope_split as wan_rope_split,
 )
 from ._feedforward import timestep_embedding as timestep_embedding
-from ._patch import patch_grid as patch_grid, unpatchify as unpatchify
+from ._patch import patch_grid as patch_grid, patchify as patchify, unpatchify as unpatchify
