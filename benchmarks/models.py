@@ -66,9 +66,10 @@ patch (16 channels x 1 x 2 x 2), per block:
 plus, once: the text embedding 2 T C d + 2 T d^2, the patch embedding 2 S p d, the
 head 2 S d p, the timestep MLPs 2 (256 d + d^2 + 6 d^2). Per device, with n = sp x tp
 devices: every per-token term over n; the text k, v projections over tp only (each
-device projects the whole text for its heads); the patch embedding (run on the whole
-video before the split), the text and timestep embeddings on every device; the head
-over sp (it is not tensor-parallel).
+device projects the whole text for its heads), and the text embedding (a TP
+`FeedForward`) over tp only; the patch embedding (each device embeds its own share
+of the patches) and the head over sp (neither is tensor-parallel); the timestep
+embedding on every device.
 
 A training step with `remat="full"` = the forward, the blocks' forward again
 (recomputed in the backward), and the backward: 2x a dense layer's forward (dX and
@@ -230,29 +231,33 @@ def analytic_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | N
             dense=L * (12 * S * d * d + 4 * S * d * f) / n_tok,
             attn=attn,
             text_kv=L * 4 * T * d * d / n_text,
-            text_emb=2 * T * C * d + 2 * T * d * d,
-            patch=2 * S * p * d,
+            text_emb=(2 * T * C * d + 2 * T * d * d) / n_text,
+            patch=2 * S * p * d / n_head,
             head=2 * S * d * p / n_head,
             time=2 * (FREQ_DIM * d + d * d + 6 * d * d),
         )
 
+    def text_emb_backward(n_text: int) -> float:
+        """The text embedding's backward: fc1 dW only, fc2 dX and dW (TP-split)."""
+        return (2 * T * C * d + 2 * 2 * T * d * d) / n_text
+
     def fwd(k: dict) -> float:
         return sum(k.values())
 
-    def train(k: dict) -> float:
+    def train(k: dict, n_text: int) -> float:
         blocks = k["dense"] + k["attn"] + k["text_kv"]
         outside = k["text_emb"] + k["patch"] + k["head"] + k["time"]
         backward = (2 * k["dense"] + 2.5 * k["attn"] + 2 * k["text_kv"]
                     + k["patch"]  # dW only
-                    + 2 * T * C * d + 2 * 2 * T * d * d  # text fc1: dW only; fc2: dX and dW
+                    + text_emb_backward(n_text)
                     + 2 * k["head"] + 2 * k["time"])
         return outside + 2 * blocks + backward  # + the blocks' recomputed forward
 
     plain_attn = L * (4 * S * S * d + 4 * S * T * d)
     total = flops(1, 1, 1, plain_attn)
     per_device = flops(sp * tp, tp, sp, plain_attn / (sp * tp))
-    out = {"fwd_total": fwd(total), "train_total": train(total),
-           "fwd_per_device": fwd(per_device), "train_per_device": train(per_device)}
+    out = {"fwd_total": fwd(total), "train_total": train(total, 1),
+           "fwd_per_device": fwd(per_device), "train_per_device": train(per_device, tp)}
     if mode is not None:
         heads = H // tp  # this device's heads (Megatron)
         local = -(-S // sp)  # this device's tokens
@@ -262,7 +267,7 @@ def analytic_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | N
             self_attn = sp * 4 * _pad(local, 256) * _pad(local, 512) * hd * heads
         cross = 4 * _pad(local, 256) * _pad(T, 512) * hd * heads
         tiles = flops(sp * tp, tp, sp, L * (self_attn + cross))
-        out.update(fwd_tiles=fwd(tiles), train_tiles=train(tiles))
+        out.update(fwd_tiles=fwd(tiles), train_tiles=train(tiles, tp))
     return out
 
 

@@ -134,9 +134,12 @@ class WanConfig:
                 f"WanConfig: window_size={window} (local attention on flattened tokens) is not "
                 "implemented; Wan 2.1's released models use (-1, -1)."
             )
-        shape = (lambda name: tensors.shape(name) if tensors is not None and name in tensors
-                 else None)
-        has = (lambda name: None if tensors is None else name in tensors)
+        def shape(name):  # None: no tensors given, or no such tensor
+            return tensors.shape(name) if tensors is not None and name in tensors else None
+
+        def has(name):  # None: no tensors given
+            return None if tensors is None else name in tensors
+
         patch = shape("patch_embedding.weight")
         text = shape("text_embedding.0.weight")
         image = shape("img_emb.proj.0.weight")
@@ -533,9 +536,9 @@ class WanTransformer3D(eqx.Module):
             )
         if pad_text:
             config = dataclasses.replace(config, text_len=raw.get("text_len", 512))
-        if dtype is None:
-            name = next((n for n in ("patch_embedding.weight",) if n in tensors), None)
-            dtype = tensors.dtype(name) if name else jnp.float32
+        if dtype is None:  # the checkpoint's (a missing tensor is reported by the load)
+            name = "patch_embedding.weight"
+            dtype = tensors.dtype(name) if name in tensors else jnp.float32
         model = eqx.filter_eval_shape(
             cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
             key=jax.random.PRNGKey(0),
