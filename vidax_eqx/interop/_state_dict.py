@@ -319,7 +319,9 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     - `source`: a mapping of names to arrays (NumPy, JAX, or `torch.Tensor`,
         which is duck-typed; torch is never imported), or a path to a
         `.safetensors` file (read by [`open_safetensors`][]: lazily and without
-        pickle). Pickle-based `.pt` / `.bin` checkpoints are refused.
+        pickle), a `*.safetensors.index.json` of shards, or a checkpoint directory
+        (both read by [`open_checkpoint`][], as lazily). Pickle-based `.pt` / `.bin`
+        checkpoints are refused.
     - `prefix`: prepended to every parameter name, e.g. `"blocks.0.self_attn."`;
         keys of `source` that do not start with it are ignored.
     - `strict`: with `True`, every parameter must be found exactly once and
