@@ -497,3 +497,58 @@ def test_file_changed_after_opening(tmp_path):
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(ValueError, match="size changed"):
         f["q.weight"]
+
+
+# -- stacked layers and sharded checkpoints ---------------------------------------------------
+
+
+class _Stack(eqx.Module):
+    """Two layers stacked on a leading axis (as `eqx.filter_vmap` builds them), and a head."""
+
+    blocks: nn.FeedForward
+    head: eqx.nn.Linear
+
+
+def _stack():
+    blocks = eqx.filter_vmap(lambda k: nn.FeedForward(4, 6, key=k))(jax.random.split(jax.random.key(0), 3))
+    return _Stack(blocks, eqx.nn.Linear(4, 2, key=jax.random.key(1)))
+
+
+def test_stacked_layers_round_trip_per_layer_names(tmp_path):
+    model = _stack()
+    sd = interop.state_dict(model, stacked=("blocks",))
+    assert sorted(sd) == sorted(
+        [f"blocks.{i}.{n}.{p}" for i in range(3) for n in ("0", "2") for p in ("weight", "bias")]
+        + ["head.weight", "head.bias"])
+    np.testing.assert_array_equal(sd["blocks.2.0.weight"], model.blocks.fc1.weight[2])
+    renamed = interop.state_dict(model, naming="diffusers", stacked=("blocks",),
+                                 rename=lambda name, naming: name.replace("head.", "proj_out."))
+    assert "proj_out.weight" in renamed and "blocks.1.net.0.proj.bias" in renamed
+    path = tmp_path / "stack.safetensors"
+    interop.save_safetensors(model, path, stacked=("blocks",))
+    abstract = eqx.filter_eval_shape(_stack)
+    loaded = interop.load_state_dict(abstract, path, stacked=("blocks",))
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model)):
+        np.testing.assert_array_equal(a, b)
+    del sd["blocks.1.2.bias"]
+    with pytest.raises(ValueError, match=r"missing \(1\): 'blocks.1.2.bias'"):
+        interop.load_state_dict(model, sd, stacked=("blocks",))
+
+
+def test_sharded_checkpoint_index(tmp_path):
+    tensors = {f"t{i}": np.full((10,), i, np.float32) for i in range(5)}
+    files = interop.write_checkpoint(tmp_path, tensors, max_shard_bytes=80)
+    assert len(files) == 4  # the index and 3 shards of at most 2 tensors
+    ckpt = interop.open_checkpoint(tmp_path)
+    assert isinstance(ckpt, interop.SafetensorsShards) and sorted(ckpt) == sorted(tensors)
+    assert ckpt.shape("t3") == (10,) and float(ckpt["t3"][0]) == 3.0
+    index_path = tmp_path / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for bad, message in (
+        ({"t0": "../elsewhere.safetensors"}, "no directories"),
+        ({**index["weight_map"], "t9": index["weight_map"]["t0"]}, "'t9' is not in"),
+        ({k: v for k, v in index["weight_map"].items() if k != "t1"}, "'t1' of .* is not indexed"),
+    ):
+        index_path.write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises(ValueError, match=message):
+            interop.open_checkpoint(tmp_path)
