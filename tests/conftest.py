@@ -7,6 +7,7 @@ the first module pytest imports. Float64 is *not* enabled in JAX: the library
 runs in its default float32 and the oracle (`tests/oracle.py`) uses NumPy float64.
 """
 
+import gc
 import os
 import sys
 
@@ -26,3 +27,22 @@ if _ROOT not in sys.path:
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module.
+
+    Every program XLA's CPU backend loads maps a few regions of executable memory
+    (about 3 per program), and JAX keeps the programs of every `jit` cache alive.
+    Over a whole suite (thousands of programs) a process crosses Linux's
+    `vm.max_map_count` (65530 by default), after which LLVM's next mapping fails and
+    the compiler crashes with a segmentation fault. `jax.clear_caches()` releases
+    them; a module recompiles what it uses.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
