@@ -99,16 +99,12 @@ def _abstract_state_dict(abstract):
     (zero-strided NumPy stand-ins: `state_dict` needs arrays, none is allocated)."""
     import jax
 
-    from vidax_eqx import interop
-    from vidax_eqx.models import _wan
-
     concrete = jax.tree.map(
         lambda s: np.broadcast_to(np.zeros((), np.float32), s.shape)
         if isinstance(s, jax.ShapeDtypeStruct) else s,
         abstract, is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct),
     )
-    return {k: v.shape for k, v in interop.state_dict(
-        concrete, naming="diffusers", stacked=_wan._STACKED, rename=_wan._rename).items()}
+    return {k: v.shape for k, v in concrete.state_dict(layout="diffusers").items()}
 
 
 def main(argv=None) -> int:

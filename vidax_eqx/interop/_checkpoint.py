@@ -64,9 +64,10 @@ class SafetensorsShards(Mapping):
             raise ValueError(f"{self.path!r}: the index does not match its shards: {shown}.")
         self._map = {tensor: files[name] for tensor, name in weight_map.items()}
         self.files = files
-        self.metadata: dict[str, str] = {
-            str(k): str(v) for k, v in (index.get("metadata") or {}).items()
-        } if isinstance(index.get("metadata"), dict) else {}
+        metadata = index.get("metadata")
+        self.metadata: dict[str, str] = (
+            {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+        )
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._map[name][name]

@@ -228,8 +228,7 @@ def _place_stacked(like, layers):
     `layers` yields `(index, NumPy array)`; each is copied into a device buffer that
     is updated in place (donated), so host memory holds one layer besides the model,
     never a second copy of the stack."""
-    zeros = jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=_sharding_of(like))
-    stack = zeros()
+    stack = jnp.zeros(like.shape, like.dtype, device=_sharding_of(like))
     for index, array in layers:
         # Wait for each copy: dispatch is asynchronous, and every update in flight
         # would hold its layer's host array.

@@ -74,7 +74,8 @@ def padded_tokens(tokens, rope, parallel: nn.ParallelConfig):
     n = tokens.shape[0]
     if parallel.sequence == "none":
         return tokens, rope, None, n
-    total = -(-n // token_multiple(parallel)) * token_multiple(parallel)
+    multiple = token_multiple(parallel)
+    total = -(-n // multiple) * multiple
     segment_ids = None
     if total != n:
         pad = ((0, total - n), (0, 0))
