@@ -438,6 +438,7 @@ def test_cross_attention_sharded_equals_single_device(case):
 
 JOINT_CASES = {
     "ulysses-sp4-tp2": ("ulysses", "contiguous", dict(sp=4, tp=2)),
+    "ring-zigzag-sp4-tp2": ("ring", "zigzag", dict(sp=4, tp=2)),
     "usp-sp2-ring2-tp2": ("usp", "contiguous", dict(sp=2, ring=2, tp=2)),
 }
 
@@ -544,12 +545,7 @@ def test_parallel_config_errors():
 def test_module_errors():
     with pytest.raises(ValueError, match="multiple of `num_heads`"):
         nn.Attention(30, 4, key=jax.random.key(0))
-    with pytest.raises(NotImplementedError, match="ring"):
-        nn.JointAttention(32, 4, parallel=nn.ParallelConfig(sequence="ring"), key=jax.random.key(0))
     a = nn.Attention(32, 4, key=jax.random.key(0))
-    with pytest.raises(NotImplementedError, match="ring"):
-        nn.with_parallel(nn.JointAttention(32, 4, key=jax.random.key(0)),
-                         nn.ParallelConfig(sequence="ring"))
     # A parallel configuration outside shard_map names the missing axis.
     tp_only = nn.with_parallel(a, nn.ParallelConfig(tp_axis=TP))
     with pytest.raises(ValueError, match="'tp' does not exist"):

@@ -3,10 +3,18 @@ call that runs a model over a mesh.
 
 - [`WanTransformer3D`][]: Wan 2.1's video DiT (T2V and I2V), from diffusers or original
     Wan checkpoints.
+- [`CogVideoXTransformer3D`][]: CogVideoX 1.0's video DiT (2B and 5B, T2V and I2V),
+    from diffusers checkpoints.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
 """
 
+from ._cogvideox import (
+    CogVideoXBlock as CogVideoXBlock,
+    CogVideoXConfig as CogVideoXConfig,
+    CogVideoXTransformer3D as CogVideoXTransformer3D,
+    rope_crop_positions as rope_crop_positions,
+)
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
 from ._wan import (
     WanBlock as WanBlock,

@@ -162,30 +162,28 @@ def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_i
     return out[0]
 
 
-def _check_joint_mode(parallel: ParallelConfig) -> None:
-    if parallel.sequence == "ring":
-        raise NotImplementedError(
-            "JointAttention: sequence='ring' alone has no joint (text-prefix) function in "
-            "vidax_eqx.parallel; use sequence='ulysses', or 'usp' (Ulysses over sp_axis and "
-            "a ring over ring_axis, which serves the text prefix)."
-        )
-
-
-def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implementation):
+def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implementation,
+                     segment_ids=None):
     """`(T + S, H, D)` attention of one example over `[text; this device's tokens]`."""
     q, k, v = q[None], k[None], v[None]
+    seg = None if segment_ids is None else segment_ids[None]
     mode = parallel.sequence
-    _check_joint_mode(parallel)
     if mode == "none":
-        out = kernels.attention(q, k, v, implementation=implementation)
+        out = kernels.attention(q, k, v, segment_ids=seg, implementation=implementation)
     elif mode == "ulysses":
         out = sequence_parallel_joint_self_attention(
-            q, k, v, text_len, parallel.sp_axis, implementation=implementation
+            q, k, v, text_len, parallel.sp_axis, segment_ids=seg, implementation=implementation
+        )
+    elif mode == "ring":
+        out = ring_attention(
+            q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
+            text_len=text_len, implementation=implementation,
         )
     else:
         out = usp_attention(
             q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
-            layout=parallel.layout, text_len=text_len, implementation=implementation,
+            segment_ids=seg, layout=parallel.layout, text_len=text_len,
+            implementation=implementation,
         )
     return out[0]
 
@@ -478,10 +476,9 @@ class JointAttention(eqx.Module):
 
     **Parallelism:** with sequence parallelism `x` is this device's chunk of the video
     tokens and `context` the whole text on every device (in_spec `P()`); the attention
-    is `vidax_eqx.parallel.sequence_parallel_joint_self_attention` (`"ulysses"`) or
-    `usp_attention(..., text_len=T)` (`"usp"`). `"ring"` alone raises
-    `NotImplementedError` (no ring-only joint function exists; use `"usp"`).
-    `context_out` is then computed on every device, identical copies: as the
+    is `vidax_eqx.parallel.sequence_parallel_joint_self_attention` (`"ulysses"`),
+    `ring_attention(..., text_len=T)` (`"ring"`: the text never travels the ring) or
+    `usp_attention(..., text_len=T)` (`"usp"`). `context_out` is then computed on every device, identical copies: as the
     parallel functions document, the cotangents given to the copies must add up to
     the true cotangent (give it all to one copy, or split it), never count it once
     per device. Tensor parallelism splits the heads (q/k/v column-parallel, `to_out`
@@ -525,14 +522,12 @@ class JointAttention(eqx.Module):
         - `num_heads`: the number of heads; `head_dim = dim / num_heads`.
         - `qk_norm`: `"layer_norm"` (CogVideoX) or `None`.
         - `eps`: the LayerNorm epsilon (CogVideoX: 1e-6).
-        - `parallel`, `implementation`, `dtype`: as in [`Attention`][];
-            `parallel.sequence` must not be `"ring"`.
+        - `parallel`, `implementation`, `dtype`: as in [`Attention`][].
         - `key`: a PRNG key for the linear layers' initialization.
         """
         self.head_dim = _check_heads("JointAttention", dim, num_heads)
         eps = _check_eps("JointAttention", eps)
         _check_parallel("JointAttention", parallel)
-        _check_joint_mode(parallel)
         if qk_norm not in ("layer_norm", None):
             raise ValueError(
                 f"JointAttention: `qk_norm` must be 'layer_norm' or None; received {qk_norm!r}."
@@ -557,6 +552,7 @@ class JointAttention(eqx.Module):
         context: Float[Array, "T {self.dim}"],
         *,
         rope: _Rope | None = None,
+        segment_ids: Int[Array, " T+S"] | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
 
@@ -565,6 +561,11 @@ class JointAttention(eqx.Module):
         - `context`: the text tokens `(T, dim)`, whole on every device.
         - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the video tokens of `x`
             only (sharded like `x`); `None`: no RoPE.
+        - `segment_ids`: optional int `(T + S,)`, the segment ids of `[context; x]` (the
+            text's, the same on every device, then this device's video tokens'): tokens
+            attend only within equal ids, and a negative id is padding (it sees nothing
+            and nothing sees it; its output row is `to_out`'s bias). A sharded model
+            hides the padding of a token count that does not divide the devices so.
 
         **Returns:**
 
@@ -584,7 +585,7 @@ class JointAttention(eqx.Module):
             if rope is not None:
                 q = jnp.concatenate([q[:T], functional.apply_rope(q[T:], *rope)], axis=0)
                 k = jnp.concatenate([k[:T], functional.apply_rope(k[T:], *rope)], axis=0)
-            out = _joint_attention(q, k, v, T, self.parallel, self.implementation)
+            out = _joint_attention(q, k, v, T, self.parallel, self.implementation, segment_ids)
             out = _row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
             return out[T:], out[:T]

@@ -160,19 +160,25 @@ class TimestepEmbedding(eqx.Module):
     the weights' dtype before `linear_1`, as diffusers does.
 
     **Fields:** `linear_1` (`eqx.nn.Linear(freq_dim, dim)`), `linear_2`
-    (`eqx.nn.Linear(dim, dim)`); static `freq_dim`, `dim`.
+    (`eqx.nn.Linear(dim, dim)`); static `freq_dim`, `dim`, `flip_sin_to_cos`,
+    `downscale_freq_shift`.
     """
 
     linear_1: eqx.nn.Linear
     linear_2: eqx.nn.Linear
     freq_dim: int = eqx.field(static=True)
     dim: int = eqx.field(static=True)
+    flip_sin_to_cos: bool = eqx.field(static=True)
+    downscale_freq_shift: float = eqx.field(static=True)
 
-    def __init__(self, freq_dim: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+    def __init__(self, freq_dim: int, dim: int, *, flip_sin_to_cos: bool = True,
+                 downscale_freq_shift: float = 0.0, dtype=jnp.float32, key: PRNGKeyArray):
         """**Arguments:**
 
-        - `freq_dim`: the sinusoid's width (Wan: 256).
-        - `dim`: the embedding width (the model width).
+        - `freq_dim`: the sinusoid's width (Wan: 256; CogVideoX: the model width).
+        - `dim`: the embedding width (Wan: the model width; CogVideoX: `time_embed_dim`).
+        - `flip_sin_to_cos`, `downscale_freq_shift`: the sinusoid's options (diffusers'
+            `Timesteps`; Wan and CogVideoX: `True`, `0`).
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the initialization.
         """
@@ -182,6 +188,8 @@ class TimestepEmbedding(eqx.Module):
         self.linear_1 = eqx.nn.Linear(freq_dim, dim, use_bias=True, dtype=dtype, key=k1)
         self.linear_2 = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=k2)
         self.freq_dim, self.dim = freq_dim, dim
+        self.flip_sin_to_cos = bool(flip_sin_to_cos)
+        self.downscale_freq_shift = float(downscale_freq_shift)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, t: Real[Array, "*batch"]) -> Float[Array, "*batch {self.dim}"]:
@@ -194,5 +202,8 @@ class TimestepEmbedding(eqx.Module):
         `(*t.shape, dim)` in the weights' dtype.
         """
         with jax.named_scope("vidax_eqx.nn.TimestepEmbedding"):
-            emb = timestep_embedding(t, self.freq_dim).astype(self.linear_1.weight.dtype)
+            emb = timestep_embedding(
+                t, self.freq_dim, flip_sin_to_cos=self.flip_sin_to_cos,
+                downscale_freq_shift=self.downscale_freq_shift,
+            ).astype(self.linear_1.weight.dtype)
             return _linear(self.linear_2, jax.nn.silu(_linear(self.linear_1, emb)))

@@ -1,5 +1,7 @@
 """Video patches <-> tokens: the patch embedding of video DiTs and its inverse."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -39,24 +41,26 @@ def patch_grid(shape, patch_size, owner: str = "patch_grid") -> tuple[int, int, 
 
 
 class PatchEmbedding(eqx.Module):
-    """The patch embedding of video DiTs: a `Conv3d` whose kernel equals its stride.
+    """The patch embedding of video DiTs: a `Conv3d` whose kernel equals its stride
+    (Wan), or a `Conv2d` applied to every frame (CogVideoX).
 
     Computed as what it is, one linear map per non-overlapping `(pt, ph, pw)` patch:
     the video `(C, F, H, W)` is cut into patches, each flattened in `(C, pt, ph, pw)`
     order, and multiplied by `weight` reshaped to `(dim, C * pt * ph * pw)`. The
-    weight keeps the `Conv3d` shape `(dim, C, pt, ph, pw)`, so the reference's
-    `patch_embedding.weight` loads as is. Tokens come out frame-major, then height,
-    then width (`flatten(2).transpose(1, 2)` of the reference).
+    weight keeps the convolution's shape, `(dim, C, pt, ph, pw)` for a 3-tuple
+    `patch_size` and `(dim, C, ph, pw)` for a 2-tuple (`pt = 1`), so the reference's
+    weight loads as is. Tokens come out frame-major, then height, then width
+    (`flatten(2).transpose(1, 2)` of the reference).
 
     **Fields:** `weight` `(dim, in_channels, *patch_size)`, `bias` `(dim,)`; static
-    `in_channels`, `dim`, `patch_size`.
+    `in_channels`, `dim`, `patch_size` (as given: 2 or 3 ints).
     """
 
-    weight: Float[Array, "dim C pt ph pw"]
+    weight: Float[Array, "dim C *patch"]
     bias: Float[Array, " dim"]
     in_channels: int = eqx.field(static=True)
     dim: int = eqx.field(static=True)
-    patch_size: tuple[int, int, int] = eqx.field(static=True)
+    patch_size: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(self, in_channels: int, dim: int, patch_size=(1, 2, 2), *, dtype=jnp.float32,
                  key: PRNGKeyArray):
@@ -64,14 +68,17 @@ class PatchEmbedding(eqx.Module):
 
         - `in_channels`: the latent channels `C`.
         - `dim`: the token width.
-        - `patch_size`: `(pt, ph, pw)`.
+        - `patch_size`: `(pt, ph, pw)` (a `Conv3d`), or `(ph, pw)` (a per-frame `Conv2d`).
         - `dtype`: the parameters' dtype.
-        - `key`: a PRNG key for the initialization (PyTorch's `Conv3d` default).
+        - `key`: a PRNG key for the initialization (PyTorch's convolution default).
         """
         _check_positive("PatchEmbedding", "in_channels", in_channels)
         _check_positive("PatchEmbedding", "dim", dim)
-        patch_size = _check_patch("PatchEmbedding", patch_size)
-        fan_in = in_channels * patch_size[0] * patch_size[1] * patch_size[2]
+        if isinstance(patch_size, (tuple, list)) and len(patch_size) == 2:
+            patch_size = _check_patch("PatchEmbedding", (1, *patch_size))[1:]
+        else:
+            patch_size = _check_patch("PatchEmbedding", patch_size)
+        fan_in = in_channels * math.prod(patch_size)
         bound = 1 / fan_in**0.5
         kw, kb = jax.random.split(key)
         shape = (dim, in_channels, *patch_size)
@@ -91,7 +98,12 @@ class PatchEmbedding(eqx.Module):
         as a `Conv3d` needs).
         """
         with jax.named_scope("vidax_eqx.nn.PatchEmbedding"):
-            return self.project(patchify(x.astype(self.weight.dtype), self.patch_size))
+            return self.project(patchify(x.astype(self.weight.dtype), self.patch_3d))
+
+    @property
+    def patch_3d(self) -> tuple[int, int, int]:
+        """`(pt, ph, pw)`: `patch_size`, with `pt = 1` for a per-frame `Conv2d`."""
+        return self.patch_size if len(self.patch_size) == 3 else (1, *self.patch_size)
 
     @jaxtyped(typechecker=beartype)
     def project(self, patches: Float[Array, "S P"]) -> Float[Array, "S {self.dim}"]:
@@ -146,18 +158,24 @@ def patchify(x: Float[Array, "C F H W"], patch_size: tuple[int, int, int]) -> Fl
 
 @jaxtyped(typechecker=beartype)
 def unpatchify(
-    tokens: Float[Array, "S D"], grid: tuple[int, int, int], patch_size: tuple[int, int, int]
+    tokens: Float[Array, "S D"],
+    grid: tuple[int, int, int],
+    patch_size: tuple[int, int, int],
+    *,
+    channels_first: bool = False,
 ) -> Float[Array, "C F H W"]:
     """The inverse of the patch layout: tokens `(S, C * pt * ph * pw)` -> video `(C, F, H, W)`.
 
     Token `(f, h, w)` (frame-major order) holds its patch's values in `(pt, ph, pw, C)`
-    order, as Wan's and diffusers' `proj_out` produce them.
+    order, as Wan's `head` and diffusers' Wan `proj_out` produce them, or in
+    `(C, pt, ph, pw)` order with `channels_first=True` (CogVideoX's `proj_out`).
 
     **Arguments:**
 
     - `tokens`: `(F' * H' * W', C * pt * ph * pw)`.
     - `grid`: `(F', H', W')`, the token grid.
     - `patch_size`: `(pt, ph, pw)`.
+    - `channels_first`: the order of each token's values, as above.
 
     **Returns:**
 
@@ -172,5 +190,8 @@ def unpatchify(
             f"grid {grid} and patch_size {patch_size}; received {tokens.shape}."
         )
     c = tokens.shape[1] // patch
-    x = tokens.reshape(f, h, w, pt, ph, pw, c).transpose(6, 0, 3, 1, 4, 2, 5)
+    if channels_first:
+        x = tokens.reshape(f, h, w, c, pt, ph, pw).transpose(3, 0, 4, 1, 5, 2, 6)
+    else:
+        x = tokens.reshape(f, h, w, pt, ph, pw, c).transpose(6, 0, 3, 1, 4, 2, 5)
     return x.reshape(c, f * pt, h * ph, w * pw)

@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._attention import _check_joint_mode, _check_parallel, Attention, CrossAttention, JointAttention
+from ._attention import _check_parallel, Attention, CrossAttention, JointAttention
 from ._feedforward import FeedForward
 from ._parallel import ParallelConfig
 
@@ -131,8 +131,6 @@ def with_parallel(module, parallel: ParallelConfig):
     def swap(m):
         if not _is_parallel(m):
             return m
-        if isinstance(m, JointAttention):
-            _check_joint_mode(parallel)
         # Equinox rebuilds modules the same way when unflattening: fields set on a new
         # instance without running `__init__`. Only the configuration leaf changes.
         new = object.__new__(type(m))

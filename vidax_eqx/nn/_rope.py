@@ -1,4 +1,5 @@
-"""Rotary position embedding: Wan's 3D tables and the adjacent-pair rotation."""
+"""Position embeddings of video tokens: 3D rotary tables (Wan, CogVideoX), the
+adjacent-pair rotation, and CogVideoX-2B's 3D sin-cos embedding."""
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +23,11 @@ def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
     return (c - 2 * (c // 3), c // 3, c // 3)
 
 
-def _angles(length: int, pairs: int, theta: float) -> np.ndarray:
-    """Wan's `rope_params(length, 2 * pairs, theta)` angles, float64 `(length, pairs)`."""
+def _angles(positions: np.ndarray, pairs: int, theta: float) -> np.ndarray:
+    """Wan's `rope_params` angles at `positions`, float64 `(len(positions), pairs)`."""
     dim = 2 * pairs
     freqs = 1.0 / np.power(float(theta), np.arange(0, dim, 2, dtype=np.float64) / dim)
-    return np.outer(np.arange(length, dtype=np.float64), freqs)
+    return np.outer(np.asarray(positions, np.float64), freqs)
 
 
 def rope_3d(
@@ -34,16 +35,18 @@ def rope_3d(
     head_dim: int,
     theta: float = 10000.0,
     split: tuple[int, int, int] | None = None,
+    positions=None,
 ) -> tuple[Float[Array, "S half"], Float[Array, "S half"]]:
-    """Wan's 3D rotary tables for a `(frames, height, width)` grid of video tokens.
+    """3D rotary tables for a `(frames, height, width)` grid of video tokens (Wan, CogVideoX).
 
     Rotary pair `i` of a token at grid position `(f, h, w)` turns by an angle that
     depends on one coordinate: the first `split[0]` pairs on `f`, the next
     `split[1]` on `h`, the last `split[2]` on `w`. A part of `n` pairs uses
-    frequencies `1 / theta ** (arange(0, 2n, 2) / (2n))`, as Wan's `rope_params`.
-    Tokens are ordered frame-major, then height, then width, as Wan flattens them.
-    The tables are computed in float64 with NumPy (as the reference does) and
-    returned in float32; `grid` must therefore be concrete Python ints.
+    frequencies `1 / theta ** (arange(0, 2n, 2) / (2n))`, as Wan's `rope_params`
+    and diffusers' `get_1d_rotary_pos_embed`. Tokens are ordered frame-major, then
+    height, then width, as Wan and CogVideoX flatten them. The tables are computed
+    in float64 with NumPy and returned in float32; `grid` must therefore be
+    concrete Python ints.
 
     **Arguments:**
 
@@ -52,7 +55,10 @@ def rope_3d(
     - `theta`: the RoPE base.
     - `split`: `(t, h, w)` rotary pairs per axis, summing to `head_dim // 2`.
         Default: Wan's split, `c - 2 * (c // 3), c // 3, c // 3` with `c = head_dim // 2`.
-        Models that split differently (CogVideoX) pass their own.
+        CogVideoX's is `(head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16)`.
+    - `positions`: the coordinate of each grid index along each axis, three 1-D
+        arrays of lengths `grid` (floats allowed: CogVideoX places its tokens on a
+        crop of a base-resolution grid); default `arange` on every axis (Wan).
 
     **Returns:**
 
@@ -90,10 +96,18 @@ def rope_3d(
             f"summing to head_dim // 2 = {c}; received {split!r}."
         )
     f, h, w = (int(g) for g in grid)
+    if positions is None:
+        positions = tuple(np.arange(n) for n in (f, h, w))
+    positions = tuple(np.asarray(p, np.float64) for p in positions)
+    if len(positions) != 3 or any(p.shape != (n,) for p, n in zip(positions, (f, h, w))):
+        raise ValueError(
+            f"rope_3d: `positions` must be three 1-D arrays of lengths grid = {(f, h, w)}; "
+            f"received shapes {[np.shape(p) for p in positions]}."
+        )
     parts = [
-        np.broadcast_to(_angles(f, split[0], theta)[:, None, None, :], (f, h, w, split[0])),
-        np.broadcast_to(_angles(h, split[1], theta)[None, :, None, :], (f, h, w, split[1])),
-        np.broadcast_to(_angles(w, split[2], theta)[None, None, :, :], (f, h, w, split[2])),
+        np.broadcast_to(_angles(positions[0], split[0], theta)[:, None, None, :], (f, h, w, split[0])),
+        np.broadcast_to(_angles(positions[1], split[1], theta)[None, :, None, :], (f, h, w, split[1])),
+        np.broadcast_to(_angles(positions[2], split[2], theta)[None, None, :, :], (f, h, w, split[2])),
     ]
     angles = np.concatenate(parts, axis=-1).reshape(f * h * w, c)
     return (
@@ -134,3 +148,63 @@ def apply_rope(
         s = sin.astype(jnp.float32)[:, None, :]
         out = jnp.stack([x_e * c - x_o * s, x_e * s + x_o * c], axis=-1)
         return out.reshape(x.shape).astype(x.dtype)
+
+
+def _sincos(positions: np.ndarray, dim: int) -> np.ndarray:
+    """`[sin(p * w), cos(p * w)]` with `w = 10000 ** -(arange(dim / 2) / (dim / 2))`, float64."""
+    omega = 1.0 / 10000.0 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+    angles = np.outer(np.asarray(positions, np.float64), omega)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+
+
+def sincos_embedding_3d(
+    grid: tuple[int, int, int],
+    dim: int,
+    *,
+    spatial_interpolation_scale: float = 1.0,
+    temporal_interpolation_scale: float = 1.0,
+) -> Float[Array, "S dim"]:
+    """The fixed 3D sin-cos position embedding of CogVideoX-2B (diffusers'
+    `get_3d_sincos_pos_embed`), added to the video tokens after the patch embedding.
+
+    With `t, y, x` a token's frame, row and column divided by their interpolation
+    scale: features `[sincos_{dim/4}(t), sincos_{3dim/8}(x), sincos_{3dim/8}(y)]`,
+    where `sincos_n(p)` is `[sin(p * w), cos(p * w)]` over `n / 2` frequencies
+    `w_i = 10000 ** (-i / (n / 2))` (the column coordinate comes first in the
+    spatial part, as diffusers' `meshgrid(..., indexing="xy")` puts it). Tokens
+    frame-major, then row, then column. Computed in float64 with NumPy, returned
+    float32; `grid` must be concrete ints.
+
+    **Arguments:**
+
+    - `grid`: `(frames, height, width)` of the token grid (after patchifying).
+    - `dim`: the embedding width, a multiple of 16.
+    - `spatial_interpolation_scale`, `temporal_interpolation_scale`: the coordinates'
+        divisors (CogVideoX: 1.875 and 1.0).
+
+    **Returns:**
+
+    float32 `(frames * height * width, dim)`.
+    """
+    if (
+        not isinstance(grid, (tuple, list))
+        or len(grid) != 3
+        or not all(_is_int(g) and g >= 1 for g in grid)
+    ):
+        raise ValueError(
+            "sincos_embedding_3d: `grid` must be three positive Python ints (frames, height, "
+            f"width), concrete when traced; received {grid!r}."
+        )
+    if not _is_int(dim) or dim < 16 or dim % 16:
+        raise ValueError(f"sincos_embedding_3d: `dim` must be a positive multiple of 16; received {dim!r}.")
+    f, h, w = (int(g) for g in grid)
+    spatial = 3 * dim // 4
+    temporal = _sincos(np.arange(f) / temporal_interpolation_scale, dim // 4)  # (f, dim/4)
+    cols = _sincos(np.arange(w) / spatial_interpolation_scale, spatial // 2)  # (w, 3dim/8)
+    rows = _sincos(np.arange(h) / spatial_interpolation_scale, spatial // 2)  # (h, 3dim/8)
+    parts = [
+        np.broadcast_to(temporal[:, None, None, :], (f, h, w, dim // 4)),
+        np.broadcast_to(cols[None, None, :, :], (f, h, w, spatial // 2)),
+        np.broadcast_to(rows[None, :, None, :], (f, h, w, spatial // 2)),
+    ]
+    return jnp.asarray(np.concatenate(parts, axis=-1).reshape(f * h * w, dim).astype(np.float32))

@@ -1,4 +1,5 @@
-"""The pure functions behind `vidax_eqx.nn`: normalization, rotary and timestep embeddings.
+"""The pure functions behind `vidax_eqx.nn`: normalization, position and timestep embeddings,
+patches.
 
 The Equinox modules of `vidax_eqx.nn` and the linen shim `vidax_eqx.flax` hold
 parameters and call these; use them directly in code that keeps its own weights.
@@ -13,6 +14,7 @@ from ._norm import (
 from ._rope import (
     apply_rope as apply_rope,
     rope_3d as rope_3d,
+    sincos_embedding_3d as sincos_embedding_3d,
     wan_rope_split as wan_rope_split,
 )
 from ._feedforward import timestep_embedding as timestep_embedding
