@@ -13,6 +13,8 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, nn
+from .._vma import as_varying, varying_axes
+from ..nn._parallel import check_text
 from ..nn import functional
 from ._common import check_remat, padded_tokens, read_config, scan_layers
 
@@ -283,7 +285,8 @@ class CogVideoXBlock(eqx.Module):
         with jax.named_scope("vidax_eqx.models.CogVideoXBlock"):
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)
-            a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids)
+            a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids,
+                                  context_copies=True)
             x, context = x + gate * a_x, context + c_gate * a_c
             x_n, c_n, gate, c_gate = self.norm2(x, context, temb)
             f = self.ff(jnp.concatenate([c_n, x_n]))
@@ -489,6 +492,13 @@ class CogVideoXTransformer3D(eqx.Module):
             rope = tuple(per_token) or None
             if segment_ids is not None:  # the text is never padding
                 segment_ids = jnp.concatenate([jnp.zeros((T,), jnp.int32), segment_ids])
+
+            # Every device carries a copy of the text stream. The joint attention makes
+            # the copies vary (in type) over the sequence axes; the scan carry starts so,
+            # and the copies' gradients are summed by that cast's transpose. The text
+            # must come in whole and the same on every device: checked here, once.
+            check_text("CogVideoXTransformer3D", parallel, context)
+            context = as_varying(context, varying_axes(tokens, context))
 
             def block(carry, b):
                 return b(*carry, temb, rope, segment_ids)

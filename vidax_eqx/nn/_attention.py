@@ -553,6 +553,7 @@ class JointAttention(eqx.Module):
         *,
         rope: _Rope | None = None,
         segment_ids: Int[Array, " T+S"] | None = None,
+        context_copies: bool = False,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
 
@@ -566,6 +567,12 @@ class JointAttention(eqx.Module):
             attend only within equal ids, and a negative id is padding (it sees nothing
             and nothing sees it; its output row is `to_out`'s bias). A sharded model
             hides the padding of a token count that does not divide the devices so.
+        - `context_copies`: `True` when `context` is this device's copy of a text stream
+            that an earlier joint layer computed on every device (a stack of joint
+            blocks): the copies are equal in value but vary in type over the sequence
+            axes, so the check that the text is whole and the same on every device
+            (which refuses a text sharded like `x`, a wrong answer) is skipped. The
+            caller checks the stream's first input instead.
 
         **Returns:**
 
@@ -573,7 +580,8 @@ class JointAttention(eqx.Module):
         `(hidden_states, encoder_hidden_states)`.
         """
         with jax.named_scope("vidax_eqx.nn.JointAttention"):
-            check_context("JointAttention", self.parallel, x, context=context)
+            check_context("JointAttention", self.parallel, x,
+                          context=None if context_copies else context)
             H = _local_heads("JointAttention", self, self.to_q)
             T, S = context.shape[0], x.shape[0]
             h = jnp.concatenate([context, x], axis=0)

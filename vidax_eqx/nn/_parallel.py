@@ -162,12 +162,21 @@ def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
             "x's in_spec."
         )
     if context is not None:
-        wrong = varying_axes(context) & {*seq_axes, parallel.sp_axis, SP_AXIS, parallel.tp_axis}
-        if wrong:
-            raise ValueError(
-                f"{cls}: `context` (the text) must be whole and the same on every device "
-                f"(in_spec P()); it varies over the mesh axes {sorted(wrong, key=str)}."
-            )
+        check_text(cls, parallel, context)
+
+
+def check_text(cls: str, parallel: ParallelConfig, context) -> None:
+    """Raises where `context` (text, whole on every device) varies over a sequence or
+    tensor-parallel axis of `parallel` inside `shard_map`: it was sharded like `x`."""
+    if not tracks_vma():
+        return
+    axes = {*_sequence_axes(parallel), parallel.sp_axis, SP_AXIS, parallel.tp_axis}
+    wrong = varying_axes(context) & axes
+    if wrong:
+        raise ValueError(
+            f"{cls}: `context` (the text) must be whole and the same on every device "
+            f"(in_spec P()); it varies over the mesh axes {sorted(wrong, key=str)}."
+        )
 
 
 def _sequence_axes(parallel: ParallelConfig) -> tuple:
