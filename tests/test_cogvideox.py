@@ -154,10 +154,14 @@ def test_sharded_gradients_equal_single(loaded):
     flat_1 = jax.tree_util.tree_leaves_with_path(grad_1)
     flat_n = jax.tree.leaves(grad_n)
     assert len(flat_1) == len(flat_n) == len(jax.tree.leaves(arrays))
+    # A gradient that is zero in exact arithmetic (norm_k's bias: a shift of every key
+    # leaves the softmax unchanged) is float noise on both sides: the floor is relative
+    # to the largest gradient of all.
+    floor = 1e-6 * max(float(jnp.max(jnp.abs(g))) for _, g in flat_1)
     for (path, g1), gn in zip(flat_1, flat_n):
         scale = float(jnp.max(jnp.abs(g1)))
         err = float(jnp.max(jnp.abs(g1 - gn)))
-        assert err <= 1e-4 * scale + 1e-9, (jax.tree_util.keystr(path), err, scale)
+        assert err <= 1e-4 * scale + floor, (jax.tree_util.keystr(path), err, scale)
 
 
 # -- 4. checkpoints and errors ---------------------------------------------------------
