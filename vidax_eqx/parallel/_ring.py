@@ -20,6 +20,10 @@ balanced ([`ring_work`][] reports it).
 
 Communication is the minimum: `n - 1` K/V hops forward; `n - 1` K/V hops and
 `n - 1` dK/dV hops backward (the local block's gradients never travel).
+
+The joint (CogVideoX) layout (`text_len > 0`: a replicated text prefix before
+each device's visual chunk) runs this ring for the visual tokens and the text
+blocks locally, in `_joint.py`; the text K/V never travel.
 """
 
 import dataclasses
@@ -37,6 +41,7 @@ from .. import kernels
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size, check_sharded
+from ._ulysses import _static_int
 
 
 F32 = jnp.float32
@@ -730,6 +735,7 @@ def ring_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     layout: str = "contiguous",
+    text_len: int = 0,
     implementation: str | kernels.AbstractImplementation = "auto",
 ) -> Float[Array, "B L H D"]:
     """Ring attention over the sequence axis, inside `jax.shard_map`.
@@ -769,18 +775,58 @@ def ring_attention(
         `"zigzag"`: rank `r` holds chunks `r` and `2n - 1 - r` of `2n` (`L` even);
         permute the global sequence with [`zigzag_permute`][] before sharding and
         undo with [`zigzag_unpermute`][]. Zigzag balances causal work.
+    - `text_len`: the joint (CogVideoX) layout when `> 0`: each device's `q`, `k`,
+        `v` are `(B, text_len + L, H(_kv), D)`, `[text prefix (text_len tokens, the
+        same on every device); this device's chunk of the visual sequence]`, and
+        the visual sequence alone is sharded over `axis_name` (and, for zigzag,
+        permuted with `zigzag_permute(visual, 1, n)`; the text is not). The result
+        equals single-device attention over `[text; visual]`, text at positions
+        `0 .. text_len - 1` and visual tokens after it (so `causal=True` lets the
+        text see no visual token). `segment_ids` follow the same per-device layout,
+        `(B, text_len + L)`. Self-attention only: `k`, `v` have `q`'s length.
+        `text_len == q.shape[1]` (no visual tokens) is local attention over the
+        text. `0` (the default) is plain ring attention.
     - `implementation`: the kernel implementation of each step, as in
         `vidax_eqx.kernels.attention`.
 
     **Returns:**
 
-    This device's output `(B, L, H, D)` in `q`'s dtype. A row that sees nothing
-    gives 0.
+    This device's output `(B, L, H, D)` in `q`'s dtype (`(B, text_len + L, H, D)`
+    in the joint layout, its first `text_len` rows the text output, bitwise
+    identical on every device). A row that sees nothing gives 0.
 
-    Raises `ValueError` when `axis_name` is not bound (outside `shard_map`), for an
-    unknown `layout`, or an odd local length with `layout="zigzag"`; the kernel's
-    errors for invalid or unsupported options.
+    **Joint layout, how it runs and its gradients:** the text K/V never travel
+    the ring, only the visual K/V do. Visual queries meet the text keys in one
+    local kernel call; text queries meet this device's visual chunk in one local
+    kernel call whose partial `(out, lse)` are all-gathered over the ring and
+    merged in a fixed order (so every device gets bitwise the same text rows);
+    the text x text block is computed locally. Everything is merged by
+    log-sum-exp in float32, and the backward runs every block's backward (and the
+    ring's) with the merged `out` and `lse`. The text output rows are copies: the
+    cotangent of the text output is the **sum** of the copies' cotangents (give
+    every copy its share, or the whole cotangent to one copy; never the whole
+    cotangent to every copy), and the gradient with respect to the text inputs is
+    the sum over the devices' copies (what `shard_map` gives for a replicated
+    input): the text x text block's part of it is kept on rank 0 only, so it
+    counts once. As in [`usp_attention`][] with `text_len`.
+
+    **Raises:**
+
+    `ValueError` when `axis_name` is not bound (outside `shard_map`), for an
+    unknown `layout`, an odd local length with `layout="zigzag"` (in the joint
+    layout: an odd visual length `q.shape[1] - text_len`), a `text_len` that is
+    not a Python int in `[0, q.shape[1]]`, or (joint layout) shapes that are not
+    self-attention; the kernel's errors for invalid or unsupported options.
     """
+    text_len = _static_int("text_len", text_len)
+    if text_len:
+        from ._joint import ring_joint_attention  # _joint builds on this module
+
+        return ring_joint_attention(
+            q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
+            window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
+            text_len=text_len, implementation=implementation,
+        )
     return _ring_attention(
         q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
         window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,

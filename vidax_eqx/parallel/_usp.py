@@ -17,11 +17,11 @@ both at once on a mesh with a Ulysses axis of size `U` and a ring axis of size
 
 The joint (CogVideoX) layout, a replicated text prefix before each device's
 visual chunk, is served by the same steps for the visual tokens plus text
-blocks that never travel; see [`usp_attention`][].
+blocks that never travel: after step 2 each device runs the joint core that
+`ring_attention(..., text_len=...)` runs (`_joint.py`) on its heads; see
+[`usp_attention`][].
 """
 
-import dataclasses
-import functools
 from collections.abc import Hashable
 
 import jax
@@ -31,11 +31,11 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
-from .._order import after, Sequence
-from .._vma import as_varying, varying_axes
+from .._order import Sequence
 from . import _ring
+from ._joint import joint_attention
 from ._mesh import axis_size, check_sharded
-from ._ring import ring_attention, ring_positions
+from ._ring import ring_attention
 from ._ulysses import (
     _check_heads,
     _check_qkv,
@@ -46,174 +46,7 @@ from ._ulysses import (
 )
 
 
-F32 = jnp.float32
 _FN = "usp_attention"
-
-
-# -- the joint layout: text blocks that never travel ---------------------------------
-#
-# After the Ulysses step a device (ring rank r, Ulysses rank u) holds, for its H / U
-# heads, the text tokens (the same on every device) and the visual share of ring
-# rank r. Single-device joint attention splits into four kinds of blocks:
-#
-#   visual q x visual kv : the ring (`_ring._ring_forward` / `_ring_backward`);
-#   visual q x text kv   : one local kernel call per device (its own visual rows);
-#   text q x visual kv   : one local kernel call per device against its own visual
-#                          share; the R partial (out, lse) are all-gathered over
-#                          the ring and merged in a fixed order, so every device
-#                          gets bitwise the same text rows;
-#   text q x text kv     : one local kernel call (the same on every ring rank; its
-#                          gradient is kept on ring rank 0 only, so it counts once).
-#
-# Everything is merged by log-sum-exp in float32 and the custom VJP below runs
-# each block's `attention_bwd` (and the ring backward) with the merged, global
-# `out` and `lse`, which makes every gradient exact. Text positions are
-# `arange(text_len)`, visual ones `text_len + ring_positions(...)`; the ring sees
-# visual positions without the offset, which changes no mask (causal masks and
-# windows depend on position differences only).
-
-
-@dataclasses.dataclass(frozen=True)
-class _Joint:
-    """Static configuration of the joint core (hashable)."""
-
-    ring: _ring._Config
-    text_len: int
-    sees_visual: bool  # some text query may see some visual key
-    seen_by_visual: bool  # some visual query may see some text key
-
-    def kernel_options(self) -> dict:
-        return self.ring.kernel_options()
-
-
-def _joint_positions(cfg: _Joint, L_v: int, rank):
-    T, n = cfg.text_len, cfg.ring.sp_size
-    text = jnp.arange(T, dtype=jnp.int32)
-    visual = T + ring_positions(L_v, n, rank, cfg.ring.layout)
-    return text, visual
-
-
-def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: str):
-    """(text sees visual, visual sees text) for some device, decided statically."""
-    text = np.arange(text_len)
-    sees = seen = False
-    for r in range(n):
-        visual = text_len + _ring._positions(np, L_v, n, r, layout)
-        sees = sees or _ring._may_see(causal, window, text, visual)
-        seen = seen or _ring._may_see(causal, window, visual, text)
-    return sees, seen
-
-
-def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
-    """`(out_t, out_v)` in `q`'s dtype and their float32 `(lse_t, lse_v)`."""
-    rc = cfg.ring
-    rank = lax.axis_index(rc.axis_name)
-    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
-    opts = cfg.kernel_options()
-    seg = _ring._seg_arg
-
-    out_v, lse_v = _ring._ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
-    if cfg.seen_by_visual:
-        o, l = kernels.attention_fwd(
-            q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
-            kv_positions=t_pos, **opts,
-        )
-        out_v, lse_v = _ring._merge(out_v, lse_v, o, l)
-
-    out_t, lse_t = kernels.attention_fwd(
-        q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
-        kv_positions=t_pos, **opts,
-    )
-    out_t = out_t.astype(F32)
-    if cfg.sees_visual:
-        o, l = kernels.attention_fwd(
-            q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
-            kv_positions=v_pos, **opts,
-        )
-        # Every device merges all ring ranks' partials in the same order: the text
-        # rows come out bitwise identical on every device.
-        # After the ring's permutes, one gather after the other (`vidax_eqx._order`).
-        o_all = lax.all_gather(after(o, out_v), rc.axis_name, axis=0)
-        l_all = lax.all_gather(after(l, o_all), rc.axis_name, axis=0)
-        for i in range(rc.sp_size):
-            out_t, lse_t = _ring._merge(out_t, lse_t, o_all[i], l_all[i])
-    return (out_t.astype(q_t.dtype), out_v.astype(q_v.dtype)), (lse_t, lse_v)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _joint(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
-    out, _ = _joint_forward(cfg, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
-    return out
-
-
-def _joint_fwd_rule(cfg, *args):
-    (out_t, out_v), (lse_t, lse_v) = _joint_forward(cfg, *args)
-    return (out_t, out_v), (args, out_t, out_v, lse_t, lse_v)
-
-
-def _sinks_grad(sinks, lse, out, dout):
-    """`-sum_rows p_sink * delta` over these rows, `(H,)` float32."""
-    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
-    return -jnp.sum(jnp.exp(sinks.astype(F32)[None, :, None] - lse) * delta, axis=(0, 2))
-
-
-def _joint_bwd_rule(cfg, residuals, cotangents):
-    args, out_t, out_v, lse_t, lse_v = residuals
-    q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v = args
-    rc = cfg.ring
-    axes = varying_axes(q_v)
-    rank = lax.axis_index(rc.axis_name)
-    first = rank == 0
-    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
-    opts = cfg.kernel_options()
-    seg = _ring._seg_arg
-    ct_t, ct_v = cotangents
-    # Every ring rank's text rows are the same function of the same inputs, so the
-    # cotangent of this head slice's text rows is the sum of all the copies'.
-    dout_t = lax.psum(after(ct_t.astype(F32), ct_v), rc.axis_name)
-    dout_t = as_varying(dout_t.astype(q_t.dtype), axes)
-    dout_v = after(ct_v.astype(q_v.dtype), dout_t)  # the ring's permutes after the psum
-
-    with jax.named_scope("vidax_usp_attention_bwd"):
-        dq_v, dk_v, dv_v = _ring._ring_backward(
-            rc, q_v, k_v, v_v, sq_v, skv_v, out_v, lse_v, dout_v
-        )
-        dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
-        if cfg.seen_by_visual:
-            dq, dk, dv, _, _ = kernels.attention_bwd(
-                q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
-                q_positions=v_pos, kv_positions=t_pos, **opts,
-            )
-            dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
-
-        # The text x text block is computed on every ring rank; count it once.
-        dq_t, dk, dv, _, ds_t = kernels.attention_bwd(
-            q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
-            q_positions=t_pos, kv_positions=t_pos, **opts,
-        )
-        once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
-        dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
-        if cfg.sees_visual:
-            dq, dk, dv, _, _ = kernels.attention_bwd(
-                q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
-                q_positions=t_pos, kv_positions=v_pos, **opts,
-            )
-            dq_t, dk_v, dv_v = dq_t + dq.astype(F32), dk_v + dk.astype(F32), dv_v + dv.astype(F32)
-
-        dsinks = None
-        if sinks is not None:
-            dsinks = _sinks_grad(sinks, lse_v, out_v, dout_v) + once(ds_t)
-            dsinks = as_varying(dsinks.astype(sinks.dtype), axes)
-
-    cast = lambda d, x: as_varying(d.astype(x.dtype), axes)  # noqa: E731
-    return (
-        cast(dq_t, q_t), cast(dk_t, k_t), cast(dv_t, v_t),
-        cast(dq_v, q_v), cast(dk_v, k_v), cast(dv_v, v_v),
-        dsinks, None, None, None, None,
-    )
-
-
-_joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
 
 
 # -- the public function -------------------------------------------------------------
@@ -419,10 +252,10 @@ def usp_attention(
             out_v = ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
                                    sinks=sinks, layout=layout, **opts)
         else:
-            out_t, out_v = _joint_attention(
+            out_t, out_v = joint_attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
-                text_len=text_len, ring_axis=ring_axis, ring_size=R, layout=layout, **opts,
+                text_len=text_len, axis_name=ring_axis, sp_size=R, layout=layout, **opts,
             )
         out_v = order(lax.all_to_all, out_v, ulysses_axis, split_axis=1, concat_axis=2,
                       tiled=True)
@@ -430,33 +263,3 @@ def usp_attention(
             return out_v
         out_t = order(lax.all_gather, out_t, ulysses_axis, axis=2, tiled=True)
         return jnp.concatenate([out_t, out_v], axis=1)
-
-
-def _joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
-                     text_len, ring_axis, ring_size, layout, causal, window, scale,
-                     logits_soft_cap, implementation):
-    """Validates like `ring_attention` and runs the joint core on this device's heads."""
-    L_v = q_v.shape[1]
-    pos = jnp.arange(L_v, dtype=jnp.int32)
-    kernels.select_implementation(
-        q_v, k_v, v_v, segment_ids=None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v),
-        q_positions=pos, kv_positions=pos, causal=causal, window=window, scale=scale,
-        logits_soft_cap=logits_soft_cap, implementation=implementation,
-    )
-    rc = _ring._Config(
-        axis_name=ring_axis,
-        sp_size=ring_size,
-        layout=layout,
-        causal=causal,
-        window=window,
-        scale=None if scale is None else float(scale),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        implementation=implementation,
-    )
-    sees, seen = _joint_visibility(causal, window, text_len, L_v, ring_size, layout)
-    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen)
-    args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
-    # Everything that meets inside the core varies along the same axes (the
-    # replicated text and sinks included), so replicated inputs get summed gradients.
-    axes = varying_axes(*args) | frozenset({ring_axis})
-    return _joint(cfg, *as_varying(args, axes))

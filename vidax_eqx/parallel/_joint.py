@@ -1,0 +1,300 @@
+"""The joint (CogVideoX) layout on a ring: a text prefix that never travels.
+
+Each device holds `[text prefix (text_len tokens, the same on every device); this
+device's share of the visual sequence]`, the visual sequence alone sharded over
+the ring (contiguous or zigzag). Single-device attention over `[text; visual]`
+splits into four kinds of blocks, and each runs where its data already is:
+
+- visual q x visual kv: the ring ([`ring_attention`][]'s `_ring._ring_forward` /
+  `_ring._ring_backward`): only the visual K/V (and their segment ids) travel;
+- visual q x text kv: one local kernel call per device (its own visual rows
+  against the text keys it holds);
+- text q x visual kv: one local kernel call per device against its own visual
+  share; the `n` partial `(out, lse)` are all-gathered over the ring and merged
+  in a fixed order (rank 0, 1, ...), so every device gets bitwise the same text
+  rows;
+- text q x text kv: one local kernel call, the same on every device.
+
+All partial results are merged by log-sum-exp in float32. The custom VJP runs
+each block's `attention_bwd` (and the ring backward) with the merged, global
+`out` and `lse`, which makes every gradient exact. The text output rows are
+copies, one per device: the backward first sums their cotangents over the ring
+(`psum`), and keeps the text x text block's gradient on rank 0 only, so that the
+sum over devices of the text gradients (what `shard_map` gives for a replicated
+input) counts that block once; the text q x visual kv block's gradients are
+per device already (each device's own visual share).
+
+Text positions are `arange(text_len)`, visual ones `text_len + ring_positions(...)`;
+the ring itself sees visual positions without the offset, which changes no mask
+(causal masks and windows depend on position differences only). Whether the
+text may see some visual token, and the reverse, is decided at trace time from
+the positions of every rank (`_joint_visibility`): a causal mask hides all the
+visual keys from the text rows, and that block is never computed.
+
+Used by [`ring_attention`][] (`text_len > 0`, through `ring_joint_attention`) and
+by [`usp_attention`][] (`joint_attention` on each device's heads after the
+Ulysses step).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import kernels
+from .._order import after
+from .._vma import as_varying, varying_axes
+from . import _ring
+from ._mesh import axis_size, check_sharded
+from ._ring import ring_positions
+from ._ulysses import _check_qkv
+
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joint:
+    """Static configuration of the joint core (hashable)."""
+
+    ring: _ring._Config
+    text_len: int
+    sees_visual: bool  # some text query may see some visual key
+    seen_by_visual: bool  # some visual query may see some text key
+
+    def kernel_options(self) -> dict:
+        return self.ring.kernel_options()
+
+
+def _joint_positions(cfg: _Joint, L_v: int, rank):
+    T, n = cfg.text_len, cfg.ring.sp_size
+    text = jnp.arange(T, dtype=jnp.int32)
+    visual = T + ring_positions(L_v, n, rank, cfg.ring.layout)
+    return text, visual
+
+
+def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: str):
+    """(text sees visual, visual sees text) for some device, decided statically."""
+    text = np.arange(text_len)
+    sees = seen = False
+    for r in range(n):
+        visual = text_len + _ring._positions(np, L_v, n, r, layout)
+        sees = sees or _ring._may_see(causal, window, text, visual)
+        seen = seen or _ring._may_see(causal, window, visual, text)
+    return sees, seen
+
+
+def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
+    """`(out_t, out_v)` in `q`'s dtype and their float32 `(lse_t, lse_v)`."""
+    rc = cfg.ring
+    rank = lax.axis_index(rc.axis_name)
+    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
+    opts = cfg.kernel_options()
+    seg = _ring._seg_arg
+
+    out_v, lse_v = _ring._ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
+    if cfg.seen_by_visual:
+        o, l = kernels.attention_fwd(
+            q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
+            kv_positions=t_pos, **opts,
+        )
+        out_v, lse_v = _ring._merge(out_v, lse_v, o, l)
+
+    out_t, lse_t = kernels.attention_fwd(
+        q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
+        kv_positions=t_pos, **opts,
+    )
+    out_t = out_t.astype(F32)
+    if cfg.sees_visual:
+        o, l = kernels.attention_fwd(
+            q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
+            kv_positions=v_pos, **opts,
+        )
+        # Every device merges all ring ranks' partials in the same order: the text
+        # rows come out bitwise identical on every device.
+        # After the ring's permutes, one gather after the other (`vidax_eqx._order`).
+        o_all = lax.all_gather(after(o, out_v), rc.axis_name, axis=0)
+        l_all = lax.all_gather(after(l, o_all), rc.axis_name, axis=0)
+        for i in range(rc.sp_size):
+            out_t, lse_t = _ring._merge(out_t, lse_t, o_all[i], l_all[i])
+    return (out_t.astype(q_t.dtype), out_v.astype(q_v.dtype)), (lse_t, lse_v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _joint(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
+    out, _ = _joint_forward(cfg, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
+    return out
+
+
+def _joint_fwd_rule(cfg, *args):
+    (out_t, out_v), (lse_t, lse_v) = _joint_forward(cfg, *args)
+    return (out_t, out_v), (args, out_t, out_v, lse_t, lse_v)
+
+
+def _sinks_grad(sinks, lse, out, dout):
+    """`-sum_rows p_sink * delta` over these rows, `(H,)` float32."""
+    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
+    return -jnp.sum(jnp.exp(sinks.astype(F32)[None, :, None] - lse) * delta, axis=(0, 2))
+
+
+def _joint_bwd_rule(cfg, residuals, cotangents):
+    args, out_t, out_v, lse_t, lse_v = residuals
+    q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v = args
+    rc = cfg.ring
+    axes = varying_axes(q_v)
+    rank = lax.axis_index(rc.axis_name)
+    first = rank == 0
+    t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
+    opts = cfg.kernel_options()
+    seg = _ring._seg_arg
+    ct_t, ct_v = cotangents
+    # Every ring rank's text rows are the same function of the same inputs, so the
+    # cotangent of the text rows is the sum of all the copies'.
+    dout_t = lax.psum(after(ct_t.astype(F32), ct_v), rc.axis_name)
+    dout_t = as_varying(dout_t.astype(q_t.dtype), axes)
+    dout_v = after(ct_v.astype(q_v.dtype), dout_t)  # the ring's permutes after the psum
+
+    with jax.named_scope("vidax_joint_attention_bwd"):
+        dq_v, dk_v, dv_v = _ring._ring_backward(
+            rc, q_v, k_v, v_v, sq_v, skv_v, out_v, lse_v, dout_v
+        )
+        dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
+        if cfg.seen_by_visual:
+            dq, dk, dv, _, _ = kernels.attention_bwd(
+                q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
+                q_positions=v_pos, kv_positions=t_pos, **opts,
+            )
+            dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
+
+        # The text x text block is computed on every ring rank; count it once.
+        dq_t, dk, dv, _, ds_t = kernels.attention_bwd(
+            q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
+            q_positions=t_pos, kv_positions=t_pos, **opts,
+        )
+        once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
+        dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
+        if cfg.sees_visual:
+            dq, dk, dv, _, _ = kernels.attention_bwd(
+                q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
+                q_positions=t_pos, kv_positions=v_pos, **opts,
+            )
+            dq_t, dk_v, dv_v = dq_t + dq.astype(F32), dk_v + dk.astype(F32), dv_v + dv.astype(F32)
+
+        dsinks = None
+        if sinks is not None:
+            dsinks = _sinks_grad(sinks, lse_v, out_v, dout_v) + once(ds_t)
+            dsinks = as_varying(dsinks.astype(sinks.dtype), axes)
+
+    cast = lambda d, x: as_varying(d.astype(x.dtype), axes)  # noqa: E731
+    return (
+        cast(dq_t, q_t), cast(dk_t, k_t), cast(dv_t, v_t),
+        cast(dq_v, q_v), cast(dk_v, k_v), cast(dv_v, v_v),
+        dsinks, None, None, None, None,
+    )
+
+
+_joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
+
+
+# -- entry points ---------------------------------------------------------------------
+
+
+def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
+                    text_len: int, axis_name: Hashable, sp_size: int, layout: str, causal,
+                    window, scale, logits_soft_cap, implementation):
+    """`(out_t, out_v)`: the joint core on split inputs, validated like `ring_attention`.
+
+    `q_t, k_t, v_t`: the text `(B, text_len, H(_kv), D)`; `q_v, k_v, v_v`: this
+    device's visual share `(B, L, H(_kv), D)` on the ring `axis_name` of `sp_size`
+    devices; segment ids int32 `(B, text_len)` / `(B, L)` or all `None`; `sinks`
+    `(H,)` or `None`. The arguments are checked by the caller; this checks that
+    the kernel serves the options (with positions, as the text blocks need).
+    """
+    L_v = q_v.shape[1]
+    pos = jnp.arange(L_v, dtype=jnp.int32)
+    kernels.select_implementation(
+        q_v, k_v, v_v, segment_ids=_ring._seg_arg(sq_v, skv_v), q_positions=pos,
+        kv_positions=pos, causal=causal, window=window, scale=scale,
+        logits_soft_cap=logits_soft_cap, implementation=implementation, needs_lse=True,
+    )
+    window = None if window is None else tuple(window)
+    rc = _ring._Config(
+        axis_name=axis_name,
+        sp_size=sp_size,
+        layout=layout,
+        causal=bool(causal),
+        window=window,
+        scale=None if scale is None else float(scale),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        implementation=implementation,
+    )
+    sees, seen = _joint_visibility(bool(causal), window, text_len, L_v, sp_size, layout)
+    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen)
+    args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
+    # Everything that meets inside the core varies along the same axes (the
+    # replicated text and sinks included), so replicated inputs get summed gradients.
+    axes = varying_axes(*args) | frozenset({axis_name})
+    return _joint(cfg, *as_varying(args, axes))
+
+
+def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale,
+                         logits_soft_cap, layout, text_len: int, implementation):
+    """`ring_attention` with `text_len != 0` (validated as a Python int by the caller):
+    the per-device `[text; visual share]` arrays, checked and split for the core."""
+    fn = "ring_attention"
+    n = axis_size(axis_name, what="Ring")
+    _ring._check_layout(layout)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_qkv(q, k, v, fn)
+    B, S_local, H, _ = q.shape
+    if not 0 <= text_len <= S_local:
+        raise ValueError(
+            f"{fn}: `text_len` must be between 0 and the per-device sequence length "
+            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+        )
+    T, L = text_len, S_local - text_len
+    if L:
+        check_sharded(fn, (axis_name,), q=q[:, T:], k=k[:, T:], v=v[:, T:])
+    # The arguments themselves, as given (xla serves every feature): messages name them.
+    pos = jnp.arange(S_local, dtype=jnp.int32)
+    kernels.select_implementation(
+        q, k, v, segment_ids=segment_ids, q_positions=pos, kv_positions=pos, causal=causal,
+        window=window, scale=scale, logits_soft_cap=logits_soft_cap, implementation="xla",
+        needs_lse=True,
+    )
+    if layout == "zigzag":
+        _ring._check_zigzag_length(
+            L, "visual local length q.shape[1] - text_len",
+            f"Pad the global visual sequence to a multiple of 2 * sp_size = {2 * n} before "
+            "zigzag_permute (pad_to_multiple, padding_segment_ids); the text prefix is "
+            "neither padded nor permuted.",
+        )
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(
+                f"`sinks` must be a float array of shape (H,) = ({H},); received "
+                f"shape {sinks.shape}, dtype {sinks.dtype}."
+            )
+    seg_q, seg_kv = _ring._segments(segment_ids)
+    opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
+                scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
+
+    with jax.named_scope("vidax_ring_attention"):
+        if L == 0:  # text only: every device attends the text to itself, no communication
+            axes = varying_axes(q, k, v) | frozenset({axis_name})
+            q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
+            return kernels.attention(q, k, v, segment_ids=_ring._seg_arg(seg_q, seg_kv),
+                                     sinks=sinks, **opts)
+        text = lambda x: None if x is None else x[:, :T]  # noqa: E731
+        visual = lambda x: None if x is None else x[:, T:]  # noqa: E731
+        out_t, out_v = joint_attention(
+            text(q), text(k), text(v), visual(q), visual(k), visual(v), sinks,
+            text(seg_q), text(seg_kv), visual(seg_q), visual(seg_kv),
+            text_len=T, axis_name=axis_name, sp_size=n, layout=layout, **opts,
+        )
+        return jnp.concatenate([out_t, out_v], axis=1)
