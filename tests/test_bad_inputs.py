@@ -483,8 +483,8 @@ ROWS = [
         r"to a multiple of 2 \* sp_size = 8"),
     row("parallel.ring_attention", "integer sinks",
         _ring(sinks=jnp.zeros((4,), jnp.int32)), ValueError,
-        r"`sinks` must be a float array of shape \(H,\) = \(4,\); received shape \(4,\), dtype "
-        r"int32"),
+        r"ring_attention: `sinks` must be a float array of shape \(H,\) = \(4,\), one logit per "
+        r"query head; received shape \(4,\), dtype int32"),
     row("parallel.ring_attention", "H not a multiple of H_kv (GQA)",
         lambda: _on_sp(lambda x: parallel.ring_attention(
             x, x[:, :, :3], x[:, :, :3], axis_name="sp"), X), ValueError,

@@ -273,13 +273,7 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
             "zigzag_permute (pad_to_multiple, padding_segment_ids); the text prefix is "
             "neither padded nor permuted.",
         )
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(
-                f"`sinks` must be a float array of shape (H,) = ({H},); received "
-                f"shape {sinks.shape}, dtype {sinks.dtype}."
-            )
+    sinks = _ring.check_sinks(fn, sinks, H)
     seg_q, seg_kv = _ring._segments(segment_ids)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)

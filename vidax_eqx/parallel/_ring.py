@@ -73,6 +73,19 @@ def _check_zigzag_length(length: int, what: str, fix: str) -> None:
         )
 
 
+def check_sinks(fn: str, sinks, H: int):
+    """`sinks` as an array, or a `ValueError` unless it is float `(H,)` (or `None`)."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: `sinks` must be a float array of shape (H,) = ({H},), one logit per "
+            f"query head; received shape {sinks.shape}, dtype {sinks.dtype}."
+        )
+    return sinks
+
+
 def ring_positions(
     length: int, sp_size: int, rank, layout: str = "contiguous"
 ) -> Int[Array, " length"]:
@@ -879,13 +892,7 @@ def _ring_attention(
         _relation_plan(layout, n, L_q, L_k, bool(causal), None if window is None else tuple(window))
     )
     validate(implementation, positions)
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if sinks.shape != (q.shape[2],) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(
-                f"`sinks` must be a float array of shape (H,) = ({q.shape[2]},); received "
-                f"shape {sinks.shape}, dtype {sinks.dtype}."
-            )
+    sinks = check_sinks("ring_attention", sinks, q.shape[2])
     cfg = _Config(
         axis_name=axis_name,
         sp_size=n,

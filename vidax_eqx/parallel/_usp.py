@@ -201,13 +201,7 @@ def usp_attention(
             f"(visual) sequence to a multiple of lcm(2 * R, U * R) = {multiple} "
             "(pad_to_multiple, padding_segment_ids) before zigzag_permute(x, 1, R)."
         )
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(
-                f"{_FN}: `sinks` must be a float array of shape (H,) = ({H},), one logit per "
-                f"query head; received shape {sinks.shape}, dtype {sinks.dtype}."
-            )
+    sinks = _ring.check_sinks(_FN, sinks, H)
 
     heads_local = H // U
     repeats = kv_head_repeats(H, H_kv, U)
