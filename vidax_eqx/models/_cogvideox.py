@@ -482,14 +482,13 @@ class CogVideoXTransformer3D(eqx.Module):
                 context = context + pos_text.astype(dtype)
             # Each device embeds only its share of the patches (padding: zero patches,
             # invisible through segment id -1), with its rows of the positions.
-            per_token = tuple(a for a in (*(rope or ()), pos_video) if a is not None)
             parallel = self.parallel
-            patches, per_token, segment_ids, n = padded_tokens(patches, per_token, parallel)
+            patches, (rope, pos_video), segment_ids, n = padded_tokens(
+                patches, (rope, pos_video), parallel
+            )
             tokens = self.patch_embed.proj.project(patches)
             if pos_video is not None:
-                *per_token, pos_video = per_token
                 tokens = tokens + pos_video.astype(dtype)
-            rope = tuple(per_token) or None
             if segment_ids is not None:  # the text is never padding
                 segment_ids = jnp.concatenate([jnp.zeros((T,), jnp.int32), segment_ids])
 

@@ -62,28 +62,28 @@ def token_multiple(parallel: nn.ParallelConfig) -> int:
     return 2 * n if parallel.layout == "zigzag" else n
 
 
-def padded_tokens(tokens, rope, parallel: nn.ParallelConfig):
-    """This device's tokens (or patches) and RoPE rows under `parallel`, and the
-    padding's segment ids.
+def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig):
+    """This device's tokens (or patches) and rows of the per-token arrays (RoPE tables,
+    position embeddings) under `parallel`, and the padding's segment ids.
 
     The sequence is padded with zero rows to a multiple of [`token_multiple`][], the
     padding given segment id -1 (invisible to attention) and the rest 0, and each array
-    is split by [`vidax_eqx.nn.shard_tokens`][]. Returns `(tokens, rope, segment_ids,
-    n)`: `segment_ids` is `None` when nothing is padded, `n` the real token count.
+    is split by [`vidax_eqx.nn.shard_tokens`][]. `per_token` is any PyTree of
+    `(S, ...)` arrays. Returns `(tokens, per_token, segment_ids, n)`: `segment_ids` is
+    `None` when nothing is padded, `n` the real token count.
     """
     n = tokens.shape[0]
     if parallel.sequence == "none":
-        return tokens, rope, None, n
+        return tokens, per_token, None, n
     multiple = token_multiple(parallel)
     total = -(-n // multiple) * multiple
     segment_ids = None
     if total != n:
-        pad = ((0, total - n), (0, 0))
-        tokens = jnp.pad(tokens, pad)
-        rope = tuple(jnp.pad(r, pad) for r in rope)
+        pad = lambda a: jnp.pad(a, ((0, total - n),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+        tokens, per_token = pad(tokens), jax.tree.map(pad, per_token)
         segment_ids = jnp.where(jnp.arange(total) < n, 0, -1).astype(jnp.int32)
-    tokens, rope, segment_ids = nn.shard_tokens((tokens, rope, segment_ids), parallel)
-    return tokens, rope, segment_ids, n
+    tokens, per_token, segment_ids = nn.shard_tokens((tokens, per_token, segment_ids), parallel)
+    return tokens, per_token, segment_ids, n
 
 
 def read_config(path, owner: str):
