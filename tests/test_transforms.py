@@ -1054,6 +1054,50 @@ def test_checkpoint_inside_shard_map(mode, policy):
     check_grads(e, grads, "d")
 
 
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_vmap_inside_shard_map_with_per_device_segment_ids(mode):
+    """`vmap` inside `shard_map` over a kernel whose tile-skipping `lax.cond` tests
+    segment ids made on each device (varying over "sp", unbatched), gradients included.
+
+    This is how a whole model runs (`models.run_sharded`: `shard_map(vmap(model))`, the
+    padding's ids built per device). JAX batches such a cond by broadcasting its
+    operands with a select, which made invariant operands (tile indices) varying behind
+    the branches' backs: `lt requires varying manual axes to match` at the backward of
+    Ulysses before the kernel cast them (caught at CogVideoX-5B scale).
+    """
+    n, S, H, D = 8, 64, 8, 8  # Ulysses: the kernel sees 64 tokens in 8 x 8 tiles
+    impl = kernels.Blockwise(block_q=8, block_kv=8)
+    real = 61  # the last 3 tokens are padding
+
+    def per_device(q, k, v):
+        start = (S // n) * jax.lax.axis_index("sp")
+        seg = jnp.where(jnp.arange(S // n) + start < real, 0, -1)[None]
+
+        def one(q, k, v):
+            q, k, v = q[None], k[None], v[None]
+            if mode == "ulysses":
+                out = parallel.sequence_parallel_self_attention(
+                    q, k, v, "sp", segment_ids=seg, implementation=impl)
+            else:
+                out = parallel.ring_attention(q, k, v, axis_name="sp", segment_ids=seg,
+                                              implementation=impl)
+            return out[0]
+
+        return jax.vmap(one)(q, k, v)
+
+    f = jax.shard_map(per_device, mesh=parallel.make_mesh(sp=n), in_specs=P(None, "sp"),
+                      out_specs=P(None, "sp"))
+    rng = _rng(70)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal((2, S, H, D)), F32) for _ in range(4))
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    grads = vjp(ct)
+    seg = np.where(np.arange(S) < real, 0, -1)[None].repeat(2, 0)
+    ref = oracle.attention(q, k, v, segment_ids=seg, dout=ct)
+    oracle.assert_close(out, ref.out, F32, "out")
+    for name, g, r in zip("qkv", grads, (ref.dq, ref.dk, ref.dv)):
+        oracle.assert_close(g, r, F32, f"d{name}")
+
+
 SCAN_CASES = {  # mode, checkpointed scan body
     "single": ("single", False),
     "ulysses": ("ulysses", False),

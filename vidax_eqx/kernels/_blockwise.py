@@ -210,7 +210,12 @@ class Blockwise(AbstractImplementation):
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         sinks = m.rows_sinks(ops.sinks, K, bq)
         axes = m.varying_axes(*jax.tree.leaves(blocks))
-        kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, jnp.arange(nk))
+        # Everything the tile-skipping `lax.cond` touches varies over the same mesh axes
+        # (tile indices included): under `vmap`, JAX turns a batched cond into a select
+        # that would otherwise make an invariant operand varying behind the branch's back.
+        blocks = m.as_varying(blocks, axes)
+        q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
+        kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, kv_idx)
 
         def q_block(xs):
             qs, q_pos, seg_q, i = xs
@@ -232,7 +237,7 @@ class Blockwise(AbstractImplementation):
             stats, _ = lax.scan(kv_step, stats, kv_xs)
             return m.finalize(stats, ops.q.dtype)
 
-        out, lse = lax.map(q_block, (blocks.qs, blocks.q_pos, blocks.seg_q, jnp.arange(nq)))
+        out, lse = lax.map(q_block, (blocks.qs, blocks.q_pos, blocks.seg_q, q_idx))
         return m.merge_q(out, H)[:, :S_q], m.merge_rows(lse, H)[..., :S_q]
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
@@ -251,9 +256,14 @@ class Blockwise(AbstractImplementation):
         qt, dot_ = jnp.swapaxes(blocks.q, -1, -2), jnp.swapaxes(do, -1, -2)
         lse_b = m.split_rows(_pad(m.safe_lse(lse), 2, Pq, value=jnp.inf), K, bq)
         delta_b = m.split_rows(_pad(delta, 2, Pq), K, bq)
-        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, jnp.arange(nq))
-        kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, jnp.arange(nk))
         axes = m.varying_axes(*jax.tree.leaves((blocks, do, lse_b, delta_b)))
+        # One set of varying axes for everything the tile-skipping cond touches (`fwd`).
+        blocks, qt, do, dot_, lse_b, delta_b = m.as_varying(
+            (blocks, qt, do, dot_, lse_b, delta_b), axes
+        )
+        q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
+        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, q_idx)
+        kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, kv_idx)
         dq0 = jnp.zeros(blocks.q.shape, m.F32)
         dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, m.F32)
         dq0, dbias0 = m.as_varying((dq0, dbias0), axes)
