@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from .._order import after
+from .._vma import as_varying, varying_axes
 from ..parallel import (
     axis_size,
     ring_attention,
@@ -79,6 +80,15 @@ def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
     """`x @ W.T + b` for a `(S, in)` input: a column-parallel shard gives its own columns."""
     y = x @ layer.weight.T
     return y if layer.bias is None else y + layer.bias
+
+
+def _tp_input(x: Array, m) -> Array:
+    """Under TP, `x` cast once to vary over `tp_axis`, before the column-parallel
+    projections that share it: their input gradients are then summed on each device
+    before the one `psum` that the cast's transpose is, instead of one `psum` per
+    projection (JAX casts an invariant input at each use)."""
+    tp_axis = m.parallel.tp_axis
+    return x if tp_axis is None else as_varying(x, varying_axes(x) | {tp_axis})
 
 
 def _row_parallel(layer: eqx.nn.Linear, x: Array, tp_axis: str | None) -> Array:
@@ -293,6 +303,7 @@ class Attention(eqx.Module):
             check_context("Attention", self.parallel, x)
             H = _local_heads("Attention", self, self.q)
             S = x.shape[0]
+            x = _tp_input(x, self)
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
             k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, x), q, self), self)
             k = k.reshape(S, H, self.head_dim)
@@ -432,6 +443,7 @@ class CrossAttention(eqx.Module):
             check_context("CrossAttention", self.parallel, x, context=context, sharded_x=False)
             H = _local_heads("CrossAttention", self, self.q)
             S, S_ctx = x.shape[0], context.shape[0]
+            context = _tp_input(context, self)
             q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
             k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, context), q, self), self)
             k = k.reshape(S_ctx, H, self.head_dim)
@@ -451,6 +463,7 @@ class CrossAttention(eqx.Module):
                 check_context("CrossAttention", self.parallel, x, context=context_image,
                               sharded_x=False)
                 S_img = context_image.shape[0]
+                context_image = _tp_input(context_image, self)
                 k_img = _linear(self.k_img, context_image)
                 k_img = _qk_rms_norm(self.norm_k_img, _after_tp(k_img, k, self), self)
                 k_img = k_img.reshape(S_img, H, self.head_dim)
@@ -585,6 +598,7 @@ class JointAttention(eqx.Module):
             H = _local_heads("JointAttention", self, self.to_q)
             T, S = context.shape[0], x.shape[0]
             h = jnp.concatenate([context, x], axis=0)
+            h = _tp_input(h, self)
             q = _linear(self.to_q, h).reshape(T + S, H, self.head_dim)
             k = _linear(self.to_k, h).reshape(T + S, H, self.head_dim)
             v = _linear(self.to_v, h).reshape(T + S, H, self.head_dim)
