@@ -1,13 +1,24 @@
-"""Wan 2.1 (`vidax_eqx.models.WanTransformer3D`) at scale, and against diffusers.
+"""Wan 2.1 (`vidax_eqx.models.WanTransformer3D`) and CogVideoX-5B
+(`vidax_eqx.models.CogVideoXTransformer3D`) at scale, and Wan against diffusers.
 
 Two parts, each configuration in a fresh process (this script with a hidden
 `--child-*` flag):
 
-**Scale** (`--part scale`): Wan 2.1 1.3B and 14B, bfloat16 weights, one video
-(batch 1), text context (512, 4096), on 8 simulated CPU devices, built abstractly
-(`eqx.filter_eval_shape`: no weight is ever allocated) and compiled ahead of time
-(`jax.jit(...).lower(ShapeDtypeStructs).compile()`) through `models.run_sharded`,
-for two meshes:
+**Scale** (`--part scale`): bfloat16 weights, one video (batch 1), on 8 simulated CPU
+devices, built abstractly (`eqx.filter_eval_shape`: no weight is ever allocated) and
+compiled ahead of time (`jax.jit(...).lower(ShapeDtypeStructs).compile()`) through
+`models.run_sharded`:
+
+- Wan 2.1 1.3B and 14B, text context (512, 4096), at the `--tokens` video token counts;
+- CogVideoX-5B (`CogVideoXConfig(num_attention_heads=48, attention_head_dim=64,
+  num_layers=42, use_rotary_positional_embeddings=True)`, the other fields default:
+  width 3072, time_embed_dim 512, patch 2), text context (226, 4096), at its one
+  resolution, the pipeline's 49 frames x 480 x 720: latents (F, C, H, W) =
+  (13, 16, 60, 90), 13 x 30 x 45 = 17,550 video tokens. Its blocks attend over the
+  joint sequence [226 text tokens, whole on every device; the video tokens, split
+  over sp (padded to a multiple of sp, the padding hidden by segment ids)].
+
+Two meshes:
 
 - `sp8`: sequence parallelism over 8 devices.
 - `sp4xtp2`: sequence parallelism over 4 devices x Megatron tensor parallelism over
@@ -15,8 +26,12 @@ for two meshes:
 
 Sequence modes: Ulysses needs the local head count (heads / tp) to be a multiple of
 sp: 1.3B has 12 heads (12 % 8 != 0 on sp8, 6 % 4 != 0 on sp4xtp2: ring only), 14B has
-40 (40 % 8 == 0, 20 % 4 == 0: both). By default every case runs ring attention
-(contiguous layout) and, where it fits, Ulysses too; `--sequence` chooses (`auto`:
+40 (40 % 8 == 0, 20 % 4 == 0: both), CogVideoX-5B 48 (both). CogVideoX's joint
+attention: Ulysses is `parallel.sequence_parallel_joint_self_attention` (the video
+through the all_to_alls, the text's heads taken locally), ring the joint ring
+(`parallel.ring_attention(..., text_len=T)`: the video K/V travel, the text K/V never
+do). By default every case runs ring attention (contiguous layout) and, where it fits,
+Ulysses too; `--sequence` chooses (`auto`:
 Ulysses where it fits, ring otherwise; a single mode that cannot serve a case gives a
 "not measured" row). The mode is in every row.
 
@@ -51,6 +66,7 @@ program: every number below is one device's):
     per step, local queries against one local chunk; Ulysses: the whole sequence for
     heads / sp heads), and `HLO / analytic (tiles)`.
 - compile time (lower + compile) of each program.
+- CogVideoX: bytes communicated, measured and the least possible (below).
 
 Analytic dot FLOPs of one forward (2 flops per multiply-add). S tokens, d = dim,
 f = ffn_dim, L layers, T = 512 text tokens, C = 4096 text width, p = 64 values per
@@ -78,6 +94,75 @@ embedding's first layer), 2.5x an attention's forward (the blockwise kernel's
 backward recomputes QK^T: 5 matmuls against 2). About 4x the forward ("3x forward,
 +1x recompute").
 
+CogVideoX-5B, Wan 2.1's formula's counterpart: S video tokens, T = 226 text tokens,
+d = 3072 (48 heads x 64), e = 512 (time_embed_dim), C = 4096 text width, p = 64 values
+per patch in and out, N = 42 blocks, each over the joint sequence [text; video]:
+
+    joint attention projections to_q, to_k, to_v, to_out  4 x 2 (S+T) d^2   = 8 (S+T) d^2
+    joint attention QK^T and PV over (S+T)^2               2 x 2 (S+T)^2 d  = 4 (S+T)^2 d
+    FFN (4d features) on S + T tokens                      2 x 2 (S+T) d 4d = 16 (S+T) d^2
+    norm1, norm2 (LayerNormZero) linears e -> 6d           2 x 2 e 6d       = 24 e d
+
+plus, once: the patch embedding 2 S p d, text_proj 2 T C d, the time embedding
+2 (d e + e^2), norm_out's linear 2 e 2d, proj_out 2 S d p. Per device, the video over
+sp and the heads and FFN features over tp: the projections and the FFN on S/sp + T
+tokens over tp (every device carries the whole text stream: its projections and FFN
+are not divided by sp); the attention over sp x tp for Ulysses ((S+T)^2 / (sp tp):
+one kernel call over [text; all video] for heads / (sp tp) heads), and for the ring
+((S+T)^2 - T^2) / (sp tp) + T^2 / tp (the video ring, this device's video x text and
+text x video blocks, and the text x text block on every device); the patch embedding
+and proj_out on S/sp tokens; text_proj, the time embedding and the modulation linears
+(per example, replicated) whole on every device. `analytic (tiles)`: S/sp replaced by
+L = ceil(S/sp) (the video padded to a multiple of sp) everywhere, and the attention in
+the kernel's tiles: Ulysses pad256(T + sp L) x pad512(T + sp L) for heads / (sp tp)
+heads; ring sp steps of pad256(L) x pad512(L), and pad256(L) x T, T x pad512(L), T x T.
+Training step, as for Wan: the forward, the blocks' forward again, and the backward:
+2x the projections, FFN, modulation linears, norm_out and proj_out, 2.5x the attention,
+1x (dW only: their inputs are not differentiated) the patch embedding, text_proj and
+the time embedding's first linear, 2x its second.
+
+**Communication** (CogVideoX; per device; received = sent, every device plays the same
+role): measured from the compiled HLO by `collective_bytes` of `benchmarks/parallel.py`
+(a collective-permute moves its operand, an all-to-all (g-1)/g of it, an all-gather
+receives (g-1)/g of its result, an all-reduce 2 (g-1)/g of its operand, a
+reduce-scatter (g-1) results; an op in a `while` body counts its `known_trip_count`
+times), against the least the joint layout must move. n = sp, t = tp, h = 48 / t heads
+of D = 64, L = ceil(S/n) video tokens, T = 226, d = 3072, N = 42 layers, b = 2 bytes
+(bf16 activations and gradients; lse and the ring's dK, dV float32). Per layer,
+forward:
+
+- ring: the video K and V, n - 1 hops: 2 (n-1) L h D b (`_ring_bytes("fwd", ...)`);
+  the text K/V never travel; the text rows' partial (out, lse) against each device's
+  video, all-gathered: (n-1) T h (D b + 4);
+- Ulysses: the all_to_alls of the video q, k, v in and out back: 4 (n-1)/n L h D b
+  (`_ulysses_bytes("fwd", ...)`); the text rows' out, computed for h / n heads per
+  device, all-gathered over heads: (n-1)/n T h D b;
+- Megatron (t > 1): the psums of to_out's and the FFN's outputs, on [text; video]:
+  2 x 2 (t-1)/t (T + L) d b;
+
+and once proj_out's rows gathered over sp: (n-1) L p b. A training step (remat="full")
+runs every layer's forward twice (the forward, the recompute) and its backward:
+
+- ring: K and V again and dK, dV, n - 1 hops each: 2 (n-1) L h D (b + 4)
+  (`_ring_bytes("fwd+bwd", ...) - _ring_bytes("fwd", ...)`); the text rows' output
+  cotangent summed over sp: 2 (n-1)/n T h D b;
+- Ulysses: dout in, dq, dk, dv back: 4 (n-1)/n L h D b; the text rows' dout scattered
+  back over heads: (n-1)/n T h D b;
+- Megatron: the psums of the column-parallel layers' input gradients (to_q, to_k, to_v
+  share one input: one psum; the FFN's fc1 another): 2 x 2 (t-1)/t (T + L) d b;
+
+plus the gradients summed over sp (an all-reduce: 2 (n-1)/n of the bytes) of every
+weight applied to this device's tokens: per layer (12 d^2 + 7 d) / t (to_q/k/v/out and
+the FFN, TP-split) + 18 d (to_out's and fc2's biases, the affine LayerNorms of norm1
+and norm2, and, for the LayerNormZero linears, whose input is the same on every device,
+the cotangents of their 2 x 6d outputs instead of their weights) + 4 D (norm_q, norm_k:
+replicated over tp but each device's heads see them, so over sp x tp); once 2 p d + d +
+p (patch embedding, proj_out), 6 d (norm_final, norm_out's LayerNorm and the cotangent
+of its 2d modulation) and T d (the text stream's cotangent, summed where it starts:
+text_proj's gradient then needs no sum). The minimum is reported at b = 2 (the model's
+width), and, to check the program against the formula on this backend, with every
+collective 4 bytes wide (XLA's CPU backend runs bf16 collectives in f32).
+
 **Wall time against diffusers** (`--part diffusers`): a small real configuration
 (dim 1536, 12 heads, ffn 8960, 2 layers, text 512 x 4096; latents (16, 4, 64, 64):
 4,096 tokens), float32, batch 1, forward only, on this machine's CPU:
@@ -93,7 +178,9 @@ synchronized (`block_until_ready`). `max rel diff` = max |vidax - diffusers| / m
 cannot be imported there.
 
     python benchmarks/models.py --quick    # 1.3B at 4,096 tokens on sp8, and diffusers
-    python benchmarks/models.py            # 1.3B, 14B x 32,760, 75,600 tokens x sp8, sp4xtp2
+    python benchmarks/models.py            # 1.3B, 14B x 32,760, 75,600 tokens, CogVideoX-5B
+                                           # x sp8, sp4xtp2; and diffusers
+    python benchmarks/models.py --part scale --models cogvideox-5B   # its 4 rows only
 
 Markdown tables go to stdout and `benchmarks/results/models.md`
 (`models_quick.md` with `--quick`), raw numbers to the `.json` next to it.
@@ -131,37 +218,82 @@ import time  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
+from benchmarks.parallel import _ring_bytes, _ulysses_bytes, collective_bytes  # noqa: E402
+
 RESULTS = os.path.join(_REPO, "benchmarks", "results")
 TORCH_PYTHON = "/work/torchvenv/bin/python"
 GIB = 2**30
 
-# Wan 2.1 sizes (WanConfig fields); the rest are WanConfig's defaults.
-MODELS = {
-    "1.3B": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
-    "14B": dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What the script needs to know of one model family."""
+
+    cls: str  # the `vidax_eqx.models` class
+    config: str  # its config class
+    heads: str  # the config field holding the head count
+    text: tuple[int, int]  # the text context (T, C)
+    # Video tokens -> the latents of one example, in the layout the model takes.
+    latents: dict[int, tuple[int, ...]]
+
+
+FAMILIES = {
+    # x (C, F, H, W), 16 channels, patch (1, 2, 2): tokens = F * H/2 * W/2.
+    "wan": Family("WanTransformer3D", "WanConfig", "num_heads", (512, 4096), {
+        4096: (16, 4, 64, 64),  # small: --quick, and the diffusers comparison
+        32760: (16, 21, 60, 104),  # 480p (480 x 832), 81 frames
+        75600: (16, 21, 90, 160),  # 720p (720 x 1280), 81 frames
+    }),
+    # x (F, C, H, W), 16 channels, patch 2 x 2 per frame; one resolution, the
+    # pipeline's: 49 frames x 480 x 720, 13 x 30 x 45 tokens.
+    "cogvideox": Family("CogVideoXTransformer3D", "CogVideoXConfig", "num_attention_heads",
+                        (226, 4096), {17550: (13, 16, 60, 90)}),
 }
-# Latent (F, H, W) of 16 channels, patch (1, 2, 2): tokens = F * H/2 * W/2.
-LATENTS = {
-    4096: (4, 64, 64),  # small: --quick, and the diffusers comparison
-    32760: (21, 60, 104),  # 480p (480 x 832), 81 frames
-    75600: (21, 90, 160),  # 720p (720 x 1280), 81 frames
+# name: (family, config fields; the rest are the config class's defaults).
+MODELS = {
+    "1.3B": ("wan", dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)),
+    "14B": ("wan", dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)),
+    "cogvideox-5B": ("cogvideox", dict(num_attention_heads=48, attention_head_dim=64,
+                                       num_layers=42, use_rotary_positional_embeddings=True)),
 }
 MESHES = {"sp8": (8, 1), "sp4xtp2": (4, 2)}  # name: (sp, tp)
-TEXT_LEN, TEXT_DIM, CHANNELS, PATCH_VALUES, FREQ_DIM = 512, 4096, 16, 64, 256
+PATCH_VALUES = 64  # values per patch in and out, both families: 16 channels x 2 x 2
+WAN_FREQ_DIM = 256  # WanConfig's timestep sinusoid width
+COGVIDEOX_TIME_DIM = 512  # CogVideoXConfig's time_embed_dim (default)
 PASSES = ("fwd", "train")
+BF16 = 2  # bytes
 
-DEFAULT_MODELS, DEFAULT_TOKENS, DEFAULT_MESHES = ("1.3B", "14B"), (32760, 75600), ("sp8", "sp4xtp2")
+DEFAULT_MODELS = ("1.3B", "14B", "cogvideox-5B")
+DEFAULT_TOKENS, DEFAULT_MESHES = (32760, 75600), ("sp8", "sp4xtp2")
 QUICK = dict(models=("1.3B",), tokens=(4096,), meshes=("sp8",))
 
 # The wall-time comparison: Wan 1.3B's width, 2 layers.
 WALL_CONFIG = dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=2)
-WALL_LATENTS = (16, 4, 64, 64)
+WALL_LATENTS = FAMILIES["wan"].latents[4096]
+WALL_TEXT = FAMILIES["wan"].text
 WALL_TIMESTEP = 500.0
 
 
 # --------------------------------------------------------------------------- #
-# Cases and the analytic count (parent)
+# Cases and the analytic counts (parent)
 # --------------------------------------------------------------------------- #
+
+
+def family(model: str) -> Family:
+    return FAMILIES[MODELS[model][0]]
+
+
+def config(model: str) -> dict:
+    return MODELS[model][1]
+
+
+def model_tokens(model: str, requested) -> list[int]:
+    """The video token counts `model` runs at: those of `requested` it has latents for;
+    a family with one resolution (CogVideoX) always runs at that one."""
+    latents = family(model).latents
+    if len(latents) == 1:
+        return list(latents)
+    return [t for t in requested if t in latents]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +315,7 @@ class Case:
 def ulysses_fits(model: str, mesh: str) -> bool:
     """Ulysses splits this device's heads over sp: (heads / tp) % sp == 0."""
     sp, tp = MESHES[mesh]
-    return (MODELS[model]["num_heads"] // tp) % sp == 0
+    return (config(model)[family(model).heads] // tp) % sp == 0
 
 
 def sequence_modes(model: str, mesh: str, requested: list[str]) -> list[tuple[str, str | None]]:
@@ -193,7 +325,7 @@ def sequence_modes(model: str, mesh: str, requested: list[str]) -> list[tuple[st
     Ulysses that does not fit is left out). One mode: that one, or a row saying why not.
     """
     sp, tp = MESHES[mesh]
-    heads = MODELS[model]["num_heads"] // tp
+    heads = config(model)[family(model).heads] // tp
     why = f"not measured: Ulysses needs the local heads ({heads}) to be a multiple of sp={sp}"
     out = []
     for mode in dict.fromkeys(requested):
@@ -214,14 +346,23 @@ def _pad(n: int, block: int) -> int:
     return -(-n // b) * b
 
 
-def analytic_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | None = None) -> dict:
-    """Dot FLOPs of one forward and one training step (remat="full") by the formula of
+def analytic_flops(model: str, tokens: int, sp: int = 1, tp: int = 1,
+                   mode: str | None = None) -> dict:
+    """Dot FLOPs of one forward and one training step (remat="full") by the formulas of
     the module docstring: `{fwd,train}_total` (the whole model, one example),
     `{fwd,train}_per_device` (under sp x tp), and, with `mode` ("ring" | "ulysses"),
-    `{fwd,train}_tiles`: per device with the attention's sequences padded to the
-    blockwise kernel's tiles (block_q 256, block_kv 512, each at most the length)."""
+    `{fwd,train}_tiles`: per device as the compiled program pads (the attention's
+    sequences to the blockwise kernel's tiles, block_q 256, block_kv 512, each at most
+    the length; CogVideoX: the video tokens to a multiple of sp)."""
+    fn = {"wan": wan_flops, "cogvideox": cogvideox_flops}[MODELS[model][0]]
+    return fn(config(model), tokens, sp, tp, mode)
+
+
+def wan_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | None = None) -> dict:
+    """Wan's `analytic_flops`."""
     d, f, L, H = m["dim"], m["ffn_dim"], m["num_layers"], m["num_heads"]
-    S, T, C, p = tokens, TEXT_LEN, TEXT_DIM, PATCH_VALUES
+    (T, C), p = FAMILIES["wan"].text, PATCH_VALUES
+    S = tokens
     hd = d // H
 
     def flops(n_tok: int, n_text: int, n_head: int, attn: float) -> dict:
@@ -234,7 +375,7 @@ def analytic_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | N
             text_emb=(2 * T * C * d + 2 * T * d * d) / n_text,
             patch=2 * S * p * d / n_head,
             head=2 * S * d * p / n_head,
-            time=2 * (FREQ_DIM * d + d * d + 6 * d * d),
+            time=2 * (WAN_FREQ_DIM * d + d * d + 6 * d * d),
         )
 
     def text_emb_backward(n_text: int) -> float:
@@ -271,15 +412,126 @@ def analytic_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1, mode: str | N
     return out
 
 
+def cogvideox_flops(m: dict, tokens: int, sp: int = 1, tp: int = 1,
+                    mode: str | None = None) -> dict:
+    """CogVideoX's `analytic_flops`."""
+    H, hd, N = m["num_attention_heads"], m["attention_head_dim"], m["num_layers"]
+    d, te, p = H * hd, COGVIDEOX_TIME_DIM, PATCH_VALUES
+    (T, C), S = FAMILIES["cogvideox"].text, tokens
+
+    def flops(v: float, n_tp: int, attn: float) -> dict:
+        """Forward FLOPs by kind on a device holding `v` video tokens and the whole
+        text, its attention and FFN split over `n_tp`; `attn` the attention's."""
+        return dict(
+            dense=N * 24 * (v + T) * d * d / n_tp,
+            attn=attn,
+            modulation=N * 2 * 2 * te * 6 * d,
+            text_emb=2 * T * C * d,
+            patch=2 * v * p * d,
+            head=2 * v * d * p + 2 * te * 2 * d,
+            time=2 * (d * te + te * te),
+        )
+
+    def fwd(k: dict) -> float:
+        return sum(k.values())
+
+    def train(k: dict) -> float:
+        blocks = k["dense"] + k["attn"] + k["modulation"]
+        outside = k["text_emb"] + k["patch"] + k["head"] + k["time"]
+        backward = (2 * k["dense"] + 2.5 * k["attn"] + 2 * k["modulation"]
+                    + k["text_emb"] + k["patch"]  # dW only
+                    + 2 * k["head"] + 2 * d * te + 4 * te * te)  # time: linear_1 dW only
+        return outside + 2 * blocks + backward  # + the blocks' recomputed forward
+
+    joint = N * 4 * (S + T) ** 2 * d  # QK^T and PV over [text; video]
+    total = flops(S, 1, joint)
+    if mode == "ring":  # the text x text block on every device
+        attn = N * 4 * ((S + T) ** 2 - T**2) * d / (sp * tp) + N * 4 * T**2 * d / tp
+    else:
+        attn = joint / (sp * tp)
+    per_device = flops(S / sp, tp, attn)
+    out = {"fwd_total": fwd(total), "train_total": train(total),
+           "fwd_per_device": fwd(per_device), "train_per_device": train(per_device)}
+    if mode is not None:
+        v = -(-S // sp)  # this device's video tokens, padded to a multiple of sp
+        heads = H // tp
+        if mode == "ulysses":  # [text; the whole video], heads / sp of them
+            n = T + sp * v
+            attn = 4 * _pad(n, 256) * _pad(n, 512) * hd * heads / sp
+        else:  # the video ring, and the three text blocks locally
+            attn = 4 * hd * heads * (
+                sp * _pad(v, 256) * _pad(v, 512) + _pad(v, 256) * _pad(T, 512)
+                + _pad(T, 256) * _pad(v, 512) + _pad(T, 256) * _pad(T, 512))
+        tiles = flops(v, tp, N * attn)
+        out.update(fwd_tiles=fwd(tiles), train_tiles=train(tiles))
+    return out
+
+
 def param_count(model: str) -> int:
     """Parameters of the model (checked against the built model's shapes)."""
-    m = MODELS[model]
-    d, f, L = m["dim"], m["ffn_dim"], m["num_layers"]
-    block = 2 * 4 * (d * d + d) + 4 * d + (d * f + f + f * d + d) + 2 * d + 6 * d
-    outside = ((PATCH_VALUES * d + d) + (TEXT_DIM * d + d + d * d + d)
-               + (FREQ_DIM * d + d + d * d + d) + (d * 6 * d + 6 * d)
-               + (d * PATCH_VALUES + PATCH_VALUES) + 2 * d)
+    m, p = config(model), PATCH_VALUES
+    if MODELS[model][0] == "wan":
+        d, f, L, C = m["dim"], m["ffn_dim"], m["num_layers"], FAMILIES["wan"].text[1]
+        block = 2 * 4 * (d * d + d) + 4 * d + (d * f + f + f * d + d) + 2 * d + 6 * d
+        outside = ((p * d + d) + (C * d + d + d * d + d)
+                   + (WAN_FREQ_DIM * d + d + d * d + d) + (d * 6 * d + 6 * d)
+                   + (d * p + p) + 2 * d)
+        return L * block + outside
+    hd, L, C = m["attention_head_dim"], m["num_layers"], FAMILIES["cogvideox"].text[1]
+    d, te = m["num_attention_heads"] * hd, COGVIDEOX_TIME_DIM
+    f = 4 * d
+    norm_zero = te * 6 * d + 6 * d + 2 * d  # linear, affine LayerNorm
+    block = 2 * norm_zero + 4 * (d * d + d) + 2 * 2 * hd + (d * f + f + f * d + d)
+    outside = ((p * d + d) + (C * d + d)  # patch, text_proj
+               + (d * te + te + te * te + te)  # time embedding
+               + 2 * d + (te * 2 * d + 2 * d + 2 * d)  # norm_final, norm_out
+               + (d * p + p))  # proj_out
     return L * block + outside
+
+
+def comm_minimum(model: str, tokens: int, sp: int, tp: int, mode: str,
+                 b: int = BF16) -> dict | None:
+    """The fewest bytes one device must communicate (module docstring), by term, for
+    the forward (`"fwd"`) and the training step (`"train"`): activations and gradients
+    `b` bytes wide, `lse` and the ring's dK/dV float32. `None` where no formula is
+    written (Wan)."""
+    if MODELS[model][0] != "cogvideox":
+        return None
+    m = config(model)
+    H, D, N = m["num_attention_heads"], m["attention_head_dim"], m["num_layers"]
+    d, p, T = H * D, PATCH_VALUES, FAMILIES["cogvideox"].text[0]
+    n, t = sp, tp
+    L, h = -(-tokens // n), H // t  # this device's video tokens (padded) and heads
+    f32 = 4
+
+    def all_reduce(g: int) -> float:
+        return 2 * (g - 1) / g
+
+    # Per layer: the joint attention.
+    if mode == "ring":
+        seq_fwd = (_ring_bytes("fwd", n, n * L, h, D, b)  # video K/V, n - 1 hops
+                   + (n - 1) * T * h * (D * b + f32))  # text partials (out, lse) gathered
+        seq_bwd = (_ring_bytes("fwd+bwd", n, n * L, h, D, b)  # K/V again, dK/dV (f32)
+                   - _ring_bytes("fwd", n, n * L, h, D, b)
+                   + all_reduce(n) * T * h * D * b)  # the text rows' cotangent summed
+    else:
+        seq_fwd = (_ulysses_bytes("fwd", n, L, h, h, D, b)  # video q, k, v in, out back
+                   + (n - 1) / n * T * h * D * b)  # text out gathered over heads
+        seq_bwd = seq_fwd  # video dout in, dq, dk, dv back; text dout scattered back
+    megatron = 2 * all_reduce(t) * (T + L) * d * b  # to_out's and the FFN's psums
+    output = (n - 1) * L * p * b  # proj_out's rows gathered
+    # Training: summing the gradients over sp of every weight applied to this device's
+    # tokens; for the modulation linears and text_proj, whose inputs are the same on
+    # every device, the cotangent of their output (6d per norm, T x d) instead.
+    layer = (12 * d * d + 7 * d) / t + 18 * d  # q/k/v/out, FFN, norms, modulation
+    outside = 2 * p * d + d + p + 6 * d + T * d  # patch, proj_out, norms, text stream
+    qk_norms = 4 * D  # replicated over tp, seen by this device's heads: over sp x tp
+    grads = (all_reduce(n) * (N * layer + outside) + all_reduce(n * t) * N * qk_norms) * b
+    return {
+        "fwd": {"sequence": N * seq_fwd, "megatron": N * megatron, "output": output},
+        "train": {"sequence": N * (2 * seq_fwd + seq_bwd), "megatron": 3 * N * megatron,
+                  "output": output, "gradients": grads},
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -390,6 +642,34 @@ def dot_flops(hlo: str) -> dict:
     return {"flops": walk(entry), "unknown_trip_counts": unknown}
 
 
+_COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
+_STABLEHLO_COLLECTIVE = re.compile(
+    r'"stablehlo\.(?:' + "|".join(c.replace("-", "_") for c in _COLLECTIVES)
+    + r')".*?:\s*\(.*?\)\s*->\s*(\(.*?\)|tensor<[^>]*>)', re.S)
+
+
+def collective_dtypes(text: str) -> dict[str, int]:
+    """{element type: collectives whose result has it} of a program: the lowered
+    StableHLO (what JAX asked for) or the compiled HLO (what the backend runs); each op
+    once, loops or not."""
+    if "stablehlo." in text:
+        types = [re.findall(r"x?([a-z]+\d+)>", m.group(1))
+                 for m in _STABLEHLO_COLLECTIVE.finditer(text)]
+    else:
+        types = []
+        for line in text.splitlines():
+            m = _INSTR.match(line)
+            if m:
+                type_, tail = _split_type(line[m.end():])
+                if re.match(r"(%s)(-start)?\(" % "|".join(_COLLECTIVES), tail):
+                    types.append([t for t, _ in _ARRAY.findall(type_)])
+    counts: dict[str, int] = {}
+    for t in types:
+        for dtype in dict.fromkeys(t):
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return counts
+
+
 def f32_weight_copies(hlo: str) -> int:
     """Bytes of ENTRY-level instructions that make an f32 array of a bf16 parameter's
     shape from that parameter alone (XLA CPU's hoisted bf16 -> f32 converts)."""
@@ -447,9 +727,10 @@ def abstract_model(case: Case):
     from vidax_eqx import models, nn, parallel
 
     mesh = parallel.make_mesh(sp=case.sp, tp=case.tp)
-    config = models.WanConfig(**MODELS[case.model])
+    fam = family(case.model)
+    cfg = getattr(models, fam.config)(**config(case.model))
     pc = nn.ParallelConfig(sequence=case.sequence, tp_axis="tp" if case.tp > 1 else None)
-    model = eqx.filter_eval_shape(models.WanTransformer3D, config, parallel=pc,
+    model = eqx.filter_eval_shape(getattr(models, fam.cls), cfg, parallel=pc,
                                   dtype=jnp.bfloat16, key=jax.random.PRNGKey(0))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     arrays, static = eqx.partition(model, is_struct)
@@ -487,12 +768,14 @@ def scale_child(args) -> None:
     arrays, static, mesh, count, per_device = abstract_model(case)
     _emit({"kind": "model", "params": count, "param_bytes_per_device": per_device,
            "build_s": time.perf_counter() - t0, "jax": jax.__version__})
+    if args.child_probe:  # before the passes: a pass that fails ends the process
+        _emit({"kind": "probe", **scan_probe()})
 
     rep = NamedSharding(mesh, P())
-    F, H, W = LATENTS[case.tokens]
-    x = jax.ShapeDtypeStruct((1, CHANNELS, F, H, W), jnp.bfloat16, sharding=rep)
+    fam = family(case.model)
+    x = jax.ShapeDtypeStruct((1, *fam.latents[case.tokens]), jnp.bfloat16, sharding=rep)
     t = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rep)
-    context = jax.ShapeDtypeStruct((1, TEXT_LEN, TEXT_DIM), jnp.bfloat16, sharding=rep)
+    context = jax.ShapeDtypeStruct((1, *fam.text), jnp.bfloat16, sharding=rep)
 
     def forward(a, x, t, context):
         return models.run_sharded(eqx.combine(a, static), x, t, context, mesh=mesh)
@@ -524,6 +807,7 @@ def scale_child(args) -> None:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         hlo = compiled.as_text()
         dots = dot_flops(hlo)
+        comm = collective_bytes(hlo, N_DEVICES)
         _emit({
             "kind": "pass", "pass": pass_, "lower_s": lower_s, "compile_s": compile_s,
             "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
@@ -531,10 +815,12 @@ def scale_child(args) -> None:
             "cost_flops": cost.get("flops"), "hlo_dot_flops": dots["flops"],
             "unknown_trip_counts": dots["unknown_trip_counts"],
             "f32_weight_copy_bytes": f32_weight_copies(hlo),
+            "comm_bytes": comm["total"], "comm_by_kind": comm["by_kind"], "comm_ops": comm["ops"],
+            "comm_unknown_trip_counts": comm["unknown_trip_counts"],
+            "collective_dtypes": {"lowered": collective_dtypes(lowered.as_text()),
+                                  "compiled": collective_dtypes(hlo)},
         })
         del lowered, compiled, hlo
-    if args.child_probe:
-        _emit({"kind": "probe", **scan_probe()})
 
 
 def spawn_scale(args, case: Case, probe: bool) -> dict:
@@ -568,7 +854,9 @@ def spawn_scale(args, case: Case, probe: bool) -> dict:
         reason = (errors[-1:] or lines[-1:])[0][:300]
         if rc in (-9, 137):
             reason = "killed (out of memory?)"
-        result["status"] = f"error (exit {rc}): {reason}"
+        missing = [p for p in args.passes if p not in result["passes"]]
+        where = " and ".join(missing) or "after the passes"
+        result["status"] = f"error (exit {rc}, {where}): {reason}"
     return result
 
 
@@ -609,7 +897,7 @@ def wall_vidax_child(args) -> None:
     model.save_pretrained(os.path.join(d, "model"), layout="diffusers")
     rng = np.random.default_rng(0)
     x = rng.standard_normal(WALL_LATENTS, dtype=np.float32)
-    context = rng.standard_normal((TEXT_LEN, TEXT_DIM), dtype=np.float32)
+    context = rng.standard_normal(WALL_TEXT, dtype=np.float32)
     timestep = np.float32(WALL_TIMESTEP)
     np.savez(os.path.join(d, "inputs.npz"), x=x, context=context, timestep=timestep)
 
@@ -704,7 +992,7 @@ def run_wall(args) -> dict:
         for k in ("best_s", "median_s", "best_cpu_s"):
             out[f"ratio_{k}"] = out["vidax_eqx"][k] / out["diffusers"][k]
         tokens = math.prod(WALL_LATENTS[1:]) // 4
-        out["analytic_fwd_flops"] = analytic_flops(WALL_CONFIG, tokens)["fwd_total"]
+        out["analytic_fwd_flops"] = wan_flops(WALL_CONFIG, tokens)["fwd_total"]
         for side in ("vidax_eqx", "diffusers"):
             r = out[side]
             r["gflops"] = out["analytic_fwd_flops"] / r["best_s"] / 1e9
@@ -740,10 +1028,12 @@ def _tf(x) -> str:
 
 
 def scale_markdown(rows: list[dict], info: dict) -> str:
+    families = dict.fromkeys(MODELS[r["model"]][0] for r in rows)
+    text = ", ".join(f"{FAMILIES[f].text[0]} x {FAMILIES[f].text[1]} ({f})" for f in families)
     out = [
-        f"Scale: bfloat16 weights, batch 1, text {TEXT_LEN} x {TEXT_DIM}; {N_DEVICES} simulated "
-        f"CPU devices; jax {info.get('jax', '?')}; every number per device; "
-        f"{info['scale_seconds']:.0f} s in all.",
+        f"Scale: bfloat16 weights, batch 1, text {text}; `tokens`: video tokens; "
+        f"{N_DEVICES} simulated CPU devices; jax {info.get('jax', '?')}; every number per "
+        f"device; {info['scale_seconds']:.0f} s in all.",
         "",
         "Memory (GiB per device). Temp: `memory_analysis().temp_size_in_bytes`; copies: the "
         "f32 copies of bf16 weights that XLA's CPU backend makes (see notes); "
@@ -796,7 +1086,76 @@ def scale_markdown(rows: list[dict], info: dict) -> str:
                 f"{_tf(a[f'{pass_}_per_device'])} | {_tf(a[f'{pass_}_tiles'])} | "
                 f"{ratio:.4f} | " + tail + f" {p['lower_s'] + p['compile_s']:.0f} |"
             )
-    return "\n".join(out)
+    return "\n".join(out + comm_markdown(rows))
+
+
+_KINDS = ("collective-permute", "all-to-all", "all-gather", "all-reduce", "reduce-scatter")
+
+
+def comm_markdown(rows: list[dict]) -> list[str]:
+    """The communication table of the rows with a minimum (CogVideoX)."""
+    rows = [r for r in rows if r.get("comm_minimum")]
+    if not rows:
+        return []
+    out = [
+        "",
+        "Communication (GiB per device, one run of the compiled program): measured from the "
+        "compiled HLO (`collective_bytes` of `benchmarks/parallel.py`: loops times their trip "
+        "counts), in all and by kind; the minimum of the module docstring at the model's width "
+        "(bf16 activations and gradients), its sequence-parallel, Megatron and gradient terms; "
+        "measured / minimum, and measured / the minimum with every collective 4 bytes wide "
+        "(XLA's CPU backend runs bf16 collectives in f32: see notes).",
+        "",
+        "| model | tokens | mesh | seq. mode | pass | measured | permute | all-to-all | "
+        "all-gather | all-reduce | reduce-scatter | minimum | sequence | Megatron | gradients | "
+        "measured / minimum | measured / minimum (f32) |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for pass_ in PASSES:
+            least, least32 = r["comm_minimum"][pass_], r["comm_minimum_f32"][pass_]
+            total, total32 = sum(least.values()), sum(least32.values())
+            terms = [_gib(least[k]) if least.get(k) else "–"
+                     for k in ("sequence", "megatron", "gradients")]
+            p = r["passes"].get(pass_)
+            head = f"| {r['model']} | {r['tokens']:,} | {r['mesh']} | {r['sequence']} | {pass_} | "
+            if p is None:
+                why = "not measured" + ("" if r["status"] == "ok" else ": see notes")
+                out.append(head + f"{why} |" + " – |" * 5 + f" {_gib(total)} | "
+                           + " | ".join(terms) + " | – | – |")
+                continue
+            by = p["comm_by_kind"]
+            cells = ([_gib(p["comm_bytes"])] + [_gib(by[k]) if by.get(k) else "–" for k in _KINDS]
+                     + [_gib(total)] + terms
+                     + [f"{p['comm_bytes'] / total:.2f}", f"{p['comm_bytes'] / total32:.3f}"])
+            out.append(head + " | ".join(cells) + " |")
+    return out
+
+
+def _dtype_note(rows: list[dict]) -> list[str]:
+    """What element types the collectives of the communication table's programs have, as
+    JAX lowered them and as XLA compiled them."""
+    seen = {"lowered": {}, "compiled": {}}
+    for r in rows:
+        for p in r["passes"].values() if r.get("comm_minimum") else ():
+            for stage, counts in seen.items():
+                for dtype, n in p["collective_dtypes"][stage].items():
+                    counts[dtype] = counts.get(dtype, 0) + n
+    if not seen["lowered"]:
+        return []
+
+    def fmt(counts: dict) -> str:
+        return ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items()))
+
+    note = (f"- Collective ops by result type in the communication table's programs: as lowered "
+            f"(StableHLO, what JAX asks for) {fmt(seen['lowered'])}; as compiled for CPU "
+            f"{fmt(seen['compiled'])} (XLA combines and splits ops, so the counts differ).")
+    if "bf16" in seen["lowered"] and "bf16" not in seen["compiled"]:
+        note += (" XLA's CPU backend runs every bf16 collective in f32: on CPU they move twice "
+                 "the bytes of the model's width, where a GPU/TPU backend moves bf16. "
+                 "`measured / minimum (f32)` checks the program against the formula; "
+                 "`measured / minimum` is what this CPU program moves over the least possible.")
+    return [note]
 
 
 def scale_notes(rows: list[dict], info: dict) -> str:
@@ -814,8 +1173,10 @@ def scale_notes(rows: list[dict], info: dict) -> str:
         "- Every number is one device's: each device compiles the same SPMD program "
         "(`jax.shard_map`), so `memory_analysis()` and `cost_analysis()` describe one device. "
         "The analytic per-device count divides the per-token work by sp x tp and keeps what "
-        "every device repeats (text embedding, patch embedding, the text k/v projections over "
-        "sp); `analytic total` is the whole model's work for one example.",
+        "every device repeats (Wan: text embedding, patch embedding, the text k/v projections "
+        "over sp; CogVideoX: text_proj, and the text stream's projections and FFN in every "
+        "block, with ring attention also the text x text block); `analytic total` is the "
+        "whole model's work for one example.",
         "- `copies`: on CPU, XLA runs bf16 dots in f32 and hoists the bf16 -> f32 converts of "
         "the stacked layer weights out of the layer loop, so the temp holds an f32 copy of "
         "every weight (2x the bf16 parameter bytes) for the whole run. A GPU/TPU backend "
@@ -839,9 +1200,14 @@ def scale_notes(rows: list[dict], info: dict) -> str:
                 out.append(f"- {r['model']} {r['tokens']:,} {r['mesh']} {pass_}: "
                            f"{p['unknown_trip_counts']} loop(s) without known_trip_count, "
                            "counted once.")
+            if p.get("comm_unknown_trip_counts"):
+                out.append(f"- {r['model']} {r['tokens']:,} {r['mesh']} {pass_}: "
+                           f"{p['comm_unknown_trip_counts']} loop(s) with collectives and no "
+                           "known_trip_count, counted once.")
         if r.get("params") is not None and r["params"] != param_count(r["model"]):
             out.append(f"- {r['model']}: the built model has {r['params']:,} parameters, the "
                        f"formula {param_count(r['model']):,}.")
+    out += _dtype_note(rows)
     counts = {r["model"]: r["params"] for r in rows if r.get("params")}
     if counts:
         out.append("- Parameters: " + ", ".join(f"{m} {c:,} ({c * 2 / GIB:.2f} GiB bf16)"
@@ -853,7 +1219,8 @@ def wall_markdown(w: dict, args) -> str:
     tokens = math.prod(WALL_LATENTS[1:]) // 4
     head = (f"Wall time against diffusers: dim {WALL_CONFIG['dim']}, {WALL_CONFIG['num_heads']} "
             f"heads, ffn {WALL_CONFIG['ffn_dim']}, {WALL_CONFIG['num_layers']} layers, latents "
-            f"{WALL_LATENTS} ({tokens:,} tokens), text {TEXT_LEN} x {TEXT_DIM}, float32, batch 1, "
+            f"{WALL_LATENTS} ({tokens:,} tokens), text {WALL_TEXT[0]} x {WALL_TEXT[1]}, "
+            "float32, batch 1, "
             f"forward, the same weights and inputs; this machine's CPU ({os.cpu_count()} cores, "
             "shared with other jobs).")
     if w["status"] != "ok":
@@ -905,12 +1272,14 @@ def run_scale(args) -> tuple[list[dict], dict]:
     rows = []
     first = True
     for model in args.models:
-        for tokens in args.tokens:
+        for tokens in model_tokens(model, args.tokens):
             for mesh in args.meshes:
                 for mode, why in sequence_modes(model, mesh, args.sequence):
                     sp, tp = MESHES[mesh]
                     row = {"model": model, "tokens": tokens, "mesh": mesh, "sequence": mode,
-                           "analytic": analytic_flops(MODELS[model], tokens, sp, tp, mode),
+                           "analytic": analytic_flops(model, tokens, sp, tp, mode),
+                           "comm_minimum": comm_minimum(model, tokens, sp, tp, mode),
+                           "comm_minimum_f32": comm_minimum(model, tokens, sp, tp, mode, b=4),
                            "passes": {}}
                     rows.append(row)
                     if why:
@@ -928,7 +1297,8 @@ def run_scale(args) -> tuple[list[dict], dict]:
                         info["probe"] = r["probe"]
                     summary = ", ".join(
                         f"{k}: temp {_gib(p['temp_bytes'])} GiB, HLO {_tf(p['hlo_dot_flops'])} "
-                        f"TF, compile {p['compile_s']:.0f} s" for k, p in r["passes"].items())
+                        f"TF, comm {_gib(p['comm_bytes'])} GiB, compile {p['compile_s']:.0f} s"
+                        for k, p in r["passes"].items())
                     log(f"#   {r['status']}; {summary}  [{r['wall_s']:.0f} s]")
     info["scale_seconds"] = time.perf_counter() - t_start
     return rows, info
@@ -936,16 +1306,19 @@ def run_scale(args) -> tuple[list[dict], dict]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Wan 2.1 (vidax_eqx.models.WanTransformer3D): parameter, temp memory and "
-        "FLOPs per device at scale (compiled ahead of time on 8 simulated CPU devices, no "
-        "weights allocated), and forward wall time against diffusers on a small config."
+        description="Wan 2.1 and CogVideoX-5B (vidax_eqx.models): parameter, temp memory, "
+        "FLOPs and (CogVideoX) communicated bytes per device at scale (compiled ahead of time "
+        "on 8 simulated CPU devices, no weights allocated), and Wan's forward wall time "
+        "against diffusers on a small config."
     )
     p.add_argument("--part", choices=("all", "scale", "diffusers"), default="all")
     p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=None,
                    help=f"default {' '.join(DEFAULT_MODELS)}")
-    p.add_argument("--tokens", nargs="+", type=int, choices=tuple(LATENTS), default=None,
-                   help=f"video tokens (latents {LATENTS}); default "
-                   f"{' '.join(map(str, DEFAULT_TOKENS))}")
+    wan = FAMILIES["wan"].latents
+    p.add_argument("--tokens", nargs="+", type=int, choices=tuple(wan), default=None,
+                   help=f"Wan's video tokens (latents (C, F, H, W) {wan}); default "
+                   f"{' '.join(map(str, DEFAULT_TOKENS))}. CogVideoX runs at its one "
+                   f"resolution, {FAMILIES['cogvideox'].latents}")
     p.add_argument("--meshes", nargs="+", choices=tuple(MESHES), default=None,
                    help=f"default {' '.join(DEFAULT_MESHES)}")
     p.add_argument("--sequence", nargs="+", choices=("ring", "ulysses", "auto"),
@@ -1021,7 +1394,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w", encoding="utf-8") as f:
         command = report["command"] or "benchmarks/models.py"
-        f.write(f"# Wan 2.1 models benchmark\n\n`python {command}`, {report['date']}, "
+        f.write(f"# Video DiT models benchmark (Wan 2.1, CogVideoX)\n\n"
+                f"`python {command}`, {report['date']}, "
                 f"{report['seconds']:.0f} s.\n\n{text}\n")
     with open(args.out + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

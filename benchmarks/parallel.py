@@ -88,13 +88,15 @@ The theoretical minimum per device, n = 8 devices, b = 4 bytes (float32), L = S/
 import os
 
 
-# 8 simulated CPU devices: set before JAX is imported (here and in every child).
+# 8 simulated CPU devices: set before JAX is imported, when this file runs (here and in
+# every child); not when another script imports it for `collective_bytes`.
 N_DEVICES = 8
-_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] + [_FLAG]
-)
+if __name__ == "__main__":
+    _FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
+    os.environ["XLA_FLAGS"] = " ".join(
+        [f for f in os.environ.get("XLA_FLAGS", "").split()
+         if not f.startswith("--xla_force_host_platform_device_count")] + [_FLAG]
+    )
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
