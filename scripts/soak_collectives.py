@@ -19,7 +19,7 @@ mesh over the first `n` devices, and runs the configuration under
 `jax.jit(jax.shard_map(...))` twice back to back (no blocking in between), then
 checks both results against plain `jax.numpy` attention on one device: the output
 (`forward`), the gradients of `<out, cotangent>` in q, k, v (`grad`), or the
-gradient in q of `<(dq, dk, dv), w>` (`second`: README's "Transformations" lists
+gradient in q of `<(dq, dk, dv), w>` (`second`: docs/transformations.md lists
 Ulysses and USP, joint layouts included; ring attention's is the program that aborted).
 
     python scripts/soak_collectives.py                          # 200 drawn configurations
@@ -51,7 +51,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
 PATHS = ("ring", "ring-zigzag", "ulysses", "joint-ulysses", "usp", "joint-usp")
-# Second order on every path: the README's "Transformations" lists Ulysses and USP, and
+# Second order on every path: the docs/transformations.md lists Ulysses and USP, and
 # ring attention's is the program known to abort over 4 simulated devices.
 SECOND_ORDER = frozenset(PATHS)
 MODES = ("forward", "grad", "second")

@@ -5,7 +5,7 @@ call, the exception it must raise, and a regex that the message must match. The
 regex names the argument, what was received and what was expected, so a row
 fails if the library raises the right type with an unhelpful message. Rows marked
 `xfail(strict=True)` are known gaps in files this audit may not change; each says
-where and why. README's "Troubleshooting" table is written from this table.
+where and why. The troubleshooting page (`docs/troubleshooting.md`) is written from this table.
 
 The error policy (STYLE.md rule 5): `ValueError` for an invalid request,
 `TypeError` for a wrong type (including q/k/v of different dtypes: the library
@@ -909,7 +909,7 @@ def _nan_pattern_parallel(fn, mesh_kw, spec, causal):
     k[0, 9, 2, 0] = np.nan      # key 9, head 2 (a causal mask hides it from rows < 9)
     # Key 0, which every row sees: an Inf in the *value* of a key that the mask hides
     # from some rows may still reach them through `0 * inf` in one implementation and
-    # not in another (see README, Known limits); that is not what this test is about.
+    # not in another (see docs/limits.md); that is not what this test is about.
     v[0, 0, 0, 5] = np.inf      # head 0, feature 5
     q, k, v = map(jnp.asarray, (q, k, v))
     mesh = parallel.make_mesh(**mesh_kw)

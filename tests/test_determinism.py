@@ -13,7 +13,7 @@ ring attention and Ulysses on 4 simulated devices, USP on 2 x 2, and an
   digest per case.
 
 Bitwise equality *between* implementations is not a property (they sum in a
-different order); README's "Determinism and property tests" gives the measured
+different order); `docs/transformations.md` ("Determinism and property tests") gives the measured
 differences.
 """
 

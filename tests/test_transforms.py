@@ -1294,7 +1294,7 @@ def test_forward_mode_raises(name):
 
 # Not `ring_attention` over 4 simulated devices: its second-order program aborts XLA's
 # CPU runtime (`Check failed: id < num_threads ... collective permute RendezvousKey`),
-# the collective-permute failure of README's known limits; usp runs a 2-device ring.
+# the collective-permute failure of docs/limits.md; usp runs a 2-device ring.
 SECOND_ORDER = ["kernels.attention[xla,gqa,cross,bias,sinks]",
                 "kernels.attention[blockwise,mqa,causal,window,segments]",
                 "parallel.sequence_parallel_self_attention[gqa,bias]",
