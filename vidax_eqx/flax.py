@@ -103,6 +103,14 @@ class RMSNorm(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """**Arguments:**
+
+        - `x`: any shape `(..., dim)`; the last axis is normalized.
+
+        **Returns:**
+
+        The same shape, in the promotion of `x`'s and `scale`'s dtypes.
+        """
         x = jnp.asarray(x)
         _check_last_axis("RMSNorm", "dim", self.dim, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim,), self.param_dtype)
@@ -138,6 +146,14 @@ class TPShardedRMSNorm(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """**Arguments:**
+
+        - `x`: this device's features `(..., dim_local)`, inside `jax.shard_map`.
+
+        **Returns:**
+
+        The same shape, in the promotion of `x`'s and `scale`'s dtypes.
+        """
         x = jnp.asarray(x)
         _check_last_axis("TPShardedRMSNorm", "dim_local", self.dim_local, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim_local,), self.param_dtype)

@@ -28,6 +28,12 @@ class SafetensorsShards(Mapping):
     """
 
     def __init__(self, index_path):
+        """**Arguments:**
+
+        - `index_path`: the JSON index (`*.safetensors.index.json`) whose `weight_map`
+            names each tensor's shard. The shards, beside it, are opened and checked
+            against it now; their tensors are read on access.
+        """
         self.path = os.fspath(index_path)
         folder = os.path.dirname(self.path)
         try:

@@ -119,13 +119,16 @@ def _parse_entry(path, name, raw, data_bytes) -> _Entry:
 class SafetensorsFile(Mapping):
     """A validated `.safetensors` file as a read-only mapping of names to NumPy arrays.
 
-    Opening validates the whole header (see the module docstring) and reads no
-    tensor data; `file[name]` reads that one tensor. `shape(name)` and
-    `dtype(name)` answer from the header. Create with
-    [`vidax_eqx.interop.open_safetensors`][].
+    Opening validates the whole header and reads no tensor data; `file[name]` reads
+    that one tensor. `shape(name)` and `dtype(name)` answer from the header. Create
+    with [`vidax_eqx.interop.open_safetensors`][], which lists the checks.
     """
 
     def __init__(self, path):
+        """**Arguments:**
+
+        - `path`: the `.safetensors` file; its header is read and validated now.
+        """
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -18,6 +18,8 @@ from ._safetensors import SafetensorsFile, write_safetensors
 
 
 NAMINGS = ("wan", "diffusers")
+"""The parameter namings `naming=` accepts: `"wan"` (Wan's reference model, attention
+projections `q, k, v, o`) and `"diffusers"` (`to_q, to_k, to_v, to_out.0`)."""
 
 # The attention projections under each naming: Wan's reference model calls them
 # `q, k, v, o`; diffusers (WanAttention, CogVideoX's Attention) `to_q, to_k,

@@ -40,6 +40,13 @@ register(Cudnn())
 # many bytes "blockwise" wins (measured by benchmarks/attention.py, see
 # benchmarks/NOTES.md) and the materializing path's memory grows as S^2.
 AUTO_XLA_MAX_SCORE_BYTES = 8 * 2**20
+"""The size of one float32 score matrix `(B, H, S_q, S_k)`, in bytes (8 MiB), up to
+which `implementation="auto"` and `"portable"` try `"xla"` before `"blockwise"`.
+
+Above it `"blockwise"` comes first: the materializing path's memory grows as `S**2`.
+Under `"auto"`, the vendor kernels of the platform (GPU, TPU) are tried before either.
+[`vidax_eqx.kernels.select_implementation`][] tells which implementation a call runs.
+"""
 
 # What "auto" tries first on each platform, before the portable implementations:
 # the vendor kernels, fastest first (cuDNN's fused kernel before the Triton one).

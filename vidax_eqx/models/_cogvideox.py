@@ -271,6 +271,16 @@ class CogVideoXBlock(eqx.Module):
 
     def __init__(self, config: CogVideoXConfig, *, parallel: nn.ParallelConfig, implementation,
                  dtype, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: a [`CogVideoXConfig`][].
+        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
+            modules.
+        - `implementation`: the attention kernel, as for
+            [`vidax_eqx.kernels.attention`][].
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the initialization.
+        """
         c = config
         k1, k2, k3, k4 = jax.random.split(key, 4)
         self.norm1 = CogVideoXLayerNormZero(c, dtype=dtype, key=k1)
@@ -282,6 +292,22 @@ class CogVideoXBlock(eqx.Module):
                                  parallel=parallel, dtype=dtype, key=k4)
 
     def __call__(self, x, context, temb, rope, segment_ids):
+        """**Arguments:**
+
+        - `x`: the video tokens `(S, dim)`: the whole sequence on one device, this
+            device's chunk under sequence parallelism.
+        - `context`: the text tokens `(T, dim)`: this device's copy of the text stream,
+            the same on every device.
+        - `temb`: the timestep embedding `(time_embed_dim,)`.
+        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the video tokens of `x`;
+            `None`: no RoPE (2B).
+        - `segment_ids`: int `(T + S,)` or `None`, the segment ids of `[context; x]`,
+            as for [`vidax_eqx.nn.JointAttention`][].
+
+        **Returns:**
+
+        `(x, context)` after the block, `(S, dim)` and `(T, dim)`.
+        """
         with jax.named_scope("vidax_eqx.models.CogVideoXBlock"):
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)

@@ -14,8 +14,6 @@ from .. import interop, nn
 from ..parallel import axis_size
 
 
-# Rematerialization policies a model's `remat=` accepts: "full" (save nothing) and the
-# policies of `jax.checkpoint_policies` that take no argument.
 REMAT_POLICIES = (
     "full",
     "everything_saveable",
@@ -23,6 +21,9 @@ REMAT_POLICIES = (
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
 )
+"""The rematerialization policies a model's `remat=` accepts besides `None` (store
+activations): `"full"` (save nothing, recompute everything) and the policies of
+`jax.checkpoint_policies` that take no argument."""
 _NO_REMAT = object()
 
 

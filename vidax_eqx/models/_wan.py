@@ -77,6 +77,7 @@ class WanConfig:
 
     @property
     def head_dim(self) -> int:
+        """The attention head size, `dim // num_heads`."""
         return self.dim // self.num_heads
 
     @classmethod
@@ -213,11 +214,26 @@ class WanImageEmbedding(eqx.Module):
     norm2: nn.LayerNorm
 
     def __init__(self, image_dim: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `image_dim`: the size of the CLIP image features (1280 in Wan 2.1 I2V).
+        - `dim`: the model width.
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the initialization.
+        """
         self.norm1 = nn.LayerNorm(image_dim, 1e-5, dtype=dtype)
         self.ff = nn.FeedForward(image_dim, image_dim, dim, activation="gelu", dtype=dtype, key=key)
         self.norm2 = nn.LayerNorm(dim, 1e-5, dtype=dtype)
 
     def __call__(self, x):
+        """**Arguments:**
+
+        - `x`: the CLIP image features `(L_img, image_dim)` (257 tokens in Wan 2.1 I2V).
+
+        **Returns:**
+
+        `(L_img, dim)`, the image context of the blocks' cross-attention.
+        """
         return self.norm2(self.ff(self.norm1(x)))
 
 
@@ -244,6 +260,16 @@ class WanBlock(eqx.Module):
 
     def __init__(self, config: WanConfig, *, parallel: nn.ParallelConfig, implementation,
                  dtype, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: a [`WanConfig`][].
+        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
+            modules.
+        - `implementation`: the attention kernel, as for
+            [`vidax_eqx.kernels.attention`][].
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the initialization.
+        """
         c = config
         k1, k2, k3, k4 = jax.random.split(key, 4)
         qk_norm = "rms" if c.qk_norm else None
@@ -263,6 +289,22 @@ class WanBlock(eqx.Module):
         self.modulation = (jax.random.normal(k4, (1, 6, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
 
     def __call__(self, x, e0, context, rope, segment_ids, context_image):
+        """**Arguments:**
+
+        - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
+            this device's chunk under sequence parallelism.
+        - `e0`: the float32 time projection `(6, dim)`, added to `modulation` for the
+            shift, scale and gate of the self-attention and the FFN.
+        - `context`: the embedded text `(L, dim)`, whole on every device.
+        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the tokens of `x`.
+        - `segment_ids`: int `(S,)` or `None`, as for [`vidax_eqx.nn.Attention`][]
+            (negative ids are padding).
+        - `context_image`: I2V: the embedded image features `(L_img, dim)`; else `None`.
+
+        **Returns:**
+
+        The float32 residual stream `(S, dim)` after the block.
+        """
         with jax.named_scope("vidax_eqx.models.WanBlock"):
             dtype = self.self_attn.q.weight.dtype
             e = self.modulation[0].astype(jnp.float32) + e0
@@ -285,6 +327,12 @@ class WanHead(eqx.Module):
     modulation: Float[Array, "1 2 dim"]
 
     def __init__(self, config: WanConfig, *, dtype, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: a [`WanConfig`][].
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the initialization.
+        """
         c = config
         k1, k2 = jax.random.split(key)
         out = c.out_channels * int(np.prod(c.patch_size))
@@ -293,6 +341,16 @@ class WanHead(eqx.Module):
         self.modulation = (jax.random.normal(k2, (1, 2, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
 
     def __call__(self, x, e):
+        """**Arguments:**
+
+        - `x`: the float32 residual stream `(S, dim)` after the last block.
+        - `e`: the float32 time embedding `(dim,)`, added to `modulation` for the
+            shift and scale of the norm.
+
+        **Returns:**
+
+        The patch values `(S, out_channels * prod(patch_size))`, in the weights' dtype.
+        """
         with jax.named_scope("vidax_eqx.models.WanHead"):
             shift, scale = self.modulation[0].astype(jnp.float32) + e
             h = self.norm(x, shift, scale).astype(self.head.weight.dtype)

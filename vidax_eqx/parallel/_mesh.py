@@ -11,8 +11,12 @@ from .._vma import replicated_axes
 
 
 DP_AXIS = "dp"
+"""The data-parallel mesh axis name of [`vidax_eqx.parallel.make_mesh`][]: the batch."""
 SP_AXIS = "sp"
+"""The sequence-parallel mesh axis name of [`vidax_eqx.parallel.make_mesh`][]: tokens."""
 TP_AXIS = "tp"
+"""The tensor-parallel mesh axis name of [`vidax_eqx.parallel.make_mesh`][]: heads and
+features (innermost)."""
 
 
 def make_mesh(

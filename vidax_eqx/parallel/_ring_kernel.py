@@ -515,6 +515,7 @@ class RingAttentionKernel(eqx.Module):
         layout: str = "contiguous",
         scale: float | None = None,
     ):
+        """**Arguments:** as for [`make_ring_attention`][], which builds it."""
         self.mask = _as_mask(mask)
         if not isinstance(is_mqa, (bool, np.bool_)):
             raise ValueError(f"`is_mqa` must be a bool; received {is_mqa!r}.")
