@@ -16,7 +16,7 @@ from .. import interop, nn
 from .._vma import as_varying, varying_axes
 from ..nn._parallel import check_text
 from ..nn import functional
-from ._common import check_remat, padded_tokens, read_config, scan_layers
+from ._common import check_remat, load_pretrained, padded_tokens, read_config, scan_layers
 
 
 _ACTIVATIONS = {"gelu-approximate": "gelu_tanh", "gelu": "gelu"}
@@ -572,14 +572,9 @@ class CogVideoXTransformer3D(eqx.Module):
                 f"{raw['_class_name']!r} config, not a CogVideoXTransformer3DModel's."
             )
         config = CogVideoXConfig.from_diffusers(raw)
-        if dtype is None:
-            name = "proj_out.weight"
-            dtype = tensors.dtype(name) if name in tensors else jnp.float32
-        model = eqx.filter_eval_shape(
-            cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
-            key=jax.random.PRNGKey(0),
-        )
-        return interop.load_state_dict(model, tensors, stacked=_STACKED)
+        return load_pretrained(cls, config, tensors, dtype=dtype, dtype_from="proj_out.weight",
+                               parallel=parallel, implementation=implementation,
+                               stacked=_STACKED)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The parameters under diffusers' names, one tensor per layer."""

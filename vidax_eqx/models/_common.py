@@ -107,6 +107,21 @@ def read_config(path, owner: str):
     return raw, interop.open_checkpoint(text)
 
 
+def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
+                    implementation, **load_kwargs):
+    """`cls(config, ...)` built abstractly (no random weights) in `dtype` (default: the
+    checkpoint's dtype of the tensor `dtype_from`, else float32) and filled from
+    `tensors` by [`vidax_eqx.interop.load_state_dict`][] (`load_kwargs`: `stacked=`,
+    `rename=`)."""
+    if dtype is None:  # a missing tensor is reported by the load
+        dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
+    model = eqx.filter_eval_shape(
+        cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
+        key=jax.random.PRNGKey(0),
+    )
+    return interop.load_state_dict(model, tensors, **load_kwargs)
+
+
 def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
                 remat: str | None = None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, nn
 from ..nn import functional
-from ._common import check_remat, padded_tokens, read_config, scan_layers
+from ._common import check_remat, load_pretrained, padded_tokens, read_config, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,14 +594,9 @@ class WanTransformer3D(eqx.Module):
             )
         if pad_text:
             config = dataclasses.replace(config, text_len=raw.get("text_len", 512))
-        if dtype is None:  # the checkpoint's (a missing tensor is reported by the load)
-            name = "patch_embedding.weight"
-            dtype = tensors.dtype(name) if name in tensors else jnp.float32
-        model = eqx.filter_eval_shape(
-            cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
-            key=jax.random.PRNGKey(0),
-        )
-        return interop.load_state_dict(model, tensors, stacked=_STACKED, rename=_rename)
+        return load_pretrained(cls, config, tensors, dtype=dtype,
+                               dtype_from="patch_embedding.weight", parallel=parallel,
+                               implementation=implementation, stacked=_STACKED, rename=_rename)
 
     def state_dict(self, *, layout: str = "diffusers") -> dict[str, np.ndarray]:
         """The parameters under the checkpoint names of `layout` (`"diffusers"` or
