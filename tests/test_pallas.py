@@ -22,7 +22,7 @@ import oracle
 from cases import CASES, CASES_BY_NAME, Case, kernel_kwargs
 from test_kernels import _check_all, _empty_row_inputs, _oracle, _run
 from vidax_eqx import core, kernels
-from vidax_eqx.kernels import _registry
+from vidax_eqx.kernels import _cudnn, _registry
 from vidax_eqx.kernels._args import normalize
 
 
@@ -211,7 +211,23 @@ def test_cudnn_needs_a_gpu_and_half_precision():
         kernels.attention(q, q, q, implementation="cudnn")
 
 
-def test_cudnn_never_serves_the_lse_contract():
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """Dispatch as on a GPU host (where jax.nn's cuDNN path can be traced)."""
+    monkeypatch.setattr(_cudnn, "_gpu_host", lambda: True)
+
+
+def test_cudnn_is_not_traced_without_a_gpu():
+    """Off a GPU host, a GPU lowering cannot trace jax.nn's cuDNN path (it reads the
+    cuDNN version when traced): "auto" takes the Triton kernel there instead."""
+    req = _request("gpu")
+    assert any("from a host without one" in r for r in kernels.implementations()["cudnn"].unsupported(req))
+    assert _registry.resolve("auto", req).name == "pallas_gpu"
+    q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+    assert kernels.select_implementation(q, q, q, platform="cuda") == "pallas_gpu"
+
+
+def test_cudnn_never_serves_the_lse_contract(gpu_host):
     req = _request("gpu", needs_lse=True)
     missing = kernels.implementations()["cudnn"].unsupported(req)
     assert missing == ["a float32 log-sum-exp with gradient (attention_fwd / attention_bwd / ring)"]
@@ -234,7 +250,7 @@ def test_cudnn_never_serves_the_lse_contract():
         ("cpu", jnp.float32, {}, False, "xla"),
     ],
 )
-def test_auto_per_platform(platform, dtype, kw, needs_lse, want):
+def test_auto_per_platform(platform, dtype, kw, needs_lse, want, gpu_host):
     req = _request(platform, dtype, needs_lse=needs_lse, **kw)
     assert _registry.resolve("auto", req).name == want
     assert _registry.resolve("portable", req).name in ("xla", "blockwise")

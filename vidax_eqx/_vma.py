@@ -10,6 +10,8 @@ replicated input. Outside `shard_map` both functions are no-ops. Shared by
 
 import jax
 
+from . import _jax_private
+
 
 def varying_axes(*xs) -> frozenset:
     """The mesh axes any of `xs` (arrays or `None`) varies over; empty outside `shard_map`."""
@@ -50,9 +52,7 @@ def opaque_to_vma(fn, *args):
     axes = varying_axes(*jax.tree.leaves(args))
     if not axes:
         return fn(*args)
-    from jax._src import config  # the switch `shard_map` sets; no public handle exists
-
-    with config._check_vma(False):
+    with _jax_private.check_vma(False):  # the switch `shard_map` sets
         out = fn(*args)
     return as_varying(out, axes)
 
@@ -70,9 +70,7 @@ def tracks_vma() -> bool:
     """
     if not manual_axes():
         return False
-    from jax._src import config  # the switch `shard_map` sets; no public handle exists
-
-    return bool(config._check_vma.value)
+    return bool(_jax_private.check_vma.value)  # the switch `shard_map` sets
 
 
 def explicit_axes(*xs) -> list:

@@ -1,5 +1,6 @@
 """The public attention interface: `attention`, `attention_fwd`, `attention_bwd`."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,20 +10,23 @@ from jaxtyping import Array, Bool, Float, Int
 from ._args import Operands, Options, SegmentIds, normalize
 from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
-from ._registry import report, resolve
+from ._dispatch import Plan, canonical_platform, host_platform, lowering_names, run, served
+from ._registry import choices, report
 
 
-def _request(q, k, v, kwargs, *, needs_lse: bool) -> tuple[Operands, Options, AbstractImplementation]:
+def _request(q, k, v, kwargs, *, needs_lse: bool, platform: str | None = None):
+    """`(ops, opts, plan)`: the normalized arguments and what serves them on each
+    platform the call may be lowered for (see `_dispatch.py`)."""
     implementation = kwargs.pop("implementation", "auto")
     ops, opts = normalize(q, k, v, **kwargs)
-    impl = resolve(implementation, Request.of(ops, opts, needs_lse=needs_lse))
+    plan = choices(implementation, Request.of(ops, opts, needs_lse=needs_lse, platform=platform))
     # Inside `shard_map(check_vma=True)`, an operand replicated over a mesh axis
     # (e.g. sinks or a bias) meets device-varying q/k/v: mark every operand as
     # varying over all those axes, so the custom VJP's cotangents have the
     # operands' types and the transpose of the cast sums a replicated operand's
     # per-device gradients (its correct gradient).
     ops = as_varying(ops, varying_axes(*jax.tree.leaves(ops)))
-    return ops, opts, impl
+    return ops, opts, plan
 
 
 def _options_from(scope: dict) -> dict:
@@ -30,27 +34,59 @@ def _options_from(scope: dict) -> dict:
     return {name: value for name, value in scope.items() if name not in ("q", "k", "v")}
 
 
+def _fwd(opts: Options):
+    def fwd(impl, ops):
+        with jax.named_scope(f"vidax_attention_{impl.name}"):
+            return impl.fwd(ops, opts)
+
+    return fwd
+
+
+def _bwd(opts: Options):
+    def bwd(impl, ops, out, lse, dout, dlse):
+        with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
+            return impl.bwd(ops, opts, out, lse, dout, dlse)
+
+    return bwd
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(impl: AbstractImplementation, opts: Options, ops: Operands):
-    with jax.named_scope(f"vidax_attention_{impl.name}"):
-        return impl.fwd(ops, opts)
+def _attention(plan: Plan, opts: Options, ops: Operands):
+    return run(plan, _fwd(opts), ops)
 
 
-def _attention_fwd_rule(impl, opts, ops):
-    out, lse = _attention(impl, opts, ops)
+def _attention_fwd_rule(plan, opts, ops):
+    out, lse = _attention(plan, opts, ops)
     return (out, lse), (ops, out, lse)
 
 
-def _attention_bwd_rule(impl, opts, residuals, cotangents):
+def _attention_bwd_rule(plan, opts, residuals, cotangents):
     ops, out, lse = residuals
     dout, dlse = cotangents
-    with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
-        dq, dk, dv, dbias, dsinks = impl.bwd(ops, opts, out, lse, dout, dlse)
+    dq, dk, dv, dbias, dsinks = run(plan, _bwd(opts), ops, out, lse, dout, dlse)
     # Integer and boolean operands (mask, segment ids, positions) get no cotangent.
     return (Operands(dq, dk, dv, dbias, None, None, None, dsinks, None, None),)
 
 
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
+
+
+def _fused(plan: Plan, opts: Options, ops: Operands):
+    """`attention` where a platform's choice is a fused kernel differentiated by its
+    own VJP (cuDNN; `float32_lse` False), which must stay outside our custom VJP:
+    the choice is staged with `lax.platform_dependent`, the others through it."""
+    fused = [impl for impl in served(plan) if not impl.capabilities.float32_lse]
+    rest = [impl for impl in served(plan) if impl.capabilities.float32_lse]
+    if not rest:
+        return _fwd(opts)(fused[0], ops)[0]
+    stand_in = rest[0]  # in the platforms the fused kernel serves, never lowered
+    others = tuple((p, stand_in if c in fused else c) for p, c in plan)
+    branches = {}
+    for platform, choice in plan:
+        if choice in fused:
+            for name in lowering_names(platform):
+                branches[name] = lambda ops, _impl=choice: _fwd(opts)(_impl, ops)[0]
+    return jax.lax.platform_dependent(ops, default=lambda ops: _attention(others, opts, ops)[0], **branches)
 
 
 def attention(
@@ -108,11 +144,10 @@ def attention(
 
     `(B, S_q, H, D)` in `q`'s dtype. A query row that can see no key gives 0.
     """
-    ops, opts, impl = _request(q, k, v, _options_from(locals()), needs_lse=False)
-    if not impl.capabilities.float32_lse:  # a fused kernel with its own VJP (cuDNN)
-        with jax.named_scope(f"vidax_attention_{impl.name}"):
-            return impl.fwd(ops, opts)[0]
-    return _attention(impl, opts, ops)[0]
+    ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=False)
+    if any(not impl.capabilities.float32_lse for impl in served(plan)):
+        return _fused(plan, opts, ops)
+    return _attention(plan, opts, ops)[0]
 
 
 def attention_fwd(
@@ -142,8 +177,8 @@ def attention_fwd(
     including the sink term when `sinks` is given. A row that sees no key (and has
     no sink) has `out = 0` and `lse = -inf`.
     """
-    ops, opts, impl = _request(q, k, v, _options_from(locals()), needs_lse=True)
-    return _attention(impl, opts, ops)
+    ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=True)
+    return _attention(plan, opts, ops)
 
 
 def attention_bwd(
@@ -181,7 +216,7 @@ def attention_bwd(
     scope = _options_from(locals())
     for name in ("out", "lse", "dout", "dlse"):
         scope.pop(name)
-    ops, opts, impl = _request(q, k, v, scope, needs_lse=True)
+    ops, opts, plan = _request(q, k, v, scope, needs_lse=True)
     B, S_q, H, D = ops.q.shape
     for name, x, want in (
         ("out", out, (B, S_q, H, D)),
@@ -198,10 +233,10 @@ def attention_bwd(
                 f"`{name}` must have a floating dtype (`out`/`dout` like q, `lse`/`dlse` "
                 f"float32); received dtype {jnp.result_type(x)}."
             )
-    with jax.named_scope(f"vidax_attention_{impl.name}_bwd"):
-        dq, dk, dv, dbias, dsinks = impl.bwd(
-            ops, opts, jnp.asarray(out), jnp.asarray(lse, jnp.float32), jnp.asarray(dout), dlse
-        )
+
+    dq, dk, dv, dbias, dsinks = run(
+        plan, _bwd(opts), ops, jnp.asarray(out), jnp.asarray(lse, jnp.float32), jnp.asarray(dout), dlse
+    )
     if dbias is not None:
         dbias = dbias.reshape(jnp.shape(bias))
     return dq, dk, dv, dbias, dsinks
@@ -213,19 +248,43 @@ def select_implementation(
     v: Float[Array, "B S_k H_kv D"],
     *,
     needs_lse: bool = False,
+    platform: str | None = None,
     **kwargs,
 ) -> str:
     """The name of the implementation [`attention`][] would run for these arguments.
 
     Takes the arguments of [`attention`][] (`implementation` included). With
     `needs_lse=True`, the one [`attention_fwd`][] / [`attention_bwd`][] (and ring
-    attention) would run: those need a float32 log-sum-exp with a gradient. Raises
-    the same errors `attention` would. [`implementation_report`][] says why the
-    others were passed over.
+    attention) would run: those need a float32 log-sum-exp with a gradient.
+    `platform` (`"cpu"`, `"gpu"` / `"cuda"` / `"rocm"`, `"tpu"`) asks about a program
+    lowered for that platform, from any host; by default, the platform the arrays
+    live on, or for abstract and traced arrays the host's default backend (a traced
+    call itself decides for the platform it is lowered for).
+    Raises the errors `attention` would raise on that platform.
+    [`implementation_report`][] says why the others were passed over.
     """
     kwargs.setdefault("implementation", "auto")
-    choose = lambda q, k, v, **kw: _request(q, k, v, kw, needs_lse=needs_lse)[2].name
+    platform = None if platform is None else canonical_platform(platform)
+
+    def choose(q, k, v, **kw):
+        ops, opts = normalize(q, k, v, **{n: x for n, x in kw.items() if n != "implementation"})
+        request = _on_platform(Request.of(ops, opts, needs_lse=needs_lse, platform=platform))
+        return dict(choices(kw["implementation"], request))[request.platform].name
+
     return _on_abstract(choose, q, k, v, kwargs)
+
+
+def _on_platform(request: Request) -> Request:
+    """`request`, for the host's default platform when it was left to lowering."""
+    if request.platform is not None:
+        return request
+    return dataclasses.replace(request, platform=host_platform())
+
+
+def check_request(q, k, v, *, needs_lse: bool = False, **kwargs) -> None:
+    """Raises what [`attention`][] would raise now for these arguments (on traced
+    arrays: when no platform serves them); used by `parallel/` to validate once."""
+    _on_abstract(lambda q, k, v, **kw: _request(q, k, v, kw, needs_lse=needs_lse) and None, q, k, v, kwargs)
 
 
 def _on_abstract(fn, q, k, v, kwargs):
@@ -247,23 +306,25 @@ def implementation_report(
     v: Float[Array, "B S_k H_kv D"],
     *,
     needs_lse: bool = False,
+    platform: str | None = None,
     **kwargs,
 ) -> dict[str, list[str]]:
     """Why each registered implementation does or does not serve these arguments.
 
-    Takes the arguments of [`select_implementation`][] (without `implementation`).
+    Takes the arguments of [`select_implementation`][] (without `implementation`),
+    `platform` included.
 
     **Returns:**
 
     `{name: reasons}` for every registered implementation, in the order `"auto"`
-    tries them on this platform (then the rest): `reasons` lists the features,
+    tries them on that platform (then the rest): `reasons` lists the features,
     platform, dtype or head size it cannot serve, and is empty for those that
     serve the request. `"auto"` runs the first with no reasons.
     """
+    platform = None if platform is None else canonical_platform(platform)
 
     def explain(q, k, v, **kwargs):
         ops, opts = normalize(q, k, v, **kwargs)
-        return report(Request.of(ops, opts, needs_lse=needs_lse))
+        return report(_on_platform(Request.of(ops, opts, needs_lse=needs_lse, platform=platform)))
 
     return _on_abstract(explain, q, k, v, kwargs)
-

@@ -35,9 +35,14 @@ FEATURES: tuple[tuple[str, str], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one attention call asks for, as static facts (used for dispatch)."""
+    """What one attention call asks for, as static facts (used for dispatch).
 
-    platform: str
+    `platform` is the platform the call runs on (`"cpu"`, `"gpu"`, `"tpu"`), or
+    `None` when that is decided when the program is lowered (traced arrays):
+    dispatch then chooses for every platform (see `kernels/_dispatch.py`).
+    """
+
+    platform: str | None
     dtype: str
     batch: int
     seq_q: int
@@ -59,13 +64,17 @@ class Request:
     shared_segment_ids: bool = False
 
     @classmethod
-    def of(cls, ops: Operands, opts: Options, *, needs_lse: bool = False) -> "Request":
+    def of(
+        cls, ops: Operands, opts: Options, *, needs_lse: bool = False, platform: str | None = None
+    ) -> "Request":
         """The request of `ops`/`opts`; `needs_lse`: the caller uses the float32
-        log-sum-exp (`attention_fwd`, `attention_bwd`, ring attention)."""
+        log-sum-exp (`attention_fwd`, `attention_bwd`, ring attention); `platform`:
+        the platform to choose for, default that of concrete arrays (`None` for
+        tracers: decided at lowering)."""
         B, S_q, H, D = ops.q.shape
         _, S_k, H_kv, _ = ops.k.shape
         return cls(
-            platform=_platform(ops.q),
+            platform=_platform(ops.q) if platform is None else platform,
             dtype=jnp.dtype(ops.q.dtype).name,
             batch=B,
             seq_q=S_q,
@@ -94,13 +103,15 @@ class Request:
         return 4 * self.batch * self.heads * self.seq_q * self.seq_k
 
 
-def _platform(x: jax.Array) -> str:
-    """The platform `x` lives on, or the default backend's for tracers."""
+def _platform(x: jax.Array) -> str | None:
+    """The platform concrete `x` lives on; `None` for tracers, whose platform is
+    the one the program is lowered for."""
     try:
         devices = x.devices()
     except Exception:  # tracers have no devices
-        return jax.default_backend()
-    return next(iter(devices)).platform
+        return None
+    platform = next(iter(devices)).platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +155,7 @@ class Capabilities:
         missing = [label for attr, label in FEATURES if getattr(request, attr) and not getattr(self, attr)]
         if request.needs_lse and not self.float32_lse:
             missing.append("a float32 log-sum-exp with gradient (attention_fwd / attention_bwd / ring)")
-        if not any_platform and request.platform not in self.platforms:
+        if not any_platform and request.platform is not None and request.platform not in self.platforms:
             missing.append(f"platform {request.platform!r} (serves {', '.join(self.platforms)})")
         if request.dtype not in self.dtypes:
             missing.append(f"dtype {request.dtype} (serves {', '.join(self.dtypes)})")

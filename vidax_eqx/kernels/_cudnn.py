@@ -8,11 +8,23 @@ and its backward cannot start from an external `(out, lse, dlse)`, so its
 """
 
 import dataclasses
+import functools
 
 import jax
 
 from ._args import Operands, Options
-from ._base import AbstractImplementation, Capabilities
+from ._base import AbstractImplementation, Capabilities, Request
+
+
+@functools.cache
+def _gpu_host() -> bool:
+    """Whether this process has a GPU backend: `jax.nn`'s cuDNN path reads the cuDNN
+    version and the GPU's compute capability when it is traced, so it can be traced
+    (and lowered for GPU) only on a GPU host."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +51,15 @@ class Cudnn(AbstractImplementation):
             "attention take another implementation",
         ),
     )
+
+    def unsupported(self, request: Request) -> list[str]:
+        missing = self.capabilities.unsupported(request)
+        if request.platform == "gpu" and not _gpu_host():
+            missing.append(
+                "lowering for GPU from a host without one (jax.nn's cuDNN path reads the "
+                "cuDNN version and compute capability when traced)"
+            )
+        return missing
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, None]:
         """`(out, None)`: `out` is differentiable through `jax.nn`'s VJP; no lse."""

@@ -11,6 +11,12 @@ rows that see nothing, and sinks.
 The kernel takes one segment-id array for queries and keys alike, so it serves
 segment ids passed as one `(B, S)` array, and a cross-attention (`S_q != S_k`)
 only where the keys need no padding; its causal loop assumes `S_q <= S_k`.
+
+`jax.experimental.pallas.ops` is undocumented: `mha`, `mha_backward_kernel` and
+`BlockSizes` (and `next_power_of_2`, exported by Pallas but absent from its API
+reference) come through `vidax_eqx._jax_private`, where each call we rely on is
+recorded and tested; a JAX without one of them leaves `"pallas_gpu"`
+unregistered rather than broken.
 """
 
 import dataclasses
@@ -21,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.experimental.pallas.ops.gpu import attention as _gpu
 
+from .._jax_private import GpuBlockSizes, gpu_mha, gpu_mha_backward_kernel, next_power_of_2
 from .._vma import opaque_to_vma
 from . import _adapt as a
 from ._args import Operands, Options
@@ -127,10 +133,10 @@ class PallasGpu(AbstractImplementation):
         k = a.pad_axis(a.repeat_kv(ops.k, H), 1, S_kp)
         v = a.pad_axis(a.repeat_kv(ops.v, H), 1, S_kp)
         mha = functools.partial(
-            _gpu.mha,
+            gpu_mha,
             sm_scale=opts.scale,
             causal=opts.causal,
-            block_sizes=_gpu.BlockSizes(block_q=bq, block_k=bk),
+            block_sizes=GpuBlockSizes(block_q=bq, block_k=bk),
             num_warps=self.num_warps,
             num_stages=self.num_stages,
             interpret=self.interpret,
@@ -177,13 +183,13 @@ class PallasGpu(AbstractImplementation):
         launches it, with our `lse2` (base 2) and `delta`."""
         B, S_q, H, D = q.shape
         S_k = k.shape[1]
-        Dp = pl.next_power_of_2(D)
+        Dp = next_power_of_2(D)
         whole_q = pl.BlockSpec((None, S_q, None, Dp), lambda b, h, _: (b, 0, h, 0))
         whole_k = pl.BlockSpec((None, S_k, None, Dp), lambda b, h, _: (b, 0, h, 0))
         rows = pl.BlockSpec((None, None, S_q), lambda b, h, _: (b, h, 0))
         seg_spec = None if seg is None else pl.BlockSpec((None, S_k), lambda b, h, _: (b, 0))
         kernel = functools.partial(
-            _gpu.mha_backward_kernel,
+            gpu_mha_backward_kernel,
             sm_scale=opts.scale,
             causal=opts.causal,
             block_q_dkv=bq,

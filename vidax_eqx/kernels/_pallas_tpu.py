@@ -18,8 +18,10 @@ and `delta - dlse`. The softmax scale is folded into `q` (splash takes none, and
 flash's would also scale the bias).
 
 The kernels' entry points that return the log-sum-exp and take one in the
-backward are private to JAX; they are imported here and nowhere else, and a JAX
-without them leaves `"pallas_tpu"` unregistered rather than broken.
+backward are private to JAX, and `jax.experimental.pallas.ops` is undocumented:
+every name from it comes through `vidax_eqx._jax_private` (where each call we
+rely on is recorded and tested), and a JAX without one of them leaves
+`"pallas_tpu"` unregistered rather than broken.
 """
 
 import contextlib
@@ -29,10 +31,22 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu import flash_attention as _flash
-from jax.experimental.pallas.ops.tpu import splash_attention as _splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash_kernel
 
+from .._jax_private import (
+    CausalMask,
+    FLASH_DEFAULT_MASK_VALUE,
+    FlashSegmentIds,
+    flash_attention_bwd_dkv,
+    flash_attention_bwd_dq,
+    flash_attention_impl,
+    FullMask,
+    LocalMask,
+    make_splash_mha,
+    MultiHeadMask,
+    splash_attention_bwd_dkv,
+    SplashBlockSizes,
+    SplashSegmentIds,
+)
 from .._vma import opaque_to_vma
 from . import _adapt as a
 from . import _math as m
@@ -60,12 +74,12 @@ def _splash_kernel_for(
     if causal:  # causal and a window: the window with its right side cut at 0
         right = 0 if right is None else min(right, 0)
     if left is None and right is None:
-        mask = _splash.FullMask(shape)
+        mask = FullMask(shape)
     elif left is None and right == 0:
-        mask = _splash.CausalMask(shape, offset=0)
+        mask = CausalMask(shape, offset=0)
     else:
-        mask = _splash.LocalMask(shape, (left, right), offset=0)
-    block_sizes = _splash.BlockSizes(
+        mask = LocalMask(shape, (left, right), offset=0)
+    block_sizes = SplashBlockSizes(
         block_q=block_q,
         block_kv=block_kv,
         block_kv_compute=block_kv,
@@ -77,8 +91,8 @@ def _splash_kernel_for(
     # The mask metadata are constants: built eagerly even when first asked for
     # under a trace, so the cached kernel holds no tracer.
     with jax.ensure_compile_time_eval():
-        return _splash.make_splash_mha(
-            _splash.MultiHeadMask([mask] * heads),
+        return make_splash_mha(
+            MultiHeadMask([mask] * heads),
             block_sizes=block_sizes,
             head_shards=1,
             q_seq_shards=1,
@@ -99,7 +113,7 @@ def _heads_minor(x: jax.Array, length: int) -> jax.Array:
 
 
 def _collapse(mask_info):
-    """The reshape `splash_attention._splash_attention` applies before its kernels."""
+    """The reshape `_jax_private.splash_attention` applies before its kernels."""
     if mask_info.partial_mask_blocks is None:
         return mask_info
     blocks = mask_info.partial_mask_blocks
@@ -178,7 +192,7 @@ class PallasTpu(AbstractImplementation):
         kernel, q, k, v, seg = self._splash_setup(ops, opts)
 
         def one(q, k, v, seg_q, seg_kv):
-            out, (lse,) = kernel(q, k, v, _splash.SegmentIds(seg_q, seg_kv))
+            out, (lse,) = kernel(q, k, v, SplashSegmentIds(seg_q, seg_kv))
             return out, lse
 
         out, lse = opaque_to_vma(jax.vmap(one), q, k, v, *seg)
@@ -195,8 +209,8 @@ class PallasTpu(AbstractImplementation):
         bs = kernel.kwargs["block_sizes"]
 
         def one(q, k, v, seg_q, seg_kv, lse, do, delta):
-            return _splash_kernel._splash_attention_bwd_dkv(
-                q, k, v, _splash.SegmentIds(seg_q, seg_kv), None, lse, do, delta,
+            return splash_attention_bwd_dkv(
+                q, k, v, SplashSegmentIds(seg_q, seg_kv), None, lse, do, delta,
                 bq=bs.block_q_dkv,
                 bkv=bs.block_kv_dkv,
                 bkv_compute=bs.block_kv_dkv_compute,
@@ -229,7 +243,7 @@ class PallasTpu(AbstractImplementation):
         ab = jnp.broadcast_to(ab, (B, H, S_q, S_k))
         ab = a.pad_axis(a.pad_axis(ab, 2, S_qp), 3, S_kp)
         seg = a.kernel_segment_ids(ops, S_qp, S_kp)
-        seg = None if seg is None else _flash.SegmentIds(*seg)
+        seg = None if seg is None else FlashSegmentIds(*seg)
         q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
         k = _heads_major(a.repeat_kv(ops.k, H), S_kp)
         v = _heads_major(a.repeat_kv(ops.v, H), S_kp)
@@ -239,7 +253,7 @@ class PallasTpu(AbstractImplementation):
         q, k, v, ab, seg, bq, bkv = self._flash_setup(ops, opts)
         def kernel(q, k, v, ab, seg):
             with self._scope():
-                return _flash._flash_attention_impl(
+                return flash_attention_impl(
                     q, k, v, ab, seg, True, opts.causal, 1.0, 1, bq, bkv, bkv, False
                 )
 
@@ -257,15 +271,15 @@ class PallasTpu(AbstractImplementation):
         lse = a.pad_axis(kernel_lse, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
         ones = jnp.ones_like(lse)
-        common = dict(sm_scale=1.0, causal=opts.causal, mask_value=_flash.DEFAULT_MASK_VALUE, debug=False)
+        common = dict(sm_scale=1.0, causal=opts.causal, mask_value=FLASH_DEFAULT_MASK_VALUE, debug=False)
 
         def kernels(q, k, v, ab, seg, ones, lse, do, delta):
             with self._scope():
-                dk, dv = _flash._flash_attention_bwd_dkv(
+                dk, dv = flash_attention_bwd_dkv(
                     q, k, v, ab, seg, ones, lse, do, delta,
                     block_q_major=bq, block_q=bq, block_k_major=bkv, block_k=bkv, **common,
                 )
-                dq, ds = _flash._flash_attention_bwd_dq(
+                dq, ds = flash_attention_bwd_dq(
                     q, k, v, ab, seg, ones, lse, do, delta,
                     block_q_major=bq, block_k_major=bkv, block_k=bkv, **common,
                 )

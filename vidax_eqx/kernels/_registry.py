@@ -1,6 +1,9 @@
 """The registry of implementations and the `"auto"` / `"portable"` choices."""
 
+import dataclasses
+
 from ._base import AbstractImplementation, Request
+from ._dispatch import PLATFORMS, Plan, host_platform
 from ._blockwise import Blockwise
 from ._cudnn import Cudnn
 from ._xla import Xla
@@ -111,3 +114,25 @@ def resolve(implementation, request: Request) -> AbstractImplementation:
             "Use implementation='auto' to fall back to one that does."
         )
     return impl
+
+
+def choices(implementation, request: Request) -> Plan:
+    """What serves `request` on each platform it may be lowered for (a plan).
+
+    A request whose platform is known gets that platform's implementation, or
+    raises its error. One decided at lowering (`request.platform is None`) gets,
+    for each of `PLATFORMS`, the implementation or the reason none serves it
+    there; when no platform is served, the error of the host's platform is raised.
+    """
+    if request.platform is not None:
+        return ((request.platform, resolve(implementation, request)),)
+    found, errors = [], {}
+    for platform in PLATFORMS:
+        try:
+            found.append((platform, resolve(implementation, dataclasses.replace(request, platform=platform))))
+        except NotImplementedError as error:
+            errors[platform] = error
+            found.append((platform, str(error)))
+    if len(errors) == len(PLATFORMS):
+        raise errors.get(host_platform(), errors["cpu"])
+    return tuple(found)

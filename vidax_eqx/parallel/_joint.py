@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from .. import kernels
+from ..kernels._api import check_request  # what `kernels.attention` would raise, once
 from .._order import after
 from .._vma import as_varying, varying_axes
 from . import _ring
@@ -216,7 +217,7 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     """
     L_v = q_v.shape[1]
     pos = jnp.arange(L_v, dtype=jnp.int32)
-    kernels.select_implementation(
+    check_request(
         q_v, k_v, v_v, segment_ids=_ring._seg_arg(sq_v, skv_v), q_positions=pos,
         kv_positions=pos, causal=causal, window=window, scale=scale,
         logits_soft_cap=logits_soft_cap, implementation=implementation, needs_lse=True,
@@ -261,7 +262,7 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
         check_sharded(fn, (axis_name,), q=q[:, T:], k=k[:, T:], v=v[:, T:])
     # The arguments themselves, as given (xla serves every feature): messages name them.
     pos = jnp.arange(S_local, dtype=jnp.int32)
-    kernels.select_implementation(
+    check_request(
         q, k, v, segment_ids=segment_ids, q_positions=pos, kv_positions=pos, causal=causal,
         window=window, scale=scale, logits_soft_cap=logits_soft_cap, implementation="xla",
         needs_lse=True,

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-from ..kernels import attention, SegmentIds, select_implementation
+from ..kernels import attention, SegmentIds
+from ..kernels._api import check_request  # what `attention` would raise, once
 from ._mesh import DP_AXIS, TP_AXIS
 from ._ulysses import kv_head_repeats
 
@@ -32,8 +33,8 @@ def _check_global(q, k, v, bias, mask, segment_ids, sinks, kernel_options) -> No
     Traced abstractly (`jax.eval_shape`), so nothing is computed."""
 
     def check(q, k, v, bias, mask, segment_ids, sinks):
-        select_implementation(q, k, v, bias=bias, mask=mask, segment_ids=segment_ids,
-                              sinks=sinks, **kernel_options)
+        check_request(q, k, v, bias=bias, mask=mask, segment_ids=segment_ids, sinks=sinks,
+                      **kernel_options)
         return jnp.zeros(())
 
     jax.eval_shape(check, q, k, v, bias, mask, segment_ids, sinks)

@@ -38,6 +38,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
+from ..kernels._api import check_request  # what `kernels.attention` would raise, once
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size, check_sharded
@@ -864,7 +865,7 @@ def _ring_attention(
     seg_q, seg_kv = _segments(segment_ids)
 
     def validate(implementation, positions: bool, as_given: bool = False):
-        kernels.select_implementation(
+        check_request(
             q, k, v,
             # As given (validated before any cast, with messages naming the argument),
             # or as the steps pass them.

@@ -1,0 +1,233 @@
+"""Every private or undocumented JAX entry point that vidax_eqx uses, in one place.
+
+The Pallas adapters (`kernels/_pallas_tpu.py`, `kernels/_pallas_gpu.py`) run
+JAX's attention kernels from `jax.experimental.pallas.ops`, which has no API
+documentation and whose backward passes we call from a given log-sum-exp through
+functions with a leading underscore; `_vma.py` switches `shard_map`'s
+varying-axes check through `jax._src.config`. Each of those names is imported
+here and nowhere else, from the record in `ENTRY_POINTS`: where it lives in JAX,
+what we use it for, and the call we rely on (the parameters we pass by
+position, in order, and by keyword; the attributes we read).
+`tests/test_jax_private.py` checks every record against the installed JAX with
+`inspect.signature`, so an upgrade that moves or renames one fails by name.
+The documented Pallas API (`pallas_call`, `BlockSpec`, `tpu.force_tpu_interpret_mode`,
+`triton.CompilerParams`) stays where it is used.
+
+A JAX version without one of them does not break the import of this module: the
+name is left unbound and listed in `MISSING`, and importing it raises
+`ImportError` (`from vidax_eqx._jax_private import name`) or `AttributeError`
+(`_jax_private.name`), which the guarded imports of `kernels/_registry.py` turn
+into an absent `"pallas_tpu"` / `"pallas_gpu"`. Sits below `kernels/` and
+`parallel/`, like `_vma.py`.
+"""
+
+import dataclasses
+import importlib
+
+import jax
+
+
+_SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
+_SPLASH_KERNEL = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"
+_FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
+_GPU = "jax.experimental.pallas.ops.gpu.attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryPoint:
+    """One private or undocumented JAX name and how we call it.
+
+    **Arguments:**
+
+    - `module`, `attr`: where it lives (`importlib.import_module(module).attr`).
+    - `use`: what vidax_eqx uses it for.
+    - `positional`: the parameters we pass by position, in order.
+    - `keyword`: the parameters we pass by keyword.
+    - `attributes`: the attributes we read on it (fields of a class, `.value`).
+    - `returns`: what we read on the object a call returns: attribute paths,
+        `a.b` for attributes and `a[key]` for a mapping's keys.
+    """
+
+    module: str
+    attr: str
+    use: str
+    positional: tuple[str, ...] = ()
+    keyword: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+    returns: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+    def load(self):
+        return getattr(importlib.import_module(self.module), self.attr)
+
+
+ENTRY_POINTS: dict[str, EntryPoint] = {
+    # ---------------------------------------------- TPU splash attention (no bias)
+    "make_splash_mha": EntryPoint(
+        _SPLASH, "make_splash_mha",
+        "builds the splash kernel for one static mask, with the lse as a residual "
+        "(`kernels/_pallas_tpu.py: _splash_kernel_for`); its backward is rebuilt from "
+        "the kernel's settings and dK/dV mask info",
+        positional=("mask",),
+        keyword=("block_sizes", "head_shards", "q_seq_shards", "save_residuals",
+                 "attn_logits_soft_cap", "interpret"),
+        returns=("dkv_mask_info", "dkv_mask_info.partial_mask_blocks", "dkv_mask_info._replace",
+                 "kwargs[block_sizes]", "kwargs[mask_value]", "kwargs[mask_function]"),
+    ),
+    "MultiHeadMask": EntryPoint(
+        _SPLASH, "MultiHeadMask", "one mask per head for `make_splash_mha`",
+        positional=("masks",),
+    ),
+    "FullMask": EntryPoint(
+        _SPLASH, "FullMask", "the splash mask of a request without causal mask or window",
+        positional=("_shape",),
+    ),
+    "CausalMask": EntryPoint(
+        _SPLASH, "CausalMask", "the splash mask of a causal request (hidden tiles skipped)",
+        positional=("shape",), keyword=("offset",),
+    ),
+    "LocalMask": EntryPoint(
+        _SPLASH, "LocalMask", "the splash mask of a sliding window (with causal: its right side at 0)",
+        positional=("shape", "window_size"), keyword=("offset",),
+    ),
+    "SplashBlockSizes": EntryPoint(
+        _SPLASH, "BlockSizes",
+        "the splash tiles (forward and fused backward); the backward reads them back",
+        keyword=("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+                 "block_kv_dkv_compute", "use_fused_bwd_kernel"),
+        attributes=("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
+                    "q_layout", "k_layout", "v_layout"),
+    ),
+    "SplashSegmentIds": EntryPoint(
+        _SPLASH, "SegmentIds", "segment ids (padding and packed sequences) for the splash kernels",
+        positional=("q", "kv"),
+    ),
+    "splash_attention": EntryPoint(
+        _SPLASH_KERNEL, "_splash_attention",
+        "what calling a splash kernel `kernel(q, k, v, segment_ids)` runs, with the kernel's "
+        "mask infos first and its settings as keywords; `_pallas_tpu._collapse` repeats its "
+        "reshape of `partial_mask_blocks` before the backward",
+        positional=("fwd_mask_info", "dq_mask_info", "dkv_mask_info", "q", "k", "v", "segment_ids"),
+        keyword=("is_mqa", "block_sizes", "save_residuals", "mask_value", "attn_logits_soft_cap",
+                 "residual_checkpoint_name", "mask_function", "interpret"),
+    ),
+    "splash_attention_bwd_dkv": EntryPoint(
+        _SPLASH_KERNEL, "_splash_attention_bwd_dkv",
+        "the splash backward (dQ fused with dK/dV) from a given lse and delta: "
+        "`attention_bwd` and ring attention's backward on `\"pallas_tpu\"`",
+        positional=("q", "k", "v", "segment_ids", "sinks", "logsumexp", "do", "di"),
+        keyword=("bq", "bkv", "bkv_compute", "is_mqa", "mask_info", "mask_value",
+                 "attn_logits_soft_cap", "use_fused_bwd_kernel", "q_layout", "k_layout",
+                 "v_layout", "mask_function", "interpret"),
+    ),
+    # ------------------------------------------- TPU flash attention (bias or mask)
+    "flash_attention_impl": EntryPoint(
+        _FLASH, "_flash_attention_impl",
+        "the flash forward with its residuals (row sum `l` and max `m`, the lse being "
+        "`m + log l`) for a request with a bias or boolean mask",
+        positional=("q", "k", "v", "ab", "segment_ids", "save_residuals", "causal", "sm_scale",
+                    "block_b", "block_q", "block_k_major", "block_k", "debug"),
+    ),
+    "flash_attention_bwd_dkv": EntryPoint(
+        _FLASH, "_flash_attention_bwd_dkv",
+        "the flash dK/dV backward from a given lse (passed as `m`, with `l = 1`) and delta",
+        positional=("q", "k", "v", "ab", "segment_ids", "l", "m", "do", "di"),
+        keyword=("block_q_major", "block_q", "block_k_major", "block_k", "sm_scale", "causal",
+                 "mask_value", "debug"),
+    ),
+    "flash_attention_bwd_dq": EntryPoint(
+        _FLASH, "_flash_attention_bwd_dq",
+        "the flash dQ backward (and the bias gradient) from a given lse and delta",
+        positional=("q", "k", "v", "ab", "segment_ids", "l", "m", "do", "di"),
+        keyword=("block_q_major", "block_k_major", "block_k", "sm_scale", "causal", "mask_value",
+                 "debug"),
+    ),
+    "FlashSegmentIds": EntryPoint(
+        _FLASH, "SegmentIds", "segment ids (padding and packed sequences) for the flash kernels",
+        positional=("q", "kv"),
+    ),
+    "FLASH_DEFAULT_MASK_VALUE": EntryPoint(
+        _FLASH, "DEFAULT_MASK_VALUE", "the masked logit the flash backward kernels expect",
+    ),
+    # ------------------------------------------------- GPU (Triton) flash attention
+    "gpu_mha": EntryPoint(
+        _GPU, "mha", "the Triton flash forward with its residuals (the lse in base 2)",
+        positional=("q", "k", "v", "segment_ids"),
+        keyword=("sm_scale", "causal", "block_sizes", "num_warps", "num_stages", "interpret",
+                 "return_residuals"),
+    ),
+    "gpu_mha_backward_kernel": EntryPoint(
+        _GPU, "mha_backward_kernel",
+        "the fused Triton backward kernel, launched by `kernels/_pallas_gpu.py` with a given "
+        "lse and delta (`pallas_call` passes the 8 input refs, then the 3 output refs)",
+        positional=("q_ref", "k_ref", "v_ref", "segment_ids_ref", "out_ref", "do_scaled_ref",
+                    "lse_ref", "delta_ref", "dq_ref", "dk_ref", "dv_ref"),
+        keyword=("sm_scale", "causal", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq",
+                 "head_dim"),
+    ),
+    "GpuBlockSizes": EntryPoint(
+        _GPU, "BlockSizes", "the Triton forward tiles",
+        keyword=("block_q", "block_k"),
+    ),
+    "next_power_of_2": EntryPoint(
+        "jax.experimental.pallas", "next_power_of_2",
+        "the head-dim padding `mha_backward_kernel` assumes of its blocks (exported, "
+        "but absent from the API reference)",
+        positional=("x",),
+    ),
+    # ----------------------------------------- lowering per platform (kernels/_dispatch.py)
+    "lower_per_platform": EntryPoint(
+        "jax._src.interpreters.mlir", "lower_per_platform",
+        "the dispatch primitive's lowering: one rule per lowering platform, each lowered with "
+        "`ctx.platforms` narrowed to its own (a case on the platform index in a "
+        "multi-platform export)",
+        positional=("ctx", "description", "platform_rules", "default_rule", "effects"),
+    ),
+    "jaxpr_subcomp": EntryPoint(
+        "jax.interpreters.mlir", "jaxpr_subcomp",
+        "inlining a branch's jaxpr into the module being lowered (exported, undocumented)",
+        positional=("ctx", "jaxpr", "name_stack", "tokens", "consts_for_constvars"),
+        keyword=("dim_var_values", "const_lowering", "outer_traceback"),
+    ),
+    "ir_consts": EntryPoint(
+        "jax._src.interpreters.mlir", "ir_consts",
+        "the constants of a branch's jaxpr, as MLIR values",
+        positional=("consts", "avals"),
+    ),
+    "primitive_batchers": EntryPoint(
+        "jax.interpreters.batching", "primitive_batchers",
+        "registering the dispatch primitive's `vmap` rule (a dict, exported, undocumented)",
+    ),
+    # ------------------------------------------------------------------ JAX config
+    "check_vma": EntryPoint(
+        "jax._src.config", "_check_vma",
+        "the switch `shard_map(check_vma=...)` sets: `_vma.tracks_vma` reads it, "
+        "`_vma.opaque_to_vma` turns it off around a Pallas kernel (no public handle exists)",
+        positional=("new_val",),
+        attributes=("value",),
+    ),
+}
+"""The records, by the name each is bound to in this module."""
+
+MISSING: dict[str, str] = {}
+"""The entry points the installed JAX lacks, by name: why each could not be imported."""
+
+for _name, _entry in ENTRY_POINTS.items():
+    try:
+        globals()[_name] = _entry.load()
+    except (ImportError, AttributeError) as _error:  # pragma: no cover - depends on the JAX version
+        MISSING[_name] = f"{type(_error).__name__}: {_error}"
+del _name, _entry
+
+
+def __getattr__(name: str):
+    if name in MISSING:
+        entry = ENTRY_POINTS[name]
+        raise AttributeError(
+            f"JAX {jax.__version__} has no {entry.where} ({MISSING[name]}), which vidax_eqx "
+            f"uses for {entry.use}. Install a JAX in the range pyproject.toml states."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

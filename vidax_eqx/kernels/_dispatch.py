@@ -1,0 +1,198 @@
+"""Dispatch decided for the platform a program is lowered for.
+
+A traced attention call does not know where it will run: `jax.jit(f).trace(...)
+.lower(lowering_platforms=("tpu",))` lowers on a CPU host for a TPU, and one
+`jax.export` may serve CPU, TPU and GPU at once. So a call whose arrays are
+tracers resolves its implementation for every platform in [`PLATFORMS`][] (a
+*plan*), and [`run`][] stages the kernel call as one primitive whose lowering
+picks the branch of the platform being lowered (`mlir.lower_per_platform`: a
+single-platform lowering keeps one branch; a multi-platform export keeps each
+and selects one just before compiling). Concrete arrays name their platform,
+and then only its choice is traced.
+
+Only the *primary* branch (the host's choice where it is served) is traced when
+the call is; the other platforms' kernels are traced when the program is
+lowered for them, so a CPU program never pays for tracing TPU or GPU kernels.
+Those are per-device kernels: they are traced on the operands' shapes and dtypes
+alone (no varying mesh axes), which is all their lowering needs. Each branch is
+lowered for its own platforms only, so a Pallas TPU kernel inside a CPU + TPU
+export does not try to lower "for CPU".
+
+A platform that no implementation serves (a vendor kernel named explicitly)
+gets a branch that raises the reason as `NotImplementedError` when the program
+is lowered for it; it still lowers for the platforms that are served.
+
+The primitive is never differentiated: it runs inside the custom VJP's forward
+and backward (`_api.py`), so it needs abstract evaluation, lowering and
+batching rules only.
+"""
+
+from collections.abc import Callable
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+from .. import _jax_private as jp
+from ._base import AbstractImplementation
+
+
+PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
+"""The platforms dispatch chooses for (capability names; `"gpu"` is CUDA and ROCm)."""
+
+# The names `lowering_platforms` / `lax.platform_dependent` use for each of ours.
+_LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+# A plan: `((platform, implementation or the reason none serves it), ...)` over
+# `PLATFORMS`, or one entry for a platform known when traced. Hashable: it is a
+# static argument of the custom VJP.
+Plan = tuple[tuple[str, "AbstractImplementation | str"], ...]
+
+
+def canonical_platform(platform: str, *, what: str = "platform") -> str:
+    """`platform` as a capability name: `"cuda"` / `"rocm"` are `"gpu"`."""
+    name = _ALIASES.get(str(platform).lower(), str(platform).lower())
+    if name not in PLATFORMS:
+        raise ValueError(
+            f"`{what}` must be one of {', '.join(repr(p) for p in PLATFORMS + tuple(_ALIASES))}; "
+            f"received {platform!r}."
+        )
+    return name
+
+
+def lowering_names(platform: str) -> tuple[str, ...]:
+    """The names `lowering_platforms` / `lax.platform_dependent` use for `platform`."""
+    return _LOWERING_NAMES[platform]
+
+
+def host_platform() -> str:
+    """The platform of JAX's default backend, as a capability name."""
+    return _ALIASES.get(jax.default_backend(), jax.default_backend())
+
+
+def served(plan: Plan) -> list[AbstractImplementation]:
+    """The implementations of `plan`, each once, in platform order."""
+    found = []
+    for _, choice in plan:
+        if isinstance(choice, AbstractImplementation) and choice not in found:
+            found.append(choice)
+    return found
+
+
+def run(plan: Plan, fn: Callable, *operands):
+    """`fn(impl, *operands)`, with `impl` the choice of `plan` for the platform the
+    program is lowered for. `fn` is not differentiated through (see the module
+    docstring); `operands` is a PyTree of arrays."""
+    impls = served(plan)
+    if len(impls) == 1 and all(choice == impls[0] for _, choice in plan):
+        return fn(impls[0], *operands)
+    flat, in_tree = jax.tree.flatten(operands)
+    choice_of = dict(plan)
+    host = host_platform()
+    primary = choice_of.get(host) if isinstance(choice_of.get(host), AbstractImplementation) else impls[0]
+    out_tree = []
+
+    def branch(impl):
+        def flat_fn(*leaves):
+            out = fn(impl, *jax.tree.unflatten(in_tree, leaves))
+            leaves, tree = jax.tree.flatten(out)
+            out_tree.append(tree)
+            return leaves
+
+        return flat_fn
+
+    traced = jax.make_jaxpr(branch(primary))(*flat)
+    branches = []
+    for platform, choice in plan:
+        if choice == primary:
+            body = traced
+        elif isinstance(choice, AbstractImplementation):
+            body = branch(choice)
+        else:
+            body = choice  # the reason, raised when lowering for `platform`
+        branches.append((_LOWERING_NAMES[platform], body))
+    out = _per_platform_p.bind(*flat, branches=tuple(branches), out_avals=tuple(traced.out_avals))
+    return jax.tree.unflatten(out_tree[0], out)
+
+
+# -- the primitive ---------------------------------------------------------------------
+
+_per_platform_p = jex_core.Primitive("vidax_attention_per_platform")
+_per_platform_p.multiple_results = True
+_per_platform_p.def_abstract_eval(lambda *avals, branches, out_avals: out_avals)
+
+
+def _impl(*args, branches, out_avals):
+    """Eager evaluation (outside `jit`): the host's branch, or the traced one."""
+    host_names = _LOWERING_NAMES.get(host_platform(), ())
+    bodies = [body for names, body in branches if not isinstance(body, str)]
+    body = next((b for names, b in branches if set(names) & set(host_names) and not isinstance(b, str)), bodies[0])
+    if isinstance(body, jex_core.ClosedJaxpr):
+        return jex_core.jaxpr_as_fun(body)(*args)
+    return body(*args)
+
+
+_per_platform_p.def_impl(_impl)
+
+
+def _lower_jaxpr(ctx, closed: jex_core.ClosedJaxpr, *args):
+    """Inlines `closed` at this point of the module, for `ctx.platforms` if set."""
+    module = ctx.module_context
+    if ctx.platforms is not None:
+        module = module.replace(platforms=ctx.platforms)
+    consts = jp.ir_consts(closed.consts, [v.aval for v in closed.jaxpr.constvars])
+    out, tokens = jp.jaxpr_subcomp(
+        module, closed.jaxpr, ctx.name_stack, ctx.tokens_in, consts, *args,
+        dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering, outer_traceback=None,
+    )
+    ctx.set_tokens_out(tokens)
+    return out
+
+
+def _rule(body):
+    """The lowering rule of one branch."""
+    if isinstance(body, str):
+
+        def unserved(ctx, *args):
+            raise NotImplementedError(f"{body} (when lowering for {', '.join(ctx.platforms or ctx.module_context.platforms)})")
+
+        return unserved
+    if isinstance(body, jex_core.ClosedJaxpr):
+        return lambda ctx, *args: _lower_jaxpr(ctx, body, *args)
+
+    def lazy(ctx, *args):
+        # A per-device kernel, traced now on shapes and dtypes alone (no varying
+        # mesh axes, and shard_map's check of them off, as for any Pallas kernel).
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
+        with jp.check_vma(False):
+            traced = jax.make_jaxpr(body)(*avals)
+        return _lower_jaxpr(ctx, traced, *args)
+
+    return lazy
+
+
+def _lowering(ctx, *args, branches, out_avals):
+    rules = {name: _rule(body) for names, body in branches for name in names}
+    default = rules.get("cpu")  # no vendor kernels: also right for any other platform
+    return jp.lower_per_platform(
+        ctx, "vidax_attention_per_platform", rules, default, jex_core.no_effects, *args
+    )
+
+
+def _batching(args, dims, *, branches, out_avals):
+    batched = []
+    traced = None
+    for names, body in branches:
+        if isinstance(body, jex_core.ClosedJaxpr):
+            body = jax.make_jaxpr(jax.vmap(jex_core.jaxpr_as_fun(body), in_axes=dims))(*args)
+            traced = body
+        elif not isinstance(body, str):
+            body = jax.vmap(body, in_axes=dims)
+        batched.append((names, body))
+    out = _per_platform_p.bind(*args, branches=tuple(batched), out_avals=tuple(traced.out_avals))
+    return out, [0] * len(out)
+
+
+mlir.register_lowering(_per_platform_p, _lowering)
+jp.primitive_batchers[_per_platform_p] = _batching
