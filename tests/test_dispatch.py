@@ -12,6 +12,8 @@ Small shapes: only lowering is exercised off-device (tests/test_cross_lowering.p
 lowers the real model sizes).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ from jax import export
 
 import oracle
 from vidax_eqx import kernels, parallel
-from vidax_eqx.kernels import PallasGpu, PallasTpu
+from vidax_eqx.kernels import _registry, PallasGpu, PallasTpu
 
 
 B, S, H, H_KV, D = 1, 200, 4, 2, 32  # GQA, S not a multiple of any tile
@@ -157,3 +159,34 @@ def test_vmapped_attention_dispatches_per_platform():
     want = jax.jit(lambda q, k, v: kernels.attention(q, k, v, causal=True))(*xs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert TPU in _lowered(batched, xs, "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedForTests(kernels.AbstractImplementation):
+    """A GPU kernel differentiated by its own VJP (like cuDNN): no float32 lse."""
+
+    name = "fused_for_tests"
+    capabilities = kernels.Capabilities(platforms=("gpu",), float32_lse=False, sinks=False, window=False,
+                                        segment_ids=False, positions=False, logits_soft_cap=False)
+
+    def fwd(self, ops, opts):
+        out = jax.nn.dot_product_attention(ops.q, ops.k, ops.v, scale=opts.scale, is_causal=opts.causal)
+        return jnp.cos(jnp.zeros((), out.dtype)) * out, None  # the cosine marks it in the lowering
+
+    def bwd(self, *args):
+        raise NotImplementedError
+
+
+def test_a_fused_kernel_with_its_own_vjp_is_chosen_per_platform(monkeypatch):
+    """Where a platform's choice has no float32 lse (cuDNN on a GPU host), `attention`
+    stages it outside the custom VJP; the other platforms run through it."""
+    monkeypatch.setitem(_registry._REGISTRY, _FusedForTests.name, _FusedForTests())
+    monkeypatch.setitem(_registry._VENDOR_PREFERENCE, "gpu", (_FusedForTests.name, "pallas_gpu"))
+    q, k, v, _, dout = _inputs(5)
+    loss = lambda q, k, v: jnp.sum(kernels.attention(q, k, v, causal=True) * dout)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert "cosine" in _lowered(grad, (q, k, v), "cuda")
+    assert "cosine" not in _lowered(grad, (q, k, v), "cpu") and TPU in _lowered(grad, (q, k, v), "tpu")
+    ref = oracle.attention(q, k, v, causal=True, dout=dout)
+    for name, got, want in zip(("dq", "dk", "dv"), jax.jit(grad)(q, k, v), (ref.dq, ref.dk, ref.dv)):
+        oracle.assert_close(got, want, jnp.float32, name)

@@ -75,6 +75,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
         keyword=("block_sizes", "head_shards", "q_seq_shards", "save_residuals",
                  "attn_logits_soft_cap", "interpret"),
         returns=("dkv_mask_info", "dkv_mask_info.partial_mask_blocks", "dkv_mask_info._replace",
+                 "dq_mask_info", "dq_mask_info.partial_mask_blocks", "dq_mask_info._replace",
                  "kwargs[block_sizes]", "kwargs[mask_value]", "kwargs[mask_function]"),
     ),
     "MultiHeadMask": EntryPoint(
@@ -95,11 +96,11 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     ),
     "SplashBlockSizes": EntryPoint(
         _SPLASH, "BlockSizes",
-        "the splash tiles (forward and fused backward); the backward reads them back",
+        "the splash tiles (forward, dK/dV and dQ backward); the backward reads them back",
         keyword=("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-                 "block_kv_dkv_compute", "use_fused_bwd_kernel"),
-        attributes=("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
-                    "q_layout", "k_layout", "v_layout"),
+                 "block_kv_dkv_compute", "block_q_dq", "block_kv_dq", "use_fused_bwd_kernel"),
+        attributes=("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq",
+                    "block_kv_dq", "q_layout", "k_layout", "v_layout"),
     ),
     "SplashSegmentIds": EntryPoint(
         _SPLASH, "SegmentIds", "segment ids (padding and packed sequences) for the splash kernels",
@@ -116,12 +117,20 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     ),
     "splash_attention_bwd_dkv": EntryPoint(
         _SPLASH_KERNEL, "_splash_attention_bwd_dkv",
-        "the splash backward (dQ fused with dK/dV) from a given lse and delta: "
-        "`attention_bwd` and ring attention's backward on `\"pallas_tpu\"`",
+        "the splash dK/dV backward (unfused: the fused kernel keeps one partial dQ per key "
+        "block, O(S^2) memory) from a given lse and delta: `attention_bwd` and ring "
+        "attention's backward on `\"pallas_tpu\"`",
         positional=("q", "k", "v", "segment_ids", "sinks", "logsumexp", "do", "di"),
         keyword=("bq", "bkv", "bkv_compute", "is_mqa", "mask_info", "mask_value",
                  "attn_logits_soft_cap", "use_fused_bwd_kernel", "q_layout", "k_layout",
                  "v_layout", "mask_function", "interpret"),
+    ),
+    "splash_attention_bwd_dq": EntryPoint(
+        _SPLASH_KERNEL, "_splash_attention_bwd_dq",
+        "the splash dQ backward from a given lse and delta (beside `splash_attention_bwd_dkv`)",
+        positional=("q", "k", "v", "segment_ids", "sinks", "logsumexp", "do", "di"),
+        keyword=("bq", "bkv", "is_mqa", "mask_info", "mask_value", "attn_logits_soft_cap",
+                 "q_layout", "k_layout", "v_layout", "mask_function", "interpret"),
     ),
     # ------------------------------------------- TPU flash attention (bias or mask)
     "flash_attention_impl": EntryPoint(

@@ -122,7 +122,8 @@ def choices(implementation, request: Request) -> Plan:
     A request whose platform is known gets that platform's implementation, or
     raises its error. One decided at lowering (`request.platform is None`) gets,
     for each of `PLATFORMS`, the implementation or the reason none serves it
-    there; when no platform is served, the error of the host's platform is raised.
+    there; when no platform is served, the error of the host's platform is raised
+    (for a named implementation that does not run here, of its own platform).
     """
     if request.platform is not None:
         return ((request.platform, resolve(implementation, request)),)
@@ -134,5 +135,10 @@ def choices(implementation, request: Request) -> Plan:
             errors[platform] = error
             found.append((platform, str(error)))
     if len(errors) == len(PLATFORMS):
-        raise errors.get(host_platform(), errors["cpu"])
+        # The reasons of the host's platform; of the implementation's own platform
+        # for a named one that does not run here (they name what it lacks there).
+        named = implementation if isinstance(implementation, AbstractImplementation) else _REGISTRY.get(implementation)
+        own = [p for p in PLATFORMS if named is not None and p in named.capabilities.platforms]
+        host = host_platform() if host_platform() in errors else "cpu"
+        raise errors[host if not own or host in own else own[0]]
     return tuple(found)
