@@ -330,7 +330,7 @@ def _kernel_oracle(p: KernelProblem, a: dict):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=_impl_id)
-@examples(24)
+@examples(16)
 @given(p=kernel_problems())
 def test_kernel_matches_oracle(impl, p):
     a = _kernel_arrays(p)
@@ -616,7 +616,7 @@ def _check_parallel(p: ParallelProblem):
         event("some rows see nothing")
 
 
-@examples(8)
+@examples(6)
 @given(p=parallel_problems("ulysses"))
 def test_ulysses_matches_oracle(p):
     _check_parallel(p)
@@ -628,13 +628,13 @@ def test_joint_ulysses_matches_oracle(p):
     _check_parallel(p)
 
 
-@examples(11)
+@examples(8)
 @given(p=parallel_problems("ring"))
 def test_ring_matches_oracle(p):
     _check_parallel(p)
 
 
-@examples(10)
+@examples(8)
 @given(p=parallel_problems("usp"))
 def test_usp_matches_oracle(p):
     _check_parallel(p)

@@ -22,11 +22,13 @@ A platform that no implementation serves (a vendor kernel named explicitly)
 gets a branch that raises the reason as `NotImplementedError` when the program
 is lowered for it; it still lowers for the platforms that are served.
 
-The primitive is never differentiated: it runs inside the custom VJP's forward
-and backward (`_api.py`), so it needs abstract evaluation, lowering and
-batching rules only.
+The primitive runs inside the custom VJP's forward and backward (`_api.py`); a
+higher-order gradient differentiates the backward, and that derivative goes
+through a pure-JAX choice of the plan (a `custom_jvp` around the primitive),
+so the primitive itself needs abstract evaluation, lowering and batching rules only.
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -82,11 +84,39 @@ def served(plan: Plan) -> list[AbstractImplementation]:
 
 def run(plan: Plan, fn: Callable, *operands):
     """`fn(impl, *operands)`, with `impl` the choice of `plan` for the platform the
-    program is lowered for. `fn` is not differentiated through (see the module
-    docstring); `operands` is a PyTree of arrays."""
+    program is lowered for. `operands` is a PyTree of arrays.
+
+    `fn` runs inside the custom VJP's forward and backward; the backward is
+    differentiated again only for higher-order gradients, whose extra terms are
+    then taken through a pure-JAX choice of the plan (see `_run`'s JVP).
+    """
     impls = served(plan)
     if len(impls) == 1 and all(choice == impls[0] for _, choice in plan):
         return fn(impls[0], *operands)
+    return _run(plan, fn, operands)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _run(plan: Plan, fn: Callable, operands):
+    return _staged(plan, fn, operands)
+
+
+@_run.defjvp
+def _run_jvp(plan, fn, primals, tangents):
+    (operands,), (dots,) = primals, tangents
+    # The derivative of the kernel call (a second-order gradient of attention) is
+    # the same whichever exact implementation computes it: take a pure-JAX one,
+    # since the vendor kernels have no derivative of their own.
+    impls = served(plan)
+    exact = next((impl for impl in impls if impl.capabilities.portable), impls[0])
+    out = _staged(plan, fn, operands)
+    _, dout = jax.jvp(lambda ops: fn(exact, *ops), (operands,), (dots,))
+    return out, dout
+
+
+def _staged(plan: Plan, fn: Callable, operands):
+    """`run` for a plan with several choices: the dispatch primitive."""
+    impls = served(plan)
     flat, in_tree = jax.tree.flatten(operands)
     choice_of = dict(plan)
     host = host_platform()
