@@ -109,7 +109,7 @@ def test_a_cpu_program_never_traces_the_vendor_kernels(monkeypatch):
 
 @pytest.mark.parametrize("name, platform, target", [("pallas_tpu", "tpu", TPU), ("pallas_gpu", "cuda", TRITON)])
 def test_a_named_vendor_kernel_lowers_for_its_platform_from_any_host(name, platform, target):
-    q, k, v, _, dout = args = _inputs(3)
+    q, k, v, _, dout = _inputs(3)
     loss = lambda q, k, v, dout: jnp.sum(kernels.attention(q, k, v, causal=True, implementation=name) * dout)
     g = jax.grad(loss, argnums=(0, 1, 2))
     assert target in _lowered(g, (q, k, v, dout), platform)
