@@ -284,7 +284,11 @@ def _on_platform(request: Request) -> Request:
 def check_request(q, k, v, *, needs_lse: bool = False, **kwargs) -> None:
     """Raises what [`attention`][] would raise now for these arguments (on traced
     arrays: when no platform serves them); used by `parallel/` to validate once."""
-    _on_abstract(lambda q, k, v, **kw: _request(q, k, v, kw, needs_lse=needs_lse) and None, q, k, v, kwargs)
+
+    def check(q, k, v, **kw):
+        _request(q, k, v, kw, needs_lse=needs_lse)
+
+    _on_abstract(check, q, k, v, kwargs)
 
 
 def _on_abstract(fn, q, k, v, kwargs):

@@ -103,6 +103,15 @@ class Request:
         return 4 * self.batch * self.heads * self.seq_q * self.seq_k
 
 
+# JAX's platform names for what the capability flags call "gpu".
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def capability_platform(platform: str) -> str:
+    """A JAX platform name as the capability flags name it (`"cuda"`, `"rocm"`: `"gpu"`)."""
+    return "gpu" if platform in GPU_PLATFORMS else platform
+
+
 def _platform(x: jax.Array) -> str | None:
     """The platform concrete `x` lives on; `None` for tracers, whose platform is
     the one the program is lowered for."""
@@ -110,8 +119,7 @@ def _platform(x: jax.Array) -> str | None:
         devices = x.devices()
     except Exception:  # tracers have no devices
         return None
-    platform = next(iter(devices)).platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
+    return capability_platform(next(iter(devices)).platform)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,15 +36,14 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from .. import _jax_private as jp
-from ._base import AbstractImplementation
+from ._base import AbstractImplementation, capability_platform, GPU_PLATFORMS
 
 
 PLATFORMS: tuple[str, ...] = ("cpu", "gpu", "tpu")
 """The platforms dispatch chooses for (capability names; `"gpu"` is CUDA and ROCm)."""
 
 # The names `lowering_platforms` / `lax.platform_dependent` use for each of ours.
-_LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
-_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+_LOWERING_NAMES = {"cpu": ("cpu",), "gpu": GPU_PLATFORMS, "tpu": ("tpu",)}
 
 # A plan: `((platform, implementation or the reason none serves it), ...)` over
 # `PLATFORMS`, or one entry for a platform known when traced. Hashable: it is a
@@ -54,10 +53,10 @@ Plan = tuple[tuple[str, "AbstractImplementation | str"], ...]
 
 def canonical_platform(platform: str, *, what: str = "platform") -> str:
     """`platform` as a capability name: `"cuda"` / `"rocm"` are `"gpu"`."""
-    name = _ALIASES.get(str(platform).lower(), str(platform).lower())
+    name = capability_platform(str(platform).lower())
     if name not in PLATFORMS:
         raise ValueError(
-            f"`{what}` must be one of {', '.join(repr(p) for p in PLATFORMS + tuple(_ALIASES))}; "
+            f"`{what}` must be one of {', '.join(repr(p) for p in PLATFORMS + GPU_PLATFORMS)}; "
             f"received {platform!r}."
         )
     return name
@@ -70,7 +69,7 @@ def lowering_names(platform: str) -> tuple[str, ...]:
 
 def host_platform() -> str:
     """The platform of JAX's default backend, as a capability name."""
-    return _ALIASES.get(jax.default_backend(), jax.default_backend())
+    return capability_platform(jax.default_backend())
 
 
 def served(plan: Plan) -> list[AbstractImplementation]:
@@ -118,9 +117,8 @@ def _staged(plan: Plan, fn: Callable, operands):
     """`run` for a plan with several choices: the dispatch primitive."""
     impls = served(plan)
     flat, in_tree = jax.tree.flatten(operands)
-    choice_of = dict(plan)
-    host = host_platform()
-    primary = choice_of.get(host) if isinstance(choice_of.get(host), AbstractImplementation) else impls[0]
+    host_choice = dict(plan).get(host_platform())
+    primary = host_choice if isinstance(host_choice, AbstractImplementation) else impls[0]
     out_tree = []
 
     def branch(impl):
@@ -154,13 +152,10 @@ _per_platform_p.def_abstract_eval(lambda *avals, branches, out_avals: out_avals)
 
 
 def _impl(*args, branches, out_avals):
-    """Eager evaluation (outside `jit`): the host's branch, or the traced one."""
-    host_names = _LOWERING_NAMES.get(host_platform(), ())
-    bodies = [body for names, body in branches if not isinstance(body, str)]
-    body = next((b for names, b in branches if set(names) & set(host_names) and not isinstance(b, str)), bodies[0])
-    if isinstance(body, jex_core.ClosedJaxpr):
-        return jex_core.jaxpr_as_fun(body)(*args)
-    return body(*args)
+    """Eager evaluation (outside `jit`): the traced branch, the host's choice
+    wherever the host is served."""
+    traced = next(body for _, body in branches if isinstance(body, jex_core.ClosedJaxpr))
+    return jex_core.jaxpr_as_fun(traced)(*args)
 
 
 _per_platform_p.def_impl(_impl)
@@ -203,7 +198,10 @@ def _rule(body):
 
 
 def _lowering(ctx, *args, branches, out_avals):
-    rules = {name: _rule(body) for names, body in branches for name in names}
+    rules = {}
+    for names, body in branches:
+        rule = _rule(body)  # one per branch: CUDA and ROCm share theirs
+        rules.update(dict.fromkeys(names, rule))
     default = rules.get("cpu")  # no vendor kernels: also right for any other platform
     return jp.lower_per_platform(
         ctx, "vidax_attention_per_platform", rules, default, jex_core.no_effects, *args
