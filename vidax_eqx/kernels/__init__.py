@@ -31,4 +31,10 @@ from ._registry import (
 )
 from ._registry import PallasGpu as PallasGpu, PallasTpu as PallasTpu
 from ._table import feature_table as feature_table
+from ._tile import (
+    SlidingTileMask as SlidingTileMask,
+    tile_permute as tile_permute,
+    tile_positions as tile_positions,
+    tile_unpermute as tile_unpermute,
+)
 from ._xla import Xla as Xla

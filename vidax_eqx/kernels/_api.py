@@ -12,6 +12,7 @@ from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
 from ._dispatch import Plan, canonical_platform, host_platform, lowering_names, run, served
 from ._registry import choices, report
+from ._tile import SlidingTileMask
 
 
 def _request(q, k, v, kwargs, *, needs_lse: bool, platform: str | None = None):
@@ -95,7 +96,7 @@ def attention(
     v: Float[Array, "B S_k H_kv D"],
     *,
     bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
-    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | SlidingTileMask | None = None,
     segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
     sinks: Float[Array, "H"] | None = None,
     q_positions: Int[Array, "S_q"] | None = None,
@@ -119,7 +120,10 @@ def attention(
         is MQA). Same dtype as `q`.
     - `bias`: additive float bias broadcastable to `(B, H, S_q, S_k)`, added after
         scaling and soft-capping; differentiable.
-    - `mask`: boolean, broadcastable to `(B, H, S_q, S_k)`; `True` may attend.
+    - `mask`: boolean, broadcastable to `(B, H, S_q, S_k)`; `True` may attend. Or a
+        [`SlidingTileMask`][] (3D sliding tile attention over a video laid out with
+        [`tile_permute`][]): evaluated on the positions, never materialized outside
+        `"xla"`; `"blockwise"` (and `"pallas_tpu"`) skip the tiles it hides.
     - `segment_ids`: [`SegmentIds`][] `(q=(B, S_q), kv=(B, S_k))`, or one `(B, S)` int array
         when `S_q == S_k`. Tokens attend within equal ids; negative ids are padding.
     - `sinks`: per-head sink logits `(H,)` that join every row's softmax
@@ -156,7 +160,7 @@ def attention_fwd(
     v: Float[Array, "B S_k H_kv D"],
     *,
     bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
-    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | SlidingTileMask | None = None,
     segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
     sinks: Float[Array, "H"] | None = None,
     q_positions: Int[Array, "S_q"] | None = None,
@@ -190,7 +194,7 @@ def attention_bwd(
     dout: Float[Array, "B S_q H D"],
     *,
     bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
-    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | SlidingTileMask | None = None,
     segment_ids: SegmentIds | Int[Array, "B S"] | None = None,
     sinks: Float[Array, "H"] | None = None,
     q_positions: Int[Array, "S_q"] | None = None,

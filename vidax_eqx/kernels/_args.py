@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._tile import SlidingTileMask
+
 
 class SegmentIds(NamedTuple):
     """Segment ids of the query and key/value tokens.
@@ -45,7 +47,9 @@ class Options:
     `window` is `(left, right)` with `None` meaning unbounded on that side, or
     `None` for no window. `default_positions` is True when neither position
     array was given (the positions are `arange`), which lets implementations
-    with a fixed causal layout serve the request.
+    with a fixed causal layout serve the request. `tile_mask` is a structured
+    [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] passed as `mask=`
+    (evaluated on the positions; never materialized outside `"xla"`).
     """
 
     causal: bool
@@ -53,6 +57,7 @@ class Options:
     scale: float
     logits_soft_cap: float | None
     default_positions: bool
+    tile_mask: SlidingTileMask | None = None
 
 
 class Operands(NamedTuple):
@@ -237,6 +242,18 @@ def normalize(
         bias = _as_array("bias", bias)
         _check_float("bias", bias)
         bias = _lift_to_4d("bias", bias, full)
+    tile_mask = None
+    if isinstance(mask, SlidingTileMask):
+        tile_mask, mask = mask, None
+        tile_mask.check_heads(H)
+        if q_positions is None and kv_positions is None and not S_q == S_k == tile_mask.seq_len:
+            raise ValueError(
+                f"a SlidingTileMask over {tile_mask.seq_len} tokens (text_len={tile_mask.text_len} "
+                f"+ video_len={tile_mask.video_len}, the tile layout of grid {tile_mask.grid} with "
+                f"tile {tile_mask.tile}) needs S_q == S_k == {tile_mask.seq_len}; received "
+                f"S_q={S_q}, S_k={S_k}. Lay the video out with tile_permute (which pads the grid "
+                "to whole tiles) and add the text, or pass q_positions / kv_positions for a chunk."
+            )
     if mask is not None:
         mask = _as_array("mask", mask)
         if mask.dtype != jnp.bool_:
@@ -308,5 +325,5 @@ def normalize(
             raise ValueError(f"`logits_soft_cap` must be > 0; received {logits_soft_cap}.")
 
     operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos)
-    options = Options(bool(causal), window, scale, logits_soft_cap, default_positions)
+    options = Options(bool(causal), window, scale, logits_soft_cap, default_positions, tile_mask)
     return operands, options

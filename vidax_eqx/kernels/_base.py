@@ -24,6 +24,7 @@ FEATURES: tuple[tuple[str, str], ...] = (
     ("cross", "S_q != S_k"),
     ("bias", "additive bias (+ gradient)"),
     ("mask", "boolean mask"),
+    ("tile_mask", "sliding tile mask (3D, skips hidden tiles)"),
     ("segment_ids", "segment ids"),
     ("causal", "causal (on positions)"),
     ("window", "sliding window (on positions)"),
@@ -62,6 +63,7 @@ class Request:
     logits_soft_cap: bool
     needs_lse: bool = False
     shared_segment_ids: bool = False
+    tile_mask: bool = False
 
     @classmethod
     def of(
@@ -95,6 +97,7 @@ class Request:
             needs_lse=needs_lse,
             # One `(B, S)` array for queries and keys (some kernels take only that).
             shared_segment_ids=ops.seg_q is not None and ops.seg_q is ops.seg_kv,
+            tile_mask=opts.tile_mask is not None,
         )
 
     @property
@@ -150,6 +153,8 @@ class Capabilities:
     positions: bool = True
     sinks: bool = True
     logits_soft_cap: bool = True
+    # Off unless declared: an implementation must evaluate the structure itself.
+    tile_mask: bool = False
     float32_lse: bool = True
     portable: bool = False
     memory: str = "O(S)"

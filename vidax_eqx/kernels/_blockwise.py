@@ -24,6 +24,7 @@ from jax import lax
 from . import _math as m
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
+from ._tile import block_may_see, kv_block_ranges, q_block_ranges, tile_block
 
 
 class _Blocks(NamedTuple):
@@ -52,6 +53,8 @@ class _Ranges(NamedTuple):
     kv_pos: tuple[jax.Array, jax.Array]  # (nk,)
     seg_q: tuple[jax.Array, jax.Array] | None  # (nq, B)
     seg_kv: tuple[jax.Array, jax.Array] | None  # (nk, B)
+    tile_q: tuple | None  # `_tile.q_block_ranges`, with a sliding tile mask
+    tile_kv: tuple | None  # `_tile.kv_block_ranges`
 
 
 def _pad(x: jax.Array | None, axis: int, size: int, *, value=0, edge=False) -> jax.Array | None:
@@ -79,6 +82,26 @@ def _tile_add(acc: jax.Array, update: jax.Array, i, j, bq: int, bk: int) -> jax.
     return lax.dynamic_update_slice(acc, lax.dynamic_slice(acc, start, update.shape) + update, start)
 
 
+def _insert(x: jax.Array, axis: int, at: int, count: int, *, value=0) -> jax.Array:
+    """`x` with `count` copies of `value` inserted before index `at` of `axis` (an axis
+    of size 1, broadcast, is left alone)."""
+    if x.shape[axis] == 1:
+        return x
+    shape = list(x.shape)
+    shape[axis] = count
+    filler = jnp.full(shape, value, x.dtype)
+    head, tail = jnp.split(x, [at], axis=axis)
+    return jnp.concatenate([head, filler, tail], axis=axis)
+
+
+def _remove(x: jax.Array, axis: int, at: int, count: int) -> jax.Array:
+    """The inverse of `_insert`."""
+    if x.shape[axis] == 1:
+        return x
+    head, _, tail = jnp.split(x, [at, at + count], axis=axis)
+    return jnp.concatenate([head, tail], axis=axis)
+
+
 def _seg_range(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per block and batch row: (min, max) of the non-negative ids (empty: lo > hi)."""
     big = jnp.iinfo(jnp.int32).max
@@ -97,14 +120,21 @@ class Blockwise(AbstractImplementation):
 
     Sequences shorter than a block use one block of their own length. The
     defaults were chosen by `benchmarks/attention.py` on a 2-core CPU
-    (see `benchmarks/NOTES.md`).
+    (see `benchmarks/NOTES.md`). With a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask]
+    both blocks are whole tiles instead (one tile, or about 128 tokens of small
+    tiles) and a text prefix is followed by invisible filler up to a block
+    boundary, so that every (query block, key block) pair is entirely visible or
+    entirely hidden and the hidden ones are skipped: the time scales with the
+    mask's density.
     """
 
     block_q: int = 256
     block_kv: int = 512
 
     name = "blockwise"
-    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), portable=True, memory="O(S)")
+    capabilities = Capabilities(
+        platforms=("cpu", "gpu", "tpu"), portable=True, tile_mask=True, memory="O(S)"
+    )
 
     def __post_init__(self):
         for field in ("block_q", "block_kv"):
@@ -121,7 +151,8 @@ class Blockwise(AbstractImplementation):
         B, S_q, H, D = ops.q.shape
         S_k, K = ops.k.shape[1], ops.k.shape[2]
         G = H // K
-        bq, bk = min(self.block_q, S_q), min(self.block_kv, S_k)
+        bq, bk = self._block_sizes(opts)
+        bq, bk = min(bq, S_q), min(bk, S_k)
         nq, nk = math.ceil(S_q / bq), math.ceil(S_k / bk)
         Pq, Pk = nq * bq, nk * bk
 
@@ -158,17 +189,62 @@ class Blockwise(AbstractImplementation):
         )
         return blocks, rest
 
+    def _block_sizes(self, opts: Options) -> tuple[int, int]:
+        if opts.tile_mask is None:
+            return self.block_q, self.block_kv
+        block = tile_block(opts.tile_mask, min(self.block_q, 128))
+        return block, block
+
     @staticmethod
-    def _ranges(ops: Operands, blocks: _Blocks) -> _Ranges:
+    def _ranges(ops: Operands, opts: Options, blocks: _Blocks) -> _Ranges:
         bq = blocks.q.shape[3] // (ops.q.shape[2] // ops.k.shape[2])
         q_pos = blocks.q_pos[:, :bq]  # one head's copy suffices
         seg_q = None if blocks.seg_q is None else blocks.seg_q[..., :bq]
+        tm = opts.tile_mask
         return _Ranges(
             q_pos=(jnp.min(q_pos, axis=1), jnp.max(q_pos, axis=1)),
             kv_pos=(jnp.min(blocks.kv_pos, axis=1), jnp.max(blocks.kv_pos, axis=1)),
             seg_q=None if seg_q is None else _seg_range(seg_q),
             seg_kv=None if blocks.seg_kv is None else _seg_range(blocks.seg_kv),
+            tile_q=None if tm is None else q_block_ranges(tm, q_pos),
+            tile_kv=None if tm is None else kv_block_ranges(tm, blocks.kv_pos),
         )
+
+    def _aligned(self, ops: Operands, opts: Options) -> tuple[Operands, tuple[int, int]]:
+        """With a sliding tile mask on default positions whose first part (the text
+        prefix, or the video before a suffix) does not fill whole blocks: `ops`
+        with `gap` invisible tokens (position -1, outside the mask) inserted after
+        it, so that each block of the second part starts at a block boundary.
+        Returns the operands and `(first, gap)` (`gap == 0`: unchanged)."""
+        tm = opts.tile_mask
+        if tm is None or ops.q_pos is not None or tm.text_len == 0:
+            return ops, (0, 0)
+        block = min(self._block_sizes(opts)[0], ops.q.shape[1])
+        first = tm.text_len if tm.text_position == "prefix" else tm.video_len
+        gap = (-first) % block
+        if gap == 0:
+            return ops, (0, 0)
+        S = ops.q.shape[1]
+        positions = jnp.concatenate(
+            [jnp.arange(first, dtype=jnp.int32), jnp.full((gap,), -1, jnp.int32),
+             jnp.arange(first, S, dtype=jnp.int32)]
+        )
+        seg = lambda x: None if x is None else _insert(x, 1, first, gap, value=-1)
+        seg_q = seg(ops.seg_q)
+        bias = ops.bias
+        if bias is not None:
+            bias = _insert(_insert(bias, 2, first, gap), 3, first, gap)
+        ops = ops._replace(
+            q=_insert(ops.q, 1, first, gap),
+            k=_insert(ops.k, 1, first, gap),
+            v=_insert(ops.v, 1, first, gap),
+            bias=bias,
+            seg_q=seg_q,
+            seg_kv=seg_q if ops.seg_kv is ops.seg_q else seg(ops.seg_kv),
+            q_pos=positions,
+            kv_pos=positions,
+        )
+        return ops, (first, gap)
 
     @staticmethod
     def _may_see(opts: Options, blocks: _Blocks, ranges: _Ranges, i, j, bq: int, bk: int):
@@ -188,6 +264,8 @@ class Blockwise(AbstractImplementation):
         if ranges.seg_q is not None:
             (sq_lo, sq_hi), (sk_lo, sk_hi) = ranges.seg_q, ranges.seg_kv
             tests.append(jnp.any((sq_hi[i] >= sk_lo[j]) & (sq_lo[i] <= sk_hi[j])))
+        if ranges.tile_q is not None:
+            tests.append(block_may_see(ranges.tile_q, ranges.tile_kv, i, j))
         if blocks.mask is not None and blocks.mask.shape[2] > 1 and blocks.mask.shape[3] > 1:
             tests.append(jnp.any(_tile(blocks.mask, i, j, bq, bk)))
         if not tests:
@@ -202,10 +280,30 @@ class Blockwise(AbstractImplementation):
         return lax.cond(may_see, compute, lambda c: c, carry)
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        ops, (first, gap) = self._aligned(ops, opts)
+        out, lse = self._fwd(ops, opts)
+        if gap:
+            out, lse = _remove(out, 1, first, gap), _remove(lse, 2, first, gap)
+        return out, lse
+
+    def bwd(self, ops, opts, out, lse, dout, dlse):
+        ops, (first, gap) = self._aligned(ops, opts)
+        if not gap:
+            return self._bwd(ops, opts, out, lse, dout, dlse)
+        out, dout = _insert(out, 1, first, gap), _insert(dout, 1, first, gap)
+        lse = _insert(lse, 2, first, gap, value=-jnp.inf)
+        dlse = None if dlse is None else _insert(dlse, 2, first, gap)
+        dq, dk, dv, dbias, dsinks = self._bwd(ops, opts, out, lse, dout, dlse)
+        dq, dk, dv = (_remove(x, 1, first, gap) for x in (dq, dk, dv))
+        if dbias is not None:
+            dbias = _remove(_remove(dbias, 2, first, gap), 3, first, gap)
+        return dq, dk, dv, dbias, dsinks
+
+    def _fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         B, S_q, H, D = ops.q.shape
         K = ops.k.shape[2]
         blocks, rest = self._blocks(ops, opts)
-        ranges = self._ranges(ops, blocks)
+        ranges = self._ranges(ops, opts, blocks)
         nq, nk = blocks.q.shape[0], blocks.k.shape[0]
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         sinks = m.rows_sinks(ops.sinks, K, bq)
@@ -225,7 +323,9 @@ class Blockwise(AbstractImplementation):
 
                 def compute(stats):
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
-                    vis = m.visibility(opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid)
+                    vis = m.visibility(
+                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid, kv_heads=K, heads=H
+                    )
                     bias = m.rows_4d(_tile(blocks.bias, i, j, bq, bk), K, H, bq)
                     s, _ = m.logits(opts, qs, kt, bias, rest)
                     return m.softmax_step(stats, s, vis, v)
@@ -240,11 +340,11 @@ class Blockwise(AbstractImplementation):
         out, lse = lax.map(q_block, (blocks.qs, blocks.q_pos, blocks.seg_q, q_idx))
         return m.merge_q(out, H)[:, :S_q], m.merge_rows(lse, H)[..., :S_q]
 
-    def bwd(self, ops, opts, out, lse, dout, dlse):
+    def _bwd(self, ops, opts, out, lse, dout, dlse):
         B, S_q, H, D = ops.q.shape
         S_k, K = ops.k.shape[1], ops.k.shape[2]
         blocks, rest = self._blocks(ops, opts)
-        ranges = self._ranges(ops, blocks)
+        ranges = self._ranges(ops, opts, blocks)
         nq, nk = blocks.q.shape[0], blocks.k.shape[0]
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         Pq = nq * bq
@@ -277,7 +377,9 @@ class Blockwise(AbstractImplementation):
                 def compute(inner):
                     dk_acc, dv_acc, dq_acc, dbias_acc = inner
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
-                    vis = m.visibility(opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid)
+                    vis = m.visibility(
+                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid, kv_heads=K, heads=H
+                    )
                     bias_tile = _tile(blocks.bias, i, j, bq, bk)
                     bias = m.rows_4d(bias_tile, K, H, bq)
                     dq, dkt, dvt, ds = m.tile_grads(

@@ -21,7 +21,9 @@ class Xla(AbstractImplementation):
     """The exact, materializing reference (einsum and a float32 softmax)."""
 
     name = "xla"
-    capabilities = Capabilities(platforms=("cpu", "gpu", "tpu"), portable=True, memory="O(S^2)")
+    capabilities = Capabilities(
+        platforms=("cpu", "gpu", "tpu"), portable=True, tile_mask=True, memory="O(S^2)"
+    )
 
     @staticmethod
     def _tile(ops: Operands, opts: Options):
@@ -39,6 +41,8 @@ class Xla(AbstractImplementation):
             m.repeat_rows(ops.seg_q, H // K),
             ops.seg_kv,
             m.rows_4d(ops.mask, K, H, S_q),
+            kv_heads=K,
+            heads=H,
         )
         q = m.split_q(ops.q, K, S_q)[0]
         return q, m.split_kv(ops.k, S_k)[0], m.rows_4d(ops.bias, K, H, S_q), vis
