@@ -431,9 +431,9 @@ def rows_visibility(tm: SlidingTileMask, q_pos: jax.Array, kv_pos: jax.Array, kv
 
 
 def q_block_ranges(tm: SlidingTileMask, q_pos, xp=jnp):
-    """Per query block `(n, T)` of positions: `(any_text, any_video, lo, hi)`, the
-    union over the block's video rows and every head of the visible key-tile
-    ranges `[lo_d, hi_d)` (each a tuple of three `(n,)` arrays)."""
+    """Per query block `(n, T)` of positions: `(any_text, any_video, lo, hi)`; for
+    each window (head group), the union over the block's video rows of the visible
+    key-tile ranges `[lo_d, hi_d)` (each a tuple of three `(n_windows, n)` arrays)."""
     text, video, coords = tm.decode(q_pos, xp)
     starts = tm.window_starts(coords, xp)  # (n_windows, n, T) each
     sizes = np.asarray(tm.windows, np.int32)
@@ -442,8 +442,8 @@ def q_block_ranges(tm: SlidingTileMask, q_pos, xp=jnp):
     for d in range(3):
         s = starts[d]
         e = s + sizes[:, d].reshape(-1, 1, 1)
-        lo.append(xp.min(xp.where(video[None], s, big), axis=(0, 2)))
-        hi.append(xp.max(xp.where(video[None], e, -big), axis=(0, 2)))
+        lo.append(xp.min(xp.where(video[None], s, big), axis=-1))
+        hi.append(xp.max(xp.where(video[None], e, -big), axis=-1))
     return xp.any(text, axis=-1), xp.any(video, axis=-1), tuple(lo), tuple(hi)
 
 
@@ -459,12 +459,14 @@ def kv_block_ranges(tm: SlidingTileMask, kv_pos, xp=jnp):
 
 def block_may_see(q_ranges, kv_ranges, i, j):
     """Whether query block `i` may see some key of block `j` (exact when both are
-    whole tiles, conservative otherwise)."""
+    whole tiles, conservative otherwise). `i`, `j`: indices or index arrays of one
+    shape."""
     q_text, q_video, lo, hi = q_ranges
     k_text, k_video, cmin, cmax = kv_ranges
     box = k_video[j]
-    for d in range(3):
-        box = box & (cmin[d][j] < hi[d][i]) & (cmax[d][j] >= lo[d][i])
+    for d in range(3):  # per window: (n_windows, *i.shape)
+        box = box & (cmin[d][j] < hi[d][:, i]) & (cmax[d][j] >= lo[d][:, i])
+    box = box.any(axis=0)
     return (q_text[i] & (k_text[j] | k_video[j])) | (q_video[i] & (k_text[j] | box))
 
 
@@ -488,3 +490,43 @@ def block_map(tm: SlidingTileMask, block_q: int, block_kv: int, q_positions=None
     qr, kr = q_block_ranges(tm, blocks[0], np), kv_block_ranges(tm, blocks[1], np)
     i, j = np.meshgrid(np.arange(len(blocks[0])), np.arange(len(blocks[1])), indexing="ij")
     return np.asarray(block_may_see(qr, kr, i, j))
+
+
+def chunk_table(tm: SlidingTileMask, q_starts, q_size: int, kv_starts, kv_size: int) -> np.ndarray:
+    """Which chunks of positions may see which, in NumPy: bool `(len(q_starts),
+    len(kv_starts))`, entry `(a, b)` whether some query at positions `[q_starts[a],
+    q_starts[a] + q_size)` sees some key at `[kv_starts[b], kv_starts[b] + kv_size)`.
+
+    Exact (each chunk is cut at the tile and text boundaries, and the pieces are
+    tested as `block_map` tests whole tiles), so ring attention skips exactly the
+    steps the mask hides.
+    """
+
+    def pieces(starts, size):
+        starts = np.asarray(starts, np.int64)
+        cuts = [tm.video_start + t * tm.tile_size for t in range(math.prod(tm.tiles) + 1)]
+        cuts += [tm.text_start, tm.text_start + tm.text_len]
+        # Beyond the mask everything is padding: cut it coarsely.
+        hi = int(starts.max()) + size
+        cuts += list(range(tm.seq_len, hi + tm.tile_size, max(tm.tile_size, size)))
+        cuts = np.asarray(sorted(set(cuts)), np.int64)
+        bounds, owner = [], []
+        for a, s in enumerate(starts):
+            inner = cuts[(cuts > s) & (cuts < s + size)]
+            edges = np.concatenate([[s], inner, [s + size]])
+            bounds += list(zip(edges[:-1], edges[1:]))
+            owner += [a] * (len(edges) - 1)
+        width = max(e - s for s, e in bounds)
+        pos = np.full((len(bounds), width), -1, np.int64)
+        for i, (s, e) in enumerate(bounds):
+            pos[i, : e - s] = np.arange(s, e)
+        return pos, np.asarray(owner)
+
+    q_pos, q_owner = pieces(q_starts, q_size)
+    kv_pos, kv_owner = pieces(kv_starts, kv_size)
+    qr, kr = q_block_ranges(tm, q_pos, np), kv_block_ranges(tm, kv_pos, np)
+    i, j = np.meshgrid(np.arange(len(q_pos)), np.arange(len(kv_pos)), indexing="ij")
+    seen = np.asarray(block_may_see(qr, kr, i, j))
+    table = np.zeros((len(q_starts), len(kv_starts)), bool)
+    np.logical_or.at(table, (q_owner[:, None], kv_owner[None, :]), seen)
+    return table
