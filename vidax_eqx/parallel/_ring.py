@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from .. import kernels
 from ..kernels._api import check_request  # what `kernels.attention` would raise, once
+from ..kernels._tile import chunk_table
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size, check_sharded
@@ -318,6 +319,23 @@ def _relation_plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window
     return plan
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_plan(tile_mask, layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.ndarray:
+    """The `_plan` of a ring whose steps also carry a sliding tile mask: a (half-)block
+    is skipped when the tile mask, or the causal mask / window, hides it entirely
+    (decided per chunk of global positions, exactly: `kernels._tile.chunk_table`).
+    Every computed step passes positions to its kernel."""
+    parts = _parts(layout)
+    cq, ck = L_q // parts, L_k // parts
+    chunks = np.arange(n * parts)
+    table = chunk_table(tile_mask, chunks * cq, cq, chunks * ck, ck)
+    if causal or window is not None:
+        q_pos = [np.arange(a * cq, (a + 1) * cq) for a in chunks]
+        kv_pos = [np.arange(b * ck, (b + 1) * ck) for b in chunks]
+        table &= np.array([[_may_see(causal, window, q, kv) for kv in kv_pos] for q in q_pos])
+    return _plan_from_table(layout, n, table, np)
+
+
 def _position_free(plan) -> bool:
     """Whether every computed step of a (static) plan can run without positions."""
     if not isinstance(plan, np.ndarray):
@@ -474,8 +492,12 @@ class _Config:
     scale: float | None
     logits_soft_cap: float | None
     implementation: Any
+    # A `kernels.SlidingTileMask` over the ring's global positions (every step's
+    # kernel evaluates it at the step's positions), or None.
+    tile_mask: Any = None
 
     def kernel_options(self) -> dict:
+        """The options of every step's kernel call, but `mask=` (see `_block_mask`)."""
         return dict(
             causal=self.causal,
             window=self.window,
@@ -503,6 +525,8 @@ class _Config:
 
 def _step_plan(cfg: "_Config", L_q: int, L_k: int, step_mask):
     """`(plan, branches)` of this ring for `_scheduled`."""
+    if step_mask is None and cfg.tile_mask is not None:
+        return _tile_plan(cfg.tile_mask, cfg.layout, cfg.sp_size, L_q, L_k, cfg.causal, cfg.window), None
     if step_mask is None:
         return _relation_plan(cfg.layout, cfg.sp_size, L_q, L_k, cfg.causal, cfg.window), None
     plan = step_mask.plan()
@@ -512,8 +536,12 @@ def _step_plan(cfg: "_Config", L_q: int, L_k: int, step_mask):
     return plan, (_SKIP, *computed, *(i + _UNMASKED for i in computed))
 
 
-def _block_mask(step_mask, index: int, q_pos, kv_pos):
-    if step_mask is None or index >= _UNMASKED:
+def _block_mask(cfg: "_Config", step_mask, index: int, q_pos, kv_pos):
+    """The `mask=` of a step's kernel: its block of the step mask, or the ring's
+    sliding tile mask (evaluated by the kernel at the step's positions)."""
+    if step_mask is None:
+        return cfg.tile_mask
+    if index >= _UNMASKED:
         return None
     return step_mask.block(q_pos, kv_pos)
 
@@ -608,7 +636,7 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
             q[:, qs], k_blk[:, ks], v_blk[:, ks],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
-            mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
+            mask=_block_mask(cfg, step_mask, index, q_pos[qs], kv_pos[ks]),
             **_step_kernel_options(cfg, index, q_pos[qs], kv_pos[ks]),
         )
         o, l = _merge(out_acc[:, qs], lse_acc[:, :, qs], out, lse)
@@ -654,7 +682,7 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
             q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs], dout[:, qs],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
-            mask=_block_mask(step_mask, index, q_pos[qs], kv_pos[ks]),
+            mask=_block_mask(cfg, step_mask, index, q_pos[qs], kv_pos[ks]),
             **_step_kernel_options(cfg, index, q_pos[qs], kv_pos[ks]),
         )
         dq, dk, dv = dq.astype(F32), dk.astype(F32), dv.astype(F32)
@@ -750,6 +778,7 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     layout: str = "contiguous",
     text_len: int = 0,
+    mask: kernels.SlidingTileMask | None = None,
     implementation: str | kernels.AbstractImplementation = "auto",
 ) -> Float[Array, "B L H D"]:
     """Ring attention over the sequence axis, inside `jax.shard_map`.
@@ -800,6 +829,18 @@ def ring_attention(
         `(B, text_len + L)`. Self-attention only: `k`, `v` have `q`'s length.
         `text_len == q.shape[1]` (no visual tokens) is local attention over the
         text. `0` (the default) is plain ring attention.
+    - `mask`: a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] (sliding
+        tile attention) over the global sequence, evaluated at each step's global
+        positions; ANDed with `causal`, `window` and segment ids. The global
+        sequence (`sp_size x L`, in global order before any `zigzag_permute`) is
+        the mask's `seq_len` tokens, padded at the end by fewer than one tile per
+        chunk (the padding is invisible). Steps (zigzag: half-blocks) it hides
+        entirely are skipped, and each step's kernel skips the hidden tiles; give
+        each device whole tiles (a local length, or zigzag half-length, that is a
+        multiple of the tile size, and a text prefix in the joint layout, not in the
+        ring) so that kernel blocks are whole tiles. In the joint layout
+        (`text_len > 0`) the mask's `text_len` must equal it (`"prefix"`), and the
+        visual sequence is its video tokens.
     - `implementation`: the kernel implementation of each step, as in
         `vidax_eqx.kernels.attention`.
 
@@ -839,26 +880,58 @@ def ring_attention(
         return ring_joint_attention(
             q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
             window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
-            text_len=text_len, implementation=implementation,
+            text_len=text_len, implementation=implementation, tile_mask=mask,
         )
     return _ring_attention(
         q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
         window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
-        implementation=implementation,
+        implementation=implementation, tile_mask=mask,
     )
+
+
+def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, what: str = "sequence"):
+    """Raises a `ValueError` unless `tile_mask` (a `kernels.SlidingTileMask` or None) fits
+    a global sequence of `global_len` tokens and `heads` query heads: the sequence is
+    the mask's, padded by fewer than `unit` tiles' tokens (positions past the mask's
+    `seq_len` are padding)."""
+    if tile_mask is None:
+        return
+    if not isinstance(tile_mask, kernels.SlidingTileMask):
+        raise TypeError(
+            f"{fn}: `mask` must be a kernels.SlidingTileMask (or None); received "
+            f"{type(tile_mask).__name__}."
+        )
+    tile_mask.check_heads(heads, fn)
+    need = tile_mask.seq_len if what == "sequence" else tile_mask.video_len
+    slack = unit * tile_mask.tile_size
+    if not need <= global_len < need + slack:
+        raise ValueError(
+            f"{fn}: the SlidingTileMask lays out {need} tokens ({what}; grid {tile_mask.grid}, "
+            f"tile {tile_mask.tile}, text_len {tile_mask.text_len}), but the devices hold "
+            f"{global_len} in all (sp_size x local length). The global {what} must be the "
+            f"mask's, padded at the end by fewer than {slack} tokens (pad to whole tiles per "
+            "device; padding is invisible)."
+        )
 
 
 def _ring_attention(
     q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale, logits_soft_cap, layout,
-    implementation, step_mask=None,
+    implementation, step_mask=None, tile_mask=None,
 ):
     """`ring_attention`, and more: `step_mask(sp_size, L)`, when given, builds the
     step mask of this call (see `_step_plan`) once the arguments are validated;
-    `make_ring_attention`'s kernels use it."""
+    `make_ring_attention`'s kernels use it. `tile_mask`: a `SlidingTileMask` over
+    the global positions, given to every step's kernel."""
     n = axis_size(axis_name, what="Ring")
     _check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     L_q, L_k = q.shape[1], k.shape[1]
+    check_tile_mask("ring_attention", tile_mask, n * L_q, q.shape[2], _parts(layout) * n)
+    if tile_mask is not None and L_q != L_k:
+        raise ValueError(
+            "ring_attention: a SlidingTileMask is a self-attention mask: q and k/v must hold "
+            f"the same local length; received q: {q.shape}, k: {k.shape}."
+        )
     check_sharded("ring_attention", (axis_name,), q=q if L_q else None, k=k if L_k else None,
                   v=v if L_k else None)
     # Validate the options once, exactly as every step's kernel call will see them.
@@ -874,7 +947,7 @@ def _ring_attention(
             kv_positions=jnp.arange(L_k, dtype=jnp.int32) if positions else None,
             causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
             # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
-            mask=None if step_mask is None else jnp.ones((1, 1), bool),
+            mask=tile_mask if step_mask is None else jnp.ones((1, 1), bool),
             implementation=implementation,
             needs_lse=True,
         )
@@ -889,7 +962,7 @@ def _ring_attention(
             )
     # Steps pass positions to their kernel unless the static plan shows that none
     # needs them (see `_relation_plan`): then a kernel without positions serves.
-    positions = step_mask is not None or not _position_free(
+    positions = step_mask is not None or tile_mask is not None or not _position_free(
         _relation_plan(layout, n, L_q, L_k, bool(causal), None if window is None else tuple(window))
     )
     validate(implementation, positions)
@@ -903,6 +976,7 @@ def _ring_attention(
         scale=None if scale is None else float(scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         implementation=implementation,
+        tile_mask=tile_mask,
     )
     # Everything that meets inside the ring varies along the same axes; a replicated
     # input (sinks, usually) is cast here, so its gradient is summed over devices.
