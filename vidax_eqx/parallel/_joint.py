@@ -66,9 +66,16 @@ class _Joint:
     text_len: int
     sees_visual: bool  # some text query may see some visual key
     seen_by_visual: bool  # some visual query may see some text key
+    # The `SlidingTileMask` over `[text; visual]` (the ring's steps carry its
+    # visual part, `text_len=0`), or None.
+    tile_mask: object = None
 
     def kernel_options(self) -> dict:
-        return self.ring.kernel_options()
+        """The options of the local (text) blocks' kernel calls."""
+        options = self.ring.kernel_options()
+        if self.tile_mask is not None:
+            options["mask"] = self.tile_mask
+        return options
 
 
 def _joint_positions(cfg: _Joint, L_v: int, rank):
@@ -206,7 +213,7 @@ _joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
 
 def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
                     text_len: int, axis_name: Hashable, sp_size: int, layout: str, causal,
-                    window, scale, logits_soft_cap, implementation):
+                    window, scale, logits_soft_cap, implementation, tile_mask=None):
     """`(out_t, out_v)`: the joint core on split inputs, validated like `ring_attention`.
 
     `q_t, k_t, v_t`: the text `(B, text_len, H(_kv), D)`; `q_v, k_v, v_v`: this
@@ -214,13 +221,17 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     devices; segment ids int32 `(B, text_len)` / `(B, L)` or all `None`; `sinks`
     `(H,)` or `None`. The arguments are checked by the caller; this checks that
     the kernel serves the options (with positions, as the text blocks need).
+    `tile_mask`: a `SlidingTileMask` over `[text; visual]` (text prefix of
+    `text_len` tokens), checked by the caller.
     """
     L_v = q_v.shape[1]
     pos = jnp.arange(L_v, dtype=jnp.int32)
+    visual_mask = None if tile_mask is None else dataclasses.replace(tile_mask, text_len=0)
     check_request(
         q_v, k_v, v_v, segment_ids=_ring._seg_arg(sq_v, skv_v), q_positions=pos,
         kv_positions=pos, causal=causal, window=window, scale=scale,
         logits_soft_cap=logits_soft_cap, implementation=implementation, needs_lse=True,
+        mask=visual_mask,
     )
     window = None if window is None else tuple(window)
     rc = _ring._Config(
@@ -232,9 +243,10 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
         scale=None if scale is None else float(scale),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         implementation=implementation,
+        tile_mask=visual_mask,
     )
     sees, seen = _joint_visibility(bool(causal), window, text_len, L_v, sp_size, layout)
-    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen)
+    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen, tile_mask=tile_mask)
     args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
     # Everything that meets inside the core varies along the same axes (the
     # replicated text and sinks included), so replicated inputs get summed gradients.
@@ -242,8 +254,24 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     return _joint(cfg, *as_varying(args, axes))
 
 
+def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, heads: int,
+                          unit: int) -> None:
+    """A `SlidingTileMask` for the joint layout: text prefix of `text_len` tokens, and
+    the global visual sequence (`visual_len`) its video, padded by fewer than `unit`
+    tiles."""
+    if tile_mask is None:
+        return
+    _ring.check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
+    if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != "prefix"):
+        raise ValueError(
+            f"{fn}: in the joint layout the text is a prefix of text_len={text_len} tokens, so "
+            f"the SlidingTileMask needs text_len={text_len}, text_position='prefix'; received "
+            f"text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
+        )
+
+
 def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale,
-                         logits_soft_cap, layout, text_len: int, implementation):
+                         logits_soft_cap, layout, text_len: int, implementation, tile_mask=None):
     """`ring_attention` with `text_len != 0` (validated as a Python int by the caller):
     the per-device `[text; visual share]` arrays, checked and split for the core."""
     fn = "ring_attention"
@@ -275,6 +303,7 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
             "neither padded nor permuted.",
         )
     sinks = _ring.check_sinks(fn, sinks, H)
+    check_joint_tile_mask(fn, tile_mask, T, n * L, H, _ring._parts(layout) * n)
     seg_q, seg_kv = _ring._segments(segment_ids)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
@@ -283,13 +312,16 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
         if L == 0:  # text only: every device attends the text to itself, no communication
             axes = varying_axes(q, k, v) | frozenset({axis_name})
             q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
+            pos = None if tile_mask is None else jnp.arange(T, dtype=jnp.int32)
             return kernels.attention(q, k, v, segment_ids=_ring._seg_arg(seg_q, seg_kv),
-                                     sinks=sinks, **opts)
+                                     sinks=sinks, mask=tile_mask, q_positions=pos,
+                                     kv_positions=pos, **opts)
         text = lambda x: None if x is None else x[:, :T]  # noqa: E731
         visual = lambda x: None if x is None else x[:, T:]  # noqa: E731
         out_t, out_v = joint_attention(
             text(q), text(k), text(v), visual(q), visual(k), visual(v), sinks,
             text(seg_q), text(seg_kv), visual(seg_q), visual(seg_kv),
-            text_len=T, axis_name=axis_name, sp_size=n, layout=layout, **opts,
+            text_len=T, axis_name=axis_name, sp_size=n, layout=layout, tile_mask=tile_mask,
+            **opts,
         )
         return jnp.concatenate([out_t, out_v], axis=1)
