@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from .._order import Sequence
 from .._vma import as_varying, varying_axes
-from ..kernels import attention, SegmentIds
+from ..kernels import attention, SegmentIds, SlidingTileMask
 from ._mesh import axis_size, check_sharded
 
 
@@ -173,7 +173,7 @@ def _per_token_options(
 
     for name in ("bias", "mask"):
         x = opts.get(name)
-        if x is None:
+        if x is None or isinstance(x, SlidingTileMask):  # a tile mask: see `_attend_heads`
             continue
         x = jnp.asarray(x)
         full = (B, H, S, S)
@@ -193,6 +193,64 @@ def _per_token_options(
             x = _match_vma(x, like)
         opts[name] = x
     return opts
+
+
+def check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: int, text_len: int) -> None:
+    """A `SlidingTileMask` over the whole gathered sequence `[text_len text; visual]` of
+    `S` tokens: the mask's layout, padded at the end by fewer than `sp` tokens."""
+    tile_mask.check_heads(H, fn)
+    if text_len and (tile_mask.text_len != text_len or tile_mask.text_position != "prefix"):
+        raise ValueError(
+            f"{fn}: the joint layout puts a text prefix of text_len={text_len} tokens before the "
+            f"video, so the SlidingTileMask needs text_len={text_len}, text_position='prefix'; "
+            f"received text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
+        )
+    if not tile_mask.seq_len <= S < tile_mask.seq_len + sp:
+        raise ValueError(
+            f"{fn}: the SlidingTileMask lays out {tile_mask.seq_len} tokens (grid "
+            f"{tile_mask.grid}, tile {tile_mask.tile}, text_len {tile_mask.text_len}), but the "
+            f"devices hold {S} in all. The whole sequence must be the mask's, padded at the end "
+            f"to a multiple of sp={sp} (pad_to_multiple; padding is invisible)."
+        )
+
+
+def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: int, sp_axis_name):
+    """The one kernel call over the whole sequence and this device's heads.
+
+    With a `SlidingTileMask` (`opts["mask"]`): each device takes its heads' windows
+    (a `lax.switch` on the rank when the devices' windows differ), and the padding
+    past the mask (the sequence padded to a multiple of sp) is cut off before the
+    kernel and its rows' output set to 0, so the kernel sees exactly the mask's
+    layout (and its default positions, with whole-tile blocks).
+    """
+    tile_mask = opts.get("mask")
+    if not isinstance(tile_mask, SlidingTileMask):
+        return attention(q, k, v, **opts)
+    S = q.shape[1]
+    check_tile_mask(fn, tile_mask, S, H, sp, text_len)
+    cut = S
+    if S > tile_mask.seq_len and opts.get("q_positions") is None and opts.get("kv_positions") is None:
+        cut = tile_mask.seq_len
+        q, k, v = q[:, :cut], k[:, :cut], v[:, :cut]
+        seg = opts.get("segment_ids")
+        if isinstance(seg, SegmentIds):
+            opts["segment_ids"] = SegmentIds(q=seg.q[:, :cut], kv=seg.kv[:, :cut])
+        elif seg is not None:
+            opts["segment_ids"] = seg[:, :cut]
+        bias = opts.get("bias")
+        if bias is not None:
+            opts["bias"] = bias[..., : min(cut, bias.shape[-2]), : min(cut, bias.shape[-1])]
+    heads_local = H // sp
+    masks = [tile_mask.select_heads(r * heads_local, heads_local) for r in range(sp)]
+    if len(set(masks)) == 1:
+        out = attention(q, k, v, **dict(opts, mask=masks[0]))
+    else:
+        rank = jax.lax.axis_index(sp_axis_name)
+        branches = [lambda q, k, v, m=m: attention(q, k, v, **dict(opts, mask=m)) for m in masks]
+        out = jax.lax.switch(rank, branches, q, k, v)
+    if cut < S:
+        out = jnp.pad(out, ((0, 0), (0, S - cut), (0, 0), (0, 0)))
+    return out
 
 
 def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, fn: str):
@@ -235,12 +293,11 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
         kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
         sp_axis_name=sp_axis_name, like=q, order=order,
     )
-    out = attention(
+    out = _attend_heads(
         seq_to_heads(q, heads_local),
         seq_to_heads(k, kv_heads_local),
         seq_to_heads(v, kv_heads_local),
-        scale=scale,
-        **opts,
+        dict(opts, scale=scale), fn=fn, H=H, sp=sp, text_len=text_len, sp_axis_name=sp_axis_name,
     )  # (B, S, H / sp, D)
 
     text_out = out[:, :text_len]
@@ -302,6 +359,9 @@ def sequence_parallel_self_attention(
             `(B, H, L, L)` and the same on every device (a head axis of size `H`
             is sliced to this device's heads). A bias over the local chunk only is
             a `ValueError`: after the `all_to_all` there is no local chunk.
+            `mask` may be a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask]
+            over the whole sequence (padded at the end to a multiple of the SP size,
+            the padding invisible): per-head windows follow their heads.
 
     **Returns:**
 
