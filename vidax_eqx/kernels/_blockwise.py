@@ -291,7 +291,8 @@ class Blockwise(AbstractImplementation):
         if not gap:
             return self._bwd(ops, opts, out, lse, dout, dlse)
         out, dout = _insert(out, 1, first, gap), _insert(dout, 1, first, gap)
-        lse = _insert(lse, 2, first, gap, value=-jnp.inf)
+        # Filler rows: lse = +inf gives them probability 0, the sink's included.
+        lse = _insert(lse, 2, first, gap, value=jnp.inf)
         dlse = None if dlse is None else _insert(dlse, 2, first, gap)
         dq, dk, dv, dbias, dsinks = self._bwd(ops, opts, out, lse, dout, dlse)
         dq, dk, dv = (_remove(x, 1, first, gap) for x in (dq, dk, dv))

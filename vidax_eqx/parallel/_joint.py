@@ -106,19 +106,19 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
 
     out_v, lse_v = _ring._ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
     if cfg.seen_by_visual:
-        o, l = kernels.attention_fwd(
+        o, l = _ring.attention_fwd(
             q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
             kv_positions=t_pos, **opts,
         )
         out_v, lse_v = _ring._merge(out_v, lse_v, o, l)
 
-    out_t, lse_t = kernels.attention_fwd(
+    out_t, lse_t = _ring.attention_fwd(
         q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
         kv_positions=t_pos, **opts,
     )
     out_t = out_t.astype(F32)
     if cfg.sees_visual:
-        o, l = kernels.attention_fwd(
+        o, l = _ring.attention_fwd(
             q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
             kv_positions=v_pos, **opts,
         )
@@ -172,21 +172,21 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
         )
         dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
         if cfg.seen_by_visual:
-            dq, dk, dv, _, _ = kernels.attention_bwd(
+            dq, dk, dv, _, _ = _ring.attention_bwd(
                 q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
                 q_positions=v_pos, kv_positions=t_pos, **opts,
             )
             dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
 
         # The text x text block is computed on every ring rank; count it once.
-        dq_t, dk, dv, _, ds_t = kernels.attention_bwd(
+        dq_t, dk, dv, _, ds_t = _ring.attention_bwd(
             q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
             q_positions=t_pos, kv_positions=t_pos, **opts,
         )
         once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
         dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
         if cfg.sees_visual:
-            dq, dk, dv, _, _ = kernels.attention_bwd(
+            dq, dk, dv, _, _ = _ring.attention_bwd(
                 q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
                 q_positions=t_pos, kv_positions=v_pos, **opts,
             )
@@ -211,6 +211,15 @@ _joint.defvjp(_joint_fwd_rule, _joint_bwd_rule)
 # -- entry points ---------------------------------------------------------------------
 
 
+def _visual_mask(tile_mask):
+    """The video part of a joint layout's mask (or `RankMasks` of them): the ring's."""
+    if tile_mask is None:
+        return None
+    if isinstance(tile_mask, _ring.RankMasks):
+        return _ring.RankMasks(tuple(map(_visual_mask, tile_mask.masks)), tile_mask.axis_name)
+    return dataclasses.replace(tile_mask, text_len=0)
+
+
 def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
                     text_len: int, axis_name: Hashable, sp_size: int, layout: str, causal,
                     window, scale, logits_soft_cap, implementation, tile_mask=None):
@@ -226,12 +235,12 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     """
     L_v = q_v.shape[1]
     pos = jnp.arange(L_v, dtype=jnp.int32)
-    visual_mask = None if tile_mask is None else dataclasses.replace(tile_mask, text_len=0)
+    visual_mask = _visual_mask(tile_mask)
     check_request(
         q_v, k_v, v_v, segment_ids=_ring._seg_arg(sq_v, skv_v), q_positions=pos,
         kv_positions=pos, causal=causal, window=window, scale=scale,
         logits_soft_cap=logits_soft_cap, implementation=implementation, needs_lse=True,
-        mask=visual_mask,
+        mask=None if visual_mask is None else _ring._tile_masks(visual_mask)[0],
     )
     window = None if window is None else tuple(window)
     rc = _ring._Config(

@@ -328,7 +328,9 @@ def _tile_plan(tile_mask, layout: str, n: int, L_q: int, L_k: int, causal: bool,
     parts = _parts(layout)
     cq, ck = L_q // parts, L_k // parts
     chunks = np.arange(n * parts)
-    table = chunk_table(tile_mask, chunks * cq, cq, chunks * ck, ck)
+    table = np.zeros((n * parts, n * parts), bool)
+    for mask in _tile_masks(tile_mask):  # RankMasks: a step is computed if any rank needs it
+        table |= chunk_table(mask, chunks * cq, cq, chunks * ck, ck)
     if causal or window is not None:
         q_pos = [np.arange(a * cq, (a + 1) * cq) for a in chunks]
         kv_pos = [np.arange(b * ck, (b + 1) * ck) for b in chunks]
@@ -475,6 +477,50 @@ def ring_work(
         _check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
     plan = _plan(layout, n, L, L, bool(causal), None if window is None else tuple(window))
     return _work(plan, layout, n, L)
+
+
+# -- sliding tile masks whose windows depend on a device's heads --------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMasks:
+    """One `kernels.SlidingTileMask` per rank of `axis_name`: the windows of the heads
+    each device holds there (USP with per-head windows: the heads follow the Ulysses
+    rank). Every kernel call picks its rank's mask with a `lax.switch` around the
+    call alone (no collective inside it)."""
+
+    masks: tuple
+    axis_name: Hashable
+
+    @classmethod
+    def of(cls, tile_mask, heads_local: int, axis_name: Hashable, size: int):
+        """The per-rank masks of `tile_mask` when rank `u` holds query heads
+        `[u * heads_local, (u + 1) * heads_local)`; the mask itself when every rank
+        gets the same windows."""
+        masks = tuple(tile_mask.select_heads(u * heads_local, heads_local) for u in range(size))
+        return masks[0] if len(set(masks)) == 1 else cls(masks, axis_name)
+
+
+def _tile_masks(tile_mask) -> tuple:
+    return tile_mask.masks if isinstance(tile_mask, RankMasks) else (tile_mask,)
+
+
+def _with_mask(fn, *args, mask=None, **kwargs):
+    """`fn(*args, mask=mask, **kwargs)`, selecting this device's mask of `RankMasks`."""
+    if not isinstance(mask, RankMasks):
+        return fn(*args, mask=mask, **kwargs)
+    branches = [functools.partial(fn, mask=m, **kwargs) for m in mask.masks]
+    return lax.switch(lax.axis_index(mask.axis_name), branches, *args)
+
+
+def attention_fwd(*args, **kwargs):
+    """`kernels.attention_fwd`, with `mask=` possibly `RankMasks`."""
+    return _with_mask(kernels.attention_fwd, *args, **kwargs)
+
+
+def attention_bwd(*args, **kwargs):
+    """`kernels.attention_bwd`, with `mask=` possibly `RankMasks`."""
+    return _with_mask(kernels.attention_bwd, *args, **kwargs)
 
 
 # -- the ring -----------------------------------------------------------------------
@@ -632,7 +678,7 @@ def _ring_forward(cfg: _Config, q, k, v, sinks, seg_q, seg_kv, step_mask=None):
         out_acc, lse_acc = acc
         k_blk, v_blk, seg_blk = blk
         qs, ks = _branch_slices(index, parts, L_q, L_k)
-        out, lse = kernels.attention_fwd(
+        out, lse = attention_fwd(
             q[:, qs], k_blk[:, ks], v_blk[:, ks],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
@@ -678,7 +724,7 @@ def _ring_backward(cfg: _Config, q, k, v, seg_q, seg_kv, out, lse, dout, step_ma
     def compute(index, dq_acc, blk, kv_pos):
         k_blk, v_blk, seg_blk = blk
         qs, ks = _branch_slices(index, parts, L_q, L_k)
-        dq, dk, dv, _, _ = kernels.attention_bwd(
+        dq, dk, dv, _, _ = attention_bwd(
             q[:, qs], k_blk[:, ks], v_blk[:, ks], out[:, qs], lse[:, :, qs], dout[:, qs],
             segment_ids=_seg_arg(None if seg_q is None else seg_q[:, qs],
                                  None if seg_blk is None else seg_blk[:, ks]),
@@ -896,6 +942,10 @@ def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, 
     `seq_len` are padding)."""
     if tile_mask is None:
         return
+    if isinstance(tile_mask, RankMasks):
+        for mask in tile_mask.masks:
+            check_tile_mask(fn, mask, global_len, heads, unit, what)
+        return
     if not isinstance(tile_mask, kernels.SlidingTileMask):
         raise TypeError(
             f"{fn}: `mask` must be a kernels.SlidingTileMask (or None); received "
@@ -947,7 +997,7 @@ def _ring_attention(
             kv_positions=jnp.arange(L_k, dtype=jnp.int32) if positions else None,
             causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
             # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
-            mask=tile_mask if step_mask is None else jnp.ones((1, 1), bool),
+            mask=_tile_masks(tile_mask)[0] if step_mask is None else jnp.ones((1, 1), bool),
             implementation=implementation,
             needs_lse=True,
         )

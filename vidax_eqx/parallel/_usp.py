@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 from .. import kernels
 from .._order import Sequence
 from . import _ring
-from ._joint import joint_attention
+from ._joint import check_joint_tile_mask, joint_attention
 from ._mesh import axis_size, check_sharded
 from ._ring import ring_attention
 from ._ulysses import (
@@ -93,6 +93,7 @@ def usp_attention(
     logits_soft_cap: float | None = None,
     layout: str = "contiguous",
     text_len: int = 0,
+    mask: kernels.SlidingTileMask | None = None,
     implementation: str | kernels.AbstractImplementation = "auto",
 ) -> Float[Array, "B S_local H D"]:
     """2D sequence-parallel self-attention: Ulysses over `ulysses_axis`, ring over
@@ -136,6 +137,10 @@ def usp_attention(
         permuted) as above. The result equals single-device attention over
         `[text; visual]`, text at positions `0 .. text_len - 1`. Segment ids follow
         the same per-device layout.
+    - `mask`: a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] over the
+        global sequence (in the joint layout its `text_len` is the prefix's), as
+        in [`ring_attention`][]; per-head windows follow their heads to the
+        Ulysses ranks (each kernel call picks its rank's windows).
 
     **Returns:**
 
@@ -204,6 +209,14 @@ def usp_attention(
     sinks = _ring.check_sinks(_FN, sinks, H)
 
     heads_local = H // U
+    if mask is not None:
+        unit = _ring._parts(layout) * R
+        if text_len:
+            check_joint_tile_mask(_FN, mask, text_len, R * U * L, H, unit)
+        else:
+            _ring.check_tile_mask(_FN, mask, R * U * L, H, unit)
+        # Per-head windows follow their heads to the Ulysses ranks.
+        mask = _ring.RankMasks.of(mask, heads_local, ulysses_axis, U)
     repeats = kv_head_repeats(H, H_kv, U)
     if repeats > 1:  # consecutive copies: query head h keeps kv head h // (H // H_kv)
         k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
@@ -232,6 +245,10 @@ def usp_attention(
 
     with jax.named_scope("vidax_usp_attention"):
         if L == 0:  # text only: every device attends its heads of the text to itself
+            if mask is not None:
+                raise ValueError(
+                    f"{_FN}: a SlidingTileMask needs video tokens; this call holds text only."
+                )
             out_t = kernels.attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), sinks=sinks,
@@ -243,13 +260,14 @@ def usp_attention(
         q_v, k_v, v_v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if text_len == 0:
             seg = None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v)
-            out_v = ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
-                                   sinks=sinks, layout=layout, **opts)
+            out_v = _ring._ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
+                                          sinks=sinks, layout=layout, tile_mask=mask, **opts)
         else:
             out_t, out_v = joint_attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
-                text_len=text_len, axis_name=ring_axis, sp_size=R, layout=layout, **opts,
+                text_len=text_len, axis_name=ring_axis, sp_size=R, layout=layout,
+                tile_mask=mask, **opts,
             )
         out_v = order(lax.all_to_all, out_v, ulysses_axis, split_axis=1, concat_axis=2,
                       tiled=True)

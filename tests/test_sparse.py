@@ -1,0 +1,451 @@
+"""Sliding tile attention (`kernels.SlidingTileMask`) against the float64 oracle.
+
+The mask's dense form is built here (`sta_dense`), from the documented semantics
+and nothing of `vidax_eqx`: the video's tokens laid out tile by tile, each grid
+dimension padded to whole tiles, text before or after the video; query tile
+`(a, b, c)` sees the key tiles whose coordinate along each dimension lies in
+`[s, s + w)`, `s = clip(a - w // 2, 0, n - w)`, `w = min(window, n)`; text sees
+and is seen by every real token; padding sees nothing and is seen by nothing.
+`oracle.attention` takes it as a boolean mask.
+
+Checked, for `"xla"` and `Blockwise` with small blocks (several blocks, the text
+filler path): forward `out` / `lse` and the gradients of q, k, v and sinks (by
+`jax.vjp` of `attention_fwd` with a random cotangent on `(out, lse)`), on grids
+that do and do not divide the tiles, text prefix / suffix, shared and per-head
+windows, GQA, windows larger than the grid, segment ids with padding, sinks, and
+explicit positions (a chunk of the sequence). Then `block_map` against the dense
+mask, the tile layout (`tile_permute`, `tile_unpermute`, `tile_positions`),
+`density`, the errors, and a hypothesis property over drawn masks.
+"""
+
+import dataclasses
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import oracle
+from _hypothesis import examples
+from vidax_eqx import kernels
+from vidax_eqx.kernels._tile import block_map
+
+
+F32 = np.float32
+BLOCKWISE = kernels.Blockwise(block_q=16)
+IMPLS = [pytest.param("xla", id="xla"), pytest.param(BLOCKWISE, id="blockwise16")]
+
+
+# ------------------------------------------------------------------ the dense oracle mask
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _video_layout(grid, tile):
+    """Per video slot of the tile layout: `(coords (n, 3), real (n,))`, the token's
+    grid coordinates and whether it lies inside the grid, by explicit enumeration."""
+    tiles = [_ceil_div(g, t) for g, t in zip(grid, tile)]
+    coords = [
+        [a * t + i for a, i, t in zip(tile_idx, inner, tile)]
+        for tile_idx in itertools.product(*(range(n) for n in tiles))
+        for inner in itertools.product(*(range(t) for t in tile))
+    ]
+    coords = np.asarray(coords, np.int64).reshape(-1, 3)
+    real = np.all(coords < np.asarray(grid), axis=1)
+    return coords, real
+
+
+def sta_dense(grid, tile, windows, text_len=0, text_position="prefix", q_pos=None, kv_pos=None):
+    """The sliding tile mask as bool `(len(windows), S_q, S_k)`: one `(wf, wh, ww)`
+    per entry of `windows`, evaluated at positions (default `arange(seq_len)`;
+    a position outside `[0, seq_len)` is padding)."""
+    coords, real = _video_layout(grid, tile)
+    V = len(real)
+    S = text_len + V
+    kind = np.full(S, 2)  # 0 text, 1 real video, 2 padding
+    tcoord = np.zeros((S, 3), np.int64)
+    video = slice(text_len, S) if text_position == "prefix" else slice(0, V)
+    text = slice(0, text_len) if text_position == "prefix" else slice(V, S)
+    kind[video] = np.where(real, 1, 2)
+    kind[text] = 0
+    tcoord[video] = coords // np.asarray(tile)
+    tiles = np.asarray([_ceil_div(g, t) for g, t in zip(grid, tile)])
+
+    def at(pos):
+        pos = np.arange(S) if pos is None else np.asarray(pos, np.int64)
+        inside = (pos >= 0) & (pos < S)
+        p = np.where(inside, pos, 0)
+        return np.where(inside, kind[p], 2), tcoord[p]
+
+    qk, qc = at(q_pos)
+    kk, kc = at(kv_pos)
+    out = []
+    for window in windows:
+        w = np.minimum(np.asarray(window), tiles)
+        s = np.clip(qc - w // 2, 0, tiles - w)  # (S_q, 3)
+        box = np.all((kc[None] >= s[:, None]) & (kc[None] < (s + w)[:, None]), axis=-1)
+        q_text, q_video = (qk == 0)[:, None], (qk == 1)[:, None]
+        k_text, k_video = (kk == 0)[None], (kk == 1)[None]
+        out.append((q_text & (k_text | k_video)) | (q_video & (k_text | (k_video & box))))
+    return np.stack(out)
+
+
+def dense_of(tm: kernels.SlidingTileMask, q_pos=None, kv_pos=None):
+    """`sta_dense` with the mask's configuration (read from its fields only)."""
+    windows = [tm.window] if isinstance(tm.window[0], int) else list(tm.window)
+    return sta_dense(tm.grid, tm.tile, windows, tm.text_len, tm.text_position, q_pos, kv_pos)
+
+
+def test_dense_oracle_by_hand():
+    """`sta_dense` on a case small enough to write out: a 1 x 1 x 5 grid of
+    2-token tiles (three tiles, the last half padding), window 1, one text token."""
+    vis = sta_dense((1, 1, 5), (1, 1, 2), [(1, 1, 1)], text_len=1)[0]
+    # Positions: text, tile 0 = (1, 2), tile 1 = (3, 4), tile 2 = (5, padding 6).
+    want = np.zeros((7, 7), bool)
+    want[0, :6] = want[:6, 0] = True
+    for block in ((1, 2), (3, 4)):
+        want[np.ix_(block, block)] = True
+    want[5, 5] = True
+    np.testing.assert_array_equal(vis, want)
+    # Window 3 over three tiles covers everything real; suffix text moves to the end.
+    vis = sta_dense((1, 1, 5), (1, 1, 2), [(1, 1, 3)], text_len=1, text_position="suffix")[0]
+    real = np.array([1, 1, 1, 1, 1, 0, 1], bool)
+    np.testing.assert_array_equal(vis, real[:, None] & real[None, :])
+
+
+# --------------------------------------------------------------------- inputs and runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    grid: tuple
+    tile: tuple
+    window: tuple  # one triple, or one per query head
+    text_len: int = 0
+    text_position: str = "prefix"
+    B: int = 1
+    H: int = 2
+    H_kv: int = 2
+    D: int = 8
+    segments: bool = False
+    sinks: bool = False
+
+    def mask(self) -> kernels.SlidingTileMask:
+        return kernels.SlidingTileMask(
+            self.grid, self.tile, self.window, text_len=self.text_len, text_position=self.text_position
+        )
+
+
+CONFIGS = [
+    # Dividing grid; a text prefix of 5 (filler up to the 16-token block boundary);
+    # window wider than the grid along W; GQA; segment ids; sinks.
+    Config("divides-prefix-gqa-segments-sinks", (4, 6, 4), (2, 2, 2), (1, 1, 3), text_len=5,
+           B=2, H=4, H_kv=2, segments=True, sinks=True),
+    # Ragged grid (5 and 3 are not multiples of 2); 18 tiles of 4 tokens, so the
+    # suffix starts mid-block (filler); per-head windows with GQA; segment ids.
+    Config("ragged-suffix-perhead-gqa-segments", (3, 5, 3), (1, 2, 2),
+           ((1, 1, 1), (3, 1, 1), (1, 3, 1), (3, 3, 5)), text_len=3, text_position="suffix",
+           B=2, H=4, H_kv=2, segments=True),
+]
+
+
+def _seed(obj) -> int:
+    return zlib.crc32(repr(obj).encode())
+
+
+def _segment_ids(rng, B: int, S: int) -> np.ndarray:
+    """Sorted runs of ids 0..2 with a few negative (padding) ids scattered in."""
+    ids = np.sort(rng.integers(0, 3, (B, S)), axis=1)
+    ids[rng.random((B, S)) < 0.1] = -1
+    ids[:, -2:] = -3
+    return ids.astype(np.int32)
+
+
+def _arrays(B, S_q, S_k, H, H_kv, D, *, segments, sinks, seed):
+    rng = np.random.default_rng(seed)
+    assert not segments or S_q == S_k
+    return {
+        "q": rng.standard_normal((B, S_q, H, D)).astype(F32),
+        "k": rng.standard_normal((B, S_k, H_kv, D)).astype(F32),
+        "v": rng.standard_normal((B, S_k, H_kv, D)).astype(F32),
+        "dout": rng.standard_normal((B, S_q, H, D)).astype(F32),
+        "dlse": rng.standard_normal((B, H, S_q)).astype(F32),
+        "sinks": rng.standard_normal((H,)).astype(F32) if sinks else None,
+        "seg": _segment_ids(rng, B, S_q) if segments else None,
+    }
+
+
+# Compiler options of the property test's programs (each example is a new static
+# mask, hence a new compilation): LLVM's optimizations off, which halves the
+# compile time of a blockwise program and changes no semantics. The fixed cases
+# compile as users do.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def run_kernel(impl, tm, a, q_pos=None, kv_pos=None, grads=True, compiler_options=None):
+    """`out, lse` of `attention_fwd` and the VJP of `(out, lse)` w.r.t. q, k, v, sinks
+    with cotangent `(dout, dlse)` (`None` unless `grads`), in one jitted program;
+    NumPy results."""
+    kw = {"mask": tm, "implementation": impl}
+    if a["seg"] is not None:
+        kw["segment_ids"] = jnp.asarray(a["seg"])
+    if q_pos is not None:
+        kw["q_positions"], kw["kv_positions"] = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+
+    def f(q, k, v, sinks, dout, dlse):
+        fwd = lambda q, k, v, sinks: kernels.attention_fwd(q, k, v, sinks=sinks, **kw)
+        if not grads:
+            return *fwd(q, k, v, sinks), None
+        (out, lse), vjp = jax.vjp(fwd, q, k, v, sinks)
+        return out, lse, vjp((dout, dlse))
+
+    args = [None if a[n] is None else jnp.asarray(a[n]) for n in ("q", "k", "v", "sinks", "dout", "dlse")]
+    res = jax.jit(f).lower(*args).compile(compiler_options)(*args)
+    return jax.tree.map(np.asarray, res)
+
+
+def run_oracle(a, dense):
+    """`oracle.attention` with the dense mask `(n_windows, S_q, S_k)`: one window is
+    broadcast over the heads, several are one per head."""
+    mask = dense[0] if len(dense) == 1 else dense
+    seg = None if a["seg"] is None else (a["seg"], a["seg"])
+    return oracle.attention(a["q"], a["k"], a["v"], mask=mask, sinks=a["sinks"], segment_ids=seg,
+                            dout=a["dout"], dlse=a["dlse"])
+
+
+def check(got, ref, sinks: bool):
+    out, lse, grads = got
+    assert out.dtype == F32 and lse.dtype == F32
+    oracle.assert_close(out, ref.out, F32, "out")
+    oracle.assert_close(lse, ref.lse, F32, "lse")
+    if grads is None:
+        return
+    dq, dk, dv, dsinks = grads
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks)):
+        want = getattr(ref, name)
+        if want is None:
+            assert g is None and not sinks, name
+            continue
+        assert np.all(np.isfinite(g)), f"{name} has non-finite values"
+        oracle.assert_close(g, want, F32, name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_matches_oracle(impl, cfg):
+    tm = cfg.mask()
+    S = tm.seq_len
+    a = _arrays(cfg.B, S, S, cfg.H, cfg.H_kv, cfg.D, segments=cfg.segments, sinks=cfg.sinks,
+                seed=_seed(cfg))
+    dense = dense_of(tm)
+    assert dense.any() and not dense.all()  # a mask with something to skip
+    got = run_kernel(impl, tm, a)
+    check(got, run_oracle(a, dense), cfg.sinks)
+    # Padding tokens (of a grid the tiles do not divide): exactly 0 output and -inf lse.
+    _, real = _video_layout(tm.grid, tm.tile)
+    pad = np.flatnonzero(~real) + (tm.text_len if tm.text_position == "prefix" else 0)
+    assert (pad.size > 0) == any(g % t for g, t in zip(tm.grid, tm.tile))
+    assert np.all(got[0][:, pad] == 0)
+    if not cfg.sinks:
+        assert np.all(got[1][:, :, pad] == -np.inf)
+
+
+def test_sinks_gradient_with_text_filler():
+    """The gradient of the sinks where `Blockwise` inserts filler after a text prefix
+    (here 1 text token, blocks of 2): the filler rows must not contribute."""
+    tm = kernels.SlidingTileMask((1, 1, 4), (1, 1, 2), (1, 1, 1), text_len=1)
+    a = _arrays(1, tm.seq_len, tm.seq_len, 1, 1, 8, segments=False, sinks=True, seed=2)
+    check(run_kernel(kernels.Blockwise(block_q=2), tm, a), run_oracle(a, dense_of(tm)), sinks=True)
+
+
+# A chunk of the sequence by explicit positions (as ring attention passes them):
+# queries running past the end (positions >= seq_len are padding), keys in two
+# pieces, the first starting before 0 and the second running past the end.
+CHUNK_MASK = kernels.SlidingTileMask((3, 5, 3), (1, 2, 2), ((1, 3, 1), (3, 1, 3)), text_len=4)
+CHUNK_Q = np.arange(30, CHUNK_MASK.seq_len + 4, dtype=np.int32)
+CHUNK_KV = np.concatenate([np.arange(-3, 20), np.arange(60, CHUNK_MASK.seq_len + 2)]).astype(np.int32)
+
+
+def test_positions_dense_oracle():
+    """The oracle at explicit positions is the full mask's rows and columns, with
+    positions outside the sequence hidden."""
+    S = CHUNK_MASK.seq_len
+    full = np.pad(dense_of(CHUNK_MASK), ((0, 0), (0, 1), (0, 1)))  # index S: padding
+    rows = np.where((CHUNK_Q >= 0) & (CHUNK_Q < S), CHUNK_Q, S)
+    cols = np.where((CHUNK_KV >= 0) & (CHUNK_KV < S), CHUNK_KV, S)
+    np.testing.assert_array_equal(dense_of(CHUNK_MASK, CHUNK_Q, CHUNK_KV), full[:, rows][:, :, cols])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_positions_chunk(impl):
+    a = _arrays(1, len(CHUNK_Q), len(CHUNK_KV), 2, 1, 8, segments=False, sinks=True, seed=1)
+    dense = dense_of(CHUNK_MASK, CHUNK_Q, CHUNK_KV)
+    assert not dense[:, -4:].any() and not dense[:, :, :3].any()
+    check(run_kernel(impl, CHUNK_MASK, a, CHUNK_Q, CHUNK_KV), run_oracle(a, dense), sinks=True)
+
+
+# ------------------------------------------------------------------------- block_map
+
+
+BLOCK_MASKS = [
+    kernels.SlidingTileMask((4, 6, 4), (2, 2, 2), (1, 1, 3)),
+    kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), ((1, 1, 1), (3, 1, 1), (1, 3, 3)), text_len=12),
+    kernels.SlidingTileMask((3, 5, 3), (1, 2, 2), (1, 3, 1), text_len=8, text_position="suffix"),
+    kernels.SlidingTileMask((6, 1, 6), (3, 1, 2), (1, 1, 5), text_len=6, text_position="suffix"),
+]
+
+
+def _blocks_any(dense, bq, bk):
+    """Whether each (query block, key block) pair holds a visible pair, union over heads."""
+    vis = dense.any(axis=0)
+    S_q, S_k = vis.shape
+    vis = np.pad(vis, ((0, -S_q % bq), (0, -S_k % bk)))
+    return vis.reshape(_ceil_div(S_q, bq), bq, _ceil_div(S_k, bk), bk).any(axis=(1, 3))
+
+
+@pytest.mark.parametrize("tm", BLOCK_MASKS, ids=repr)
+def test_block_map(tm):
+    T = tm.tile_size
+    dense = dense_of(tm)
+    # Whole tiles (text a whole number of tiles): exact.
+    got = block_map(tm, T, T)
+    np.testing.assert_array_equal(got, _blocks_any(dense, T, T))
+    assert not got.all()
+    # Blocks of several tiles, or not of whole tiles: never misses a visible pair.
+    for bq, bk in ((2 * T, T), (T + 1, 2 * T - 1), (5, 7)):
+        got = block_map(tm, bq, bk)
+        assert np.all(got | ~_blocks_any(dense, bq, bk)), (bq, bk)
+    # At explicit positions (a chunk): exact again when the chunk starts on a tile.
+    q_pos = np.arange(2 * T, tm.seq_len)
+    kv_pos = np.arange(-T, tm.seq_len - 3 * T)
+    got = block_map(tm, T, T, q_positions=q_pos, kv_positions=kv_pos)
+    np.testing.assert_array_equal(got, _blocks_any(dense_of(tm, q_pos, kv_pos), T, T))
+
+
+# ------------------------------------------------------------------- the tile layout
+
+
+def _layout_index(grid, tile):
+    """For each slot of the tile layout, the raster index of its token, or -1 for padding."""
+    _, H, W = grid
+    coords, real = _video_layout(grid, tile)
+    return np.where(real, coords[:, 0] * H * W + coords[:, 1] * W + coords[:, 2], -1), coords
+
+
+_permute = jax.jit(kernels.tile_permute, static_argnames=("grid", "tile", "axis"))
+_unpermute = jax.jit(kernels.tile_unpermute, static_argnames=("grid", "tile", "axis"))
+
+
+@pytest.mark.parametrize("grid, tile", [((2, 3, 4), (1, 3, 2)), ((3, 5, 2), (2, 2, 3))])
+def test_tile_layout(grid, tile):
+    n = int(np.prod(grid))
+    index, coords = _layout_index(grid, tile)
+    assert len(index) == kernels.SlidingTileMask(grid, tile, (1, 1, 1)).video_len
+    assert (index < 0).any() == any(g % t for g, t in zip(grid, tile))
+    rng = np.random.default_rng(_seed((grid, tile)))
+    for shape, axis in (((n,), 0), ((2, n, 3), 1), ((2, 3, n), -1), ((1, n, 2, 4), None)):
+        kw = {"grid": grid, "tile": tile} if axis is None else {"grid": grid, "tile": tile, "axis": axis}
+        axis = 1 if axis is None else axis  # the default: (B, S, H, D)
+        x = rng.standard_normal(shape).astype(F32) + 5.0  # never 0, so padding is visible
+        y = np.asarray(_permute(x, **kw))
+        want = np.take(x, np.maximum(index, 0), axis=axis)
+        where = [1] * x.ndim
+        where[axis] = len(index)
+        want = np.where(index.reshape(where) >= 0, want, 0)  # padding is zeros
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(np.asarray(_unpermute(y, **kw)), x)
+    np.testing.assert_array_equal(kernels.tile_positions(grid, tile), coords)
+
+
+@pytest.mark.parametrize("tm", BLOCK_MASKS + [CHUNK_MASK, CONFIGS[1].mask()], ids=repr)
+def test_density(tm):
+    dense = dense_of(tm)
+    _, real_video = _video_layout(tm.grid, tm.tile)
+    real = np.ones(tm.seq_len, bool)
+    start = tm.text_len if tm.text_position == "prefix" else 0
+    real[start:start + tm.video_len] = real_video
+    want = np.mean([d[np.ix_(real, real)].mean() for d in dense])
+    assert tm.density() == pytest.approx(want, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"window": (2, 1, 1)}, "odd"),
+    ({"window": ((1, 1, 1), (1, 4, 1))}, "odd"),
+    ({"window": ()}, "window"),
+    ({"grid": (0, 4, 4)}, "grid"),
+    ({"grid": (4, 4)}, "grid"),
+    ({"tile": (1, 2.0, 1)}, "tile"),
+    ({"tile": (1, -2, 1)}, "tile"),
+    ({"text_len": -1}, "text_len"),
+    ({"text_position": "middle"}, "text_position"),
+])
+def test_invalid_mask(kwargs, match):
+    base = {"grid": (4, 4, 4), "tile": (2, 2, 2), "window": (1, 1, 1)}
+    with pytest.raises(ValueError, match=match):
+        kernels.SlidingTileMask(**{**base, **kwargs})
+
+
+def _qkv(S, H=2, H_kv=2):
+    q = jnp.zeros((1, S, H, 8), F32)
+    k = jnp.zeros((1, S, H_kv, 8), F32)
+    return q, k, k
+
+
+def test_invalid_requests():
+    tm = kernels.SlidingTileMask((3, 4, 4), (2, 2, 2), (1, 1, 1), text_len=3)
+    S = tm.seq_len
+    for S_q, S_k in ((S - 1, S - 1), (S + 2, S + 2), (S, S - 1)):
+        q, k, v = _qkv(S_q)
+        with pytest.raises(ValueError, match=f"S_q == S_k == {S}; received S_q={S_q}, S_k={S_k}"):
+            kernels.attention(q, k[:, :S_k], v[:, :S_k], mask=tm)
+    per_head = kernels.SlidingTileMask((3, 4, 4), (2, 2, 2), [(1, 1, 1)] * 3)
+    with pytest.raises(ValueError, match=r"3 windows for H = 2 heads"):
+        kernels.attention(*_qkv(per_head.seq_len), mask=per_head)
+    for impl in ("pallas_gpu", "cudnn", kernels.PallasGpu(interpret=True)):
+        with pytest.raises(NotImplementedError, match="sliding tile mask"):
+            kernels.attention(*_qkv(S), mask=tm, implementation=impl)
+    # "auto" picks an implementation that serves the mask, on GPU too (where the
+    # vendor kernels, which do not, come first).
+    for needs_lse, platform in ((False, None), (True, None), (True, "gpu")):
+        name = kernels.select_implementation(*_qkv(S), mask=tm, needs_lse=needs_lse, platform=platform)
+        assert kernels.implementations()[name].capabilities.tile_mask, name
+
+
+# ------------------------------------------------------------------------- property
+
+
+@st.composite
+def sta_problems(draw):
+    grid = tuple(draw(st.integers(1, 6)) for _ in range(3))
+    tile = tuple(draw(st.integers(1, 3)) for _ in range(3))
+    video = int(np.prod([_ceil_div(g, t) * t for g, t in zip(grid, tile)]))
+    text_len = draw(st.integers(0, 5))
+    # Keep shapes small: a large draw's grid is cut down along frames, then height.
+    while video + text_len > 150:
+        grid = (max(1, grid[0] - 1), *grid[1:]) if grid[0] > 1 else (grid[0], max(1, grid[1] - 1), grid[2])
+        video = int(np.prod([_ceil_div(g, t) * t for g, t in zip(grid, tile)]))
+    odd = st.sampled_from([1, 3, 5])
+    triple = st.tuples(odd, odd, odd)
+    window = draw(st.one_of(triple, st.tuples(triple, triple)))
+    position = draw(st.sampled_from(["prefix", "suffix"]))
+    return kernels.SlidingTileMask(grid, tile, window, text_len=text_len, text_position=position)
+
+
+@examples(8)
+@given(tm=sta_problems(), grads=st.booleans())
+def test_property_blockwise(tm, grads):
+    """Blockwise with 8-token blocks (whole tiles) against the oracle: the forward
+    always, the gradients in some examples (a compilation of its own)."""
+    a = _arrays(1, tm.seq_len, tm.seq_len, 2, 1, 8, segments=False, sinks=False, seed=_seed(tm))
+    impl = kernels.Blockwise(block_q=8)
+    got = run_kernel(impl, tm, a, grads=grads, compiler_options=FAST_COMPILE)
+    check(got, run_oracle(a, dense_of(tm)), sinks=False)
