@@ -24,7 +24,7 @@ from jax import lax
 from . import _math as m
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
-from ._tile import block_may_see, kv_block_ranges, q_block_ranges, tile_block
+from ._tile import block_may_see, kv_block_ranges, kv_features, q_block_ranges, q_features, tile_block
 
 
 class _Blocks(NamedTuple):
@@ -44,6 +44,9 @@ class _Blocks(NamedTuple):
     # Sliced per tile: (B|1, H|1, Sq_pad|1, Sk_pad|1).
     bias: jax.Array | None
     mask: jax.Array | None
+    # A sliding tile mask's `_tile.q_features` / `kv_features` per block, or None.
+    tile_q: tuple | None = None
+    tile_kv: tuple | None = None
 
 
 class _Ranges(NamedTuple):
@@ -187,6 +190,11 @@ class Blockwise(AbstractImplementation):
             bias=_pad(_pad(ops.bias, 2, Pq), 3, Pk),
             mask=_pad(_pad(ops.mask, 2, Pq), 3, Pk),
         )
+        if opts.tile_mask is not None:
+            blocks = blocks._replace(
+                tile_q=q_features(opts.tile_mask, blocks.q_pos, K, H),
+                tile_kv=kv_features(opts.tile_mask, blocks.kv_pos),
+            )
         return blocks, rest
 
     def _block_sizes(self, opts: Options) -> tuple[int, int]:
@@ -314,18 +322,19 @@ class Blockwise(AbstractImplementation):
         # that would otherwise make an invariant operand varying behind the branch's back.
         blocks = m.as_varying(blocks, axes)
         q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
-        kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, kv_idx)
+        kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, blocks.tile_kv, kv_idx)
 
         def q_block(xs):
-            qs, q_pos, seg_q, i = xs
+            qs, q_pos, seg_q, tile_q, i = xs
 
             def kv_step(stats, ys):
-                kt, v, kv_pos, seg_kv, kv_valid, j = ys
+                kt, v, kv_pos, seg_kv, kv_valid, tile_kv, j = ys
 
                 def compute(stats):
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
                     vis = m.visibility(
-                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid, kv_heads=K, heads=H
+                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
+                        tile=None if tile_q is None else (tile_q, tile_kv),
                     )
                     bias = m.rows_4d(_tile(blocks.bias, i, j, bq, bk), K, H, bq)
                     s, _ = m.logits(opts, qs, kt, bias, rest)
@@ -338,7 +347,7 @@ class Blockwise(AbstractImplementation):
             stats, _ = lax.scan(kv_step, stats, kv_xs)
             return m.finalize(stats, ops.q.dtype)
 
-        out, lse = lax.map(q_block, (blocks.qs, blocks.q_pos, blocks.seg_q, q_idx))
+        out, lse = lax.map(q_block, (blocks.qs, blocks.q_pos, blocks.seg_q, blocks.tile_q, q_idx))
         return m.merge_q(out, H)[:, :S_q], m.merge_rows(lse, H)[..., :S_q]
 
     def _bwd(self, ops, opts, out, lse, dout, dlse):
@@ -363,23 +372,25 @@ class Blockwise(AbstractImplementation):
             (blocks, qt, do, dot_, lse_b, delta_b), axes
         )
         q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
-        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, q_idx)
-        kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, kv_idx)
+        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, blocks.tile_q, q_idx)
+        kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid,
+                 blocks.tile_kv, kv_idx)
         dq0 = jnp.zeros(blocks.q.shape, m.F32)
         dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, m.F32)
         dq0, dbias0 = m.as_varying((dq0, dbias0), axes)
 
         def kv_block(carry, ys):
-            kt, k, vt, kv_pos, seg_kv, kv_valid, j = ys
+            kt, k, vt, kv_pos, seg_kv, kv_valid, tile_kv, j = ys
 
             def q_step(inner, xs):
-                qt, qs, do, dot_, lse, delta, q_pos, seg_q, i = xs
+                qt, qs, do, dot_, lse, delta, q_pos, seg_q, tile_q, i = xs
 
                 def compute(inner):
                     dk_acc, dv_acc, dq_acc, dbias_acc = inner
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
                     vis = m.visibility(
-                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid, kv_heads=K, heads=H
+                        opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
+                        tile=None if tile_q is None else (tile_q, tile_kv),
                     )
                     bias_tile = _tile(blocks.bias, i, j, bq, bk)
                     bias = m.rows_4d(bias_tile, K, H, bq)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .._vma import as_varying as as_varying, varying_axes as varying_axes
 from ._args import Options
-from ._tile import rows_visibility
+from ._tile import features_visibility, rows_visibility
 
 
 F32 = jnp.float32
@@ -148,12 +148,15 @@ def visibility(
     *,
     kv_heads: int = 1,
     heads: int = 1,
+    tile=None,
 ) -> jax.Array | None:
     """Boolean `(B|1, K|1, M, U)`: may row m see key u. `None`: all visible.
 
     `q_pos (M,)`, `kv_pos (U,)`, `seg_q (B, M)`, `seg_kv (B, U)`, `kv_valid (U,)`,
     `mask (B|1, K|1, M|1, U|1)`; `kv_heads`, `heads` (K and H) place the rows'
-    heads for a sliding tile mask with per-head windows (`opts.tile_mask`).
+    heads for a sliding tile mask with per-head windows (`opts.tile_mask`), and
+    `tile` is that mask's `(_tile.q_features, _tile.kv_features)` of this tile when
+    computed beforehand.
     """
     vis = None
     qp, kp = q_pos[:, None], kv_pos[None, :]
@@ -175,7 +178,9 @@ def visibility(
         vis = _and(vis, (sq == sk) & (sq >= 0))
     if mask is not None:
         vis = _and(vis, mask)
-    if opts.tile_mask is not None:
+    if tile is not None:
+        vis = _and(vis, features_visibility(*tile))
+    elif opts.tile_mask is not None:
         vis = _and(vis, rows_visibility(opts.tile_mask, q_pos, kv_pos, kv_heads, heads))
     return vis
 

@@ -5,7 +5,10 @@ Two kernels, chosen per request:
 - **splash attention** (`jax.experimental.pallas.ops.tpu.splash_attention`) for
   every request without a bias or a boolean mask: GQA without repeating K/V,
   causal and sliding-window masks (static `CausalMask` / `LocalMask`, whose fully
-  hidden tiles are skipped), segment ids and the logit soft cap;
+  hidden tiles are skipped), the sliding tile mask (`_SplashTileMask`: its
+  block-sparse structure, computed at trace time, skips the hidden blocks and
+  evaluates the mask in the kernel only on partially visible ones), segment ids
+  and the logit soft cap;
 - **flash attention** (`jax.experimental.pallas.ops.tpu.flash_attention`) when a
   bias or a boolean mask is given (the mask is folded into the bias); it takes
   causal masks and segment ids too, but neither a window nor a soft cap.
@@ -27,9 +30,11 @@ rely on is recorded and tested), and a JAX without one of them leaves
 import contextlib
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from .._jax_private import (
@@ -45,7 +50,11 @@ from .._jax_private import (
     MultiHeadMask,
     splash_attention_bwd_dkv,
     splash_attention_bwd_dq,
+    SPLASH_DEFAULT_MASK_VALUE,
+    SplashAttentionKernel,
     SplashBlockSizes,
+    SplashComputableMask,
+    SplashMaskInfo,
     SplashSegmentIds,
 )
 from .._vma import opaque_to_vma
@@ -53,10 +62,331 @@ from . import _adapt as a
 from . import _math as m
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
+from ._tile import SlidingTileMask
 
 
 F32 = jnp.float32
 _LANES = 128  # TPU tiles are multiples of the 128-lane vector width.
+
+
+# -------------------------------------------------------- the sliding tile mask
+
+
+def _tile_mask_function(tm: SlidingTileMask, local):
+    """`mask_function(q_ids, kv_ids)` of one head's sliding tile mask, in the kernel.
+
+    Integer arithmetic on positions (their tile coordinates by division by constants;
+    comparisons), elementwise on any two arrays of one shape: splash runs it on the
+    `(block_q, block_kv)` positions of a partially visible block, keys along lanes
+    (forward, dQ) or sublanes (dK/dV). Division is by non-negative operands only,
+    so truncating `lax.div` / `lax.rem` are floor division. `local`: `(left, right)`
+    of a window on positions ANDed in (`None` side: unbounded), or `None`.
+    """
+    (window,) = tm.windows
+    tiles = _, nh, nw = tm.tiles
+    size, V, vs = tm.tile_size, tm.video_len, tm.video_start
+    T, ts = tm.text_len, tm.text_start
+    # Dimensions the window restricts (a window as wide as the grid covers it), and
+    # dimensions whose last tile holds padding.
+    narrow = [d for d in range(3) if window[d] < tiles[d]]
+    ragged = [d for d in range(3) if tm.grid[d] % tm.tile[d]]
+    strides = (nh * nw, nw, 1)  # of tile coordinates in the tile index
+    inner_strides = (tm.tile[1] * tm.tile[2], tm.tile[2], 1)
+    div, rem = jax.lax.div, jax.lax.rem
+
+    def coordinate(x, d, stride, count):
+        x = div(x, stride) if stride > 1 else x
+        return rem(x, count) if d > 0 else x
+
+    def decode(p, dims):
+        v = p - vs
+        video = (v >= 0) & (v < V)
+        v = jnp.maximum(v, 0)
+        t = div(v, size)
+        coords = {d: coordinate(t, d, strides[d], tiles[d]) for d in set(dims) | set(ragged)}
+        if ragged:
+            r = rem(v, size)
+            for d in ragged:  # a padding token lies beyond the grid along d
+                inner = coordinate(r, d, inner_strides[d], tm.tile[d])
+                video = video & (coords[d] * tm.tile[d] + inner < tm.grid[d])
+        text = (p >= ts) & (p < ts + T) if T else None
+        return text, video, coords
+
+    def mask_function(q_ids, kv_ids):
+        q_text, q_video, q_coords = decode(q_ids, narrow)
+        k_text, k_video, k_coords = decode(kv_ids, narrow)
+        seen = k_video
+        for d in narrow:
+            w = window[d]
+            start = jnp.clip(q_coords[d] - w // 2, 0, tiles[d] - w)
+            seen = seen & (k_coords[d] >= start) & (k_coords[d] < start + w)
+        vis = q_video & seen
+        if T:
+            vis = vis | (q_video & k_text) | (q_text & (k_text | k_video))
+        if local is not None:
+            left, right = local
+            if left is not None:
+                vis = vis & (kv_ids >= q_ids - left)
+            if right is not None:
+                vis = vis & (kv_ids <= q_ids + right)
+        return vis
+
+    return mask_function
+
+
+class _Classes(NamedTuple):
+    """The tokens of a range of positions, by class: text, padding, or one video tile
+    (the tile mask is constant over each class), run-length encoded. `runs`: the
+    class of each run of tokens, `lengths`: its length; per class, `text` and
+    `video` (its kind), `coords` and `starts` (its tile coordinates and window
+    starts, three arrays each)."""
+
+    runs: np.ndarray
+    lengths: np.ndarray
+    text: np.ndarray
+    video: np.ndarray
+    coords: tuple
+    starts: tuple
+
+
+def _constant_block(shape: tuple[int, int], value: bool) -> np.ndarray:
+    """A read-only block of `value`, shared (splash only reads the blocks)."""
+    block = _CONSTANT_BLOCKS.get((shape, value))
+    if block is None:
+        block = np.full(shape, value, np.bool_)
+        block.flags.writeable = False
+        _CONSTANT_BLOCKS[(shape, value)] = block
+    return block
+
+
+_CONSTANT_BLOCKS: dict = {}
+
+
+class _SplashTileMask(SplashComputableMask):
+    """One head's [`SlidingTileMask`][] (a shared window), ANDed with a window on
+    positions, as a splash mask over the kernel's padded lengths (positions beyond
+    `seq_len` are padding: the tile mask hides them).
+
+    In the kernel, `mask_function` evaluates it on partially visible blocks only. At
+    trace time every `(q block, kv block)` pair is classified as hidden, fully
+    visible or partial (`block_kinds`, from which `_mask_info` builds the
+    kernel's block-sparse structure), at the level of token classes (text, padding,
+    each video tile; a block holds a few): a few small NumPy operations per block,
+    remembered. `mask[q_slice, kv_slice]` (what splash's own `process_mask` reads)
+    is the dense block: a shared read-only constant for a hidden or fully visible
+    block, the expansion of the class table for a partial one.
+    """
+
+    def __init__(self, tile_mask: SlidingTileMask, shape: tuple[int, int], local=None):
+        if tile_mask.heads is not None:
+            raise ValueError("_SplashTileMask: one head's mask (a shared window) is needed.")
+        self.tile_mask = tile_mask
+        self.local = local
+        self._key = (type(self), tile_mask, tuple(shape), local)
+        (self._window,) = tile_mask.windows
+        self._classes_of: dict[tuple[int, int], _Classes] = {}
+        self._blocks: dict[tuple, object] = {}
+        super().__init__(tuple(shape), _tile_mask_function(tile_mask, local))
+
+    def __eq__(self, other):
+        if not isinstance(other, _SplashTileMask):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self):
+        return f"_SplashTileMask({self.tile_mask!r}, shape={self.shape}, local={self.local})"
+
+    def _classes(self, start: int, stop: int) -> _Classes:
+        found = self._classes_of.get((start, stop))
+        if found is None:
+            tm = self.tile_mask
+            text, video, coords = tm.decode(np.arange(start, stop), np)
+            _, nh, nw = tm.tiles
+            code = np.where(text, -1, np.where(video, (coords[0] * nh + coords[1]) * nw + coords[2], -2))
+            run_starts = np.concatenate([[0], np.flatnonzero(code[1:] != code[:-1]) + 1])
+            lengths = np.diff(np.append(run_starts, len(code)))
+            _, first, runs = np.unique(code[run_starts], return_index=True, return_inverse=True)
+            at = run_starts[first]  # one token of each class
+            coords = tuple(c[at] for c in coords)
+            starts = tuple(s[0] for s in tm.window_starts(coords, np))
+            found = _Classes(runs.reshape(-1), lengths, text[at], video[at], coords, starts)
+            self._classes_of[(start, stop)] = found
+        return found
+
+    def _table(self, rows: _Classes, cols: _Classes) -> np.ndarray:
+        """The mask between the runs, bool `(row runs, column runs)`."""
+        box = cols.video[None, :]
+        for d, w in enumerate(self._window):
+            start = rows.starts[d][:, None]
+            box = box & (cols.coords[d][None, :] >= start) & (cols.coords[d][None, :] < start + w)
+        k_real = (cols.text | cols.video)[None, :]
+        table = (rows.text[:, None] & k_real) | (rows.video[:, None] & (cols.text[None, :] | box))
+        return table[np.ix_(rows.runs, cols.runs)]
+
+    def _local(self, q: tuple[int, int], k: tuple[int, int]):
+        """The window on positions over the block: `True` (all of it visible),
+        `False` (none), or the dense block."""
+        if self.local is None:
+            return True
+        left, right = self.local
+        (q0, q1), (k0, k1) = q, k
+        last_q, last_k = q1 - 1, k1 - 1
+        if (left is not None and last_k < q0 - left) or (right is not None and k0 > last_q + right):
+            return False
+        if (left is None or k0 >= last_q - left) and (right is None or last_k <= q0 + right):
+            return True
+        q_ids, kv_ids = np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
+        vis = np.ones((q1 - q0, k1 - k0), np.bool_)
+        if left is not None:
+            vis &= kv_ids >= q_ids - left
+        if right is not None:
+            vis &= kv_ids <= q_ids + right
+        return vis
+
+    def __getitem__(self, idx) -> np.ndarray:
+        if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx)):
+            raise NotImplementedError(f"Unsupported slice: {idx}")
+        bounds = []
+        for i, n in zip(idx, self.shape):
+            start = 0 if i.start is None else i.start
+            stop = n if i.stop is None else i.stop
+            if i.step not in (None, 1) or not 0 <= start <= stop <= n:
+                raise NotImplementedError(f"Unsupported slice: {idx}")
+            bounds.append((start, stop))
+        (q0, q1), (k0, k1) = bounds
+        kind = self._kind(q0, q1, k0, k1)
+        if kind is not None:
+            return _constant_block((q1 - q0, k1 - k0), kind)
+        rows, cols = self._classes(q0, q1), self._classes(k0, k1)
+        block = np.repeat(np.repeat(self._table(rows, cols), cols.lengths, axis=1), rows.lengths, axis=0)
+        local = self._local(*bounds)
+        return block if local is True else block & local
+
+    def _kind(self, q0: int, q1: int, k0: int, k1: int) -> bool | None:
+        """Block `[q0, q1) x [k0, k1)`: hidden (`False`), fully visible (`True`) or
+        partially visible (`None`); remembered."""
+        key = (q0, q1, k0, k1)
+        kind = self._blocks.get(key, "new")
+        if kind == "new":
+            table = self._table(self._classes(q0, q1), self._classes(k0, k1))
+            local = self._local((q0, q1), (k0, k1))
+            if local is False or not table.any():
+                kind = False
+            elif local is True and table.all():
+                kind = True
+            else:
+                kind = None
+            self._blocks[key] = kind
+        return kind
+
+    def block_kinds(self, block_q: int, block_kv: int) -> np.ndarray:
+        """Every `(q block, kv block)` pair as splash's `block_mask` marks it: int32
+        `(S_q / block_q, S_k / block_kv)`, 0 hidden, 1 partially visible (the mask
+        evaluated in the kernel), 2 fully visible."""
+        S_q, S_k = self.shape
+        code = {False: 0, None: 1, True: 2}
+        return np.asarray(
+            [
+                [code[self._kind(i, i + block_q, j, j + block_kv)] for j in range(0, S_k, block_kv)]
+                for i in range(0, S_q, block_q)
+            ],
+            np.int32,
+        )
+
+
+def _downcast(x: np.ndarray) -> np.ndarray:
+    """The smallest of int8 / int16 / int32 that holds `x` (splash's scalar-memory
+    arrays, as its `process_mask` downcasts them)."""
+    top = int(x.max()) if x.size else 0
+    for dtype in (np.int8, np.int16):
+        if top <= np.iinfo(dtype).max:
+            return x.astype(dtype)
+    return x.astype(np.int32)
+
+
+def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
+    """Splash's `MaskInfo` of one mask shared by every head and computed in the
+    kernel (`mask_function`), from its block kinds (`_SplashTileMask.block_kinds`).
+
+    What splash's `process_mask` (forward, dQ) / `process_mask_dkv` (dK/dV) return
+    for such a mask (one head shard, one query shard, the grid shrunk to the
+    visible blocks; `tests/test_sparse_pallas.py` checks the two agree), without
+    materializing and hashing every partially visible `(block_q, block_kv)` block
+    in NumPy, as splash does before throwing them away for a mask computed in the
+    kernel: 6 s and 1.3 GB of host memory at Wan 480p, against 0.4 s here.
+
+    Forward / dQ: row `i` lists the visible kv blocks `j` of query block `i`
+    (`data_next`) with their kinds (`block_mask`), left-aligned and padded with 0.
+    dK/dV: column `j` lists the visible query blocks of kv block `j`, bottom-aligned.
+    """
+    lines = kinds.T if dkv else kinds
+    visible = [np.flatnonzero(line) for line in lines]
+    width = max(1, max(len(v) for v in visible))
+    index = np.full((len(lines), width), -1, np.int32)
+    for n, v in enumerate(visible):
+        if dkv:
+            index[n, width - len(v):] = v
+        else:
+            index[n, : len(v)] = v
+    block = np.where(index >= 0, np.take_along_axis(lines, np.maximum(index, 0), axis=1), 0)
+    data = np.maximum(index, 0)
+    if dkv:
+        block, data = block.T, data.T
+    return SplashMaskInfo(
+        data_next=_downcast(np.ascontiguousarray(data[None]).astype(np.int32)),
+        mask_next=None,
+        block_mask=_downcast(np.ascontiguousarray(block[None]).astype(np.int32)),
+        partial_mask_blocks=None,
+        q_sequence=np.arange(q_len, dtype=np.int32),
+    )
+
+
+def _tile_kernel(mask: "_SplashTileMask", block_sizes, soft_cap, interpret: bool):
+    """The splash kernel `make_splash_mha(MultiHeadMask([mask] * heads), ...)` returns
+    (for any number of heads, as `_splash_kernel_for` calls it), its mask infos built
+    by `_mask_info`."""
+    bs = block_sizes
+    infos = {}
+    for name, blocks, dkv in (
+        ("fwd", (bs.block_q, bs.block_kv), False),
+        ("dq", (bs.block_q_dq, bs.block_kv_dq), False),
+        ("dkv", (bs.block_q_dkv, bs.block_kv_dkv), True),
+    ):
+        same = [info for (b, d), info in infos.values() if (b, d) == (blocks, dkv)]
+        info = same[0] if same else _mask_info(mask.block_kinds(*blocks), mask.shape[0], dkv)
+        infos[name] = ((blocks, dkv), info)
+    fwd, dq, dkv = (jax.tree.map(jnp.array, infos[n][1]) for n in ("fwd", "dq", "dkv"))
+    return SplashAttentionKernel(
+        fwd,
+        dq,
+        dkv,
+        block_sizes=bs,
+        is_mqa=False,
+        save_residuals=True,
+        mask_value=SPLASH_DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=soft_cap,
+        residual_checkpoint_name=None,
+        mask_function=mask.mask_function,
+        interpret=interpret,
+    )
+
+
+def _block_sizes(block_q: int, block_kv: int):
+    """Splash's tiles: the same `(block_q, block_kv)` forward and backward (unfused)."""
+    return SplashBlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q,
+        block_kv_dq=block_kv,
+        use_fused_bwd_kernel=False,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,8 +399,12 @@ def _splash_kernel_for(
     block_q: int,
     block_kv: int,
     interpret: bool,
+    tile_mask: SlidingTileMask | None = None,
 ):
     """A splash kernel (forward with lse; dK/dV and dQ backward blocks) for one static mask.
+
+    `tile_mask`: one head's sliding tile mask (a shared window), ANDed with the
+    causal mask / window, for every head of the kernel.
 
     The backward is unfused: JAX's fused splash backward writes one partial dQ per
     key block, `(S_k / block_kv, H, S_q, D)`, which is O(S^2) memory (6.4 GB for
@@ -79,26 +413,20 @@ def _splash_kernel_for(
     left, right = (None, None) if window is None else window
     if causal:  # causal and a window: the window with its right side cut at 0
         right = 0 if right is None else min(right, 0)
-    if left is None and right is None:
+    if tile_mask is not None:
+        mask = _SplashTileMask(tile_mask, shape, None if left is None and right is None else (left, right))
+    elif left is None and right is None:
         mask = FullMask(shape)
     elif left is None and right == 0:
         mask = CausalMask(shape, offset=0)
     else:
         mask = LocalMask(shape, (left, right), offset=0)
-    block_sizes = SplashBlockSizes(
-        block_q=block_q,
-        block_kv=block_kv,
-        block_kv_compute=block_kv,
-        block_q_dkv=block_q,
-        block_kv_dkv=block_kv,
-        block_kv_dkv_compute=block_kv,
-        block_q_dq=block_q,
-        block_kv_dq=block_kv,
-        use_fused_bwd_kernel=False,
-    )
+    block_sizes = _block_sizes(block_q, block_kv)
     # The mask metadata are constants: built eagerly even when first asked for
     # under a trace, so the cached kernel holds no tracer.
     with jax.ensure_compile_time_eval():
+        if tile_mask is not None:
+            return _tile_kernel(mask, block_sizes, soft_cap, interpret)
         return make_splash_mha(
             MultiHeadMask([mask] * heads),
             block_sizes=block_sizes,
@@ -120,6 +448,57 @@ def _heads_minor(x: jax.Array, length: int) -> jax.Array:
     return jnp.swapaxes(x[:, :, :length], 1, 2)
 
 
+class _Group(NamedTuple):
+    """One splash kernel and the heads it serves: `heads`, the query heads (`None`:
+    all, in order); `kv_heads`, the key/value heads in the kernel's order (`None`:
+    all), for query heads in groups of `len(heads) // len(kv_heads)`."""
+
+    kernel: object
+    heads: tuple[int, ...] | None
+    kv_heads: tuple[int, ...] | None
+
+
+def _head_groups(tm: SlidingTileMask | None, heads: int, kv_heads: int):
+    """`[(head_mask, heads, kv_heads)]`: the query heads of each distinct head mask
+    (one head's sliding tile mask, or `None`), as `_Group` takes them.
+
+    Splash computes a mask in the kernel only when all its heads share one mask;
+    per-head masks that differ would have their partially visible blocks
+    materialized instead (`(n, block_q, block_kv)` booleans: about 350 MB per window
+    at Wan 480p). So each distinct head window gets a kernel of its own, over its
+    query heads and their key/value heads: whole GQA groups when the window's heads
+    are whole groups, else one key/value head per query head.
+    """
+    if tm is None or tm.heads is None:
+        return [(tm, None, None)]
+    by_mask: dict[SlidingTileMask, list[int]] = {}
+    for h in range(heads):
+        by_mask.setdefault(tm.select_heads(h, 1), []).append(h)
+    if len(by_mask) == 1:
+        ((head_mask, _),) = by_mask.items()
+        return [(head_mask, None, None)]
+    G = heads // kv_heads
+    groups = []
+    for head_mask, members in by_mask.items():
+        kv = sorted({h // G for h in members})
+        whole = members == [j * G + g for j in kv for g in range(G)]
+        groups.append((head_mask, tuple(members), tuple(kv) if whole else tuple(h // G for h in members)))
+    return groups
+
+
+def _take(x: jax.Array, heads) -> jax.Array:
+    """Heads `heads` of `x (B, H, ...)` (all when `None`)."""
+    return x if heads is None else jnp.take(x, np.asarray(heads), axis=1)
+
+
+def _merge(parts: list[jax.Array], groups: list[_Group]) -> jax.Array:
+    """The per-group results `(B, len(heads), ...)` back in head order."""
+    if len(parts) == 1 and groups[0].heads is None:
+        return parts[0]
+    order = np.argsort(np.concatenate([g.heads for g in groups]))
+    return jnp.take(jnp.concatenate(parts, axis=1), order, axis=1)
+
+
 def _collapse(mask_info):
     """The reshape `_jax_private.splash_attention` applies before its kernels."""
     if mask_info.partial_mask_blocks is None:
@@ -134,9 +513,17 @@ class PallasTpu(AbstractImplementation):
 
     **Arguments:**
 
-    - `block_q`, `block_kv`: tile sizes (multiples of 128; shrunk for short sequences).
+    - `block_q`, `block_kv`: tile sizes (multiples of 128; shrunk for short sequences;
+        with a sliding tile mask whose tiles are multiples of 128 tokens, rounded to
+        whole tiles).
     - `interpret`: run the kernels in Pallas interpret mode (on any platform,
         e.g. to test on CPU; slow).
+
+    A [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] runs the splash kernel
+    with the mask's block-sparse structure (built in NumPy when the kernel is first
+    traced, about a second at Wan 480p): hidden blocks are skipped, fully visible
+    ones computed without a mask, partially visible ones with the mask evaluated in
+    the kernel. Per-head windows run one kernel per distinct window.
     """
 
     block_q: int = 512
@@ -150,12 +537,15 @@ class PallasTpu(AbstractImplementation):
         # A bias or mask takes the flash kernel, which has neither; see `unsupported`.
         window=True,
         logits_soft_cap=True,
+        tile_mask=True,
         notes=(
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
             "lengths are padded to multiples of 128, the padding excluded by segment ids",
             "no custom positions, yet ring attention runs on it when causal or unmasked "
             "(its steps then need none)",
+            "a sliding tile mask runs the splash kernel over the whole sequence: not with "
+            "custom positions (a chunk), nor with a bias",
         ),
     )
 
@@ -175,6 +565,14 @@ class PallasTpu(AbstractImplementation):
                 missing.append(f"sliding window together with {what} (the flash kernel has no window)")
             if request.logits_soft_cap:
                 missing.append(f"logit soft cap together with {what} (the flash kernel has none)")
+            if request.tile_mask:
+                missing.append(f"sliding tile mask together with {what} (the flash kernel has none)")
+        if request.tile_mask and request.positions:
+            missing.append(
+                "sliding tile mask with custom positions (its splash mask is static over the "
+                "whole sequence: pass the whole tile layout with default positions, or use "
+                "'blockwise' for a chunk)"
+            )
         return missing
 
     def _scope(self):
@@ -182,73 +580,115 @@ class PallasTpu(AbstractImplementation):
 
     # -------------------------------------------------------------- splash (no bias)
 
+    def _splash_blocks(self, opts: Options) -> tuple[int, int]:
+        """`(block_q, block_kv)`: with a sliding tile mask whose tiles are multiples of
+        128 tokens (and whose video starts on a tile), whole tiles, so that every
+        block of video is fully visible or hidden (no mask evaluated in the kernel)."""
+        tm = opts.tile_mask
+        if tm is None or tm.tile_size % _LANES or tm.video_start % tm.tile_size:
+            return self.block_q, self.block_kv
+        return tuple(tm.tile_size * max(1, round(b / tm.tile_size)) for b in (self.block_q, self.block_kv))
+
     def _splash_setup(self, ops: Operands, opts: Options):
+        """`(groups, q, k, v, seg)`: the kernels' operands, and one `_Group` per splash
+        kernel (one unless a sliding tile mask has several distinct head windows)."""
         B, S_q, H, D = ops.q.shape
-        S_k = ops.k.shape[1]
-        bq, S_qp = a.tile(S_q, self.block_q, _LANES)
-        bkv, S_kp = a.tile(S_k, self.block_kv, _LANES)
-        kernel = _splash_kernel_for(
-            H, (S_qp, S_kp), opts.causal, opts.window, opts.logits_soft_cap, bq, bkv, self.interpret
-        )
+        S_k, H_kv = ops.k.shape[1:3]
+        block_q, block_kv = self._splash_blocks(opts)
+        bq, S_qp = a.tile(S_q, block_q, _LANES)
+        bkv, S_kp = a.tile(S_k, block_kv, _LANES)
+        groups = [
+            _Group(
+                _splash_kernel_for(
+                    len(heads) if heads is not None else H, (S_qp, S_kp), opts.causal, opts.window,
+                    opts.logits_soft_cap, bq, bkv, self.interpret, head_mask,
+                ),
+                heads,
+                kv_heads,
+            )
+            for head_mask, heads, kv_heads in _head_groups(opts.tile_mask, H, H_kv)
+        ]
         seg = a.kernel_segment_ids(ops, S_qp, S_kp)
         if seg is None:  # the kernel's batch of one example takes ids of shape (S,)
             seg = (jnp.zeros((B, S_qp), jnp.int32), jnp.zeros((B, S_kp), jnp.int32))
         q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
-        return kernel, q, _heads_major(ops.k, S_kp), _heads_major(ops.v, S_kp), seg
+        return groups, q, _heads_major(ops.k, S_kp), _heads_major(ops.v, S_kp), seg
 
     def _splash_fwd(self, ops, opts):
-        kernel, q, k, v, seg = self._splash_setup(ops, opts)
+        groups, q, k, v, seg = self._splash_setup(ops, opts)
+        outs, lses = [], []
+        for group in groups:
 
-        def one(q, k, v, seg_q, seg_kv):
-            out, (lse,) = kernel(q, k, v, SplashSegmentIds(seg_q, seg_kv))
-            return out, lse
+            def one(q, k, v, seg_q, seg_kv, kernel=group.kernel):
+                out, (lse,) = kernel(q, k, v, SplashSegmentIds(seg_q, seg_kv))
+                return out, lse
 
-        out, lse = opaque_to_vma(jax.vmap(one), q, k, v, *seg)
+            out, lse = opaque_to_vma(
+                jax.vmap(one), _take(q, group.heads), _take(k, group.kv_heads), _take(v, group.kv_heads), *seg
+            )
+            outs.append(out)
+            lses.append(lse)
+        out, lse = _merge(outs, groups), _merge(lses, groups)
         S_q = ops.q.shape[1]
         return jnp.swapaxes(out[:, :, :S_q], 1, 2), lse[:, :, :S_q]
 
     def _splash_bwd(self, ops, opts, kernel_lse, delta, dout):
-        kernel, q, k, v, seg = self._splash_setup(ops, opts)
+        groups, q, k, v, seg = self._splash_setup(ops, opts)
         S_q, S_k = ops.q.shape[1], ops.k.shape[1]
         S_qp = q.shape[2]
         do = _heads_major(dout.astype(ops.q.dtype), S_qp)
         lse = a.pad_axis(kernel_lse, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
-        bs = kernel.kwargs["block_sizes"]
-
-        common = dict(
-            is_mqa=False,
-            mask_value=kernel.kwargs["mask_value"],
-            attn_logits_soft_cap=opts.logits_soft_cap,
-            q_layout=bs.q_layout,
-            k_layout=bs.k_layout,
-            v_layout=bs.v_layout,
-            mask_function=kernel.kwargs["mask_function"],
-            interpret=self.interpret,
-        )
-
-        def one(q, k, v, seg_q, seg_kv, lse, do, delta):
-            seg = SplashSegmentIds(seg_q, seg_kv)
-            _, dk, dv = splash_attention_bwd_dkv(
-                q, k, v, seg, None, lse, do, delta,
-                bq=bs.block_q_dkv,
-                bkv=bs.block_kv_dkv,
-                bkv_compute=bs.block_kv_dkv_compute,
-                mask_info=_collapse(kernel.dkv_mask_info),
-                use_fused_bwd_kernel=False,
-                **common,
+        dqs, dk, dv = [], None, None
+        for group in groups:
+            kernel = group.kernel
+            bs = kernel.kwargs["block_sizes"]
+            common = dict(
+                is_mqa=False,
+                mask_value=kernel.kwargs["mask_value"],
+                attn_logits_soft_cap=opts.logits_soft_cap,
+                q_layout=bs.q_layout,
+                k_layout=bs.k_layout,
+                v_layout=bs.v_layout,
+                mask_function=kernel.kwargs["mask_function"],
+                interpret=self.interpret,
             )
-            dq = splash_attention_bwd_dq(
-                q, k, v, seg, None, lse, do, delta,
-                bq=bs.block_q_dq,
-                bkv=bs.block_kv_dq,
-                mask_info=_collapse(kernel.dq_mask_info),
-                **common,
-            )
-            return dq, dk, dv
 
-        dq, dk, dv = opaque_to_vma(jax.vmap(one), q, k, v, *seg, lse, do, delta)
-        dq = _heads_minor(dq, S_q).astype(F32) * opts.scale
+            def one(q, k, v, seg_q, seg_kv, lse, do, delta, kernel=kernel, bs=bs, common=common):
+                seg = SplashSegmentIds(seg_q, seg_kv)
+                _, dk, dv = splash_attention_bwd_dkv(
+                    q, k, v, seg, None, lse, do, delta,
+                    bq=bs.block_q_dkv,
+                    bkv=bs.block_kv_dkv,
+                    bkv_compute=bs.block_kv_dkv_compute,
+                    mask_info=_collapse(kernel.dkv_mask_info),
+                    use_fused_bwd_kernel=False,
+                    **common,
+                )
+                dq = splash_attention_bwd_dq(
+                    q, k, v, seg, None, lse, do, delta,
+                    bq=bs.block_q_dq,
+                    bkv=bs.block_kv_dq,
+                    mask_info=_collapse(kernel.dq_mask_info),
+                    **common,
+                )
+                return dq, dk, dv
+
+            heads, kv_heads = group.heads, group.kv_heads
+            dq_g, dk_g, dv_g = opaque_to_vma(
+                jax.vmap(one), _take(q, heads), _take(k, kv_heads), _take(v, kv_heads), *seg,
+                _take(lse, heads), _take(do, heads), _take(delta, heads),
+            )
+            dqs.append(dq_g)
+            if kv_heads is None:
+                dk, dv = dk_g, dv_g
+            else:  # several groups may share a kv head (a query head each): add up
+                if dk is None:
+                    dk = jnp.zeros(k.shape, F32)
+                    dv = jnp.zeros(v.shape, F32)
+                dk = dk.at[:, np.asarray(kv_heads)].add(dk_g.astype(F32))
+                dv = dv.at[:, np.asarray(kv_heads)].add(dv_g.astype(F32))
+        dq = _heads_minor(_merge(dqs, groups), S_q).astype(F32) * opts.scale
         return dq, _heads_minor(dk, S_k), _heads_minor(dv, S_k), None
 
     # -------------------------------------------------------- flash (bias or mask)

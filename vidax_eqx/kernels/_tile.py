@@ -399,35 +399,56 @@ def tile_positions(grid, tile) -> np.ndarray:
 # -- what the kernels evaluate ------------------------------------------------------
 
 
-def rows_visibility(tm: SlidingTileMask, q_pos: jax.Array, kv_pos: jax.Array, kv_heads: int, heads: int):
-    """The mask on one tile in `_math`'s rows layout: bool `(1, K|1, M, U)`.
+def q_features(tm: SlidingTileMask, q_pos: jax.Array, kv_heads: int, heads: int):
+    """What a tile's query rows need of the mask, computed once per block.
 
-    `q_pos (M,)` are the rows' positions (`M = G * T`: row `g * T + t` is query
-    head `k * G + g` of kv head `k`), `kv_pos (U,)` the keys'. Shared windows give
-    `(1, 1, M, U)`; per-head windows `(1, K, M, U)`.
+    `q_pos (..., M)` in `_math`'s rows layout (`M = G * T`: row `g * T + t` is query
+    head `k * G + g` of kv head `k`). Returns `(text, video, bounds)`: bool `(..., M)`
+    and int32 `bounds (..., 6, K|1, M)`, the visible key-tile range `[lo_d, hi_d)` of
+    each row along the three dimensions (`lo` then `hi`; `K` for per-head windows).
     """
-    q_text, q_video, q_coords = tm.decode(q_pos)
-    k_text, k_video, k_coords = tm.decode(kv_pos)
+    text, video, coords = tm.decode(q_pos)
     sizes = np.asarray(tm.windows, np.int32)  # (1 | H, 3)
-    M = q_pos.shape[0]
+    M = q_pos.shape[-1]
     if len(sizes) == 1:
-        w = sizes[:, None, :]  # (1, 1, 3): one row of windows
+        w = sizes[:, None, :]  # (1, 1, 3)
     else:
         G = heads // kv_heads
         head = np.arange(kv_heads)[:, None] * G + np.arange(M)[None, :] // (M // G)
         w = sizes[head]  # (K, M, 3): the window of each row's head
+    lo = [jnp.clip(coords[d][..., None, :] - w[..., d] // 2, 0, tm.tiles[d] - w[..., d]) for d in range(3)]
+    hi = [lo[d] + w[..., d] for d in range(3)]
+    return text, video, jnp.stack(lo + hi, axis=-3).astype(jnp.int32)
+
+
+def kv_features(tm: SlidingTileMask, kv_pos: jax.Array):
+    """What a tile's keys need of the mask: `(text, video, coords)` for `kv_pos (..., U)`,
+    bool `(..., U)` and int32 tile coordinates `(..., 3, U)`."""
+    text, video, coords = tm.decode(kv_pos)
+    return text, video, jnp.stack(coords, axis=-2)
+
+
+def features_visibility(q, kv):
+    """The mask on one tile from `q_features` `(M,)` / `(6, K|1, M)` and `kv_features`
+    `(U,)` / `(3, U)`: bool `(1, K|1, M, U)`."""
+    q_text, q_video, bounds = q
+    k_text, k_video, coords = kv
     box = None
     for d in range(3):
-        wd = w[..., d]
-        s = jnp.clip(q_coords[d][None, :] - wd // 2, 0, tm.tiles[d] - wd)[..., None]  # (K|1, M, 1)
-        c = k_coords[d][None, None, :]
-        inside = (c >= s) & (c < s + wd[..., None])
+        c = coords[d][None, None, :]
+        inside = (c >= bounds[d][..., None]) & (c < bounds[3 + d][..., None])
         box = inside if box is None else box & inside
     k_real = k_text | k_video
     vis = (q_text[:, None] & k_real[None, :])[None] | (
         q_video[None, :, None] & (k_text[None, None, :] | (k_video[None, None, :] & box))
     )
     return vis[None]
+
+
+def rows_visibility(tm: SlidingTileMask, q_pos: jax.Array, kv_pos: jax.Array, kv_heads: int, heads: int):
+    """The mask on one tile in `_math`'s rows layout: bool `(1, K|1, M, U)` for the rows'
+    positions `q_pos (M,)` and the keys' `kv_pos (U,)` (see `q_features`)."""
+    return features_visibility(q_features(tm, q_pos, kv_heads, heads), kv_features(tm, kv_pos))
 
 
 def q_block_ranges(tm: SlidingTileMask, q_pos, xp=jnp):
