@@ -209,9 +209,11 @@ def _as_mask(x) -> AbstractMask:
         return x
     if isinstance(x, (np.ndarray, jax.Array)):
         return DenseMask(x)
+    if isinstance(x, kernels.SlidingTileMask):
+        return _TileMask(x)
     raise TypeError(
-        f"a mask must be an AbstractMask (FullMask, CausalMask, LocalMask, ...) or a boolean "
-        f"(S, S) array; received {type(x).__name__}."
+        f"a mask must be an AbstractMask (FullMask, CausalMask, LocalMask, ...), a "
+        f"kernels.SlidingTileMask or a boolean (S, S) array; received {type(x).__name__}."
     )
 
 
@@ -339,6 +341,39 @@ class DenseMask(AbstractMask):
 
     def _materialize(self, seq_len, xp):
         return self.array if xp is np else jnp.asarray(self.array)
+
+
+class _TileMask(AbstractMask):
+    """A [`kernels.SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] as a ring mask
+    (what `_as_mask` makes of one). Alone, or `&`-ed with positional masks, it runs
+    as `ring_attention(mask=...)`: every step's kernel evaluates it at the step's
+    global positions, nothing is materialized. Inside other combinations its
+    blocks are materialized (shared windows only)."""
+
+    tile: kernels.SlidingTileMask = eqx.field(static=True)
+
+    def block(self, q_positions, kv_positions):
+        if self.tile.heads is not None:
+            raise NotImplementedError(
+                "make_ring_attention: a SlidingTileMask with per-head windows runs alone or "
+                "`&`-ed with FullMask / CausalMask / LocalMask; combined with a dense mask or "
+                "with `|` it would need one 2D mask for every head."
+            )
+        xp = _xp(q_positions, kv_positions)
+        return self.tile.visible(q_positions, kv_positions, xp)[0]
+
+    def window(self):
+        return None
+
+    def seq_len(self):
+        return self.tile.seq_len
+
+    def _split(self):
+        return (None, None), self
+
+    def _materialize(self, seq_len, xp):
+        pos = xp.arange(seq_len, dtype=xp.int32)
+        return self.block(pos, pos)
 
 
 def _combined_seq_len(left: AbstractMask, right: AbstractMask) -> int | None:
@@ -608,12 +643,15 @@ class RingAttentionKernel(eqx.Module):
                 "the kernel attends one global sequence to itself: q and k must hold the same "
                 f"local length L; received q: {q.shape}, k: {k.shape}."
             )
-        self._seq_len(n * q.shape[1])
-        window = self.mask.window()
-        if window is not None:  # positional: the kernel's causal / window, no mask array
+        window, tile_mask = self._tile_split()
+        step_mask = None
+        if tile_mask is not None:  # ring_attention(mask=...), which checks the length
             causal, window = _kernel_window(window)
-            step_mask = None
+        elif self.mask.window() is not None:  # positional: causal / window, no mask array
+            self._seq_len(n * q.shape[1])
+            causal, window = _kernel_window(self.mask.window())
         else:  # the positional factors as causal / window, the rest as `mask=` blocks
+            self._seq_len(n * q.shape[1])
             window, rest = self.mask._split()
             causal, window = _kernel_window(window)
             step_mask = functools.partial(self._step_mask, rest)
@@ -622,8 +660,16 @@ class RingAttentionKernel(eqx.Module):
                 q, k, v, axis_name=self.ring_axis, causal=causal, segment_ids=segment_ids,
                 sinks=sinks, window=window, scale=self.scale,
                 logits_soft_cap=self.logits_soft_cap, layout=self.layout,
-                implementation=self._implementation(), step_mask=step_mask,
+                implementation=self._implementation(), step_mask=step_mask, tile_mask=tile_mask,
             )
+
+    def _tile_split(self) -> tuple[Window, "kernels.SlidingTileMask | None"]:
+        """`(window, tile_mask)` when the mask is a sliding tile mask `&`-ed with positional
+        masks only (it then runs from positions alone), else `(_, None)`."""
+        window, rest = self.mask._split()
+        if isinstance(rest, _TileMask):
+            return window, rest.tile
+        return window, None
 
     def _step_mask(self, rest: AbstractMask, n: int, L: int) -> _StepMask:
         plan = _mask_plan(self.mask, self.layout, n, L)
@@ -655,6 +701,11 @@ class RingAttentionKernel(eqx.Module):
         if S % n:
             raise ValueError(f"`seq_len` must be a multiple of sp_size={n}; received {S}.")
         L = S // n
+        window, tile_mask = self._tile_split()
+        if tile_mask is not None:
+            causal, window = _kernel_window(window)
+            plan = _ring._tile_plan(tile_mask, self.layout, n, L, L, causal, window)
+            return _ring._work(plan, self.layout, n, L)
         window = self.mask.window()
         if window is not None:
             causal, window = _kernel_window(window)
@@ -701,7 +752,11 @@ def make_ring_attention(
 
     - `mask`: over the global positions of the sequence (`True` = may attend): a
         boolean `(S, S)` NumPy array, or a mask object ([`FullMask`][],
-        [`CausalMask`][], [`LocalMask`][], [`DenseMask`][], and their `&` / `|`).
+        [`CausalMask`][], [`LocalMask`][], [`DenseMask`][], and their `&` / `|`), or a
+        [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] (sliding tile
+        attention; alone or `&`-ed with positional masks it runs as
+        `ring_attention(mask=...)`, never materialized, per-head windows allowed, and
+        the global sequence may be its `seq_len` padded by less than a tile per chunk).
         There is no `causal` flag: causal attention is a `CausalMask` (with a dense
         mask: `dense & CausalMask()`). Segment ids given at call time are ANDed
         with the mask. One mask serves every batch element and head.
