@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from .._order import after
+from ..parallel._ring import RankMasks, _with_mask
 from .._vma import as_varying, varying_axes
 from ..parallel import (
     axis_size,
@@ -148,51 +149,81 @@ def _after_tp(x: Array, q: Array, m) -> Array:
     return x if m.parallel.tp_axis is None else after(x, q)
 
 
-def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_ids=None):
-    """`(S, H, D)` self-attention of one example with the configured sequence parallelism."""
+def _tile_mask(cls: str, mask, m, heads_local: int):
+    """The call's `SlidingTileMask` for this device's heads: under tensor parallelism
+    per-head windows follow the heads to their TP rank (`RankMasks`)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, kernels.SlidingTileMask):
+        raise TypeError(
+            f"{cls}: `mask` must be a vidax_eqx.kernels.SlidingTileMask or None; received "
+            f"{type(mask).__name__}."
+        )
+    mask.check_heads(m.num_heads, cls)
+    tp_axis = m.parallel.tp_axis
+    if mask.heads is None or tp_axis is None:
+        return mask
+    masks = RankMasks.of(mask, heads_local, tp_axis, m.num_heads // heads_local)
+    if isinstance(masks, RankMasks) and m.parallel.sequence in ("ulysses", "usp"):
+        raise NotImplementedError(
+            f"{cls}: per-head SlidingTileMask windows that differ between tensor-parallel "
+            f"ranks under sequence={m.parallel.sequence!r} are not supported (both split the "
+            "heads); use one window for all heads, equal windows per TP rank, or "
+            "sequence='ring'."
+        )
+    return masks
+
+
+def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_ids=None,
+                    mask=None):
+    """`(S, H, D)` self-attention of one example with the configured sequence parallelism
+    (`mask`: a `SlidingTileMask`, or `RankMasks` of them, or None)."""
     q, k, v = q[None], k[None], v[None]
     seg = None if segment_ids is None else segment_ids[None]
     mode = parallel.sequence
     if mode == "none":
-        out = kernels.attention(q, k, v, segment_ids=seg, implementation=implementation)
+        out = _with_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
+                         implementation=implementation)
     elif mode == "ulysses":
         out = sequence_parallel_self_attention(
-            q, k, v, parallel.sp_axis, segment_ids=seg, implementation=implementation
+            q, k, v, parallel.sp_axis, segment_ids=seg, mask=mask, implementation=implementation
         )
     elif mode == "ring":
         out = ring_attention(
             q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
-            implementation=implementation,
+            mask=mask, implementation=implementation,
         )
     else:
         out = usp_attention(
             q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
-            segment_ids=seg, layout=parallel.layout, implementation=implementation,
+            segment_ids=seg, layout=parallel.layout, mask=mask, implementation=implementation,
         )
     return out[0]
 
 
 def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implementation,
-                     segment_ids=None):
+                     segment_ids=None, mask=None):
     """`(T + S, H, D)` attention of one example over `[text; this device's tokens]`."""
     q, k, v = q[None], k[None], v[None]
     seg = None if segment_ids is None else segment_ids[None]
     mode = parallel.sequence
     if mode == "none":
-        out = kernels.attention(q, k, v, segment_ids=seg, implementation=implementation)
+        out = _with_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
+                         implementation=implementation)
     elif mode == "ulysses":
         out = sequence_parallel_joint_self_attention(
-            q, k, v, text_len, parallel.sp_axis, segment_ids=seg, implementation=implementation
+            q, k, v, text_len, parallel.sp_axis, segment_ids=seg, mask=mask,
+            implementation=implementation,
         )
     elif mode == "ring":
         out = ring_attention(
             q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
-            text_len=text_len, implementation=implementation,
+            text_len=text_len, mask=mask, implementation=implementation,
         )
     else:
         out = usp_attention(
             q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
-            segment_ids=seg, layout=parallel.layout, text_len=text_len,
+            segment_ids=seg, layout=parallel.layout, text_len=text_len, mask=mask,
             implementation=implementation,
         )
     return out[0]
@@ -283,6 +314,7 @@ class Attention(eqx.Module):
         *,
         rope: _Rope | None = None,
         segment_ids: Int[Array, " S"] | None = None,
+        mask: kernels.SlidingTileMask | None = None,
     ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
@@ -294,6 +326,12 @@ class Attention(eqx.Module):
         - `segment_ids`: int `(S,)`, sharded like `x`: tokens attend within equal ids
             and a negative id is padding (attends to nothing, seen by nothing; its
             attention output is 0). This is how Wan's `seq_lens` is expressed.
+        - `mask`: a [`vidax_eqx.kernels.SlidingTileMask`][] (sliding tile attention)
+            over the whole sequence: `x` (and `rope`) in the tile layout of
+            [`vidax_eqx.kernels.tile_permute`][], padded to whole tiles (and, sharded,
+            to the devices as the parallel function asks); the hidden tiles are
+            skipped. Per-head windows follow their heads (under tensor parallelism
+            too). `None`: full attention.
 
         **Returns:**
 
@@ -311,7 +349,8 @@ class Attention(eqx.Module):
             if rope is not None:
                 q = functional.apply_rope(q, *rope)
                 k = functional.apply_rope(k, *rope)
-            out = _self_attention(q, k, v, self.parallel, self.implementation, segment_ids)
+            mask = _tile_mask("Attention", mask, self, H)
+            out = _self_attention(q, k, v, self.parallel, self.implementation, segment_ids, mask)
             return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
 
@@ -567,6 +606,7 @@ class JointAttention(eqx.Module):
         rope: _Rope | None = None,
         segment_ids: Int[Array, " T+S"] | None = None,
         context_copies: bool = False,
+        mask: kernels.SlidingTileMask | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
 
@@ -586,6 +626,10 @@ class JointAttention(eqx.Module):
             axes, so the check that the text is whole and the same on every device
             (which refuses a text sharded like `x`, a wrong answer) is skipped. The
             caller checks the stream's first input instead.
+        - `mask`: a [`vidax_eqx.kernels.SlidingTileMask`][] over `[context; x]`: its
+            `text_len` is `T` (`"prefix"`), and `x` (and `rope`) are the video tokens
+            in the tile layout of [`vidax_eqx.kernels.tile_permute`][]. `None`: full
+            attention.
 
         **Returns:**
 
@@ -607,7 +651,9 @@ class JointAttention(eqx.Module):
             if rope is not None:
                 q = jnp.concatenate([q[:T], functional.apply_rope(q[T:], *rope)], axis=0)
                 k = jnp.concatenate([k[:T], functional.apply_rope(k[T:], *rope)], axis=0)
-            out = _joint_attention(q, k, v, T, self.parallel, self.implementation, segment_ids)
+            mask = _tile_mask("JointAttention", mask, self, H)
+            out = _joint_attention(q, k, v, T, self.parallel, self.implementation, segment_ids,
+                                   mask)
             out = _row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
             return out[T:], out[:T]
