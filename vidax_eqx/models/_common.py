@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .. import interop, nn
+from .. import interop, kernels, nn
 from ..parallel import axis_size
 
 
@@ -63,7 +63,21 @@ def token_multiple(parallel: nn.ParallelConfig) -> int:
     return 2 * n if parallel.layout == "zigzag" else n
 
 
-def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig):
+def sliding_tile_mask(owner: str, sliding_tile, grid) -> "kernels.SlidingTileMask | None":
+    """The `SlidingTileMask` of a model's `sliding_tile=(tile, window)` over its patch
+    `grid`, or `None`."""
+    if sliding_tile is None:
+        return None
+    if not isinstance(sliding_tile, (tuple, list)) or len(sliding_tile) != 2:
+        raise ValueError(
+            f"{owner}: `sliding_tile` must be a pair (tile, window), e.g. ((3, 6, 8), (3, 3, 3)); "
+            f"received {sliding_tile!r}."
+        )
+    tile, window = sliding_tile
+    return kernels.SlidingTileMask(tuple(grid), tile, window)
+
+
+def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1):
     """This device's tokens (or patches) and rows of the per-token arrays (RoPE tables,
     position embeddings) under `parallel`, and the padding's segment ids.
 
@@ -71,12 +85,15 @@ def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig):
     padding given segment id -1 (invisible to attention) and the rest 0, and each array
     is split by [`vidax_eqx.nn.shard_tokens`][]. `per_token` is any PyTree of
     `(S, ...)` arrays. Returns `(tokens, per_token, segment_ids, n)`: `segment_ids` is
-    `None` when nothing is padded, `n` the real token count.
+    `None` when nothing is padded, `n` the real token count. `tile_size`: the tokens
+    of a sliding tile mask's tile; ring attention then gets whole tiles per chunk.
     """
     n = tokens.shape[0]
     if parallel.sequence == "none":
         return tokens, per_token, None, n
     multiple = token_multiple(parallel)
+    if parallel.sequence in ("ring", "usp"):
+        multiple *= tile_size
     total = -(-n // multiple) * multiple
     segment_ids = None
     if total != n:
@@ -123,7 +140,7 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
 
 
 def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
-                remat: str | None = None, **kwargs):
+                remat: str | None = None, sliding_tile=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
     `jax.shard_map` of `jax.vmap(model)`: the weights placed by
@@ -144,6 +161,8 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     - `mesh`: a `jax.sharding.Mesh` with the model's axes (and `batch_axis`).
     - `batch_axis`: the data-parallel mesh axis, or `None` (the batch on every device).
     - `remat`: the model's rematerialization policy (see its `__call__`).
+    - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
+        `__call__`); `None`: full attention.
     - `**kwargs`: further batched array inputs of the model (e.g. `context_image`).
 
     **Returns:**
@@ -163,10 +182,11 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
             )
     batch = P(batch_axis)
     names = sorted(kwargs)
+    static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
 
     def per_device(model, x, timestep, context, *extra):
         def one(x, timestep, context, *extra):
-            return model(x, timestep, context, remat=remat, **dict(zip(names, extra)))
+            return model(x, timestep, context, remat=remat, **static, **dict(zip(names, extra)))
 
         return jax.vmap(one)(x, timestep, context, *extra)
 

@@ -13,9 +13,16 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
-from .. import interop, nn
+from .. import interop, kernels, nn
 from ..nn import functional
-from ._common import check_remat, load_pretrained, padded_tokens, read_config, scan_layers
+from ._common import (
+    check_remat,
+    load_pretrained,
+    padded_tokens,
+    read_config,
+    scan_layers,
+    sliding_tile_mask,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +295,7 @@ class WanBlock(eqx.Module):
                                   dtype=dtype, key=k3)
         self.modulation = (jax.random.normal(k4, (1, 6, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
 
-    def __call__(self, x, e0, context, rope, segment_ids, context_image):
+    def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None):
         """**Arguments:**
 
         - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
@@ -300,6 +307,8 @@ class WanBlock(eqx.Module):
         - `segment_ids`: int `(S,)` or `None`, as for [`vidax_eqx.nn.Attention`][]
             (negative ids are padding).
         - `context_image`: I2V: the embedded image features `(L_img, dim)`; else `None`.
+        - `mask`: the self-attention's `SlidingTileMask` (tokens in its tile layout), or
+            `None` for full attention.
 
         **Returns:**
 
@@ -310,7 +319,7 @@ class WanBlock(eqx.Module):
             e = self.modulation[0].astype(jnp.float32) + e0
             shift1, scale1, gate1, shift2, scale2, gate2 = e
             h = self.norm1(x, shift1, scale1).astype(dtype)
-            y = self.self_attn(h, rope=rope, segment_ids=segment_ids)
+            y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
             x = x + y.astype(jnp.float32) * gate1
             h = x if self.norm3 is None else self.norm3(x)
             y = self.cross_attn(h.astype(dtype), context, context_image=context_image)
@@ -483,6 +492,7 @@ class WanTransformer3D(eqx.Module):
         *,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
+        sliding_tile: tuple | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
 
@@ -495,6 +505,12 @@ class WanTransformer3D(eqx.Module):
         - `remat`: the rematerialization policy of each block in the backward pass:
             `None` (store activations), `"full"` (recompute everything), or the name
             of a `jax.checkpoint_policies` policy (e.g. `"dots_saveable"`).
+        - `sliding_tile`: `(tile, window)` runs every self-attention as sliding tile
+            attention ([`vidax_eqx.kernels.SlidingTileMask`][]`(patch_grid, tile,
+            window)`, `window` shared or one per head): the patch tokens and their
+            RoPE tables are laid out tile by tile ([`vidax_eqx.kernels.tile_permute`][])
+            after the patch embedding and back before the output, and the hidden
+            tiles are skipped. `None` (default): full attention, as the reference.
 
         **Returns:**
 
@@ -529,17 +545,26 @@ class WanTransformer3D(eqx.Module):
 
             rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
             parallel = self.parallel
+            mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
+            if mask is not None:  # tile layout: tiles in raster order, zero padding rows
+                patches, rope = jax.tree.map(
+                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0), (patches, rope)
+                )
             # Each device embeds only its share of the patches (padding: zero patches,
             # invisible through segment id -1).
-            patches, rope, segment_ids, n = padded_tokens(patches, rope, parallel)
+            patches, rope, segment_ids, n = padded_tokens(
+                patches, rope, parallel, tile_size=1 if mask is None else mask.tile_size
+            )
             tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
             def block(x, b):
-                return b(x, e0, context, rope, segment_ids, context_image)
+                return b(x, e0, context, rope, segment_ids, context_image, mask)
 
             tokens = scan_layers(block, tokens, self.blocks, policy)
             out = self.head(tokens, t.astype(jnp.float32))
             out = nn.gather_tokens(out, parallel)[:n]
+            if mask is not None:
+                out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
             return functional.unpatchify(out, grid, c.patch_size).astype(dtype)
 
     # -- checkpoints --------------------------------------------------------------------

@@ -966,17 +966,18 @@ def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, 
 
 def _ring_attention(
     q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale, logits_soft_cap, layout,
-    implementation, step_mask=None, tile_mask=None,
+    implementation, step_mask=None, tile_mask=None, tile_unit=None,
 ):
     """`ring_attention`, and more: `step_mask(sp_size, L)`, when given, builds the
     step mask of this call (see `_step_plan`) once the arguments are validated;
     `make_ring_attention`'s kernels use it. `tile_mask`: a `SlidingTileMask` over
-    the global positions, given to every step's kernel."""
+    the global positions, given to every step's kernel; `tile_unit`: the padding it
+    allows, in tiles (default one per chunk; USP pads to whole tiles per device)."""
     n = axis_size(axis_name, what="Ring")
     _check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     L_q, L_k = q.shape[1], k.shape[1]
-    check_tile_mask("ring_attention", tile_mask, n * L_q, q.shape[2], _parts(layout) * n)
+    check_tile_mask("ring_attention", tile_mask, n * L_q, q.shape[2], tile_unit or _parts(layout) * n)
     if tile_mask is not None and L_q != L_k:
         raise ValueError(
             "ring_attention: a SlidingTileMask is a self-attention mask: q and k/v must hold "

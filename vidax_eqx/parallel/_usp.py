@@ -209,8 +209,9 @@ def usp_attention(
     sinks = _ring.check_sinks(_FN, sinks, H)
 
     heads_local = H // U
+    unit = None
     if mask is not None:
-        unit = _ring._parts(layout) * R
+        unit = _ring._parts(layout) * R * U  # at most one tile per device and chunk
         if text_len:
             check_joint_tile_mask(_FN, mask, text_len, R * U * L, H, unit)
         else:
@@ -261,7 +262,8 @@ def usp_attention(
         if text_len == 0:
             seg = None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v)
             out_v = _ring._ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
-                                          sinks=sinks, layout=layout, tile_mask=mask, **opts)
+                                          sinks=sinks, layout=layout, tile_mask=mask,
+                                          tile_unit=unit, **opts)
         else:
             out_t, out_v = joint_attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
