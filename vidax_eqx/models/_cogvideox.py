@@ -12,11 +12,18 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
-from .. import interop, nn
+from .. import interop, kernels, nn
 from .._vma import as_varying, varying_axes
 from ..nn._parallel import check_text
 from ..nn import functional
-from ._common import check_remat, load_pretrained, padded_tokens, read_config, scan_layers
+from ._common import (
+    check_remat,
+    load_pretrained,
+    padded_tokens,
+    read_config,
+    scan_layers,
+    sliding_tile_mask,
+)
 
 
 _ACTIVATIONS = {"gelu-approximate": "gelu_tanh", "gelu": "gelu"}
@@ -291,7 +298,7 @@ class CogVideoXBlock(eqx.Module):
         self.ff = nn.FeedForward(c.dim, 4 * c.dim, activation=_ACTIVATIONS[c.activation_fn],
                                  parallel=parallel, dtype=dtype, key=k4)
 
-    def __call__(self, x, context, temb, rope, segment_ids):
+    def __call__(self, x, context, temb, rope, segment_ids, mask=None):
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)`: the whole sequence on one device, this
@@ -303,6 +310,8 @@ class CogVideoXBlock(eqx.Module):
             `None`: no RoPE (2B).
         - `segment_ids`: int `(T + S,)` or `None`, the segment ids of `[context; x]`,
             as for [`vidax_eqx.nn.JointAttention`][].
+        - `mask`: the attention's `SlidingTileMask` over `[context; x]` (video tokens in
+            its tile layout), or `None` for full attention.
 
         **Returns:**
 
@@ -312,7 +321,7 @@ class CogVideoXBlock(eqx.Module):
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)
             a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids,
-                                  context_copies=True)
+                                  context_copies=True, mask=mask)
             x, context = x + gate * a_x, context + c_gate * a_c
             x_n, c_n, gate, c_gate = self.norm2(x, context, temb)
             f = self.ff(jnp.concatenate([c_n, x_n]))
@@ -474,6 +483,7 @@ class CogVideoXTransformer3D(eqx.Module):
         context: Float[Array, "T {self.config.text_embed_dim}"],
         *,
         remat: str | None = None,
+        sliding_tile: tuple | None = None,
     ) -> Float[Array, "F {self.config.out_channels} H W"]:
         """**Arguments:**
 
@@ -485,6 +495,10 @@ class CogVideoXTransformer3D(eqx.Module):
             the pipeline), whole on every device.
         - `remat`: the rematerialization policy of each block in the backward pass, as
             for [`WanTransformer3D`][].
+        - `sliding_tile`: `(tile, window)`: sliding tile attention over the video
+            tokens, the text a prefix every token sees and that sees every token
+            ([`vidax_eqx.kernels.SlidingTileMask`][]`(patch_grid, tile, window,
+            text_len=T)`), as for [`WanTransformer3D`][]. `None`: full attention.
 
         **Returns:**
 
@@ -506,11 +520,18 @@ class CogVideoXTransformer3D(eqx.Module):
             context = _dense(self.patch_embed.text_proj, context.astype(dtype))
             if pos_text is not None:
                 context = context + pos_text.astype(dtype)
+            parallel = self.parallel
+            mask = sliding_tile_mask("CogVideoXTransformer3D", sliding_tile, grid, T)
+            if mask is not None:  # tile layout: tiles in raster order, zero padding rows
+                patches, rope, pos_video = jax.tree.map(
+                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
+                    (patches, rope, pos_video),
+                )
             # Each device embeds only its share of the patches (padding: zero patches,
             # invisible through segment id -1), with its rows of the positions.
-            parallel = self.parallel
             patches, (rope, pos_video), segment_ids, n = padded_tokens(
-                patches, (rope, pos_video), parallel
+                patches, (rope, pos_video), parallel,
+                tile_size=1 if mask is None else mask.tile_size,
             )
             tokens = self.patch_embed.proj.project(patches)
             if pos_video is not None:
@@ -526,12 +547,14 @@ class CogVideoXTransformer3D(eqx.Module):
             context = as_varying(context, varying_axes(tokens, context))
 
             def block(carry, b):
-                return b(*carry, temb, rope, segment_ids)
+                return b(*carry, temb, rope, segment_ids, mask)
 
             tokens, _ = scan_layers(block, (tokens, context), self.transformer_blocks, policy)
             tokens = self.norm_out(self.norm_final(tokens), temb)
             out = _dense(self.proj_out, tokens)
             out = nn.gather_tokens(out, parallel)[:n]
+            if mask is not None:
+                out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
             out = functional.unpatchify(out, grid, p, channels_first=True)
             return jnp.transpose(out, (1, 0, 2, 3)).astype(dtype)
 

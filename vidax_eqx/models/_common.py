@@ -63,9 +63,9 @@ def token_multiple(parallel: nn.ParallelConfig) -> int:
     return 2 * n if parallel.layout == "zigzag" else n
 
 
-def sliding_tile_mask(owner: str, sliding_tile, grid) -> "kernels.SlidingTileMask | None":
-    """The `SlidingTileMask` of a model's `sliding_tile=(tile, window)` over its patch
-    `grid`, or `None`."""
+def sliding_tile_mask(owner: str, sliding_tile, grid, text_len: int = 0):
+    """The `kernels.SlidingTileMask` of a model's `sliding_tile=(tile, window)` over its
+    patch `grid` (after a text prefix of `text_len` tokens), or `None`."""
     if sliding_tile is None:
         return None
     if not isinstance(sliding_tile, (tuple, list)) or len(sliding_tile) != 2:
@@ -74,7 +74,7 @@ def sliding_tile_mask(owner: str, sliding_tile, grid) -> "kernels.SlidingTileMas
             f"received {sliding_tile!r}."
         )
     tile, window = sliding_tile
-    return kernels.SlidingTileMask(tuple(grid), tile, window)
+    return kernels.SlidingTileMask(tuple(grid), tile, window, text_len=text_len)
 
 
 def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1):
