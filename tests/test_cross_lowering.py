@@ -265,6 +265,32 @@ def test_auto_picks_the_platform_kernel(platform, direction):
     _check_arrays(text, _qkv_elements(S, H, H, D))
 
 
+# Sliding tile attention at Wan 480p: 21 x 30 x 52 tokens in tiles of 3 x 6 x 13
+# (7 x 5 x 4 tiles of 234 tokens), each query tile seeing a 3 x 3 x 3 window of tiles;
+# per-head windows split the heads over two splash kernels.
+TILE_MASKS = {
+    "shared": kernels.SlidingTileMask((21, 30, 52), (3, 6, 13), (3, 3, 3)),
+    "per_head": kernels.SlidingTileMask((21, 30, 52), (3, 6, 13), ((3, 3, 3),) * 6 + ((1, 3, 5),) * 6),
+}
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("window", list(TILE_MASKS))
+def test_sliding_tile_mask(window, direction):
+    """`mask=SlidingTileMask(...)` on `"pallas_tpu"`, Wan 1.3B at 480p (32,760 tokens):
+    splash with the mask's block-sparse structure (built in NumPy while tracing) and
+    the mask evaluated in the kernel; "auto" picks it for TPU."""
+    tm = TILE_MASKS[window]
+    H, D = MODELS["wan1.3b"]
+    S = tm.seq_len
+    q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
+    assert kernels.select_implementation(q, q, q, mask=tm, platform="tpu") == "pallas_tpu"
+    f = lambda q, k, v: kernels.attention(q, k, v, mask=tm, implementation="pallas_tpu")
+    text = _lower(f if direction == "fwd" else _grad(f), (q, q, q), "tpu")
+    _check_target(text, MOSAIC, direction)
+    _check_arrays(text, _qkv_elements(S, H, H, D))
+
+
 def test_the_bound_catches_a_score_matrix():
     """The O(S) check bites: the materializing reference ("xla") lowered for TPU holds
     the (B, H, S, S) scores."""

@@ -29,6 +29,8 @@ import jax
 
 _SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
 _SPLASH_KERNEL = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"
+_SPLASH_MASK = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask"
+_SPLASH_MASK_INFO = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info"
 _FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
 _GPU = "jax.experimental.pallas.ops.gpu.attention"
 
@@ -76,7 +78,35 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
                  "attn_logits_soft_cap", "interpret"),
         returns=("dkv_mask_info", "dkv_mask_info.partial_mask_blocks", "dkv_mask_info._replace",
                  "dq_mask_info", "dq_mask_info.partial_mask_blocks", "dq_mask_info._replace",
+                 "fwd_mask_info.block_mask", "fwd_mask_info.data_next",
                  "kwargs[block_sizes]", "kwargs[mask_value]", "kwargs[mask_function]"),
+    ),
+    "SplashComputableMask": EntryPoint(
+        _SPLASH_MASK, "_ComputableMask",
+        "the base of `kernels/_pallas_tpu.py: _SplashTileMask`, the sliding tile mask as a "
+        "splash mask: a mask with `q_sequence` and `mask_function` (the one unique mask of a "
+        "kernel) is evaluated inside the kernel as `mask_function(q_sequence[rows], kv "
+        "positions)` on partial blocks; `mask[q_slice, kv_slice]` is the dense block that "
+        "splash's own `process_mask` reads (tests compare its mask infos with ours)",
+        positional=("shape", "mask_function"),
+        returns=("q_sequence", "mask_function", "shape"),
+    ),
+    "SplashAttentionKernel": EntryPoint(
+        _SPLASH_KERNEL, "SplashAttentionKernel",
+        "the splash kernel of a sliding tile mask, built from its mask infos "
+        "(`kernels/_pallas_tpu.py: _tile_kernel`) with the settings `make_splash_mha` "
+        "gives it (the keywords of `splash_attention`)",
+        positional=("fwd_mask_info", "dq_mask_info", "dkv_mask_info"),
+    ),
+    "SplashMaskInfo": EntryPoint(
+        _SPLASH_MASK_INFO, "MaskInfo",
+        "a sliding tile mask's block-sparse structure as the splash kernels read it "
+        "(`kernels/_pallas_tpu.py: _mask_info`, checked against splash's `process_mask`)",
+        keyword=("data_next", "mask_next", "block_mask", "partial_mask_blocks", "q_sequence"),
+    ),
+    "SPLASH_DEFAULT_MASK_VALUE": EntryPoint(
+        _SPLASH_KERNEL, "DEFAULT_MASK_VALUE",
+        "the masked logit `make_splash_mha` gives its kernels (a tile mask's kernel gets it too)",
     ),
     "MultiHeadMask": EntryPoint(
         _SPLASH, "MultiHeadMask", "one mask per head for `make_splash_mha`",

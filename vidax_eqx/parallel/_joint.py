@@ -270,6 +270,10 @@ def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, he
     tiles."""
     if tile_mask is None:
         return
+    if isinstance(tile_mask, _ring.RankMasks):
+        for mask in tile_mask.masks:
+            check_joint_tile_mask(fn, mask, text_len, visual_len, heads, unit)
+        return
     _ring.check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
     if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != "prefix"):
         raise ValueError(

@@ -1,0 +1,99 @@
+"""Whole models with sliding tile attention (`sliding_tile=(tile, window)`).
+
+The attention itself is checked against the float64 oracle in `test_sparse.py` and
+`test_sparse_parallel.py`; here, that the models lay their tokens out correctly:
+
+1. a window that covers the whole tile grid, with tiles that do not divide the patch
+   grid (so the layout pads), gives exactly the model's full attention: the tile
+   layout, its padding and the way back are invisible;
+2. with real (per-head) windows the result differs from full attention, and the
+   sharded run (`models.run_sharded`: ring with TP, Ulysses, USP with a zigzag ring)
+   equals the single-device one, padding to whole tiles per device included.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vidax_eqx import models, nn, parallel
+
+
+def _wan():
+    config = models.WanConfig(dim=32, ffn_dim=64, num_heads=4, num_layers=1, in_channels=4,
+                              out_channels=4, text_dim=16, freq_dim=16, patch_size=(1, 2, 2))
+    model = models.WanTransformer3D(config, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 4, 3, 8, 10))  # patch grid 3 x 4 x 5
+    return model, x, jax.random.normal(jax.random.key(2), (1, 5, 16))
+
+
+def _cogvideox():
+    config = models.CogVideoXConfig(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+        time_embed_dim=16, text_embed_dim=12, num_layers=1, sample_width=16, sample_height=12,
+        sample_frames=9, patch_size=2, max_text_seq_length=5,
+        use_rotary_positional_embeddings=True,
+    )
+    model = models.CogVideoXTransformer3D(config, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 3, 4, 12, 16))  # patch grid 3 x 6 x 8
+    return model, x, jax.random.normal(jax.random.key(2), (1, 5, 12))
+
+
+MODELS = {"wan": functools.cache(_wan), "cogvideox": functools.cache(_cogvideox)}
+TIMESTEP = jnp.array([500.0])
+# Tiles that divide no dimension of either patch grid; per-head windows.
+WINDOWS = ((1, 3, 2), ((1, 1, 1), (3, 1, 3), (1, 3, 1), (3, 3, 3)))
+
+
+@eqx.filter_jit
+def _run(model, x, context, sliding_tile=None):
+    return jax.vmap(lambda x, t, c: model(x, t, c, sliding_tile=sliding_tile))(x, TIMESTEP, context)
+
+
+@functools.cache
+def _reference(name):
+    return _run(*MODELS[name](), WINDOWS)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_window_over_the_whole_grid_is_full_attention(name):
+    model, x, context = MODELS[name]()
+    full = _run(model, x, context)
+    whole = _run(model, x, context, ((2, 4, 3), (5, 5, 5)))  # clamped to the tile grid
+    np.testing.assert_allclose(whole, full, atol=2e-6 * float(jnp.abs(full).max()))
+    sparse = _reference(name)
+    assert float(jnp.abs(sparse - full).max()) > 1e-3  # the windows change the answer
+
+
+CONFIGS = {
+    "ring-tp": (dict(sp=2, tp=2), dict(sequence="ring", tp_axis="tp")),
+    "ulysses": (dict(sp=4), dict(sequence="ulysses")),
+    "usp-zigzag": (dict(sp=2, extra_axes={"ring": 2}),
+                   dict(sequence="usp", ring_axis="ring", layout="zigzag")),
+}
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [("wan", "ring-tp"), ("wan", "usp-zigzag"), ("cogvideox", "ring-tp"), ("cogvideox", "ulysses")],
+)
+def test_sharded_equals_single_device(name, config):
+    model, x, context = MODELS[name]()
+    mesh_axes, parallel_config = CONFIGS[config]
+    mesh = parallel.make_mesh(**mesh_axes, devices=jax.devices()[:4])
+    ref = _reference(name)
+    sharded = nn.with_parallel(model, nn.ParallelConfig(**parallel_config))
+    run = eqx.filter_jit(models.run_sharded)
+    out = run(sharded, x, TIMESTEP, context, mesh=mesh, sliding_tile=WINDOWS)
+    np.testing.assert_allclose(out, ref, atol=2e-6 * float(jnp.abs(ref).max()))
+
+
+def test_bad_sliding_tile_names_the_argument():
+    model, x, context = _wan()
+    with pytest.raises(ValueError, match="sliding_tile"):
+        _run(model, x, context, ((1, 2, 2),))
+    with pytest.raises(ValueError, match="odd"):
+        _run(model, x, context, ((1, 2, 2), (2, 1, 1)))

@@ -1,0 +1,279 @@
+"""Sliding tile attention on `"pallas_tpu"`: the splash kernel with the tile mask's
+block-sparse structure, in Pallas interpret mode on CPU.
+
+Against the float64 oracle (`oracle.attention` with the dense mask that
+`test_sparse.dense_of` enumerates from the documented semantics): forward `out` / `lse` and the gradients of q, k, v and sinks (by
+`jax.vjp` of `attention_fwd` with a random cotangent on both outputs), on grids
+that do and do not divide the tiles, text prefix and suffix, shared and per-head
+windows (several splash kernels, GQA groups whole and split), with causal / window
+/ soft cap / segment ids, lengths padded to 256. Then, without running a kernel:
+the in-kernel mask function and the NumPy blocks against the dense mask, the block
+map (hidden / fully visible / partial) of a small case written out by hand, the
+mask infos against those splash's own `process_mask` builds, and the refusals.
+"""
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from test_sparse import dense_of
+from vidax_eqx import kernels
+from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
+from vidax_eqx.kernels import _pallas_tpu
+from vidax_eqx.kernels._args import Options
+from vidax_eqx.kernels._pallas_tpu import _head_groups, _splash_kernel_for, _SplashTileMask
+
+
+F32 = np.float32
+TPU = kernels.PallasTpu(interpret=True, block_q=128, block_kv=128)
+
+
+def _dense(tm: kernels.SlidingTileMask, S_pad: int | None = None) -> np.ndarray:
+    """The mask at positions `arange(S_pad or seq_len)` (beyond `seq_len`: padding):
+    bool `(n_windows, S, S)`."""
+    pos = np.arange(tm.seq_len if S_pad is None else S_pad)
+    return dense_of(tm, pos, pos)
+
+
+def _local(dense: np.ndarray, local) -> np.ndarray:
+    """`dense` ANDed with a window `(left, right)` on positions."""
+    if local is None:
+        return dense
+    left, right = local
+    pos = np.arange(dense.shape[-1])
+    d = pos[None, :] - pos[:, None]
+    return dense & (left is None or d >= -left) & (right is None or d <= right)
+
+
+# --------------------------------------------------------------- against the oracle
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    mask: kernels.SlidingTileMask
+    B: int = 1
+    H: int = 2
+    H_kv: int = 1
+    D: int = 8
+    segments: bool = False
+    options: tuple = ()  # (name, value) pairs: causal, window, logits_soft_cap
+
+
+CONFIGS = [
+    # Ragged along every dimension (5, 3, 7 over tiles of 2, 2, 3), a text prefix, GQA,
+    # segment ids with padding, sinks: 228 tokens, padded to 256.
+    Config("prefix-ragged-gqa-segments", kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), (1, 1, 3), text_len=12),
+           H=4, H_kv=2, segments=True),
+    # Per-head windows: heads 0-1 (kv head 0, a whole GQA group) share a kernel, heads 2
+    # and 3 get one each and share kv head 1; a text suffix; ragged along H and W; a
+    # window on positions and a soft cap: 138 tokens.
+    Config("suffix-perhead-window-softcap",
+           kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), ((1, 3, 1), (1, 3, 1), (3, 1, 1), (1, 1, 3)),
+                                   text_len=30, text_position="suffix"),
+           H=4, H_kv=2, options=(("window", (60, 20)), ("logits_soft_cap", 5.0))),
+    # Tiles of 128 tokens: the kernel's blocks are whole tiles, so the video's blocks
+    # are fully visible or hidden (computed without a mask); causal cuts the diagonal.
+    Config("aligned-causal", kernels.SlidingTileMask((3, 8, 16), (1, 8, 16), (1, 1, 1), text_len=128),
+           options=(("causal", True),)),
+]
+
+
+def _inputs(cfg: Config):
+    S = cfg.mask.seq_len
+    rng = np.random.default_rng(zlib.crc32(cfg.name.encode()))
+    a = dict(
+        q=rng.standard_normal((cfg.B, S, cfg.H, cfg.D)).astype(F32),
+        k=rng.standard_normal((cfg.B, S, cfg.H_kv, cfg.D)).astype(F32),
+        v=rng.standard_normal((cfg.B, S, cfg.H_kv, cfg.D)).astype(F32),
+        sinks=rng.standard_normal((cfg.H,)).astype(F32),
+        dout=rng.standard_normal((cfg.B, S, cfg.H, cfg.D)).astype(F32),
+        dlse=rng.standard_normal((cfg.B, cfg.H, S)).astype(F32),
+        seg=None,
+    )
+    if cfg.segments:
+        seg = np.sort(rng.integers(0, 2, (cfg.B, S)), axis=1)
+        seg[rng.random((cfg.B, S)) < 0.1] = -1
+        a["seg"] = seg.astype(np.int32)
+    return a
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_matches_oracle(cfg):
+    tm, a, options = cfg.mask, _inputs(cfg), dict(cfg.options)
+    kw = dict(mask=tm, implementation=TPU, **options)
+    if a["seg"] is not None:
+        kw["segment_ids"] = jnp.asarray(a["seg"])
+
+    @jax.jit
+    def run(q, k, v, sinks, dout, dlse):
+        fwd = lambda q, k, v, sinks: kernels.attention_fwd(q, k, v, sinks=sinks, **kw)
+        (out, lse), vjp = jax.vjp(fwd, q, k, v, sinks)
+        return out, lse, vjp((dout, dlse))
+
+    out, lse, grads = jax.tree.map(
+        np.asarray, run(*(jnp.asarray(a[n]) for n in ("q", "k", "v", "sinks", "dout", "dlse")))
+    )
+    dense = _dense(tm)
+    ref = oracle.attention(
+        a["q"], a["k"], a["v"], mask=dense[0] if len(dense) == 1 else dense, sinks=a["sinks"],
+        segment_ids=a["seg"], dout=a["dout"], dlse=a["dlse"], **options,
+    )
+    oracle.assert_close(out, ref.out, F32, "out")
+    oracle.assert_close(lse, ref.lse, F32, "lse")
+    for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        oracle.assert_close(got, getattr(ref, name), F32, name)
+
+
+# ------------------------------------------------------- the splash mask, in NumPy
+
+
+MASKS = [  # (mask, padded length, window on positions)
+    pytest.param(kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), (1, 1, 3), text_len=12), 256, None,
+                 id="prefix-ragged"),
+    pytest.param(kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), (3, 1, 1), text_len=30, text_position="suffix"),
+                 256, (60, 20), id="suffix-window"),
+    pytest.param(kernels.SlidingTileMask((4, 6, 4), (2, 2, 2), (3, 1, 1)), 128, (None, 0), id="video-causal"),
+    pytest.param(kernels.SlidingTileMask((3, 8, 16), (1, 8, 16), (1, 1, 1), text_len=128), 512, None,
+                 id="aligned"),
+]
+
+
+@pytest.mark.parametrize("tm, S_pad, local", MASKS)
+def test_mask_matches_dense(tm, S_pad, local):
+    """The kernel's `mask_function` (evaluated here with jnp) and the NumPy blocks
+    splash reads are the dense mask, padding (beyond `seq_len`) hidden; the block
+    kinds classify it exactly."""
+    mask = _SplashTileMask(tm, (S_pad, S_pad), local)
+    want = _local(_dense(tm, S_pad)[0], local)
+    assert not want[tm.seq_len:].any() and not want[:, tm.seq_len:].any()
+    pos = jnp.arange(S_pad, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(mask.mask_function)(pos[:, None], pos[None, :])), want)
+    for bq, bk in ((128, 128), (64, 128)):
+        blocks = want.reshape(S_pad // bq, bq, S_pad // bk, bk)
+        kinds = np.where(blocks.all(axis=(1, 3)), 2, np.where(blocks.any(axis=(1, 3)), 1, 0))
+        np.testing.assert_array_equal(mask.block_kinds(bq, bk), kinds)
+        for i in range(0, S_pad, bq):
+            for j in range(0, S_pad, bk):
+                np.testing.assert_array_equal(mask[i:i + bq, j:j + bk], want[i:i + bq, j:j + bk])
+
+
+def _block_map(info, shape: tuple[int, int], dkv: bool) -> np.ndarray:
+    """A shrunk splash `MaskInfo` (one head) back to `(q blocks, kv blocks)` kinds: each
+    listed block is at `data_next` along the shrunk axis."""
+    kinds = np.zeros(shape, np.int32)
+    block, data = np.asarray(info.block_mask)[0], np.asarray(info.data_next)[0]
+    for r, c in zip(*np.nonzero(block)):
+        if dkv:
+            kinds[data[r, c], c] = block[r, c]
+        else:
+            kinds[r, data[r, c]] = block[r, c]
+    return kinds
+
+
+def test_block_map():
+    """A 128-token text prefix and three 128-token tiles, each seeing only itself:
+    the text blocks are fully visible, the video's diagonal too, the rest hidden;
+    with causal, the diagonal (text included) becomes partial and the blocks above
+    it hidden. The forward / dQ and dK/dV grids list exactly those blocks."""
+    tm = kernels.SlidingTileMask((3, 8, 16), (1, 8, 16), (1, 1, 1), text_len=128)
+    expected = {
+        False: [[2, 2, 2, 2],
+                [2, 2, 0, 0],
+                [2, 0, 2, 0],
+                [2, 0, 0, 2]],
+        True: [[1, 0, 0, 0],
+               [2, 1, 0, 0],
+               [2, 0, 1, 0],
+               [2, 0, 0, 1]],
+    }
+    for causal, kinds in expected.items():
+        kernel = _splash_kernel_for(2, (512, 512), causal, None, None, 128, 128, True, tm)
+        for name, dkv in (("fwd_mask_info", False), ("dq_mask_info", False), ("dkv_mask_info", True)):
+            info = getattr(kernel, name)
+            np.testing.assert_array_equal(_block_map(info, (4, 4), dkv), kinds, err_msg=f"{causal=} {name}")
+            # The grid is shrunk to the visible blocks: the longest row (column) of them.
+            longest = max(np.count_nonzero(np.asarray(kinds), axis=0 if dkv else 1))
+            assert np.asarray(info.block_mask).shape[2 if not dkv else 1] == longest
+            assert info.partial_mask_blocks is None and info.mask_next is None
+        assert kernel.kwargs["mask_function"] is not None
+
+
+@pytest.mark.parametrize("tm, S_pad, local", MASKS)
+def test_mask_info_is_splash_own(tm, S_pad, local):
+    """The mask infos `_pallas_tpu` builds from the block kinds are those splash's
+    `make_splash_mha` builds by evaluating every block of the same mask in NumPy."""
+    mask = _SplashTileMask(tm, (S_pad, S_pad), local)
+    for bq, bk in ((128, 128), (S_pad // 2, 128)):
+        block_sizes = _pallas_tpu._block_sizes(bq, bk)
+        with jax.ensure_compile_time_eval():
+            ours = _pallas_tpu._tile_kernel(mask, block_sizes, None, True)
+            theirs = make_splash_mha(
+                MultiHeadMask([mask] * 3), block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
+                save_residuals=True, attn_logits_soft_cap=None, interpret=True,
+            )
+        assert ours.kwargs == theirs.kwargs
+        for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+            for field, a, b in zip(ours.fwd_mask_info._fields, getattr(ours, name), getattr(theirs, name)):
+                assert (a is None) == (b is None), (name, field)
+                if a is not None:
+                    a, b = np.asarray(a), np.asarray(b)
+                    assert a.dtype == b.dtype and a.shape == b.shape, (name, field, a.dtype, b.dtype, a.shape, b.shape)
+                    np.testing.assert_array_equal(a, b, err_msg=f"{name}.{field}")
+
+
+def test_head_groups():
+    """One kernel per distinct head window: whole GQA groups keep their kv head,
+    split ones get a kv head per query head; equal windows share one kernel."""
+    tm = kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), ((1, 3, 1), (1, 3, 1), (3, 1, 1), (1, 1, 3)))
+    groups = _head_groups(tm, 4, 2)
+    assert [(m.window, h, kv) for m, h, kv in groups] == [
+        ((1, 3, 1), (0, 1), (0,)), ((3, 1, 1), (2,), (1,)), ((1, 1, 3), (3,), (1,)),
+    ]
+    split = _head_groups(dataclasses.replace(tm, window=((1, 3, 1), (3, 1, 1), (1, 3, 1), (3, 1, 1))), 4, 2)
+    assert [(h, kv) for _, h, kv in split] == [((0, 2), (0, 1)), ((1, 3), (0, 1))]
+    same = dataclasses.replace(tm, window=((1, 3, 1),) * 4)
+    assert _head_groups(same, 4, 2) == [(dataclasses.replace(tm, window=(1, 3, 1)), None, None)]
+    assert _head_groups(None, 4, 2) == [(None, None, None)]
+
+
+def test_tile_aligned_blocks():
+    """Tiles of a multiple of 128 tokens give blocks of whole tiles; others keep the
+    configured blocks."""
+    impl = kernels.PallasTpu(block_q=512, block_kv=256)
+    opts = lambda tm: Options(False, None, 1.0, None, True, tile_mask=tm)
+    aligned = kernels.SlidingTileMask((6, 8, 16), (2, 8, 24), (1, 1, 1), text_len=384)  # 384-token tiles
+    assert impl._splash_blocks(opts(aligned)) == (384, 384)
+    assert impl._splash_blocks(opts(kernels.SlidingTileMask((6, 8, 16), (1, 8, 16), (1, 1, 1)))) == (512, 256)
+    assert impl._splash_blocks(opts(dataclasses.replace(aligned, text_len=100))) == (512, 256)
+    assert impl._splash_blocks(opts(kernels.SlidingTileMask((21, 30, 52), (3, 6, 13), (3, 3, 3)))) == (512, 256)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _qkv(S, H=2):
+    q = jnp.ones((1, S, H, 8), jnp.float32)
+    return q, q, q
+
+
+def test_refuses_custom_positions():
+    """A splash mask is static over the whole sequence: no chunk by positions."""
+    tm = kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), (1, 1, 1), text_len=4)
+    pos = jnp.arange(tm.seq_len, dtype=jnp.int32)
+    with pytest.raises(NotImplementedError, match="sliding tile mask with custom positions") as err:
+        kernels.attention(*_qkv(tm.seq_len), mask=tm, q_positions=pos, kv_positions=pos, implementation=TPU)
+    assert "pallas_tpu" in str(err.value)
+
+
+def test_refuses_bias():
+    """A bias takes the flash kernel, which has no tile mask."""
+    tm = kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), (1, 1, 1))
+    bias = jnp.zeros((tm.seq_len, tm.seq_len), jnp.float32)
+    with pytest.raises(NotImplementedError, match="sliding tile mask together with a bias"):
+        kernels.attention(*_qkv(tm.seq_len), mask=tm, bias=bias, implementation=TPU)
