@@ -35,7 +35,6 @@ from .._order import Sequence
 from . import _ring
 from ._joint import check_joint_tile_mask, joint_attention
 from ._mesh import axis_size, check_sharded
-from ._ring import ring_attention
 from ._ulysses import (
     _check_heads,
     _check_qkv,
