@@ -14,7 +14,7 @@ import jax
 from jaxtyping import Array, Bool, Float
 
 from ._vma import explicit_axes, tracks_vma, varying_axes
-from .kernels import attention
+from .kernels import attention, SlidingTileMask
 from .nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
 from .parallel import (
     chunk_by_rank as chunk_by_rank,
@@ -30,7 +30,7 @@ def dot_product_attention(
     k: Float[Array, "B S_k H_kv D"],
     v: Float[Array, "B S_k H_kv D"],
     bias: Float[Array, "#B #H #S_q #S_k"] | None = None,
-    mask: Bool[Array, "#B #H #S_q #S_k"] | None = None,
+    mask: Bool[Array, "#B #H #S_q #S_k"] | SlidingTileMask | None = None,
     scale: float | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Float[Array, "B S_q H D"]:
@@ -58,7 +58,10 @@ def dot_product_attention(
         relative-position bias (T5 does not scale logits: pass `scale=1.0`).
     - `mask`: boolean, broadcastable to `(B, H, S_q, S_k)`, `True` may attend. It
         only steers the choice of implementation away from those that cannot take
-        a mask; the flash-style `"blockwise"` path takes one.
+        a mask; the flash-style `"blockwise"` path takes one. Or a
+        [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] (sliding tile
+        attention, hidden tiles skipped; per-head windows follow the heads to the
+        TP ranks with `mesh`).
     - `scale`: logit scale, default `1 / sqrt(D)`.
     - `mesh`: a device mesh to run the Megatron path over: heads sharded over its
         `"tp"` axis, batch over its `"dp"` axis, the whole sequence on every
@@ -71,7 +74,7 @@ def dot_product_attention(
     """
     if mesh is not None:
         return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
-    explicit = explicit_axes(q, k, v, bias, mask)
+    explicit = explicit_axes(q, k, v, bias, None if isinstance(mask, SlidingTileMask) else mask)
     if explicit:
         raise ValueError(
             "dot_product_attention: the inputs are sharded over the Explicit mesh axes "

@@ -50,7 +50,7 @@ from .core import (
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention as sequence_parallel_self_attention,
 )
-from .kernels import attention as _attention
+from .kernels import attention as _attention, SlidingTileMask
 from .nn.functional import rms_norm as _rms_norm, tp_sharded_rms_norm as _tp_sharded_rms_norm
 from .parallel import TP_AXIS
 
@@ -348,7 +348,7 @@ def attention_fn(
     v = value.reshape((B,) + value.shape[-3:])
     if bias is not None:
         bias = _fold_batch(jnp.asarray(bias), batch_shape, "bias")
-    if mask is not None:
+    if mask is not None and not isinstance(mask, SlidingTileMask):  # a tile mask: as it is
         mask = _fold_batch(jnp.asarray(mask).astype(bool), batch_shape, "mask")
     with jax.named_scope("vidax_eqx.flax.attention_fn"):
         out = _attention(q, k, v, bias=bias, mask=mask, implementation=implementation)

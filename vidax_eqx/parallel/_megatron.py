@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-from ..kernels import attention, SegmentIds
+from ..kernels import attention, SegmentIds, SlidingTileMask
 from ..kernels._api import check_request  # what `attention` would raise, once
 from ._mesh import DP_AXIS, TP_AXIS
+from ._ring import RankMasks, _with_mask
 from ._ulysses import kv_head_repeats
 
 
@@ -32,12 +33,14 @@ def _check_global(q, k, v, bias, mask, segment_ids, sinks, kernel_options) -> No
     sharding: errors then name the shapes the caller passed, not one device's slice.
     Traced abstractly (`jax.eval_shape`), so nothing is computed."""
 
+    tile_mask = mask if isinstance(mask, SlidingTileMask) else None  # static, not an array
+
     def check(q, k, v, bias, mask, segment_ids, sinks):
-        check_request(q, k, v, bias=bias, mask=mask, segment_ids=segment_ids, sinks=sinks,
-                      **kernel_options)
+        check_request(q, k, v, bias=bias, mask=tile_mask or mask, segment_ids=segment_ids,
+                      sinks=sinks, **kernel_options)
         return jnp.zeros(())
 
-    jax.eval_shape(check, q, k, v, bias, mask, segment_ids, sinks)
+    jax.eval_shape(check, q, k, v, bias, None if tile_mask else mask, segment_ids, sinks)
 
 
 def tensor_parallel_attention(
@@ -64,7 +67,9 @@ def tensor_parallel_attention(
     - `q`, `k`, `v`: `(B, S_q, H, D)`, `(B, S_k, H_kv, D)`, global.
     - `mesh`: the device mesh; an axis it lacks counts as size 1.
     - `bias`, `mask`: broadcastable to `(B, H, S_q, S_k)`; sharded on their
-        batch / head axes when those are full.
+        batch / head axes when those are full. `mask` may be a
+        [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask]: per-head windows
+        follow their heads to the TP ranks.
     - `segment_ids`: [`SegmentIds`][] or one `(B, S)` array; sharded on batch.
     - `sinks`: `(H,)`, sharded with the heads.
     - `tp_axis`, `dp_axis`: the mesh axis names to shard heads / batch over.
@@ -115,6 +120,10 @@ def tensor_parallel_attention(
             return P()
         return P(b_ax if x.shape[0] > 1 else None, h_ax if x.shape[1] > 1 else None)
 
+    tile_mask = None
+    if isinstance(mask, SlidingTileMask):  # static: each device takes its heads' windows
+        tile_mask = RankMasks.of(mask, H // tp, tp_axis, tp) if tp > 1 else mask
+        mask = None
     bias, mask = _lift_4d(bias), _lift_4d(mask)
     if isinstance(segment_ids, SegmentIds):
         seg_spec = SegmentIds(P(b_ax), P(b_ax))
@@ -125,8 +134,9 @@ def tensor_parallel_attention(
     specs = (qkv_spec, qkv_spec, qkv_spec, spec_4d(bias), spec_4d(mask), seg_spec, P(h_ax))
 
     def local(q, k, v, bias, mask, segment_ids, sinks):
-        return attention(
-            q, k, v, bias=bias, mask=mask, segment_ids=segment_ids, sinks=sinks, **kernel_options
+        return _with_mask(
+            attention, q, k, v, bias=bias, mask=mask if tile_mask is None else tile_mask,
+            segment_ids=segment_ids, sinks=sinks, **kernel_options,
         )
 
     # `None` operands are empty pytrees: give them an empty spec.
