@@ -14,11 +14,16 @@ score matrix in float64 and implements the documented semantics directly.
 - `lse (B, H, S_q)` includes the sink; a row with nothing visible and no sink has
   out 0 and lse -inf.
 
+`sliding_tile_dense` builds the dense mask of sliding tile attention (the
+documented semantics of `kernels.SlidingTileMask`, by enumerating the tile layout
+token by token), to hand to the oracle as `mask`.
+
 The backward is derived analytically (softmax Jacobian including the sink
 column) and is itself checked against finite differences in the test suite.
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -182,3 +187,59 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
     res.dk = dkf.reshape(B, S_k, H_kv, G, D).sum(axis=3)
     res.dv = dvf.reshape(B, S_k, H_kv, G, D).sum(axis=3)
     return res
+
+
+# -- sliding tile attention ---------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _video_layout(grid, tile):
+    """Per video slot of the tile layout: `(coords (n, 3), real (n,))`, the token's
+    grid coordinates and whether it lies inside the grid, by explicit enumeration."""
+    tiles = [_ceil_div(g, t) for g, t in zip(grid, tile)]
+    coords = [
+        [a * t + i for a, i, t in zip(tile_idx, inner, tile)]
+        for tile_idx in itertools.product(*(range(n) for n in tiles))
+        for inner in itertools.product(*(range(t) for t in tile))
+    ]
+    coords = np.asarray(coords, np.int64).reshape(-1, 3)
+    real = np.all(coords < np.asarray(grid), axis=1)
+    return coords, real
+
+
+def sliding_tile_dense(grid, tile, windows, text_len=0, text_position="prefix", q_pos=None, kv_pos=None):
+    """The sliding tile mask as bool `(len(windows), S_q, S_k)`: one `(wf, wh, ww)`
+    per entry of `windows`, evaluated at positions (default `arange(seq_len)`;
+    a position outside `[0, seq_len)` is padding)."""
+    coords, real = _video_layout(grid, tile)
+    V = len(real)
+    S = text_len + V
+    kind = np.full(S, 2)  # 0 text, 1 real video, 2 padding
+    tcoord = np.zeros((S, 3), np.int64)
+    video = slice(text_len, S) if text_position == "prefix" else slice(0, V)
+    text = slice(0, text_len) if text_position == "prefix" else slice(V, S)
+    kind[video] = np.where(real, 1, 2)
+    kind[text] = 0
+    tcoord[video] = coords // np.asarray(tile)
+    tiles = np.asarray([_ceil_div(g, t) for g, t in zip(grid, tile)])
+
+    def at(pos):
+        pos = np.arange(S) if pos is None else np.asarray(pos, np.int64)
+        inside = (pos >= 0) & (pos < S)
+        p = np.where(inside, pos, 0)
+        return np.where(inside, kind[p], 2), tcoord[p]
+
+    qk, qc = at(q_pos)
+    kk, kc = at(kv_pos)
+    out = []
+    for window in windows:
+        w = np.minimum(np.asarray(window), tiles)
+        s = np.clip(qc - w // 2, 0, tiles - w)  # (S_q, 3)
+        box = np.all((kc[None] >= s[:, None]) & (kc[None] < (s + w)[:, None]), axis=-1)
+        q_text, q_video = (qk == 0)[:, None], (qk == 1)[:, None]
+        k_text, k_video = (kk == 0)[None], (kk == 1)[None]
+        out.append((q_text & (k_text | k_video)) | (q_video & (k_text | (k_video & box))))
+    return np.stack(out)

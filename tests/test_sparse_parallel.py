@@ -36,7 +36,6 @@ compiles once (`_sharded_fn` caches it).
 
 import dataclasses
 import functools
-import itertools
 import math
 
 import equinox as eqx
@@ -79,42 +78,12 @@ def _multiple(need: int, m: int) -> int:
     return _ceil_div(need, m) * m
 
 
-def _video_layout(grid, tile):
-    """Per video slot of the tile layout: `(coords (n, 3), real (n,))`, the token's
-    grid coordinates and whether it lies inside the grid, by explicit enumeration."""
-    tiles = [_ceil_div(g, t) for g, t in zip(grid, tile)]
-    coords = [
-        [a * t + i for a, i, t in zip(tile_idx, inner, tile)]
-        for tile_idx in itertools.product(*(range(n) for n in tiles))
-        for inner in itertools.product(*(range(t) for t in tile))
-    ]
-    coords = np.asarray(coords, np.int64).reshape(-1, 3)
-    real = np.all(coords < np.asarray(grid), axis=1)
-    return coords, real
-
-
 def sta_dense(grid, tile, windows, text_len=0, length=None):
-    """The sliding tile mask as bool `(len(windows), length, length)` over
-    `[text prefix; video]`: one `(wf, wh, ww)` per entry of `windows`; positions at
-    or past the layout's length (`length`, default that length) are padding."""
-    coords, real = _video_layout(grid, tile)
-    S = text_len + len(real)
-    length = S if length is None else length
-    kind = np.full(length, 2)  # 0 text, 1 real video, 2 padding
-    tcoord = np.zeros((length, 3), np.int64)
-    kind[:text_len] = 0
-    kind[text_len:S] = np.where(real, 1, 2)
-    tcoord[text_len:S] = coords // np.asarray(tile)
-    tiles = np.asarray([_ceil_div(g, t) for g, t in zip(grid, tile)])
-    text, video = kind == 0, kind == 1
-    out = []
-    for window in windows:
-        w = np.minimum(np.asarray(window), tiles)
-        s = np.clip(tcoord - w // 2, 0, tiles - w)  # (length, 3)
-        box = np.all((tcoord[None] >= s[:, None]) & (tcoord[None] < (s + w)[:, None]), axis=-1)
-        out.append((text[:, None] & (text | video)[None])
-                   | (video[:, None] & (text[None] | (video[None] & box))))
-    return np.stack(out)
+    """The sliding tile mask (`oracle.sliding_tile_dense`) as bool `(len(windows),
+    length, length)` over `[text prefix; video]`: positions at or past the layout's
+    length (`length`, default that length) are padding."""
+    pos = None if length is None else np.arange(length)
+    return oracle.sliding_tile_dense(grid, tile, windows, text_len, "prefix", pos, pos)
 
 
 def _windows(window) -> list:
