@@ -105,6 +105,11 @@ def _remove(x: jax.Array, axis: int, at: int, count: int) -> jax.Array:
     return jnp.concatenate([head, tail], axis=axis)
 
 
+def _block(x: jax.Array, i) -> jax.Array:
+    """Block `i` of blocked operands (leading axis = block index)."""
+    return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
 def _seg_range(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per block and batch row: (min, max) of the non-negative ids (empty: lo > hi)."""
     big = jnp.iinfo(jnp.int32).max
@@ -322,15 +327,18 @@ class Blockwise(AbstractImplementation):
         # that would otherwise make an invariant operand varying behind the branch's back.
         blocks = m.as_varying(blocks, axes)
         q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
-        kv_xs = (blocks.kt, blocks.v, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, blocks.tile_kv, kv_idx)
+        # The scans carry only the small per-block metadata; a tile's K / V blocks are
+        # read inside the skipping cond, so a hidden tile copies nothing.
+        kv_xs = (blocks.kv_pos, blocks.seg_kv, blocks.kv_valid, blocks.tile_kv, kv_idx)
 
         def q_block(xs):
             qs, q_pos, seg_q, tile_q, i = xs
 
             def kv_step(stats, ys):
-                kt, v, kv_pos, seg_kv, kv_valid, tile_kv, j = ys
+                kv_pos, seg_kv, kv_valid, tile_kv, j = ys
 
                 def compute(stats):
+                    kt, v = _block(blocks.kt, j), _block(blocks.v, j)
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
                     vis = m.visibility(
                         opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
@@ -372,7 +380,9 @@ class Blockwise(AbstractImplementation):
             (blocks, qt, do, dot_, lse_b, delta_b), axes
         )
         q_idx, kv_idx = m.as_varying((jnp.arange(nq), jnp.arange(nk)), axes)
-        q_xs = (qt, blocks.qs, do, dot_, lse_b, delta_b, blocks.q_pos, blocks.seg_q, blocks.tile_q, q_idx)
+        # The inner scan carries only the small per-block metadata; a tile's q / dO /
+        # row statistics are read inside the skipping cond (a hidden tile copies nothing).
+        q_xs = (blocks.q_pos, blocks.seg_q, blocks.tile_q, q_idx)
         kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid,
                  blocks.tile_kv, kv_idx)
         dq0 = jnp.zeros(blocks.q.shape, m.F32)
@@ -383,10 +393,13 @@ class Blockwise(AbstractImplementation):
             kt, k, vt, kv_pos, seg_kv, kv_valid, tile_kv, j = ys
 
             def q_step(inner, xs):
-                qt, qs, do, dot_, lse, delta, q_pos, seg_q, tile_q, i = xs
+                q_pos, seg_q, tile_q, i = xs
 
                 def compute(inner):
                     dk_acc, dv_acc, dq_acc, dbias_acc = inner
+                    qt_i, qs, do_i, dot_i, lse, delta = (
+                        _block(x, i) for x in (qt, blocks.qs, do, dot_, lse_b, delta_b)
+                    )
                     mask = m.rows_4d(_tile(blocks.mask, i, j, bq, bk), K, H, bq)
                     vis = m.visibility(
                         opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
@@ -395,7 +408,7 @@ class Blockwise(AbstractImplementation):
                     bias_tile = _tile(blocks.bias, i, j, bq, bk)
                     bias = m.rows_4d(bias_tile, K, H, bq)
                     dq, dkt, dvt, ds = m.tile_grads(
-                        opts, qt, qs, rest, kt, k, vt, do, dot_, lse, delta, bias, vis
+                        opts, qt_i, qs, rest, kt, k, vt, do_i, dot_i, lse, delta, bias, vis
                     )
                     dq_acc = lax.dynamic_update_index_in_dim(dq_acc, dq_acc[i] + dq, i, 0)
                     if ds is not None:
