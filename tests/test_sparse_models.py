@@ -70,16 +70,16 @@ def test_window_over_the_whole_grid_is_full_attention(name):
 
 CONFIGS = {
     "ring-tp": (dict(sp=2, tp=2), dict(sequence="ring", tp_axis="tp")),
-    "ulysses": (dict(sp=4), dict(sequence="ulysses")),
     "usp-zigzag": (dict(sp=2, extra_axes={"ring": 2}),
                    dict(sequence="usp", ring_axis="ring", layout="zigzag")),
 }
 
 
-@pytest.mark.parametrize(
-    "name, config",
-    [("wan", "ring-tp"), ("wan", "usp-zigzag"), ("cogvideox", "ring-tp"), ("cogvideox", "ulysses")],
-)
+# Every path (and per-head windows under each) is checked against the oracle in
+# `test_sparse_parallel.py`; here one model-level run per model: USP with a zigzag
+# ring for Wan, the joint text-prefix ring under TP (per-head windows per TP rank)
+# for CogVideoX.
+@pytest.mark.parametrize("name, config", [("wan", "usp-zigzag"), ("cogvideox", "ring-tp")])
 def test_sharded_equals_single_device(name, config):
     model, x, context = MODELS[name]()
     mesh_axes, parallel_config = CONFIGS[config]
