@@ -7,6 +7,9 @@ reference), `"blockwise"` (portable flash attention in pure JAX), `"pallas_tpu"`
 (Pallas TPU splash / flash kernels), `"pallas_gpu"` (Pallas Triton flash kernel)
 and `"cudnn"` (cuDNN through `jax.nn`). The Pallas kernels run on any platform
 in interpret mode (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`).
+`SlidingTileMask` (with `tile_permute` / `tile_unpermute` / `tile_positions`) is
+sliding tile attention: a 3D window mask over a video's tile layout, passed as
+`mask=`, whose hidden tiles the kernels skip.
 """
 
 from ._api import (
