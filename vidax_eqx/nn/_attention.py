@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from .._order import after
-from ..parallel._ring import RankMasks, _with_mask
+from ..parallel._rank_masks import RankMasks, with_rank_mask
 from .._vma import as_varying, varying_axes
 from ..parallel import (
     axis_size,
@@ -182,7 +182,7 @@ def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_i
     seg = None if segment_ids is None else segment_ids[None]
     mode = parallel.sequence
     if mode == "none":
-        out = _with_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
+        out = with_rank_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
                          implementation=implementation)
     elif mode == "ulysses":
         out = sequence_parallel_self_attention(
@@ -208,7 +208,7 @@ def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implement
     seg = None if segment_ids is None else segment_ids[None]
     mode = parallel.sequence
     if mode == "none":
-        out = _with_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
+        out = with_rank_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
                          implementation=implementation)
     elif mode == "ulysses":
         out = sequence_parallel_joint_self_attention(

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float
 from ..kernels import attention, SegmentIds, SlidingTileMask
 from ..kernels._api import check_request  # what `attention` would raise, once
 from ._mesh import DP_AXIS, TP_AXIS
-from ._ring import RankMasks, _with_mask
+from ._rank_masks import RankMasks, with_rank_mask
 from ._ulysses import kv_head_repeats
 
 
@@ -134,7 +134,7 @@ def tensor_parallel_attention(
     specs = (qkv_spec, qkv_spec, qkv_spec, spec_4d(bias), spec_4d(mask), seg_spec, P(h_ax))
 
     def local(q, k, v, bias, mask, segment_ids, sinks):
-        return _with_mask(
+        return with_rank_mask(
             attention, q, k, v, bias=bias, mask=mask if tile_mask is None else tile_mask,
             segment_ids=segment_ids, sinks=sinks, **kernel_options,
         )

@@ -44,6 +44,7 @@ from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._mesh import axis_size, check_sharded
 from ._ulysses import _static_int
+from ._rank_masks import attention_bwd, attention_fwd, RankMasks, tile_masks as _tile_masks, with_rank_mask as _with_mask
 
 
 F32 = jnp.float32
@@ -477,50 +478,6 @@ def ring_work(
         _check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
     plan = _plan(layout, n, L, L, bool(causal), None if window is None else tuple(window))
     return _work(plan, layout, n, L)
-
-
-# -- sliding tile masks whose windows depend on a device's heads --------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RankMasks:
-    """One `kernels.SlidingTileMask` per rank of `axis_name`: the windows of the heads
-    each device holds there (USP with per-head windows: the heads follow the Ulysses
-    rank). Every kernel call picks its rank's mask with a `lax.switch` around the
-    call alone (no collective inside it)."""
-
-    masks: tuple
-    axis_name: Hashable
-
-    @classmethod
-    def of(cls, tile_mask, heads_local: int, axis_name: Hashable, size: int):
-        """The per-rank masks of `tile_mask` when rank `u` holds query heads
-        `[u * heads_local, (u + 1) * heads_local)`; the mask itself when every rank
-        gets the same windows."""
-        masks = tuple(tile_mask.select_heads(u * heads_local, heads_local) for u in range(size))
-        return masks[0] if len(set(masks)) == 1 else cls(masks, axis_name)
-
-
-def _tile_masks(tile_mask) -> tuple:
-    return tile_mask.masks if isinstance(tile_mask, RankMasks) else (tile_mask,)
-
-
-def _with_mask(fn, *args, mask=None, **kwargs):
-    """`fn(*args, mask=mask, **kwargs)`, selecting this device's mask of `RankMasks`."""
-    if not isinstance(mask, RankMasks):
-        return fn(*args, mask=mask, **kwargs)
-    branches = [functools.partial(fn, mask=m, **kwargs) for m in mask.masks]
-    return lax.switch(lax.axis_index(mask.axis_name), branches, *args)
-
-
-def attention_fwd(*args, **kwargs):
-    """`kernels.attention_fwd`, with `mask=` possibly `RankMasks`."""
-    return _with_mask(kernels.attention_fwd, *args, **kwargs)
-
-
-def attention_bwd(*args, **kwargs):
-    """`kernels.attention_bwd`, with `mask=` possibly `RankMasks`."""
-    return _with_mask(kernels.attention_bwd, *args, **kwargs)
 
 
 # -- the ring -----------------------------------------------------------------------
