@@ -21,115 +21,33 @@ the single-device numbers. The attention itself is `vidax_eqx.kernels` or
 `vidax_eqx.parallel`; the norms and RoPE are `vidax_eqx.nn.functional`.
 """
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from .._order import after
 from ..parallel._rank_masks import RankMasks, with_rank_mask
-from .._vma import as_varying, varying_axes
 from ..parallel import (
-    axis_size,
     ring_attention,
     sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention,
     usp_attention,
 )
-from . import functional
-from ._norm import _check_eps, LayerNorm, RMSNorm
-from ._parallel import check_context, ParallelConfig
+from ._checks import check_eps, check_heads, check_positive
+from ._layers import linear, local_heads, row_parallel, tp_input
+from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
+from ._parallel import check_context, check_parallel, ParallelConfig
+from ._rope import apply_rope
 
 
 # (cos, sin), each (S, head_dim // 2): this device's tokens, as `rope_3d` returns them.
 _Rope = tuple[Float[Array, "S {self.head_dim//2}"], Float[Array, "S {self.head_dim//2}"]]
 
 
-# -- shared pieces ---------------------------------------------------------------------
-
-
-def _check_positive(cls: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{cls}: `{name}` must be a positive int; received {value!r}.")
-
-
-def _check_heads(cls: str, dim: int, num_heads: int) -> int:
-    _check_positive(cls, "dim", dim)
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{cls}: `num_heads` must be a positive int; received {num_heads!r}.")
-    if dim % num_heads:
-        raise ValueError(
-            f"{cls}: `dim` must be a multiple of `num_heads` (head_dim = dim / num_heads); "
-            f"received dim={dim}, num_heads={num_heads}."
-        )
-    return dim // num_heads
-
-
-def _check_parallel(cls: str, parallel) -> None:
-    if not isinstance(parallel, ParallelConfig):
-        raise ValueError(
-            f"{cls}: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
-        )
-
-
-def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
-    """`x @ W.T + b` for a `(S, in)` input: a column-parallel shard gives its own columns."""
-    y = x @ layer.weight.T
-    return y if layer.bias is None else y + layer.bias
-
-
-def _tp_input(x: Array, m) -> Array:
-    """Under TP, `x` cast once to vary over `tp_axis`, before the column-parallel
-    projections that share it: their input gradients are then summed on each device
-    before the one `psum` that the cast's transpose is, instead of one `psum` per
-    projection (JAX casts an invariant input at each use)."""
-    tp_axis = m.parallel.tp_axis
-    return x if tp_axis is None else as_varying(x, varying_axes(x) | {tp_axis})
-
-
-def _row_parallel(layer: eqx.nn.Linear, x: Array, tp_axis: str | None) -> Array:
-    """The output projection: partial products summed over `tp_axis`, bias added once."""
-    y = x @ layer.weight.T
-    if tp_axis is not None:
-        y = jax.lax.psum(y, tp_axis)
-    return y if layer.bias is None else y + layer.bias
-
-
-def _local_heads(cls: str, m, column: eqx.nn.Linear) -> int:
-    """This device's number of heads: all of them, or `num_heads / tp` under TP.
-
-    Checks that the column-parallel weights really are this device's shard (they are
-    when placed by `partition_specs`).
-    """
-    tp_axis = m.parallel.tp_axis
-    tp = 1 if tp_axis is None else axis_size(tp_axis, what="Tensor-parallel")
-    if m.num_heads % tp:
-        raise ValueError(
-            f"{cls}: tensor parallelism splits the {m.num_heads} heads over the {tp} devices "
-            f"of axis {tp_axis!r}, so num_heads must be a multiple of the TP size; received "
-            f"num_heads={m.num_heads}, tp={tp}."
-        )
-    rows = column.weight.shape[0]
-    if tp_axis is None and rows != m.dim:
-        raise ValueError(
-            f"{cls}: the module's ParallelConfig has no tp_axis, so every device needs all "
-            f"{m.dim} rows of the q/k/v weights; received {rows} (weights placed for tensor "
-            "parallelism?). Use `nn.with_parallel(module, nn.ParallelConfig(tp_axis=...))` "
-            "to match how they are placed, or place them with `partition_specs(module)`."
-        )
-    if rows * tp != m.dim:
-        raise ValueError(
-            f"{cls}: with tp_axis={tp_axis!r} of size {tp}, each device holds "
-            f"{m.dim} / {tp} = {m.dim // tp} rows of the q/k/v weights (column-parallel); "
-            f"received {rows}. Place the module with `partition_specs(module)` as its "
-            "`shard_map` in_spec."
-        )
-    return m.num_heads // tp
+# -- what the three modules share ------------------------------------------------------
 
 
 def _qk_rms_norm(norm: RMSNorm | None, x: Array, m) -> Array:
@@ -138,9 +56,7 @@ def _qk_rms_norm(norm: RMSNorm | None, x: Array, m) -> Array:
         return x
     if m.parallel.tp_axis is None:
         return norm(x)
-    return functional.tp_sharded_rms_norm(
-        x, norm.weight, m.dim, m.eps, axis_name=m.parallel.tp_axis
-    )
+    return tp_sharded_rms_norm(x, norm.weight, m.dim, m.eps, axis_name=m.parallel.tp_axis)
 
 
 def _after_tp(x: Array, q: Array, m) -> Array:
@@ -174,58 +90,35 @@ def _tile_mask(cls: str, mask, m, heads_local: int):
     return masks
 
 
-def _self_attention(q, k, v, parallel: ParallelConfig, implementation, segment_ids=None,
-                    mask=None):
-    """`(S, H, D)` self-attention of one example with the configured sequence parallelism
-    (`mask`: a `SlidingTileMask`, or `RankMasks` of them, or None)."""
+def _attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int | None = None,
+            segment_ids=None, mask=None):
+    """`(S, H, D)` attention of one example with the configured sequence parallelism: the
+    one switch over `parallel.sequence`.
+
+    `text_len=None`: self-attention over this device's tokens (`Attention`); an int:
+    joint attention over `[text; this device's tokens]`, the text a replicated prefix
+    of `text_len` tokens (`JointAttention`). `mask`: a `SlidingTileMask`, or `RankMasks`
+    of them, or None.
+    """
     q, k, v = q[None], k[None], v[None]
-    seg = None if segment_ids is None else segment_ids[None]
+    opts = dict(segment_ids=None if segment_ids is None else segment_ids[None], mask=mask,
+                implementation=implementation)
+    text = {} if text_len is None else {"text_len": text_len}
     mode = parallel.sequence
     if mode == "none":
-        out = with_rank_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
-                         implementation=implementation)
+        out = with_rank_mask(kernels.attention, q, k, v, **opts)
     elif mode == "ulysses":
-        out = sequence_parallel_self_attention(
-            q, k, v, parallel.sp_axis, segment_ids=seg, mask=mask, implementation=implementation
-        )
+        if text_len is None:
+            out = sequence_parallel_self_attention(q, k, v, parallel.sp_axis, **opts)
+        else:
+            out = sequence_parallel_joint_self_attention(q, k, v, text_len, parallel.sp_axis,
+                                                         **opts)
     elif mode == "ring":
-        out = ring_attention(
-            q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
-            mask=mask, implementation=implementation,
-        )
+        out = ring_attention(q, k, v, axis_name=parallel.sp_axis, layout=parallel.layout,
+                             **text, **opts)
     else:
-        out = usp_attention(
-            q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
-            segment_ids=seg, layout=parallel.layout, mask=mask, implementation=implementation,
-        )
-    return out[0]
-
-
-def _joint_attention(q, k, v, text_len: int, parallel: ParallelConfig, implementation,
-                     segment_ids=None, mask=None):
-    """`(T + S, H, D)` attention of one example over `[text; this device's tokens]`."""
-    q, k, v = q[None], k[None], v[None]
-    seg = None if segment_ids is None else segment_ids[None]
-    mode = parallel.sequence
-    if mode == "none":
-        out = with_rank_mask(kernels.attention, q, k, v, segment_ids=seg, mask=mask,
-                         implementation=implementation)
-    elif mode == "ulysses":
-        out = sequence_parallel_joint_self_attention(
-            q, k, v, text_len, parallel.sp_axis, segment_ids=seg, mask=mask,
-            implementation=implementation,
-        )
-    elif mode == "ring":
-        out = ring_attention(
-            q, k, v, axis_name=parallel.sp_axis, segment_ids=seg, layout=parallel.layout,
-            text_len=text_len, mask=mask, implementation=implementation,
-        )
-    else:
-        out = usp_attention(
-            q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
-            segment_ids=seg, layout=parallel.layout, text_len=text_len, mask=mask,
-            implementation=implementation,
-        )
+        out = usp_attention(q, k, v, ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis,
+                            layout=parallel.layout, **text, **opts)
     return out[0]
 
 
@@ -292,9 +185,9 @@ class Attention(eqx.Module):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = _check_heads("Attention", dim, num_heads)
-        eps = _check_eps("Attention", eps)
-        _check_parallel("Attention", parallel)
+        self.head_dim = check_heads("Attention", dim, num_heads)
+        eps = check_eps("Attention", eps)
+        check_parallel("Attention", parallel)
         if qk_norm not in ("rms", None):
             raise ValueError(f"Attention: `qk_norm` must be 'rms' or None; received {qk_norm!r}.")
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -339,19 +232,20 @@ class Attention(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.Attention"):
             check_context("Attention", self.parallel, x)
-            H = _local_heads("Attention", self, self.q)
+            H = local_heads("Attention", self, self.q)
             S = x.shape[0]
-            x = _tp_input(x, self)
-            q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, x), q, self), self)
+            x = tp_input(x, self.parallel.tp_axis)
+            q = _qk_rms_norm(self.norm_q, linear(self.q, x), self).reshape(S, H, self.head_dim)
+            k = _qk_rms_norm(self.norm_k, _after_tp(linear(self.k, x), q, self), self)
             k = k.reshape(S, H, self.head_dim)
-            v = _linear(self.v, x).reshape(S, H, self.head_dim)
+            v = linear(self.v, x).reshape(S, H, self.head_dim)
             if rope is not None:
-                q = functional.apply_rope(q, *rope)
-                k = functional.apply_rope(k, *rope)
+                q = apply_rope(q, *rope)
+                k = apply_rope(k, *rope)
             mask = _tile_mask("Attention", mask, self, H)
-            out = _self_attention(q, k, v, self.parallel, self.implementation, segment_ids, mask)
-            return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
+            out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
+                          mask=mask)
+            return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
 
 class CrossAttention(eqx.Module):
@@ -425,17 +319,17 @@ class CrossAttention(eqx.Module):
             embeds it to `dim`), or `None` (text-to-video: no image branch).
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = _check_heads("CrossAttention", dim, num_heads)
-        eps = _check_eps("CrossAttention", eps)
-        _check_parallel("CrossAttention", parallel)
+        self.head_dim = check_heads("CrossAttention", dim, num_heads)
+        eps = check_eps("CrossAttention", eps)
+        check_parallel("CrossAttention", parallel)
         if qk_norm not in ("rms", None):
             raise ValueError(
                 f"CrossAttention: `qk_norm` must be 'rms' or None; received {qk_norm!r}."
             )
         context_dim = dim if context_dim is None else context_dim
-        _check_positive("CrossAttention", "context_dim", context_dim)
+        check_positive("CrossAttention", context_dim=context_dim)
         if image_context_dim is not None:
-            _check_positive("CrossAttention", "image_context_dim", image_context_dim)
+            check_positive("CrossAttention", image_context_dim=image_context_dim)
         kq, kk, kv, ko, kki, kvi = jax.random.split(key, 6)
         self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
         self.k = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kk)
@@ -480,13 +374,13 @@ class CrossAttention(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.CrossAttention"):
             check_context("CrossAttention", self.parallel, x, context=context, sharded_x=False)
-            H = _local_heads("CrossAttention", self, self.q)
+            H = local_heads("CrossAttention", self, self.q)
             S, S_ctx = x.shape[0], context.shape[0]
-            context = _tp_input(context, self)
-            q = _qk_rms_norm(self.norm_q, _linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = _qk_rms_norm(self.norm_k, _after_tp(_linear(self.k, context), q, self), self)
+            context = tp_input(context, self.parallel.tp_axis)
+            q = _qk_rms_norm(self.norm_q, linear(self.q, x), self).reshape(S, H, self.head_dim)
+            k = _qk_rms_norm(self.norm_k, _after_tp(linear(self.k, context), q, self), self)
             k = k.reshape(S_ctx, H, self.head_dim)
-            v = _linear(self.v, context).reshape(S_ctx, H, self.head_dim)
+            v = linear(self.v, context).reshape(S_ctx, H, self.head_dim)
             mask = None if context_mask is None else context_mask[None, None, None, :]
             out = kernels.attention(
                 q[None], k[None], v[None], mask=mask, implementation=self.implementation
@@ -502,15 +396,15 @@ class CrossAttention(eqx.Module):
                 check_context("CrossAttention", self.parallel, x, context=context_image,
                               sharded_x=False)
                 S_img = context_image.shape[0]
-                context_image = _tp_input(context_image, self)
-                k_img = _linear(self.k_img, context_image)
+                context_image = tp_input(context_image, self.parallel.tp_axis)
+                k_img = linear(self.k_img, context_image)
                 k_img = _qk_rms_norm(self.norm_k_img, _after_tp(k_img, k, self), self)
                 k_img = k_img.reshape(S_img, H, self.head_dim)
-                v_img = _linear(self.v_img, context_image).reshape(S_img, H, self.head_dim)
+                v_img = linear(self.v_img, context_image).reshape(S_img, H, self.head_dim)
                 out = out + kernels.attention(
                     q[None], k_img[None], v_img[None], implementation=self.implementation
                 )[0]
-            return _row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
+            return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
 
 # -- CogVideoX --------------------------------------------------------------------------
@@ -577,9 +471,9 @@ class JointAttention(eqx.Module):
         - `parallel`, `implementation`, `dtype`: as in [`Attention`][].
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = _check_heads("JointAttention", dim, num_heads)
-        eps = _check_eps("JointAttention", eps)
-        _check_parallel("JointAttention", parallel)
+        self.head_dim = check_heads("JointAttention", dim, num_heads)
+        eps = check_eps("JointAttention", eps)
+        check_parallel("JointAttention", parallel)
         if qk_norm not in ("layer_norm", None):
             raise ValueError(
                 f"JointAttention: `qk_norm` must be 'layer_norm' or None; received {qk_norm!r}."
@@ -639,21 +533,21 @@ class JointAttention(eqx.Module):
         with jax.named_scope("vidax_eqx.nn.JointAttention"):
             check_context("JointAttention", self.parallel, x,
                           context=None if context_copies else context)
-            H = _local_heads("JointAttention", self, self.to_q)
+            H = local_heads("JointAttention", self, self.to_q)
             T, S = context.shape[0], x.shape[0]
             h = jnp.concatenate([context, x], axis=0)
-            h = _tp_input(h, self)
-            q = _linear(self.to_q, h).reshape(T + S, H, self.head_dim)
-            k = _linear(self.to_k, h).reshape(T + S, H, self.head_dim)
-            v = _linear(self.to_v, h).reshape(T + S, H, self.head_dim)
+            h = tp_input(h, self.parallel.tp_axis)
+            q = linear(self.to_q, h).reshape(T + S, H, self.head_dim)
+            k = linear(self.to_k, h).reshape(T + S, H, self.head_dim)
+            v = linear(self.to_v, h).reshape(T + S, H, self.head_dim)
             if self.norm_q is not None:
                 q, k = self.norm_q(q), self.norm_k(k)
             if rope is not None:
-                q = jnp.concatenate([q[:T], functional.apply_rope(q[T:], *rope)], axis=0)
-                k = jnp.concatenate([k[:T], functional.apply_rope(k[T:], *rope)], axis=0)
+                q = jnp.concatenate([q[:T], apply_rope(q[T:], *rope)], axis=0)
+                k = jnp.concatenate([k[:T], apply_rope(k[T:], *rope)], axis=0)
             mask = _tile_mask("JointAttention", mask, self, H)
-            out = _joint_attention(q, k, v, T, self.parallel, self.implementation, segment_ids,
-                                   mask)
-            out = _row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
+            out = _attend(q, k, v, self.parallel, self.implementation, text_len=T,
+                          segment_ids=segment_ids, mask=mask)
+            out = row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
             return out[T:], out[:T]

@@ -8,8 +8,9 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from ..parallel import axis_size
-from ._attention import _check_parallel, _check_positive, _linear, _row_parallel
-from ._parallel import ParallelConfig
+from ._checks import check_positive
+from ._layers import linear, row_parallel
+from ._parallel import check_parallel, ParallelConfig
 
 
 ACTIVATIONS = {
@@ -70,14 +71,13 @@ class FeedForward(eqx.Module):
         - `key`: a PRNG key for the initialization.
         """
         out_dim = in_dim if out_dim is None else out_dim
-        for name, value in (("in_dim", in_dim), ("hidden_dim", hidden_dim), ("out_dim", out_dim)):
-            _check_positive("FeedForward", name, value)
+        check_positive("FeedForward", in_dim=in_dim, hidden_dim=hidden_dim, out_dim=out_dim)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"FeedForward: `activation` must be one of {sorted(ACTIVATIONS)}; received "
                 f"{activation!r}."
             )
-        _check_parallel("FeedForward", parallel)
+        check_parallel("FeedForward", parallel)
         k1, k2 = jax.random.split(key)
         self.fc1 = eqx.nn.Linear(in_dim, hidden_dim, use_bias=True, dtype=dtype, key=k1)
         self.fc2 = eqx.nn.Linear(hidden_dim, out_dim, use_bias=True, dtype=dtype, key=k2)
@@ -109,8 +109,8 @@ class FeedForward(eqx.Module):
                     "ParallelConfig match how it is placed (`nn.with_parallel(module, "
                     "nn.ParallelConfig(tp_axis=...))`); hidden_dim must be a multiple of tp."
                 )
-            h = ACTIVATIONS[self.activation](_linear(self.fc1, x))
-            return _row_parallel(self.fc2, h, tp_axis)
+            h = ACTIVATIONS[self.activation](linear(self.fc1, x))
+            return row_parallel(self.fc2, h, tp_axis)
 
 
 @jaxtyped(typechecker=beartype)
@@ -141,7 +141,7 @@ def timestep_embedding(
 
     float32 `(*t.shape, dim)`.
     """
-    _check_positive("timestep_embedding", "dim", dim)
+    check_positive("timestep_embedding", dim=dim)
     half = dim // 2
     exponent = -jnp.log(jnp.float32(max_period)) * jnp.arange(half, dtype=jnp.float32)
     freqs = jnp.exp(exponent / (half - downscale_freq_shift))
@@ -182,8 +182,7 @@ class TimestepEmbedding(eqx.Module):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the initialization.
         """
-        _check_positive("TimestepEmbedding", "freq_dim", freq_dim)
-        _check_positive("TimestepEmbedding", "dim", dim)
+        check_positive("TimestepEmbedding", freq_dim=freq_dim, dim=dim)
         k1, k2 = jax.random.split(key)
         self.linear_1 = eqx.nn.Linear(freq_dim, dim, use_bias=True, dtype=dtype, key=k1)
         self.linear_2 = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=k2)
@@ -206,4 +205,4 @@ class TimestepEmbedding(eqx.Module):
                 t, self.freq_dim, flip_sin_to_cos=self.flip_sin_to_cos,
                 downscale_freq_shift=self.downscale_freq_shift,
             ).astype(self.linear_1.weight.dtype)
-            return _linear(self.linear_2, jax.nn.silu(_linear(self.linear_1, emb)))
+            return linear(self.linear_2, jax.nn.silu(linear(self.linear_1, emb)))

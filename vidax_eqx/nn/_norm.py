@@ -12,22 +12,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
 from ..parallel import axis_size, TP_AXIS
-
-
-def _check_eps(owner: str, eps) -> float:
-    """`eps` as a float: finite and >= 0 (a negative one makes `rsqrt` NaN silently)."""
-    if isinstance(eps, (bool, str, bytes)):
-        raise TypeError(f"{owner}: `eps` must be a number; received {type(eps).__name__} {eps!r}.")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"{owner}: `eps` must be a number; received {type(eps).__name__}.") from None
-    if not (value >= 0 and value != float("inf")):
-        raise ValueError(
-            f"{owner}: `eps` must be a finite number >= 0 (it is added to the variance "
-            f"before rsqrt; a negative one gives NaN); received {eps!r}."
-        )
-    return value
+from ._checks import check_eps, check_positive
 
 
 def _out_dtype(x, *params):
@@ -58,7 +43,7 @@ def rms_norm(
 
     An array of `x`'s shape in `promote_types(x.dtype, weight.dtype)`.
     """
-    eps = _check_eps("rms_norm", eps)
+    eps = check_eps("rms_norm", eps)
     xf = x.astype(jnp.float32)
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     return _scale(xf, ms, x, weight, eps)
@@ -105,7 +90,7 @@ def tp_sharded_rms_norm(
     `ValueError` when `axis_name` is not bound (outside `shard_map`) or when
     `dim_local * axis_size != global_dim`.
     """
-    eps = _check_eps("tp_sharded_rms_norm", eps)
+    eps = check_eps("tp_sharded_rms_norm", eps)
     dim_local = x.shape[-1]
     n = axis_size(axis_name, what="Tensor-parallel")
     if dim_local * n != global_dim:
@@ -145,7 +130,7 @@ def layer_norm(
 
     An array of `x`'s shape in the promotion of the dtypes of `x`, `weight` and `bias`.
     """
-    eps = _check_eps("layer_norm", eps)
+    eps = check_eps("layer_norm", eps)
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     centred = xf - mean
@@ -192,12 +177,6 @@ def modulated_layer_norm(
     return y * (1 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
 
 
-def _check_positive(owner: str, **sizes) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}: `{name}` must be a positive int; received {value!r}.")
-
-
 class RMSNorm(eqx.Module):
     """Wan's RMSNorm (`WanRMSNorm`) over the last axis, with a learned `weight`.
 
@@ -217,9 +196,9 @@ class RMSNorm(eqx.Module):
         - `eps`: added to the mean square before the reciprocal square root.
         - `dtype`: the dtype of `weight` (initialized to ones).
         """
-        _check_positive("RMSNorm", dim=dim)
+        check_positive("RMSNorm", dim=dim)
         self.dim = dim
-        self.eps = _check_eps("RMSNorm", eps)
+        self.eps = check_eps("RMSNorm", eps)
         self.weight = jnp.ones((dim,), dtype)
 
     @jaxtyped(typechecker=beartype)
@@ -275,9 +254,9 @@ class TPShardedRMSNorm(eqx.Module):
         """
         self.dim_local = dim_local
         self.global_dim = global_dim
-        self.eps = _check_eps("TPShardedRMSNorm", eps)
+        self.eps = check_eps("TPShardedRMSNorm", eps)
         self.axis_name = axis_name
-        _check_positive("TPShardedRMSNorm", dim_local=dim_local, global_dim=global_dim)
+        check_positive("TPShardedRMSNorm", dim_local=dim_local, global_dim=global_dim)
         self.weight = jnp.ones((dim_local,), dtype)
 
     def __check_init__(self):
@@ -334,9 +313,9 @@ class LayerNorm(eqx.Module):
             `False` leaves both `None`.
         - `dtype`: the dtype of `weight` and `bias`.
         """
-        _check_positive("LayerNorm", dim=dim)
+        check_positive("LayerNorm", dim=dim)
         self.dim = dim
-        self.eps = _check_eps("LayerNorm", eps)
+        self.eps = check_eps("LayerNorm", eps)
         self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
         self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
 
@@ -377,9 +356,9 @@ class ModulatedLayerNorm(eqx.Module):
         - `elementwise_affine`: whether the LayerNorm learns its own `weight` and `bias`.
         - `dtype`: their dtype.
         """
-        _check_positive("ModulatedLayerNorm", dim=dim)
+        check_positive("ModulatedLayerNorm", dim=dim)
         self.dim = dim
-        self.eps = _check_eps("ModulatedLayerNorm", eps)
+        self.eps = check_eps("ModulatedLayerNorm", eps)
         self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
         self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
 

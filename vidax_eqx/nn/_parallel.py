@@ -1,4 +1,5 @@
-"""`ParallelConfig`: how an attention module is split over a device mesh (static)."""
+"""`ParallelConfig`: how an attention module is split over a device mesh (static); the
+checks of a module's argument and call against it, and the token split it implies."""
 
 import dataclasses
 
@@ -92,6 +93,14 @@ class ParallelConfig:
                 f"`tp_axis` must differ from the sequence axes; received tp_axis="
                 f"{self.tp_axis!r}, sp_axis={self.sp_axis!r}, ring_axis={self.ring_axis!r}."
             )
+
+
+def check_parallel(owner: str, parallel) -> None:
+    """Raises unless `parallel` (an argument of `owner`) is a [`ParallelConfig`][]."""
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(
+            f"{owner}: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
+        )
 
 
 def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
@@ -191,10 +200,7 @@ def _split(fn: str, parallel):
     """How `parallel` splits a sequence on this device: `(axes, rank, n, zigzag_n)` (the
     mesh axes, this device's chunk among `n`, the ring size of the zigzag), or `None`
     for one device."""
-    if not isinstance(parallel, ParallelConfig):
-        raise ValueError(
-            f"{fn}: `parallel` must be a ParallelConfig; received {type(parallel).__name__}."
-        )
+    check_parallel(fn, parallel)
     if parallel.sequence == "none":
         return None
     sp = parallel.sp_axis

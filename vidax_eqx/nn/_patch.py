@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
-from ._attention import _check_positive
+from ._checks import check_positive
 
 
 def _check_patch(owner: str, patch_size) -> tuple[int, int, int]:
@@ -72,8 +72,7 @@ class PatchEmbedding(eqx.Module):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the initialization (PyTorch's convolution default).
         """
-        _check_positive("PatchEmbedding", "in_channels", in_channels)
-        _check_positive("PatchEmbedding", "dim", dim)
+        check_positive("PatchEmbedding", in_channels=in_channels, dim=dim)
         if isinstance(patch_size, (tuple, list)) and len(patch_size) == 2:
             patch_size = _check_patch("PatchEmbedding", (1, *patch_size))[1:]
         else:

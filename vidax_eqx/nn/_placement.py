@@ -7,9 +7,9 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._attention import _check_parallel, Attention, CrossAttention, JointAttention
+from ._attention import Attention, CrossAttention, JointAttention
 from ._feedforward import FeedForward
-from ._parallel import ParallelConfig
+from ._parallel import check_parallel, ParallelConfig
 
 
 # The modules that hold a ParallelConfig, and their Megatron split: (column-parallel
@@ -126,7 +126,7 @@ def with_parallel(module, parallel: ParallelConfig):
 
     A PyTree of the same structure.
     """
-    _check_parallel("with_parallel", parallel)
+    check_parallel("with_parallel", parallel)
 
     def swap(m):
         if not _is_parallel(m):
