@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
 from .._vma import as_varying, varying_axes
+from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ..nn import functional
 from ._common import (
@@ -27,11 +28,6 @@ from ._common import (
 
 
 _ACTIVATIONS = {"gelu-approximate": "gelu_tanh", "gelu": "gelu"}
-
-
-def _dense(layer: eqx.nn.Linear, x):
-    """A Linear on the last axis of `x` (`eqx.nn.Linear` itself takes one vector)."""
-    return x @ layer.weight.T + layer.bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,7 +513,7 @@ class CogVideoXTransformer3D(eqx.Module):
             rope, pos_video, pos_text = self._positions(x.shape[0], grid, T)
 
             temb = self.time_embedding(timestep)
-            context = _dense(self.patch_embed.text_proj, context.astype(dtype))
+            context = linear(self.patch_embed.text_proj, context.astype(dtype))
             if pos_text is not None:
                 context = context + pos_text.astype(dtype)
             parallel = self.parallel
@@ -551,7 +547,7 @@ class CogVideoXTransformer3D(eqx.Module):
 
             tokens, _ = scan_layers(block, (tokens, context), self.transformer_blocks, policy)
             tokens = self.norm_out(self.norm_final(tokens), temb)
-            out = _dense(self.proj_out, tokens)
+            out = linear(self.proj_out, tokens)
             out = nn.gather_tokens(out, parallel)[:n]
             if mask is not None:
                 out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
 from ..nn import functional
+from ..nn._layers import linear
 from ._common import (
     check_remat,
     load_pretrained,
@@ -363,7 +364,7 @@ class WanHead(eqx.Module):
         with jax.named_scope("vidax_eqx.models.WanHead"):
             shift, scale = self.modulation[0].astype(jnp.float32) + e
             h = self.norm(x, shift, scale).astype(self.head.weight.dtype)
-            return h @ self.head.weight.T + self.head.bias
+            return linear(self.head, h)
 
 
 # Checkpoint names: the fields carry Wan's names, except where a module of `nn` serves a
