@@ -8,6 +8,7 @@ allocation, every header field checked before any tensor data is read.
 
 from ._checkpoint import (
     open_checkpoint as open_checkpoint,
+    open_safetensors as open_safetensors,
     SafetensorsShards as SafetensorsShards,
     write_checkpoint as write_checkpoint,
 )
@@ -15,7 +16,6 @@ from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile 
 from ._state_dict import (
     load_state_dict as load_state_dict,
     NAMINGS as NAMINGS,
-    open_safetensors as open_safetensors,
     save_safetensors as save_safetensors,
     state_dict as state_dict,
 )

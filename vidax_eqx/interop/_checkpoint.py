@@ -1,4 +1,5 @@
-"""Checkpoints of several `.safetensors` files: the Hugging Face index layout.
+"""Opening and writing checkpoints: one `.safetensors` file, or several in the Hugging Face
+index layout. Pickle-based PyTorch files are refused here, by name, before anything is read.
 
 A large checkpoint is split into shards (`diffusion_pytorch_model-00001-of-00006.safetensors`,
 ...) listed by `diffusion_pytorch_model.safetensors.index.json`, whose `weight_map`
@@ -16,6 +17,49 @@ from ._safetensors import SafetensorsFile, write_safetensors
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+
+
+# Pickle-based PyTorch formats: loading one would run arbitrary code.
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+
+
+def open_safetensors(path) -> SafetensorsFile:
+    """Opens a `.safetensors` file as a read-only mapping of names to NumPy arrays.
+
+    The header is validated strictly on opening (bounded header length, JSON
+    only, known dtypes, shapes that match byte lengths, offsets inside the file,
+    no overlapping tensors); a bad file raises `ValueError` before any tensor
+    data is read. Tensors are then read one at a time, on access, so a large
+    checkpoint is never held in memory whole; `.shape(name)` and `.dtype(name)`
+    answer from the header. No pickle, nothing executed.
+
+    A sharded checkpoint is one mapping through
+    `collections.ChainMap(*(open_safetensors(p) for p in paths))`.
+
+    **Arguments:**
+
+    - `path`: the file.
+
+    **Returns:**
+
+    A `Mapping[str, numpy.ndarray]` (bfloat16 / float8 as `ml_dtypes` dtypes),
+    with a `metadata` dict of the file's `__metadata__` strings.
+    """
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        raise ValueError(
+            f"`source` {text!r} is a directory; pass one .safetensors file, or for a sharded "
+            "checkpoint a merged mapping: collections.ChainMap(*(open_safetensors(p) for p in "
+            "paths))."
+        )
+    if text.lower().endswith(_PICKLE_SUFFIXES):
+        raise ValueError(
+            f"`source` {text!r} looks like a pickle-based PyTorch checkpoint, which can run "
+            "arbitrary code when loaded and is never unpickled here. Convert it to "
+            ".safetensors where you trust it (safetensors.torch.save_file(torch.load(path, "
+            "weights_only=True), out)), or pass a mapping of arrays."
+        )
+    return SafetensorsFile(text)
 
 
 class SafetensorsShards(Mapping):
@@ -135,8 +179,6 @@ def open_checkpoint(path) -> SafetensorsFile | SafetensorsShards:
         text = os.path.join(text, found[0])
     if text.endswith(".json"):
         return SafetensorsShards(text)
-    from ._state_dict import open_safetensors  # the pickle refusal lives there
-
     return open_safetensors(text)
 
 

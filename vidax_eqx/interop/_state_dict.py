@@ -13,7 +13,7 @@ import numpy as np
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from .. import nn
-from ._checkpoint import open_checkpoint, SafetensorsShards
+from ._checkpoint import open_checkpoint, open_safetensors, SafetensorsShards
 from ._safetensors import SafetensorsFile, write_safetensors
 
 
@@ -50,9 +50,6 @@ _FEED_FORWARD = {"fc1": ("0", "net.0.proj"), "fc2": ("2", "net.2")}
 _TIMESTEP = {"linear_1": ("0", "linear_1"), "linear_2": ("2", "linear_2")}
 
 _LAZY = (SafetensorsFile, SafetensorsShards)  # read on access, shape/dtype from headers
-
-# Pickle-based PyTorch formats: loading one would run arbitrary code.
-_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 
 
 def _renames(node) -> dict[str, tuple[str, str]]:
@@ -244,49 +241,6 @@ def _fmt_keys(keys, limit=20, sep=", ") -> str:
     return shown if len(keys) <= limit else f"{shown}, ... ({len(keys) - limit} more)"
 
 
-def _open(path) -> SafetensorsFile:
-    text = os.fspath(path)
-    if os.path.isdir(text):
-        raise ValueError(
-            f"`source` {text!r} is a directory; pass one .safetensors file, or for a sharded "
-            "checkpoint a merged mapping: collections.ChainMap(*(open_safetensors(p) for p in "
-            "paths))."
-        )
-    if text.lower().endswith(_PICKLE_SUFFIXES):
-        raise ValueError(
-            f"`source` {text!r} looks like a pickle-based PyTorch checkpoint, which can run "
-            "arbitrary code when loaded and is never unpickled here. Convert it to "
-            ".safetensors where you trust it (safetensors.torch.save_file(torch.load(path, "
-            "weights_only=True), out)), or pass a mapping of arrays."
-        )
-    return SafetensorsFile(text)
-
-
-def open_safetensors(path) -> SafetensorsFile:
-    """Opens a `.safetensors` file as a read-only mapping of names to NumPy arrays.
-
-    The header is validated strictly on opening (bounded header length, JSON
-    only, known dtypes, shapes that match byte lengths, offsets inside the file,
-    no overlapping tensors); a bad file raises `ValueError` before any tensor
-    data is read. Tensors are then read one at a time, on access, so a large
-    checkpoint is never held in memory whole; `.shape(name)` and `.dtype(name)`
-    answer from the header. No pickle, nothing executed.
-
-    A sharded checkpoint is one mapping through
-    `collections.ChainMap(*(open_safetensors(p) for p in paths))`.
-
-    **Arguments:**
-
-    - `path`: the file.
-
-    **Returns:**
-
-    A `Mapping[str, numpy.ndarray]` (bfloat16 / float8 as `ml_dtypes` dtypes),
-    with a `metadata` dict of the file's `__metadata__` strings.
-    """
-    return _open(path)
-
-
 def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, stacked=(),
                     rename=None):
     """Loads PyTorch weights into an Equinox module: a new module, every parameter replaced.
@@ -351,7 +305,8 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
         raise ValueError(f"`prefix` must be a string; received {prefix!r}.")
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        source = open_checkpoint(text) if os.path.isdir(text) or text.endswith(".json") else _open(text)
+        source = (open_checkpoint(text) if os.path.isdir(text) or text.endswith(".json")
+                  else open_safetensors(text))
     elif not isinstance(source, Mapping):
         raise ValueError(
             "`source` must be a mapping of names to arrays or a path to a .safetensors file; "
