@@ -41,16 +41,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
-
-
-# Run against this checkout's vidax_eqx when it is not installed.
-try:
-    import vidax_eqx  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import equinox as eqx
 import jax
@@ -59,6 +51,7 @@ import jaxlib
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from _harness import best_time, write_json  # also puts this checkout first on sys.path
 from vidax_eqx import kernels, nn, parallel
 
 
@@ -89,13 +82,8 @@ def _error(e: Exception) -> str:
 
 
 def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+    """Best wall seconds of `reps` runs after one that compiles and warms up."""
+    return best_time(lambda: jax.block_until_ready(fn(*args)), reps).best
 
 
 def _rel_error(got, want) -> float:
@@ -517,8 +505,7 @@ def main():
         budget_s=args.budget, elapsed_s=budget.elapsed(),
         matmul_tflops=matmul, rows=kernel_rows + wan_rows + ring_rows, checks=checks,
     )
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
     print(f"total {budget.elapsed():.0f} s; report in {args.json}")
     for c in checks:  # PASS <check> (detail) / FAIL <check>: reason / SKIP <check>: reason
         detail = c["detail"] and (f" ({c['detail']})" if c["status"] == "PASS" else f": {c['detail']}")

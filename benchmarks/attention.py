@@ -11,7 +11,7 @@ Every configuration runs in a fresh process (this script with the hidden
 `--child` flag), one after another, so that each gets a clean heap and its
 peak memory is its own. The child creates the inputs, compiles the jitted
 function ahead of time, resets the RSS high-water mark (Linux), runs the
-function once and reads `ru_maxrss`: peak memory above the inputs is that
+function once and reads it (`VmHWM`): peak memory above the inputs is that
 minus the RSS just before the run (imported JAX, inputs and compiled program
 included in the baseline, the compiler's own peak excluded). That first run is
 also the warm-up; the time is the best of up to `--repeats` further runs
@@ -36,30 +36,23 @@ A configuration whose compiled temp + output buffers would exceed
 """
 
 import argparse
-import csv
 import dataclasses
-import datetime
-import gc
-import json
 import os
 import platform
-import re
-import resource
-import subprocess
 import sys
 import time
 
+from _harness import (
+    PASSES, RESULTS, attention_pass, best_time, compile_ahead, emit, fmt, log,
+    meminfo, now, run_child, run_with_peak, write_csv,
+)
 
-# Benchmark this checkout's vidax_eqx, not whichever copy happens to be installed.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
 
 CONFIGS = ("jax.nn", "xla", "blockwise", "auto")
-PASSES = ("fwd", "fwd+bwd")
 BASELINE = "jax.nn"
+CSV_EXTRA = ("matmul_gflops", "matmul_cpu_gflops", "causal", "dtype", "jax", "cpus", "date")
 DEFAULT_SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_SEQS = (512, 1024)
-RESULTS = os.path.join(_REPO, "benchmarks", "results")
 DEFAULT_CSV = os.path.join(RESULTS, "attention.csv")
 QUICK_CSV = os.path.join(RESULTS, "attention_quick.csv")
 DEFAULT_PNG = os.path.join(RESULTS, "attention.png")
@@ -90,17 +83,7 @@ def attention_fn(config: str, causal: bool):
 
 def benchmark_fn(config: str, pass_: str, causal: bool):
     """The jitted function of one configuration, and how many inputs it takes."""
-    import jax
-    import jax.numpy as jnp
-
-    attn = attention_fn(config, causal)
-    if pass_ == "fwd":
-        return jax.jit(attn), 3
-
-    def loss(q, k, v, cotangent):
-        return jnp.sum(attn(q, k, v).astype(jnp.float32) * cotangent)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 4
+    return attention_pass(attention_fn(config, causal), pass_)
 
 
 def make_inputs(shape, dtype: str, n: int, seed: int = 0):
@@ -124,41 +107,6 @@ def flops(pass_: str, B: int, H: int, S: int, D: int, causal: bool) -> float:
     return f
 
 
-def compile_fn(fn, args):
-    """Compiles `fn` ahead of time; returns (compiled, temp bytes, output bytes)."""
-    compiled = fn.lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
-        temp, out = int(ma.temp_size_in_bytes), int(ma.output_size_in_bytes)
-    except Exception:  # not every backend reports it
-        temp = out = None
-    return compiled, temp, out
-
-
-def best_time(
-    compiled, args, repeats: int, target_seconds: float, first: float
-) -> tuple[float, int, float]:
-    """Best of up to `repeats` runs (at least one), fewer when a run (`first`
-    seconds, the warm-up) is so long that they would take over `target_seconds`.
-
-    Returns `(best wall seconds, runs, best process CPU seconds)`. CPU time (all
-    of this process's threads) is what a run costs whatever else shares the
-    machine, so its ratios stay meaningful when the wall-clock ones are noisy.
-    """
-    import jax
-
-    n = repeats
-    if first * repeats > target_seconds:
-        n = max(1, int(target_seconds / first))
-    best = best_cpu = float("inf")
-    for _ in range(n):
-        c0, t0 = time.process_time(), time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - t0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
-    return best, n, best_cpu
-
-
 def matmul_gflops(n: int, repeats: int) -> tuple[float, float]:
     """GFLOP/s of an (n, n) @ (n, n) float32 matmul, best of `repeats` after a
     warm-up: per wall second, and per CPU second (summed over threads)."""
@@ -166,41 +114,14 @@ def matmul_gflops(n: int, repeats: int) -> tuple[float, float]:
     import jax.numpy as jnp
 
     a, b = make_inputs((n, n), "float32", 2, seed=1)
-    compiled, _, _ = compile_fn(jax.jit(jnp.matmul), (a, b))
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(a, b))
-    best, _, cpu = best_time(compiled, (a, b), repeats, float("inf"), time.perf_counter() - t0)
-    return 2.0 * n**3 / best / 1e9, 2.0 * n**3 / cpu / 1e9
+    compiled, _, _ = compile_ahead(jax.jit(jnp.matmul), (a, b))
+    t = best_time(lambda: jax.block_until_ready(compiled(a, b)), repeats)
+    return 2.0 * n**3 / t.best / 1e9, 2.0 * n**3 / t.best_cpu / 1e9
 
 
 # --------------------------------------------------------------------------- #
 # One configuration, in a fresh process
 # --------------------------------------------------------------------------- #
-
-
-def _current_rss() -> int:
-    """Resident set size now, in bytes (Linux); elsewhere the peak so far."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return _max_rss()
-
-
-def _max_rss() -> int:
-    """`ru_maxrss` in bytes (KiB on Linux, bytes on macOS)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
-def _reset_peak_rss() -> bool:
-    """Resets the high-water mark that `ru_maxrss` reports (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def child_main(args) -> dict:
@@ -219,7 +140,7 @@ def child_main(args) -> dict:
         result["implementation"] = kernels.select_implementation(
             *xs[:3], causal=args.causal, implementation=args.child_config
         )
-    compiled, temp, out = compile_fn(fn, xs)
+    compiled, temp, out = compile_ahead(fn, xs)
     result.update(xla_temp_bytes=temp, xla_output_bytes=out)
     need = (temp or 0) + (out or 0)
     if need > args.mem_budget_gb * 2**30:
@@ -227,29 +148,23 @@ def child_main(args) -> dict:
         result["note"] = f"needs {need / 2**30:.1f} GB > budget {args.mem_budget_gb:g} GB"
         return result
 
-    gc.collect()
-    result["peak_reset"] = _reset_peak_rss()
-    baseline = _current_rss()
-    c0, t0 = time.process_time(), time.perf_counter()
-    jax.block_until_ready(compiled(*xs))
-    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _max_rss()
-    result.update(peak_above_inputs_bytes=peak - baseline, baseline_rss_bytes=baseline, first_run_s=first)
-    if first > args.single_run_seconds:
-        # So long that warming up buys nothing: the program was compiled ahead of
-        # time, so this run holds no compilation. It is the only timed run.
-        result["time_s"], result["runs"], result["cpu_s"] = first, 1, first_cpu
-        result["note"] = "timed on its first run"
-    else:
-        result["time_s"], result["runs"], result["cpu_s"] = best_time(
-            compiled, xs, args.repeats, args.target_seconds, first
-        )
+    def run():
+        return jax.block_until_ready(compiled(*xs))
+
+    first, _, peak = run_with_peak(run)
+    result.update(peak_reset=peak.reset, peak_above_inputs_bytes=peak.above_baseline,
+                  baseline_rss_bytes=peak.baseline, first_run_s=first.wall)
+    # A first run longer than --single-run-seconds is the only timed one: the program
+    # was compiled ahead of time, so it holds no compilation.
+    timing = best_time(run, args.repeats, target_seconds=args.target_seconds,
+                       single_run_seconds=args.single_run_seconds, first=first)
+    result.update(timing.fields())
     return result
 
 
 def spawn_child(args, config: str, pass_: str, seq: int) -> dict:
     cmd = [
-        sys.executable, os.path.abspath(__file__), "--child",
+        "--child",
         "--child-config", config, "--child-pass", pass_, "--child-seq", str(seq),
         "--batch", str(args.batch), "--heads", str(args.heads),
         "--head-dim", str(args.head_dim), "--dtype", args.dtype,
@@ -259,15 +174,10 @@ def spawn_child(args, config: str, pass_: str, seq: int) -> dict:
     ]  # fmt: skip
     if args.causal:
         cmd.append("--causal")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines() or [""]
-        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
-        reason = (errors or lines)[-1][:300]
-        if proc.returncode in (-9, 137):
-            reason = "killed (out of memory?)"
-        return {"status": f"error (exit {proc.returncode})", "note": reason}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    r = run_child(__file__, cmd)
+    if not r.ok or r.last is None:
+        return {"status": f"error (exit {r.returncode})", "note": (r.reason or "no result")[:300]}
+    return r.last
 
 
 # --------------------------------------------------------------------------- #
@@ -299,22 +209,11 @@ def _mb(x) -> float | None:
     return None if x is None else x / 2**20
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def run(args) -> tuple[list[Row], dict]:
     import jax
 
     info = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": now(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
@@ -371,7 +270,7 @@ def run(args) -> tuple[list[Row], dict]:
                         row.cpu_ratio_vs_jax_nn = row.cpu_s / base_cpu
                     summary = (
                         f"{row.time_s * 1e3:.1f} ms ({_runs(row)}), {row.gflops:.1f} GFLOP/s, "
-                        f"peak {_fmt(row.peak_above_inputs_mb, '.0f')} MB"
+                        f"peak {fmt(row.peak_above_inputs_mb, '.0f')} MB"
                     )
                 else:
                     summary = f"{row.status} {row.note}"
@@ -384,14 +283,6 @@ def run(args) -> tuple[list[Row], dict]:
 # --------------------------------------------------------------------------- #
 # Output
 # --------------------------------------------------------------------------- #
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt(x, spec: str, missing: str = "–") -> str:
-    return missing if x is None else format(x, spec)
 
 
 def _runs(row: Row) -> str:
@@ -416,28 +307,17 @@ def markdown(rows: list[Row], info: dict) -> str:
         "|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        time_cell = _fmt(r.time_s and r.time_s * 1e3, ".1f") if r.status == "ok" else r.status
+        time_cell = fmt(r.time_s and r.time_s * 1e3, ".1f") if r.status == "ok" else r.status
         pct = None if r.frac_of_matmul is None else 100 * r.frac_of_matmul
         cpu_pct = None if r.cpu_frac_of_matmul is None else 100 * r.cpu_frac_of_matmul
         lines.append(
             f"| {r.seq} | {r.pass_} | `{r.config}` | {r.implementation} | {time_cell} | "
             f"{_runs(r) if r.time_s is not None else '–'} | "
-            f"{_fmt(r.ratio_vs_jax_nn, '.2f')} | {_fmt(r.gflops, '.1f')} | {_fmt(pct, '.0f')} | "
-            f"{_fmt(r.cpu_ratio_vs_jax_nn, '.2f')} | {_fmt(cpu_pct, '.0f')} | "
-            f"{_fmt(r.peak_above_inputs_mb, '.0f')} | {_fmt(r.xla_temp_mb, '.0f')} |"
+            f"{fmt(r.ratio_vs_jax_nn, '.2f')} | {fmt(r.gflops, '.1f')} | {fmt(pct, '.0f')} | "
+            f"{fmt(r.cpu_ratio_vs_jax_nn, '.2f')} | {fmt(cpu_pct, '.0f')} | "
+            f"{fmt(r.peak_above_inputs_mb, '.0f')} | {fmt(r.xla_temp_mb, '.0f')} |"
         )
     return "\n".join(lines)
-
-
-def write_csv(rows: list[Row], info: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fields = [f.name for f in dataclasses.fields(Row)]
-    extra = ("matmul_gflops", "matmul_cpu_gflops", "causal", "dtype", "jax", "cpus", "date")
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([n.rstrip("_") for n in fields] + list(extra))
-        for r in rows:
-            writer.writerow([getattr(r, n) for n in fields] + [info[k] for k in extra])
 
 
 def plot(rows: list[Row], info: dict, path: str) -> None:
@@ -533,7 +413,7 @@ def parse_args(argv=None):
     args.csv = args.csv or DEFAULT_CSV
     if args.mem_budget_gb is None:
         args.mem_budget_gb = 12.0
-        available = _mem_available()
+        available = meminfo("MemAvailable")
         if available is not None:
             args.mem_budget_gb = round(min(12.0, 0.75 * available / 2**30), 1)
     if BASELINE in args.configs:  # first, so that every ratio has its baseline
@@ -544,11 +424,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(child_main(args)))
+        emit(child_main(args))
         return 0
     rows, info = run(args)
     print(markdown(rows, info))
-    write_csv(rows, info, args.csv)
+    write_csv(args.csv, Row, rows, info, CSV_EXTRA)
     log(f"# wrote {os.path.relpath(args.csv)} after {info['seconds']:.0f} s")
     if args.plot:
         plot(rows, info, args.plot)

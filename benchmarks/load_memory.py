@@ -21,17 +21,16 @@ twice it.
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from _harness import emit, peak_rss, run_child
+
 
 def _child(path: str, dtype: str | None, baseline_only: bool) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
     import jax.numpy as jnp
 
@@ -46,31 +45,18 @@ def _child(path: str, dtype: str | None, baseline_only: bool) -> None:
         result["seconds"] = time.perf_counter() - t0
         result["parameter_bytes"] = sum(
             a.nbytes for a in jax.tree.leaves(model) if hasattr(a, "nbytes"))
-    result["peak_rss_bytes"] = _peak_rss()
-    print(json.dumps(result))
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory: `VmHWM` of /proc/self/status on Linux.
-
-    Not `ru_maxrss`: Linux carries the parent's peak across fork + exec into it, so a
-    child of a large parent would report the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = peak_rss()  # VmHWM: this process's own peak
+    emit(result)
 
 
 def _measure(path, dtype, baseline_only):
-    args = [sys.executable, __file__, "--child", path, "--dtype", dtype or "none"]
+    args = ["--child", path, "--dtype", dtype or "none"]
     if baseline_only:
         args.append("--baseline")
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    r = run_child(__file__, args)
+    if not r.ok or r.last is None:
+        raise SystemExit(f"load_memory child failed (exit {r.returncode}): {r.reason or 'no result'}")
+    return r.last
 
 
 def write_checkpoint(path, config, dtype, shards):
@@ -119,7 +105,6 @@ def main(argv=None) -> int:
         _child(args.child, None if args.dtype == "none" else args.dtype, args.baseline)
         return 0
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from vidax_eqx import models
 
     config = models.WanConfig(num_layers=args.layers)

@@ -63,25 +63,20 @@ single-device `"blockwise"` kernel on the global sequence (ring).
 
 import argparse
 import dataclasses
-import datetime
-import gc
 import json
 import math
 import os
-import platform
-import re
-import shlex
-import subprocess
 import sys
 import time
 
+from _harness import (
+    PASSES, RESULTS, attention_pass, best_time, command_line, compile_ahead,
+    cpu_model, emit, fmt, git_state, log, meminfo, now, run_child, run_with_peak, write_json,
+    write_text,
+)
 
-# Benchmark this checkout's vidax_eqx, not whichever copy happens to be installed.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
 
 CONFIGS = ("single", "ring-contiguous", "ring-zigzag")
-PASSES = ("fwd", "fwd+bwd")
 FULL = "full"  # the window name of the unmasked baselines
 KERNEL = "blockwise"
 N_DEVICES = 8
@@ -93,7 +88,6 @@ QUICK_GRID = (14, 10, 26)
 QUICK_TILE = (2, 5, 13)  # 130 tokens, 7 x 2 x 2 tiles
 QUICK_WINDOWS = ((3, 1, 1), (7, 1, 1), (7, 3, 1))  # densities 0.107, 0.250, 0.500
 
-RESULTS = os.path.join(_REPO, "benchmarks", "results")
 DEFAULT_MD = os.path.join(RESULTS, "sparse.md")
 DEFAULT_JSON = os.path.join(RESULTS, "sparse.json")
 
@@ -184,20 +178,6 @@ def attention_fn(args, config: str, window):
     return attend, NamedSharding(mesh, spec), layout
 
 
-def pass_fn(attend, pass_: str):
-    """The jitted function of one pass, and how many inputs it takes."""
-    import jax
-    import jax.numpy as jnp
-
-    if pass_ == "fwd":
-        return jax.jit(attend), 3
-
-    def loss(q, k, v, cotangent):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * cotangent)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 4
-
-
 def make_inputs(args, seq: int, n: int):
     """`n` random normal NumPy arrays `(B, seq, H, D)`: q, k, v in `--dtype`, then a
     float32 cotangent."""
@@ -211,56 +191,6 @@ def make_inputs(args, seq: int, n: int):
 
         xs[:3] = [np.asarray(jnp.asarray(x, args.dtype)) for x in xs[:3]]
     return xs
-
-
-def compile_fn(fn, args):
-    """Compiles `fn` ahead of time; returns (compiled, temp bytes, output bytes)."""
-    compiled = fn.lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
-        temp, out = int(ma.temp_size_in_bytes), int(ma.output_size_in_bytes)
-    except Exception:  # not every backend reports it
-        temp = out = None
-    return compiled, temp, out
-
-
-def best_time(compiled, xs, repeats: int, target_seconds: float, first: float):
-    """Best of up to `repeats` runs (at least one), fewer when they would take over
-    `target_seconds`. Returns `(best wall seconds, runs, best process CPU seconds)`."""
-    import jax
-
-    n = repeats
-    if first * repeats > target_seconds:
-        n = max(1, int(target_seconds / first))
-    best = best_cpu = float("inf")
-    for _ in range(n):
-        c0, t0 = time.process_time(), time.perf_counter()
-        jax.block_until_ready(compiled(*xs))
-        best = min(best, time.perf_counter() - t0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
-    return best, n, best_cpu
-
-
-def _status_kb(field: str) -> int | None:
-    """A `/proc/self/status` memory field in bytes (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Resets the high-water mark that `VmHWM` reports (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def check_error(args, window, layout, host_xs, outputs) -> float:
@@ -283,7 +213,7 @@ def check_error(args, window, layout, host_xs, outputs) -> float:
     def attend(q, k, v):
         return kernels.attention(q, k, v, mask=tm, implementation=impl)
 
-    fn, _ = pass_fn(attend, args.child_pass)
+    fn, _ = attention_pass(attend, args.child_pass)
     ref = fn(*[x[:, :S] for x in xs])
     ref = [np.asarray(r, np.float32) for r in (ref if isinstance(ref, tuple) else (ref,))]
     err = max(
@@ -305,32 +235,25 @@ def child_main(args) -> dict:
     except NotAvailable as e:
         return {"status": str(e)}
     seq = global_len(args, config, window)
-    fn, n_in = pass_fn(attend, pass_)
+    fn, n_in = attention_pass(attend, pass_)
     host_xs = make_inputs(args, seq, n_in)
     xs = jax.block_until_ready([jax.device_put(x, sharding) for x in host_xs])
     t0 = time.perf_counter()
-    compiled, temp, out = compile_fn(fn, xs)
+    compiled, temp, out = compile_ahead(fn, xs)
     result.update(seq=seq, compile_s=time.perf_counter() - t0, xla_temp_bytes=temp, xla_output_bytes=out)
 
-    gc.collect()
-    result["peak_reset"] = _reset_peak_rss()
-    baseline = _status_kb("VmRSS")
-    c0, t0 = time.process_time(), time.perf_counter()
-    outputs = jax.block_until_ready(compiled(*xs))
-    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _status_kb("VmHWM")
-    if baseline is not None and peak is not None and result["peak_reset"]:
-        result["peak_above_inputs_bytes"] = peak - baseline
-    result["first_run_s"] = first
-    if first > args.single_run_seconds:
-        # So long that warming up buys nothing: the program was compiled ahead of
-        # time, so this run holds no compilation. It is the only timed run.
-        result["time_s"], result["runs"], result["cpu_s"] = first, 1, first_cpu
-        result["note"] = "timed on its first run"
-    else:
-        result["time_s"], result["runs"], result["cpu_s"] = best_time(
-            compiled, xs, args.repeats, args.target_seconds, first
-        )
+    def run():
+        return jax.block_until_ready(compiled(*xs))
+
+    first, outputs, peak = run_with_peak(run)
+    result["peak_reset"] = peak.reset
+    if peak.reset:
+        result["peak_above_inputs_bytes"] = peak.above_baseline
+    result["first_run_s"] = first.wall
+    # A first run longer than --single-run-seconds is the only timed one: the program
+    # was compiled ahead of time, so it holds no compilation.
+    result.update(best_time(run, args.repeats, target_seconds=args.target_seconds,
+                            single_run_seconds=args.single_run_seconds, first=first).fields())
     if window != FULL and seq <= args.check_max_seq:
         result["max_rel_err"] = check_error(args, window, layout, host_xs, outputs)
     return result
@@ -339,7 +262,7 @@ def child_main(args) -> dict:
 def child_cmd(args, config: str, window, pass_: str) -> list[str]:
     window_arg = FULL if window == FULL else ",".join(map(str, window))
     return [
-        sys.executable, os.path.abspath(__file__), "--child",
+        "--child",
         "--child-config", config, "--child-window", window_arg, "--child-pass", pass_,
         "--grid", *map(str, args.grid), "--tile", *map(str, args.tile),
         "--batch", str(args.batch), "--heads", str(args.heads),
@@ -351,21 +274,11 @@ def child_cmd(args, config: str, window, pass_: str) -> list[str]:
 
 
 def spawn_child(args, config: str, window, pass_: str) -> dict:
-    env = dict(os.environ)
-    if config != "single":
-        # Set before the child imports JAX.
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-    proc = subprocess.run(child_cmd(args, config, window, pass_), capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines() or [""]
-        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
-        reason = (errors or lines)[-1][:300]
-        if proc.returncode in (-9, 137):
-            reason = "killed (out of memory?)"
-        return {"status": f"error (exit {proc.returncode})", "note": reason}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    devices = None if config == "single" else args.devices  # set before the child imports JAX
+    r = run_child(__file__, child_cmd(args, config, window, pass_), devices=devices)
+    if not r.ok or r.last is None:
+        return {"status": f"error (exit {r.returncode})", "note": (r.reason or "no result")[:300]}
+    return r.last
 
 
 # --------------------------------------------------------------------------- #
@@ -403,40 +316,8 @@ def _mb(x) -> float | None:
     return None if x is None else x / 2**20
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _mem_total_gb() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _git_state() -> str:
-    """HEAD's short hash, and the library files that differ from it (others may be
-    editing the checkout while this runs)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vidax_eqx"], cwd=_REPO,
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    dirty = [ln[3:] for ln in dirty if ln.strip()]
-    return head + (f" + uncommitted changes to {', '.join(dirty)}" if dirty else "")
+def _gb(x) -> float | None:
+    return None if x is None else x / 2**30
 
 
 def _window_name(window) -> str:
@@ -449,14 +330,14 @@ def run(args) -> tuple[list[Row], dict]:
     real = math.prod(args.grid)
     tm0 = tile_mask(args, args.windows[0])
     info = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__), *sys.argv[1:]]),
-        "git": _git_state(),
+        "date": now(),
+        "command": command_line(__file__),
+        "git": git_state(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
-        "mem_gb": _mem_total_gb(),
+        "mem_gb": _gb(meminfo("MemTotal")),
         "grid": list(args.grid),
         "tile": list(args.tile),
         "tiles": list(tm0.tiles),
@@ -521,17 +402,17 @@ def run(args) -> tuple[list[Row], dict]:
                 elapsed = time.perf_counter() - t_start
                 if row.time_s is not None:
                     summary = (
-                        f"{row.time_s:.3f} s ({_runs(row)}), ratio {_fmt(row.ratio, '.3f')} "
-                        f"(target {_fmt(row.target, '.3f')}), cpu ratio {_fmt(row.cpu_ratio, '.3f')}, "
-                        f"peak {_fmt(row.peak_above_inputs_mb, '.0f')} MB, "
-                        f"temp {_fmt(row.xla_temp_mb, '.0f')} MB, compile {_fmt(row.compile_s, '.1f')} s"
+                        f"{row.time_s:.3f} s ({_runs(row)}), ratio {fmt(row.ratio, '.3f')} "
+                        f"(target {fmt(row.target, '.3f')}), cpu ratio {fmt(row.cpu_ratio, '.3f')}, "
+                        f"peak {fmt(row.peak_above_inputs_mb, '.0f')} MB, "
+                        f"temp {fmt(row.xla_temp_mb, '.0f')} MB, compile {fmt(row.compile_s, '.1f')} s"
                         + ("" if row.max_rel_err is None else f", err {row.max_rel_err:.1e}")
                     )
                 else:
                     summary = f"{row.status} {row.note}"
                 log(f"{row.config} {row.window} {pass_} S={row.seq}: {summary}  [{elapsed:.0f} s]")
     info["seconds"] = round(time.perf_counter() - t_start, 1)
-    git_end = _git_state()
+    git_end = git_state()
     if git_end != info["git"]:
         info["git"] += f" at the start, {git_end} at the end"
     return rows, info
@@ -540,14 +421,6 @@ def run(args) -> tuple[list[Row], dict]:
 # --------------------------------------------------------------------------- #
 # Output
 # --------------------------------------------------------------------------- #
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt(x, spec: str, missing: str = "–") -> str:
-    return missing if x is None else format(x, spec)
 
 
 def _runs(row: Row) -> str:
@@ -598,16 +471,16 @@ def markdown(rows: list[Row], info: dict) -> str:
         "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        time_cell = _fmt(r.time_s, ".3f") if r.status == "ok" else r.status
+        time_cell = fmt(r.time_s, ".3f") if r.status == "ok" else r.status
         busy = None if r.time_s is None or r.cpu_s is None else r.cpu_s / r.time_s
         lines.append(
-            f"| {r.config} | {r.window} | {_fmt(r.seq, ',')} | {_fmt(r.density, '.3f')} | "
-            f"{_fmt(r.blocks, '.3f')} | {r.pass_} | {time_cell} | "
-            f"{_runs(r) if r.time_s is not None else '–'} | {_fmt(r.ratio, '.3f')} | "
-            f"{_fmt(r.cpu_ratio, '.3f')} | {_fmt(r.target, '.3f')} | {_verdict(r.passed)} | "
-            f"{_verdict(r.cpu_passed)} | {_fmt(busy, '.2f')} | "
-            f"{_fmt(r.peak_above_inputs_mb, '.0f')} | {_fmt(r.xla_temp_mb, '.0f')} | "
-            f"{_fmt(r.max_rel_err, '.1e')} | {r.note} |"
+            f"| {r.config} | {r.window} | {fmt(r.seq, ',')} | {fmt(r.density, '.3f')} | "
+            f"{fmt(r.blocks, '.3f')} | {r.pass_} | {time_cell} | "
+            f"{_runs(r) if r.time_s is not None else '–'} | {fmt(r.ratio, '.3f')} | "
+            f"{fmt(r.cpu_ratio, '.3f')} | {fmt(r.target, '.3f')} | {_verdict(r.passed)} | "
+            f"{_verdict(r.cpu_passed)} | {fmt(busy, '.2f')} | "
+            f"{fmt(r.peak_above_inputs_mb, '.0f')} | {fmt(r.xla_temp_mb, '.0f')} | "
+            f"{fmt(r.max_rel_err, '.1e')} | {r.note} |"
         )
     return "\n".join(lines)
 
@@ -626,14 +499,10 @@ def load_json(path: str) -> tuple[list[Row], dict]:
 
 def write_outputs(args, rows: list[Row], info: dict, table: str) -> None:
     if args.md:
-        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
-        with open(args.md, "w") as f:
-            f.write("# Sliding tile attention: time against density\n\n" + table + "\n")
+        write_text(args.md, "# Sliding tile attention: time against density\n\n" + table + "\n")
         log(f"# wrote {os.path.relpath(args.md)}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, {"info": info, "rows": [dataclasses.asdict(r) for r in rows]})
         log(f"# wrote {os.path.relpath(args.json)}")
 
 
@@ -724,7 +593,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(child_main(args)))
+        emit(child_main(args))
         return 0
     if args.render:
         rows, info = load_json(args.render)
