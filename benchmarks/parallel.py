@@ -43,8 +43,8 @@ per row:
   pass and causality) in the same run. The 8 simulated devices share this
   machine's cores, so the ideal is 1.0 (the same total flops); wall time cannot
   show load imbalance, hence the work balance below.
-- `CPU time / single`: the same ratio of process CPU time (all threads) of the
-  timed run; steadier than wall time when other jobs load the machine, but it
+- `CPU time / single`: the same ratio of process CPU time (all threads), the
+  least over the timed runs; steadier than wall time when other jobs load the machine, but it
   also counts threads that spin while they wait (collective rendezvous, XLA's
   thread pool), which favours the single-device baseline.
 - `work balance`: for the ring layouts, the max over devices / mean of the
@@ -59,11 +59,12 @@ per row:
   S <= `--check-max-seq` (a sanity check, not the test suite).
 
 Bytes communicated per device (received = sent: every device plays the same
-role), from `jax.jit(f).lower(...).compile().as_text()`: every
-`collective-permute` moves its whole operand (one hop), an `all-to-all` over a
-group of g devices moves (g-1)/g of its operand, an `all-gather` receives (g-1)
-times its operand, an `all-reduce` (none expected) is counted as 2 (g-1)/g of
-its operand (a ring all-reduce); operand sizes are the op's (per-device) result
+role), read by `_hlo.collective_bytes` from
+`jax.jit(f).lower(...).compile().as_text()`: every `collective-permute` moves
+its whole operand (one hop), an `all-to-all` over a group of g devices moves
+(g-1)/g of its operand, an `all-gather` receives (g-1) times its operand, an
+`all-reduce` (none expected) is counted as 2 (g-1)/g of its operand (a ring
+all-reduce); operand sizes are the op's (per-device) result
 shapes. An op inside a `while` body counts `known_trip_count` times (XLA's
 annotation in the while's `backend_config`), nested loops multiply, a
 `conditional` counts its most expensive branch.
@@ -85,44 +86,33 @@ The theoretical minimum per device, n = 8 devices, b = 4 bytes (float32), L = S/
     python benchmarks/parallel.py            # S = 8192, 32768: the lead's table
 """
 
+import argparse
+import dataclasses
+import math
 import os
+import platform
+import sys
+import time
+
+from _comm import ring_bytes, ulysses_bytes
+from _harness import (
+    PASSES, RESULTS, attention_pass, best_time, emit, fmt, log, now, run_child,
+    set_host_devices, timed, write_csv,
+)
+from _hlo import collective_bytes
 
 
-# 8 simulated CPU devices: set before JAX is imported, when this file runs (here and in
-# every child); not when another script imports it for `collective_bytes`.
+# 8 simulated CPU devices: set before JAX is imported, here and in every child.
 N_DEVICES = 8
-if __name__ == "__main__":
-    _FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
-    os.environ["XLA_FLAGS"] = " ".join(
-        [f for f in os.environ.get("XLA_FLAGS", "").split()
-         if not f.startswith("--xla_force_host_platform_device_count")] + [_FLAG]
-    )
+set_host_devices(N_DEVICES)
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-
-# Benchmark this checkout's vidax_eqx, not whichever copy happens to be installed.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
-
-PASSES = ("fwd", "fwd+bwd")
 DEFAULT_SEQS = (8192, 32768)
 QUICK_SEQS = (2048, 4096)
-RESULTS = os.path.join(_REPO, "benchmarks", "results")
 DEFAULT_CSV = os.path.join(RESULTS, "parallel.csv")
 QUICK_CSV = os.path.join(RESULTS, "parallel_quick.csv")
 KERNEL = "blockwise"  # every configuration's kernel, and the baseline
 USP_RING_AXIS = "ring"  # the hybrid's extra mesh axis (make_mesh(extra_axes=...))
+CSV_EXTRA = ("B", "H", "H_kv", "D", "devices", "jax", "cpus", "date")
 
 
 # --------------------------------------------------------------------------- #
@@ -274,20 +264,6 @@ def build(cfg: Config, args):
     return attend, NamedSharding(mesh, spec)
 
 
-def pass_fn(attend, pass_: str):
-    """The jitted function of one pass, and how many inputs it takes."""
-    import jax
-    import jax.numpy as jnp
-
-    if pass_ == "fwd":
-        return jax.jit(attend), 3
-
-    def loss(q, k, v, cotangent):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * cotangent)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 4
-
-
 def make_inputs(args, seq: int):
     """q, k, v and a float32 cotangent, random normal, as NumPy arrays."""
     import numpy as np
@@ -299,167 +275,8 @@ def make_inputs(args, seq: int):
 
 
 # --------------------------------------------------------------------------- #
-# Bytes communicated, from the compiled HLO
-# --------------------------------------------------------------------------- #
-
-_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-    "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}
-_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_COUNTED = {  # opcode -> kind; the -done of an async pair carries the result
-    "collective-permute": "collective-permute",
-    "collective-permute-done": "collective-permute",
-    "all-to-all": "all-to-all",
-    "all-gather": "all-gather",
-    "all-gather-done": "all-gather",
-    "all-reduce": "all-reduce",
-    "all-reduce-done": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-}
-
-
-def _type_and_opcode(rest: str) -> tuple[str, str]:
-    """Splits `TYPE opcode(...)...` (TYPE maybe a parenthesized tuple)."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        type_, tail = rest[: i + 1], rest[i + 1 :]
-    else:
-        type_, _, tail = rest.partition(" ")
-    m = re.match(r"\s*([\w\-]+)\(", tail)
-    return type_, (m.group(1) if m else "")
-
-
-def _array_bytes(type_: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", type_)):
-        total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def _group_size(line: str, default: int) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)  # iota form [groups, size]
-    if m:
-        return int(m.group(1).split(",")[-1])
-    return default
-
-
-def _per_device_bytes(kind: str, size: int, g: int) -> float:
-    if kind == "collective-permute":
-        return size
-    if kind == "all-to-all":
-        return size * (g - 1) / g
-    if kind == "all-gather":  # the result is g operands; (g - 1) of them arrive
-        return size * (g - 1) / g
-    if kind == "all-reduce":
-        return 2 * size * (g - 1) / g
-    if kind == "reduce-scatter":  # the operand is g results; (g - 1) of them leave
-        return size * (g - 1)
-    raise ValueError(kind)
-
-
-def collective_bytes(hlo: str, n_devices: int) -> dict:
-    """Bytes each device communicates in one run of the compiled program `hlo`.
-
-    Returns `{"total": float, "by_kind": {kind: bytes}, "ops": {kind: count per run},
-    "unknown_trip_counts": int}`.
-    """
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-        elif line.strip() == "}":
-            current = None
-        else:
-            comps[current].append(line)
-
-    unknown = 0
-
-    def walk(name: str, memo: dict) -> tuple[dict, dict]:
-        nonlocal unknown
-        if name in memo:
-            return memo[name]
-        by_kind: dict[str, float] = {}
-        ops: dict[str, float] = {}
-
-        def add(sub: tuple[dict, dict], times: float) -> None:
-            for k, b in sub[0].items():
-                by_kind[k] = by_kind.get(k, 0) + times * b
-            for k, c in sub[1].items():
-                ops[k] = ops.get(k, 0) + times * c
-
-        for line in comps.get(name, ()):
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            type_, opcode = _type_and_opcode(line[m.end():])
-            if opcode in _COUNTED:
-                kind = _COUNTED[opcode]
-                b = _per_device_bytes(kind, _array_bytes(type_), _group_size(line, n_devices))
-                add(({kind: b}, {kind: 1}), 1)
-            if opcode == "while":
-                body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                sub = walk(body, memo)
-                if trips is None and sub[0]:
-                    unknown += 1
-                add(sub, int(trips.group(1)) if trips else 1)
-            elif opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-                names = (
-                    [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
-                    else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
-                )
-                subs = [walk(b, memo) for b in names]
-                if subs:
-                    add(max(subs, key=lambda s: sum(s[0].values())), 1)
-            else:
-                for callee in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", line):
-                    add(walk(callee, memo), 1)
-        memo[name] = (by_kind, ops)
-        return memo[name]
-
-    by_kind, ops = walk(entry, {})
-    return {
-        "total": sum(by_kind.values()),
-        "by_kind": by_kind,
-        "ops": {k: int(v) for k, v in ops.items()},
-        "unknown_trip_counts": unknown,
-    }
-
-
-# --------------------------------------------------------------------------- #
 # Theory and work balance (run in the parent)
 # --------------------------------------------------------------------------- #
-
-
-def _ring_bytes(pass_: str, n: int, S: int, H_kv: int, D: int, b: int) -> float:
-    kv = 2 * (n - 1) / n * S * H_kv * D * b
-    return kv if pass_ == "fwd" else kv + kv + 2 * (n - 1) / n * S * H_kv * D * 4
-
-
-def _ulysses_bytes(pass_: str, n: int, L: int, H: int, H_kv: int, D: int, b: int) -> float:
-    """`L` the local length; `H_kv` after repetition."""
-    unit = (n - 1) / n * L * D * b
-    if pass_ == "fwd":
-        return unit * (H + 2 * H_kv + H)  # q, k, v in; out back
-    return unit * (2 * H + 2 * H_kv + H + 2 * H_kv)  # q, k, v, dout in; dq, dk, dv back
 
 
 def theory_bytes(cfg: Config, pass_: str, S: int, args) -> float | None:
@@ -471,14 +288,14 @@ def theory_bytes(cfg: Config, pass_: str, S: int, args) -> float | None:
     if cfg.kind == "single":
         return 0.0
     if cfg.kind in ("ring", "ring-mask"):
-        return _ring_bytes(pass_, N_DEVICES, S_b, H_kv, D, b)
+        return ring_bytes(pass_, N_DEVICES, S_b, H_kv, D, b)
     if cfg.kind == "ulysses":
         reps = parallel.kv_head_repeats(H, H_kv, N_DEVICES)
-        return _ulysses_bytes(pass_, N_DEVICES, S_b // N_DEVICES, H, H_kv * reps, D, b)
+        return ulysses_bytes(pass_, N_DEVICES, S_b // N_DEVICES, H, H_kv * reps, D, b)
     if cfg.kind == "usp":
         u, r = args.usp
         reps = parallel.kv_head_repeats(H, H_kv, u)
-        return _ulysses_bytes(pass_, u, S_b // N_DEVICES, H, H_kv * reps, D, b) + _ring_bytes(
+        return ulysses_bytes(pass_, u, S_b // N_DEVICES, H, H_kv * reps, D, b) + ring_bytes(
             pass_, r, S_b, H_kv * reps // u, D, b
         )
     return None
@@ -514,25 +331,6 @@ def work(cfg: Config, S: int, args) -> tuple[float | None, float | None]:
 # --------------------------------------------------------------------------- #
 
 
-def timed(compiled, xs) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one synchronized run."""
-    import jax
-
-    c0, t0 = time.process_time(), time.perf_counter()
-    jax.block_until_ready(compiled(*xs))
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def best_time(compiled, xs, repeats: int, target_seconds: float, first: float) -> tuple[float, float, int]:
-    """(wall, CPU) of the fastest of up to `repeats` runs (at least one), fewer when
-    a run (`first` seconds, the warm-up) is so long that they would take over
-    `target_seconds`."""
-    n = repeats
-    if first * repeats > target_seconds:
-        n = max(1, int(target_seconds / first))
-    return (*min(timed(compiled, xs) for _ in range(n)), n)
-
-
 def _zigzag_views(cfg: Config):
     """(to global order, from global order) for this configuration's inputs."""
     from vidax_eqx import parallel
@@ -550,10 +348,6 @@ def _rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-def _emit(result: dict) -> None:
-    print(json.dumps(result), flush=True)
-
-
 def child_main(args) -> None:
     """Measures one configuration, both passes; prints one JSON line per pass as
     it completes (so a crash in the second keeps the first)."""
@@ -564,33 +358,30 @@ def child_main(args) -> None:
     try:
         attend, sharding = build(cfg, args)
     except NotAvailable as e:
-        _emit({"status": str(e)})
+        emit({"status": str(e)})
         return
     host = make_inputs(args, seq)
     xs = [jax.device_put(x, sharding) for x in host]
     jax.block_until_ready(xs)
     for pass_ in PASSES:
-        fn, n_in = pass_fn(attend, pass_)
+        fn, n_in = attention_pass(attend, pass_)
         t0 = time.perf_counter()
         compiled = fn.lower(*xs[:n_in]).compile()
         r = {"compile_s": time.perf_counter() - t0}
         comm = collective_bytes(compiled.as_text(), N_DEVICES)
         r.update(bytes=comm["total"], bytes_by_kind=comm["by_kind"], ops=comm["ops"],
                  unknown_trip_counts=comm["unknown_trip_counts"])
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = jax.block_until_ready(compiled(*xs[:n_in]))
-        first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-        if first > args.single_run_seconds:
-            r["time_s"], r["cpu_s"], r["runs"] = first, first_cpu, 1
-            r["note"] = "timed on its first run"
-        else:
-            r["time_s"], r["cpu_s"], r["runs"] = best_time(
-                compiled, xs[:n_in], args.repeats, args.target_seconds, first
-            )
+
+        def run():
+            return jax.block_until_ready(compiled(*xs[:n_in]))
+
+        first, out = timed(run)
+        r.update(best_time(run, args.repeats, target_seconds=args.target_seconds,
+                           single_run_seconds=args.single_run_seconds, first=first).fields())
         if cfg.kind != "single" and seq <= args.check_max_seq:
             r["max_rel_err"] = _check(cfg, pass_, out, host, args)
         del out
-        _emit({"pass": pass_, "status": "ok", **r})
+        emit({"pass": pass_, "status": "ok", **r})
 
 
 def _check(cfg: Config, pass_: str, out, host, args) -> float:
@@ -599,7 +390,7 @@ def _check(cfg: Config, pass_: str, out, host, args) -> float:
 
     to_global, from_global = _zigzag_views(cfg)
     single, sharding = build(Config("ref", "single", causal=cfg.causal, mask=cfg.mask), args)
-    fn, n_in = pass_fn(single, pass_)
+    fn, n_in = attention_pass(single, pass_)
     xs = [jax.device_put(x, sharding) for x in host]
     ins = [to_global(x) for x in xs[:3]] + [to_global(x) for x in xs[3:n_in]]
     ref = fn(*ins)
@@ -611,8 +402,7 @@ def _check(cfg: Config, pass_: str, out, host, args) -> float:
 def spawn_child(args, cfg: Config, seq: int) -> dict[str, dict]:
     """`{pass: result}` of one configuration, measured in a fresh process."""
     cmd = [
-        sys.executable, os.path.abspath(__file__), "--child",
-        "--child-config", cfg.name, "--child-seq", str(seq),
+        "--child", "--child-config", cfg.name, "--child-seq", str(seq),
         "--batch", str(args.batch), "--heads", str(args.heads),
         "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
         "--repeats", str(args.repeats), "--target-seconds", str(args.target_seconds),
@@ -620,21 +410,15 @@ def spawn_child(args, cfg: Config, seq: int) -> dict[str, dict]:
         "--check-max-seq", str(args.check_max_seq), "--usp", *map(str, args.usp),
         "--mask-max-seq", str(args.mask_max_seq),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    child = run_child(__file__, cmd)
     results: dict[str, dict] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results.update({r["pass"]: r} if "pass" in r else dict.fromkeys(PASSES, r))
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines() or [""]
-        fatal = [m.group(0) for ln in lines if (m := re.search(r"Check failed: .*", ln))]
-        errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
-        reason = (fatal[:1] or errors[-1:] or lines[-1:])[0][:200]
-        if proc.returncode in (-9, 137):
-            reason = "killed (out of memory?)"
-        for pass_ in PASSES:
-            results.setdefault(pass_, {"status": f"error (exit {proc.returncode}): {reason}"})
+    for r in child.records:
+        results.update({r["pass"]: r} if "pass" in r else dict.fromkeys(PASSES, r))
+    for pass_ in PASSES:
+        if not child.ok:
+            results.setdefault(pass_, {"status": f"error (exit {child.returncode}): {child.reason[:200]}"})
+        else:
+            results.setdefault(pass_, {"status": "error (no result)"})
     return results
 
 
@@ -670,7 +454,7 @@ def run(args) -> tuple[list[Row], dict]:
     import jax
 
     info = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": now(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
@@ -720,9 +504,9 @@ def run(args) -> tuple[list[Row], dict]:
                 elapsed = time.perf_counter() - t_start
                 if row.time_s is not None:
                     summary = (
-                        f"{row.time_s * 1e3:.1f} ms (best of {row.runs}), x{_fmt(row.ratio_vs_single, '.2f')} "
+                        f"{row.time_s * 1e3:.1f} ms (best of {row.runs}), x{fmt(row.ratio_vs_single, '.2f')} "
                         f"single, {_mib(row.bytes_per_device)} MiB/device (theory "
-                        f"{_mib(row.theory_bytes)}), err {_fmt(row.max_rel_err, '.1e')}"
+                        f"{_mib(row.theory_bytes)}), err {fmt(row.max_rel_err, '.1e')}"
                     )
                 else:
                     summary = row.status
@@ -736,16 +520,8 @@ def run(args) -> tuple[list[Row], dict]:
 # --------------------------------------------------------------------------- #
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt(x, spec: str, missing: str = "–") -> str:
-    return missing if x is None else format(x, spec)
-
-
 def _mib(x) -> str:
-    return _fmt(None if x is None else x / 2**20, ".2f")
+    return fmt(None if x is None else x / 2**20, ".2f")
 
 
 def markdown(rows: list[Row], info: dict) -> str:
@@ -760,16 +536,16 @@ def markdown(rows: list[Row], info: dict) -> str:
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        time_cell = _fmt(r.time_s and r.time_s * 1e3, ".1f") if r.status == "ok" else r.status
+        time_cell = fmt(r.time_s and r.time_s * 1e3, ".1f") if r.status == "ok" else r.status
         if r.status.startswith("error"):
             time_cell = r.status.split(":")[0] + " (see notes)"
         lines.append(
-            f"| {r.seq} | {r.pass_} | `{r.config}` | {time_cell} | {_fmt(r.runs, 'd')} | "
-            f"{_fmt(r.ratio_vs_single, '.2f')} | {_fmt(r.cpu_ratio_vs_single, '.2f')} | "
-            f"{_fmt(r.causal_over_non_causal, '.2f')} | "
-            f"{_fmt(r.work_balance, '.2f')} | {_fmt(r.pairs_over_s2, '.3f')} | "
+            f"| {r.seq} | {r.pass_} | `{r.config}` | {time_cell} | {fmt(r.runs, 'd')} | "
+            f"{fmt(r.ratio_vs_single, '.2f')} | {fmt(r.cpu_ratio_vs_single, '.2f')} | "
+            f"{fmt(r.causal_over_non_causal, '.2f')} | "
+            f"{fmt(r.work_balance, '.2f')} | {fmt(r.pairs_over_s2, '.3f')} | "
             f"{_mib(r.bytes_per_device)} | {_mib(r.theory_bytes)} | "
-            f"{_fmt(r.bytes_over_theory, '.3f')} | {_fmt(r.max_rel_err, '.1e')} |"
+            f"{fmt(r.bytes_over_theory, '.3f')} | {fmt(r.max_rel_err, '.1e')} |"
         )
     return "\n".join(lines)
 
@@ -852,7 +628,7 @@ def notes(rows: list[Row], info: dict, args) -> str:
             out.append(
                 f"- S={seq} {pass_}: `ring-mask-25%` takes x{sparse.time_s / full.time_s:.2f} the "
                 f"time of `ring-mask-full` ({verdict} the 0.35 target){vs_plain}; its schedule "
-                f"hands the kernel {_fmt(sparse.pairs_over_s2, '.3f')} of the pairs."
+                f"hands the kernel {fmt(sparse.pairs_over_s2, '.3f')} of the pairs."
             )
     bad = [x for x in rows if x.max_rel_err is not None and x.max_rel_err > 1e-4]
     if bad:
@@ -864,17 +640,6 @@ def notes(rows: list[Row], info: dict, args) -> str:
     for x in single:
         out.append(f"- S={x.seq} {x.pass_} {x.config}: {x.note}.")
     return "\n".join(out)
-
-
-def write_csv(rows: list[Row], info: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fields = [f.name for f in dataclasses.fields(Row)]
-    extra = ("B", "H", "H_kv", "D", "devices", "jax", "cpus", "date")
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([n.rstrip("_") for n in fields] + list(extra))
-        for r in rows:
-            writer.writerow([getattr(r, n) for n in fields] + [info[k] for k in extra])
 
 
 # --------------------------------------------------------------------------- #
@@ -956,7 +721,7 @@ def main(argv=None) -> int:
     rows, info = run(args)
     print(markdown(rows, info))
     print(notes(rows, info, args))
-    write_csv(rows, info, args.csv)
+    write_csv(args.csv, Row, rows, info, CSV_EXTRA)
     log(f"# wrote {os.path.relpath(args.csv)} after {info['seconds']:.0f} s")
     failed = [r for r in rows if r.status.startswith("error")]
     for r in failed:
