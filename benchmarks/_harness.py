@@ -19,7 +19,7 @@ module and before importing JAX, and a child that runs in another environment
   [`run_with_peak`][]: one run and its peak RSS above the RSS just before it.
 - **Stamp**: [`git_state`][] (HEAD and the library files changed from it),
   [`command_line`][], [`cpu_model`][], [`meminfo`][].
-- **Output**: [`fmt`][], [`md_row`][], [`write_text`][], [`write_json`][],
+- **Output**: [`fmt`][], [`write_text`][] (the Markdown), [`write_json`][],
   [`write_csv`][]; and [`log`][] for progress on stderr.
 """
 
@@ -399,11 +399,6 @@ def log(msg: str) -> None:
 def fmt(x, spec: str, missing: str = "–") -> str:
     """`format(x, spec)`, or `missing` for None."""
     return missing if x is None else format(x, spec)
-
-
-def md_row(cells: Sequence[str]) -> str:
-    """One Markdown table row."""
-    return "| " + " | ".join(cells) + " |"
 
 
 def _makedirs_for(path: str) -> None:
