@@ -16,7 +16,13 @@ score matrix in float64 and implements the documented semantics directly.
 
 `sliding_tile_dense` builds the dense mask of sliding tile attention (the
 documented semantics of `kernels.SlidingTileMask`, by enumerating the tile layout
-token by token), to hand to the oracle as `mask`.
+token by token), to hand to the oracle as `mask`; `sliding_tile_of` does it for a
+mask object, reading its fields only.
+
+The layers (`linear`, `rms_norm`, `layer_norm`, `rope`, and the attention modules
+`wan_self_attention`, `wan_cross_attention`, `cogvideox_attention`) are float64
+re-derivations of the PyTorch reference models' math; the modules are read by
+attribute (`m.q.weight`, `m.eps`, ...), so any object of that shape will do.
 
 The backward is derived analytically (softmax Jacobian including the sink
 column) and is itself checked against finite differences in the test suite.
@@ -79,7 +85,8 @@ class Result:
     dsinks: np.ndarray | None = None  # (H,)
 
 
-def _f64(x):
+def f64(x):
+    """`x` as a float64 NumPy array (`None` stays `None`)."""
     return None if x is None else np.asarray(x, dtype=np.float64)
 
 
@@ -117,7 +124,7 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
 
     `segment_ids` is `None`, one `(B, S)` array, or a pair `(seg_q, seg_kv)`.
     """
-    q, k, v = _f64(q), _f64(k), _f64(v)
+    q, k, v = f64(q), f64(k), f64(v)
     B, S_q, H, D = q.shape
     _, S_k, H_kv, _ = k.shape
     G = H // H_kv
@@ -143,13 +150,13 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
         s = c * t
     bias_shape = None
     if bias is not None:
-        bias = _f64(bias)
+        bias = f64(bias)
         bias_shape = bias.shape
         bias4 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
         s = s + bias4
     z = np.where(vis, s, -np.inf)
     if sinks is not None:
-        sink_col = np.broadcast_to(_f64(sinks)[None, :, None, None], (B, H, S_q, 1))
+        sink_col = np.broadcast_to(f64(sinks)[None, :, None, None], (B, H, S_q, 1))
         z = np.concatenate([z, sink_col], axis=-1)
     m = np.max(z, axis=-1, keepdims=True)
     empty = m == -np.inf  # (B, H, S_q, 1)
@@ -164,8 +171,8 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
     if dout is None:
         return res
 
-    dout = _f64(dout)
-    dlse = np.zeros((B, H, S_q)) if dlse is None else _f64(dlse)
+    dout = f64(dout)
+    dlse = np.zeros((B, H, S_q)) if dlse is None else f64(dlse)
     dlse = np.where(np.isfinite(lse), dlse, 0.0)
     # dL/dP over the real keys and the sink (whose value is 0).
     dP = np.einsum("bihd,bjhd->bhij", dout, vf)
@@ -192,14 +199,15 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
 # -- sliding tile attention ---------------------------------------------------------
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """`ceil(a / b)` for ints."""
     return -(-a // b)
 
 
-def _video_layout(grid, tile):
+def video_layout(grid, tile):
     """Per video slot of the tile layout: `(coords (n, 3), real (n,))`, the token's
     grid coordinates and whether it lies inside the grid, by explicit enumeration."""
-    tiles = [_ceil_div(g, t) for g, t in zip(grid, tile)]
+    tiles = [ceil_div(g, t) for g, t in zip(grid, tile)]
     coords = [
         [a * t + i for a, i, t in zip(tile_idx, inner, tile)]
         for tile_idx in itertools.product(*(range(n) for n in tiles))
@@ -214,7 +222,7 @@ def sliding_tile_dense(grid, tile, windows, text_len=0, text_position="prefix", 
     """The sliding tile mask as bool `(len(windows), S_q, S_k)`: one `(wf, wh, ww)`
     per entry of `windows`, evaluated at positions (default `arange(seq_len)`;
     a position outside `[0, seq_len)` is padding)."""
-    coords, real = _video_layout(grid, tile)
+    coords, real = video_layout(grid, tile)
     V = len(real)
     S = text_len + V
     kind = np.full(S, 2)  # 0 text, 1 real video, 2 padding
@@ -224,7 +232,7 @@ def sliding_tile_dense(grid, tile, windows, text_len=0, text_position="prefix", 
     kind[video] = np.where(real, 1, 2)
     kind[text] = 0
     tcoord[video] = coords // np.asarray(tile)
-    tiles = np.asarray([_ceil_div(g, t) for g, t in zip(grid, tile)])
+    tiles = np.asarray([ceil_div(g, t) for g, t in zip(grid, tile)])
 
     def at(pos):
         pos = np.arange(S) if pos is None else np.asarray(pos, np.int64)
@@ -243,3 +251,124 @@ def sliding_tile_dense(grid, tile, windows, text_len=0, text_position="prefix", 
         k_text, k_video = (kk == 0)[None], (kk == 1)[None]
         out.append((q_text & (k_text | k_video)) | (q_video & (k_text | (k_video & box))))
     return np.stack(out)
+
+
+def sliding_tile_of(mask, q_pos=None, kv_pos=None):
+    """`sliding_tile_dense` with the configuration of a `SlidingTileMask`-like object
+    (read from its fields `grid, tile, window, text_len, text_position` only)."""
+    windows = [mask.window] if isinstance(mask.window[0], int) else list(mask.window)
+    return sliding_tile_dense(mask.grid, mask.tile, windows, mask.text_len, mask.text_position,
+                              q_pos, kv_pos)
+
+
+# -- layers of the reference models ---------------------------------------------------
+
+
+def linear(x, lin):
+    """`torch.nn.Linear`: `x @ W.T + b` (`lin.weight (out, in)`, `lin.bias`)."""
+    return f64(x) @ f64(lin.weight).T + f64(lin.bias)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """WanRMSNorm: `x * rsqrt(mean(x**2, -1) + eps) * weight`."""
+    x = f64(x)
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * r * f64(weight)
+
+
+def rms_norm_grads(x, weight, ct, eps=1e-6):
+    """`(dx, dw)` of `sum(ct * rms_norm(x, w))`: `dx = r g - r^3 x (g.x) / D`, `g = ct w`."""
+    x, w, ct = f64(x), f64(weight), f64(ct)
+    D = x.shape[-1]
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    g = ct * w
+    dx = r * g - r**3 * x * np.sum(g * x, axis=-1, keepdims=True) / D
+    dw = np.sum((ct * x * r).reshape(-1, D), axis=0)
+    return dx, dw
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-6):
+    """`torch.nn.LayerNorm` over the last axis (biased variance); no weight / bias: no
+    affine part."""
+    x = f64(x)
+    mu = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + eps)
+    if weight is not None:
+        y = y * f64(weight)
+    if bias is not None:
+        y = y + f64(bias)
+    return y
+
+
+def layer_norm_grads(x, weight, ct, eps=1e-6):
+    """`(dx, dw, db)` of `sum(ct * layer_norm(x, w, b))`:
+    `dx = r (g - mean(g) - xhat mean(g xhat))`, `g = ct w`; `dw = sum ct xhat`; `db = sum ct`."""
+    x, w, ct = f64(x), f64(weight), f64(ct)
+    D = x.shape[-1]
+    mu = np.mean(x, axis=-1, keepdims=True)
+    r = 1.0 / np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + eps)
+    xhat = (x - mu) * r
+    g = ct * w
+    dx = r * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx, np.sum((ct * xhat).reshape(-1, D), 0), np.sum(ct.reshape(-1, D), 0)
+
+
+def rope(x, cos, sin):
+    """Wan's rope_apply: adjacent pairs as complex numbers times `cos + i sin`;
+    `x (..., S, H, D)`, `cos` / `sin (S, D / 2)`."""
+    x = f64(x)
+    xc = x[..., 0::2] + 1j * x[..., 1::2]
+    yc = xc * (f64(cos) + 1j * f64(sin))[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = yc.real, yc.imag
+    return out
+
+
+def example_attention(q, k, v, **kwargs):
+    """`attention` of one example, `q (S_q, H, D)`: its output `(S_q, H, D)`."""
+    return attention(q[None], k[None], v[None], **kwargs).out[0]
+
+
+def wan_self_attention(m, x, rope_tables=None, segment_ids=None):
+    """Wan2.1's `WanSelfAttention.forward` for one example, `x (S, dim)`; `rope_tables`
+    `(cos, sin)`, `segment_ids (S,)`."""
+    S, H, D = x.shape[0], m.num_heads, m.head_dim
+    q, k = linear(x, m.q), linear(x, m.k)
+    if m.norm_q is not None:
+        q, k = rms_norm(q, m.norm_q.weight, m.eps), rms_norm(k, m.norm_k.weight, m.eps)
+    q, k, v = q.reshape(S, H, D), k.reshape(S, H, D), linear(x, m.v).reshape(S, H, D)
+    if rope_tables is not None:
+        q, k = rope(q, *rope_tables), rope(k, *rope_tables)
+    seg = None if segment_ids is None else np.asarray(segment_ids)[None]
+    return linear(example_attention(q, k, v, segment_ids=seg).reshape(S, H * D), m.o)
+
+
+def wan_cross_attention(m, x, context, context_mask=None):
+    """Wan2.1's `WanT2VCrossAttention.forward` for one example (`context_lens=None`
+    when no mask)."""
+    S, T, H, D = x.shape[0], context.shape[0], m.num_heads, m.head_dim
+    q, k = linear(x, m.q), linear(context, m.k)
+    if m.norm_q is not None:
+        q, k = rms_norm(q, m.norm_q.weight, m.eps), rms_norm(k, m.norm_k.weight, m.eps)
+    v = linear(context, m.v)
+    vis = None if context_mask is None else np.broadcast_to(np.asarray(context_mask)[None], (S, T))
+    out = example_attention(q.reshape(S, H, D), k.reshape(T, H, D), v.reshape(T, H, D), mask=vis)
+    return linear(out.reshape(S, H * D), m.o)
+
+
+def cogvideox_attention(m, x, context, rope_tables=None):
+    """diffusers' `CogVideoXAttnProcessor2_0.__call__` for one example: `(x_out,
+    context_out)`; the rotary embedding on the video tokens only."""
+    T, H, D = context.shape[0], m.num_heads, m.head_dim
+    h = np.concatenate([f64(context), f64(x)], axis=0)
+    n = h.shape[0]
+    q, k, v = (linear(h, lin).reshape(n, H, D) for lin in (m.to_q, m.to_k, m.to_v))
+    if m.norm_q is not None:
+        q = layer_norm(q, m.norm_q.weight, m.norm_q.bias, m.eps)
+        k = layer_norm(k, m.norm_k.weight, m.norm_k.bias, m.eps)
+    if rope_tables is not None:
+        q = np.concatenate([q[:T], rope(q[T:], *rope_tables)])
+        k = np.concatenate([k[:T], rope(k[T:], *rope_tables)])
+    out = linear(example_attention(q, k, v).reshape(n, H * D), m.to_out)
+    return out[T:], out[:T]

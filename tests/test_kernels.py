@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 import oracle
-from cases import CASES, CASES_BY_NAME, Case, kernel_kwargs, oracle_kwargs
+from cases import CASES, CASES_BY_NAME, Case, check_all, check_grads, empty_row_inputs, kernel_kwargs, reference, run
 from vidax_eqx import core, kernels
 
 
@@ -25,74 +26,6 @@ IMPLS = [
     pytest.param("blockwise", id="blockwise"),
     pytest.param(kernels.Blockwise(block_q=16, block_kv=32), id="blockwise16x32"),
 ]
-GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dsinks")
-
-
-def _run(impl, case: Case, dtype=np.float32, seed=0, arrays=None, static=None, dlse=False):
-    """Runs one attention request and its VJP under a single `jax.jit`.
-
-    `dlse=False`: `jax.vjp` of `attention` (cotangent `dout`), plus the forward of
-    `attention_fwd` for `lse`. `dlse=True`: `jax.vjp` of `attention_fwd` with
-    cotangents `(dout, dlse)`. Returns `(arrays, static, result)` with NumPy
-    `out`, `lse` and `grads` (the 5-tuple for q, k, v, bias, sinks).
-    """
-    if arrays is None:
-        arrays, static = case.inputs(dtype, seed)
-    kw = kernel_kwargs(arrays, static, case.segments)
-
-    def att(q, k, v, bias, sinks):
-        return kernels.attention(q, k, v, bias=bias, sinks=sinks, implementation=impl, **kw)
-
-    def fwd(q, k, v, bias, sinks):
-        return kernels.attention_fwd(q, k, v, bias=bias, sinks=sinks, implementation=impl, **kw)
-
-    @jax.jit
-    def f(q, k, v, bias, sinks, dout, dlse_):
-        if dlse:
-            (out, lse), vjp = jax.vjp(fwd, q, k, v, bias, sinks)
-            return dict(out=out, lse=lse, grads=vjp((dout, dlse_)))
-        out, vjp = jax.vjp(att, q, k, v, bias, sinks)
-        _, lse = fwd(q, k, v, bias, sinks)
-        return dict(out=out, lse=lse, grads=vjp(dout))
-
-    args = [jnp.asarray(arrays[n]) if n in arrays else None for n in ("q", "k", "v", "bias", "sinks")]
-    res = f(*args, jnp.asarray(arrays["dout"]), jnp.asarray(arrays["dlse"]))
-    return arrays, static, jax.tree.map(np.asarray, res)
-
-
-def _oracle(arrays, static, dlse=False):
-    return oracle.attention(
-        arrays["q"], arrays["k"], arrays["v"], dout=arrays["dout"],
-        dlse=arrays["dlse"] if dlse else None, **oracle_kwargs(arrays, static),
-    )
-
-
-def _check_grads(grads, ref, arrays, dtype, label):
-    for name, got in zip(GRAD_NAMES, grads):
-        want = getattr(ref, name)
-        if want is None:
-            assert got is None, f"{label}: {name} should be None"
-            continue
-        assert got.shape == want.shape, (label, name, got.shape, want.shape)
-        assert np.all(np.isfinite(got)), f"{label}: {name} has non-finite values"
-        oracle.assert_close(got, want, dtype, f"{label} {name}")
-    assert grads[0].dtype == arrays["q"].dtype
-    assert grads[1].dtype == arrays["k"].dtype and grads[2].dtype == arrays["v"].dtype
-
-
-def _check_all(arrays, static, res, dtype, dlse=False):
-    B, S_q, H, D = arrays["q"].shape
-    ref = _oracle(arrays, static, dlse=dlse)
-    assert res["out"].dtype == arrays["q"].dtype and res["out"].shape == (B, S_q, H, D)
-    assert res["lse"].dtype == np.float32 and res["lse"].shape == (B, H, S_q)
-    assert np.all(np.isfinite(res["out"]))
-    assert not np.any(np.isnan(res["lse"]))
-    oracle.assert_close(res["out"], ref.out, dtype, "out")
-    oracle.assert_close(res["lse"], ref.lse, dtype, "lse")
-    label = "vjp(attention_fwd) with dlse" if dlse else "vjp(attention)"
-    _check_grads(res["grads"], ref, arrays, dtype, label)
-
-
 # The full case list runs on "xla" and on 16x32 tiles (which exercise every tiling
 # path); the default-configured "blockwise" sees these short sequences as one tile,
 # so a representative subset suffices for it.
@@ -116,8 +49,8 @@ MATRIX = [
 
 @pytest.mark.parametrize("impl, case", MATRIX)
 def test_matches_oracle_float32(impl, case):
-    arrays, static, res = _run(impl, case)
-    _check_all(arrays, static, res, np.float32)
+    arrays, static, res = run(impl, case)
+    check_all(arrays, static, res, np.float32)
 
 
 DLSE_CASES = [CASES_BY_NAME[n] for n in (
@@ -128,8 +61,8 @@ DLSE_CASES = [CASES_BY_NAME[n] for n in (
 @pytest.mark.parametrize("impl", IMPLS)
 def test_lse_gradient_matches_oracle(impl, case):
     """Gradients through both outputs of `attention_fwd` (the `dlse` path)."""
-    arrays, static, res = _run(impl, case, seed=4, dlse=True)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    arrays, static, res = run(impl, case, seed=4, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 LOW_PRECISION_CASES = [CASES_BY_NAME[n] for n in (
@@ -140,8 +73,8 @@ LOW_PRECISION_CASES = [CASES_BY_NAME[n] for n in (
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_matches_oracle_low_precision(impl, case, dtype):
-    arrays, static, res = _run(impl, case, dtype=dtype, seed=1)
-    _check_all(arrays, static, res, dtype)
+    arrays, static, res = run(impl, case, dtype=dtype, seed=1)
+    check_all(arrays, static, res, dtype)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +95,7 @@ def test_attention_bwd_direct(impl, case):
         grads = kernels.attention_bwd(q, k, v, out, lse, dout, dlse=dlse, implementation=impl, **kw)
         assert len(grads) == 5
         grads = [None if g is None else np.asarray(g) for g in grads]
-        _check_grads(grads, _oracle(arrays, static, dlse=use_dlse), arrays, np.float32,
+        check_grads(grads, reference(arrays, static, dlse=use_dlse), arrays, np.float32,
                      f"attention_bwd(dlse={use_dlse})")
 
 
@@ -179,50 +112,11 @@ def test_attention_bwd_without_bias_or_sinks_returns_none(impl):
 # -- rows and tiles with nothing to attend to -------------------------------------------
 
 
-def _empty_row_inputs(kind: str, seed=3):
-    """Inputs where some query rows (and, with 16x32 tiles, whole tiles) see nothing."""
-    rng = np.random.default_rng(seed)
-    B, S_q, S_k, H, H_kv, D = 2, 77, 100, 4, 2, 16
-    case = Case(kind, B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D)
-    arrays, static = case.inputs(np.float32, seed)
-    if kind == "segments":
-        # q has ids 0..2, 7 (absent from kv) and -1 (padding); kv has ids 0..2 and -1.
-        seg_q = rng.integers(0, 3, (B, S_q)).astype(np.int32)
-        seg_q[0, :20] = 7
-        seg_q[1, 40:] = -1
-        seg_q[1, 5] = 7
-        seg_kv = rng.integers(0, 3, (B, S_k)).astype(np.int32)
-        seg_kv[:, 90:] = -1
-        arrays.update(seg_q=seg_q, seg_kv=seg_kv)
-        case = Case(kind, B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D, segments="split")
-    elif kind in ("causal_positions", "causal_positions_sinks"):
-        # Queries 0..39 precede every key: causal hides all keys from them.
-        arrays.update(q_pos=np.arange(S_q, dtype=np.int32), kv_pos=np.arange(40, 40 + S_k, dtype=np.int32))
-        static["causal"] = True
-        case = Case(kind, B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D, positions="given", causal=True,
-                    sinks=kind.endswith("sinks"))
-        if case.sinks:
-            arrays["sinks"] = rng.standard_normal((H,)).astype(np.float32)
-    elif kind == "mask":
-        mask = rng.random((B, 1, S_q, S_k)) < 0.5
-        mask[0, :, :35] = False  # more than two full 16-row tiles
-        mask[1, :, 50:60] = False
-        arrays["mask"] = mask
-        arrays["bias"] = rng.standard_normal((B, H, S_q, S_k)).astype(np.float32)
-        case = Case(kind, B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D, mask=mask.shape, bias=(B, H, S_q, S_k))
-    elif kind == "window":
-        # Keys sit at even positions 0, 2, ...; window (0, 0) leaves odd queries empty.
-        arrays.update(q_pos=np.arange(S_q, dtype=np.int32), kv_pos=2 * np.arange(S_k, dtype=np.int32))
-        static["window"] = (0, 0)
-        case = Case(kind, B=B, S_q=S_q, S_k=S_k, H=H, H_kv=H_kv, D=D, positions="given", window=(0, 0))
-    return case, arrays, static
-
-
 @pytest.mark.parametrize("kind", ["segments", "causal_positions", "causal_positions_sinks", "mask", "window"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows(impl, kind):
-    case, arrays, static = _empty_row_inputs(kind)
-    ref = _oracle(arrays, static)
+    case, arrays, static = empty_row_inputs(kind)
+    ref = reference(arrays, static)
     empty = ~np.isfinite(ref.lse)  # (B, H, S_q)
     if case.sinks:
         vis = oracle.visibility(case.B, case.H, case.S_q, case.S_k, q_pos=arrays["q_pos"],
@@ -231,7 +125,7 @@ def test_fully_masked_rows(impl, kind):
         assert no_key.any() and not empty.any()
     else:
         assert empty.any() and not empty.all(), "the case must have some empty rows"
-    _, _, res = _run(impl, case, arrays=arrays, static=static, dlse=True)
+    _, _, res = run(impl, case, arrays=arrays, static=static, dlse=True)
     empty_rows = np.transpose(empty, (0, 2, 1))  # (B, S_q, H)
     assert np.all(res["out"][empty_rows] == 0.0), "a row with nothing visible must give exactly 0"
     assert np.all(res["lse"][empty] == -np.inf)
@@ -243,7 +137,7 @@ def test_fully_masked_rows(impl, kind):
         np.testing.assert_allclose(res["lse"][no_key], sink_lse[no_key], rtol=1e-6)
     for g in res["grads"]:
         assert g is None or not np.any(np.isnan(g))
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -251,10 +145,10 @@ def test_every_row_masked(impl):
     """No query sees any key: out is all 0, lse all -inf, gradients all 0."""
     arrays, static = Case("none", S_q=33, S_k=77).inputs()
     arrays["mask"] = np.zeros((1, 1, 33, 77), bool)
-    arrays["bias"] = np.random.default_rng(0).standard_normal((2, 4, 33, 77)).astype(np.float32)
+    arrays["bias"] = harness.normal(np.random.default_rng(0), (2, 4, 33, 77))
     case = Case("none", S_q=33, S_k=77, mask=(1, 1, 33, 77), bias=(2, 4, 33, 77))
     for dlse in (False, True):
-        _, _, res = _run(impl, case, arrays=arrays, static=static, dlse=dlse)
+        _, _, res = run(impl, case, arrays=arrays, static=static, dlse=dlse)
         assert np.all(res["out"] == 0) and np.all(res["lse"] == -np.inf)
         for g in res["grads"]:
             assert g is None or np.all(g == 0)
@@ -280,8 +174,8 @@ def test_large_key_bias_with_ragged_query_tiles(impl, S_q):
     """
     case = Case("large_key_bias", B=1, S_q=S_q, S_k=40, H=2, H_kv=1, D=8, bias=(1, 1, 1, 40),
                 bias_offset=95.0)
-    arrays, static, res = _run(impl, case)
-    _check_all(arrays, static, res, np.float32)
+    arrays, static, res = run(impl, case)
+    check_all(arrays, static, res, np.float32)
 
 
 # -- determinism, dispatch, the public surface --------------------------------------------
@@ -365,8 +259,8 @@ def test_select_implementation_concrete_arrays():
 
 def test_auto_matches_oracle():
     case = CASES_BY_NAME["causal+segments+sinks+softcap+gqa"]
-    arrays, static, res = _run("auto", case)
-    _check_all(arrays, static, res, np.float32)
+    arrays, static, res = run("auto", case)
+    check_all(arrays, static, res, np.float32)
 
 
 # -- core.py --------------------------------------------------------------------------------

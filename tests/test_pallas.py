@@ -2,7 +2,7 @@
 
 `"pallas_tpu"` and `"pallas_gpu"` run in Pallas interpret mode
 (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`) through the case
-matrix of `test_kernels` against the float64 oracle: forward, lse, gradients
+matrix of `cases.py` (as `test_kernels` runs it) against the float64 oracle: forward, lse, gradients
 (with and without `dlse`), padding of odd lengths, rows that see nothing. Every
 case an implementation cannot serve must raise `NotImplementedError` naming the
 feature; which features those are is written out here from the kernels'
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 import oracle
-from cases import CASES, CASES_BY_NAME, Case, kernel_kwargs
-from test_kernels import _check_all, _empty_row_inputs, _oracle, _run
-from vidax_eqx import core, kernels
+from cases import CASES, CASES_BY_NAME, Case, check_all, empty_row_inputs, kernel_kwargs, reference, run
+from vidax_eqx import core, kernels, parallel
 from vidax_eqx.kernels import _cudnn, _registry
 from vidax_eqx.kernels._args import normalize
 
@@ -86,8 +86,8 @@ def test_matches_oracle_or_refuses(impl, case):
     if missing:
         _raises_naming(impl, case, missing)
         return
-    arrays, static, res = _run(impl, case)
-    _check_all(arrays, static, res, np.float32)
+    arrays, static, res = run(impl, case)
+    check_all(arrays, static, res, np.float32)
 
 
 DLSE_CASES = [
@@ -109,16 +109,16 @@ def test_lse_gradient_matches_oracle(impl, case):
     """Gradients through both outputs of `attention_fwd`: the kernels' backward runs
     from `delta - dlse`, the path ring attention takes."""
     assert not _expected_unsupported(impl, case)
-    arrays, static, res = _run(impl, case, seed=4, dlse=True)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    arrays, static, res = run(impl, case, seed=4, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("impl", PALLAS)
 def test_low_precision(impl, dtype):
     case = dataclasses.replace(CASES_BY_NAME["causal+segments+sinks+softcap+gqa"], soft_cap=None)
-    arrays, static, res = _run(impl, case, dtype=dtype, seed=1)
-    _check_all(arrays, static, res, dtype)
+    arrays, static, res = run(impl, case, dtype=dtype, seed=1)
+    check_all(arrays, static, res, dtype)
 
 
 @pytest.mark.parametrize(
@@ -133,30 +133,30 @@ def test_low_precision(impl, dtype):
     ids=str,
 )
 def test_pallas_tpu_multiple_tiles(case):
-    arrays, static, res = _run(TPU, case, dlse=True)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    arrays, static, res = run(TPU, case, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 def test_pallas_gpu_default_tiles():
     """The default 128-token (power-of-two) tiles over a ragged length, forward and backward."""
     case = Case("gpu_default_tiles", B=1, S_q=300, S_k=300, H=2, H_kv=1, D=16, causal=True,
                 segments="shared", sinks=True)
-    arrays, static, res = _run(kernels.PallasGpu(interpret=True), case, dlse=True)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    arrays, static, res = run(kernels.PallasGpu(interpret=True), case, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 @pytest.mark.parametrize("kind", ["segments", "mask"])
 def test_pallas_tpu_rows_that_see_nothing(kind):
     """Rows with no visible key give exactly 0 and lse -inf, and no NaN in gradients
     (the kernels themselves would average over masked keys)."""
-    case, arrays, static = _empty_row_inputs(kind)
-    ref = _oracle(arrays, static)
+    case, arrays, static = empty_row_inputs(kind)
+    ref = reference(arrays, static)
     empty = ~np.isfinite(ref.lse)
     assert empty.any()
-    _, _, res = _run(TPU, case, arrays=arrays, static=static, dlse=True)
+    _, _, res = run(TPU, case, arrays=arrays, static=static, dlse=True)
     assert np.all(res["out"][np.transpose(empty, (0, 2, 1))] == 0.0)
     assert np.all(res["lse"][empty] == -np.inf)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 def test_pallas_gpu_rows_that_see_nothing():
@@ -169,10 +169,10 @@ def test_pallas_gpu_rows_that_see_nothing():
     seg[1, 0] = 9  # sees only itself
     seg[1, 30:] = -1
     arrays.update(seg_q=seg, seg_kv=seg)
-    _, _, res = _run(GPU, case, arrays=arrays, static=static, dlse=True)
+    _, _, res = run(GPU, case, arrays=arrays, static=static, dlse=True)
     pad = np.broadcast_to((seg < 0)[:, :, None], res["out"].shape[:3])
     assert np.all(res["out"][pad] == 0.0)
-    _check_all(arrays, static, res, np.float32, dlse=True)
+    check_all(arrays, static, res, np.float32, dlse=True)
 
 
 @pytest.mark.parametrize("impl", PALLAS)
@@ -308,27 +308,43 @@ def test_ring_attention_runs_on_the_kernels(impl, layout, causal):
     """Every step of a causal (or full) ring is position-free, so the explicitly named
     kernel serves it: forward merge and backward ring run on its `(out, lse)` and
     `attention_bwd`, with sinks (and segment ids where the kernel takes them)."""
-    import test_ring
-
     segments = impl is TPU
     # JAX's HLO interpreter for GPU kernels (interpret mode only) trips over varying
     # axes while lowering inside shard_map(check_vma=True): test it with the check off.
-    cfg = test_ring.Ring(sp=4, layout=layout, causal=causal, implementation=impl, segments=segments,
-                         sinks=True, check_vma=impl is TPU)
-    inputs = test_ring._inputs(S=64, H=4, H_kv=2, D=16, segments=segments, sinks=True, seed=7)
-    test_ring._check(cfg, inputs)
+    a = harness.attention_inputs(2, 64, 4, 16, H_kv=2, segments=segments, sinks=True, seed=7)
+    _check_ring(impl, a, layout=layout, causal=causal, segments=segments, sinks=True,
+                check_vma=impl is TPU)
+
+
+def _ring(impl, a, *, layout="contiguous", causal=False, window=None, segments=False,
+          sinks=False, check_vma=True):
+    """`ring_attention` over 4 devices on the global arrays `a`: global-order results."""
+    def attend(q, k, v, seg, s):
+        return parallel.ring_attention(q, k, v, axis_name="sp", causal=causal, window=window,
+                                       segment_ids=seg, sinks=s, layout=layout,
+                                       implementation=impl)
+
+    seg = "one" if segments else None
+    fn = harness.sequence_vjp(attend, harness.mesh(sp=4), "sp", segments=seg, sinks=sinks,
+                              check_vma=check_vma)
+    return harness.run_sequence(fn, a, zigzag_size=4 if layout == "zigzag" else 0,
+                                segments=seg, sinks=sinks)
+
+
+def _check_ring(impl, a, *, causal=False, window=None, segments=False, sinks=False, **kw):
+    got = _ring(impl, a, causal=causal, window=window, segments=segments, sinks=sinks, **kw)
+    ref = oracle.attention(a["q"], a["k"], a["v"], segment_ids=a["seg"] if segments else None,
+                           sinks=a["sinks"] if sinks else None, causal=causal, window=window,
+                           dout=a["dout"])
+    harness.assert_matches(got, ref, np.float32, harness.ATTENTION_NAMES + (("dsinks",) if sinks else ()))
 
 
 def test_ring_with_a_window_needs_positions():
     """A window makes some steps position-dependent: a kernel without positions
     is refused by name, and "auto" takes a portable one."""
-    import test_ring
-
     with pytest.raises(NotImplementedError, match="custom positions"):
-        test_ring._run(test_ring.Ring(sp=4, causal=True, window=(5, 0), implementation=TPU),
-                       test_ring._inputs(S=64))
-    cfg = test_ring.Ring(sp=4, causal=True, window=(5, 0), implementation="auto")
-    test_ring._check(cfg, test_ring._inputs(S=64, seed=8))
+        _ring(TPU, harness.attention_inputs(2, 64, 4, 8), causal=True, window=(5, 0))
+    _check_ring("auto", harness.attention_inputs(2, 64, 4, 8, seed=8), causal=True, window=(5, 0))
 
 
 # -- core.dot_product_attention: the documented dispatch rules ------------------------------
@@ -365,15 +381,13 @@ def test_core_dot_product_attention_dispatch(monkeypatch, devices, with_mask, wi
 
 
 def test_core_dot_product_attention_with_mesh_takes_the_megatron_path(monkeypatch):
-    from vidax_eqx import parallel
-
     calls = []
     original = core.tensor_parallel_attention
     monkeypatch.setattr(core, "tensor_parallel_attention",
                         lambda *a, **kw: calls.append(kw) or original(*a, **kw))
     q = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 4, 8)), jnp.float32)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 24, 24)), jnp.float32)
-    out = core.dot_product_attention(q, q, q, bias=bias, mesh=parallel.make_mesh(dp=2, tp=4))
+    out = core.dot_product_attention(q, q, q, bias=bias, mesh=harness.mesh(dp=2, tp=4))
     assert len(calls) == 1 and calls[0]["bias"] is bias
     ref = oracle.attention(*(np.asarray(q),) * 3, bias=np.asarray(bias))
     oracle.assert_close(out, ref.out, np.float32, "dot_product_attention(mesh=)")

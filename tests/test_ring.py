@@ -1,11 +1,12 @@
 """`ring_attention` on simulated CPU devices against the float64 oracle.
 
 Every comparison runs the ring inside `jax.shard_map` over `make_mesh(sp=n)` on
-the sharded global sequence (zigzag: permuted with `zigzag_permute` first and
-unpermuted after), takes `jax.vjp` with a random cotangent, and compares the
-output and the gradients of q, k, v (and sinks) with `oracle.attention` on the
-whole unsharded sequence. Shapes stay small (S <= 32) so the file runs quickly on
-a 2-core machine; each configuration compiles once (`_ring_fn` caches it).
+the sharded global sequence (`harness.sequence_vjp`, `harness.run_sequence`;
+zigzag: permuted with `zigzag_permute` first and unpermuted after), takes
+`jax.vjp` with a random cotangent, and compares the output and the gradients of
+q, k, v (and sinks) with `oracle.attention` on the whole unsharded sequence.
+Shapes stay small (S <= 32) so the file runs quickly on a 2-core machine; each
+configuration compiles once (`_ring_fn` caches it).
 """
 
 import dataclasses
@@ -17,12 +18,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import kernels, parallel
 
 
 SEQ = P(None, "sp")  # (B, S, ...) arrays: the sequence axis over the ring
-REPLICATED = P()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +45,7 @@ class Ring:
 @functools.lru_cache(maxsize=None)
 def _ring_fn(cfg: Ring):
     """A jitted `(q, k, v, seg, sinks, dout) -> (out, (dq, dk, dv, dsinks))` on the
-    sharded layout."""
-    mesh = parallel.make_mesh(dp=cfg.dp, sp=cfg.sp)
-    seq = P("dp", "sp") if cfg.dp > 1 else SEQ
+    sharded layout (`harness.sequence_vjp`)."""
 
     def attend(q, k, v, seg, sinks):
         return parallel.ring_attention(
@@ -61,64 +60,18 @@ def _ring_fn(cfg: Ring):
             implementation=cfg.implementation,
         )
 
-    sharded = jax.shard_map(
-        attend,
-        mesh=mesh,
-        in_specs=(seq, seq, seq, seq if cfg.segments else None, REPLICATED if cfg.sinks else None),
-        out_specs=seq,
-        check_vma=cfg.check_vma,
+    return harness.sequence_vjp(
+        attend, harness.mesh(dp=cfg.dp, sp=cfg.sp), "sp", batch_axis="dp" if cfg.dp > 1 else None,
+        segments="one" if cfg.segments else None, sinks=cfg.sinks, check_vma=cfg.check_vma,
     )
-
-    @jax.jit
-    def run(q, k, v, seg, sinks, dout):
-        out, vjp = jax.vjp(lambda q, k, v, s: sharded(q, k, v, seg, s), q, k, v, sinks)
-        return out, vjp(dout)
-
-    return run
-
-
-def _inputs(B=2, S=32, H=4, H_kv=4, D=8, dtype=np.float32, seed=0, segments=False, sinks=False):
-    rng = np.random.default_rng(seed)
-    a = dict(
-        q=rng.standard_normal((B, S, H, D)).astype(dtype),
-        k=rng.standard_normal((B, S, H_kv, D)).astype(dtype),
-        v=rng.standard_normal((B, S, H_kv, D)).astype(dtype),
-        dout=rng.standard_normal((B, S, H, D)).astype(dtype),
-    )
-    if sinks:
-        a["sinks"] = rng.standard_normal((H,)).astype(np.float32)
-    if segments:
-        # Different per batch element: sorted runs, and ids in random order; both
-        # with a padded (-1) tail.
-        runs = np.sort(rng.integers(0, 3, S))
-        runs[S - S // 6 :] = -1
-        scattered = rng.integers(0, 3, S)
-        scattered[S - S // 10 :] = -1
-        a["seg"] = np.stack([runs, scattered][:B]).astype(np.int32)
-    return a
 
 
 def _run(cfg: Ring, a: dict, repeat: int = 1):
     """Runs the ring on global arrays `a`; returns global-order NumPy results."""
-    n = cfg.sp
-    if cfg.layout == "zigzag":
-        to_layout = lambda x: parallel.zigzag_permute(jnp.asarray(x), 1, n)
-        from_layout = lambda x: np.asarray(parallel.zigzag_unpermute(x, 1, n))
-    else:
-        to_layout, from_layout = jnp.asarray, np.asarray
-    args = [to_layout(a[name]) for name in ("q", "k", "v")]
-    seg = to_layout(a["seg"]) if cfg.segments else None
-    sinks = jnp.asarray(a["sinks"]) if cfg.sinks else None
-    fn = _ring_fn(cfg)
-    results = [fn(*args, seg, sinks, to_layout(a["dout"])) for _ in range(repeat)]
-    unpack = lambda r: dict(
-        out=from_layout(r[0]),
-        dq=from_layout(r[1][0]),
-        dk=from_layout(r[1][1]),
-        dv=from_layout(r[1][2]),
-        dsinks=None if r[1][3] is None else np.asarray(r[1][3]),
+    return harness.run_sequence(
+        _ring_fn(cfg), a, zigzag_size=cfg.sp if cfg.layout == "zigzag" else 0,
+        segments="one" if cfg.segments else None, sinks=cfg.sinks, repeat=repeat,
     )
-    return [unpack(r) for r in results] if repeat > 1 else unpack(results[0])
 
 
 def _oracle(cfg: Ring, a: dict):
@@ -134,10 +87,8 @@ def _oracle(cfg: Ring, a: dict):
 
 
 def _check(cfg: Ring, a: dict, dtype=np.float32):
-    got, ref = _run(cfg, a), _oracle(cfg, a)
-    for name in ("out", "dq", "dk", "dv") + (("dsinks",) if cfg.sinks else ()):
-        assert not np.isnan(got[name]).any(), f"{name} has NaN"
-        oracle.assert_close(got[name], getattr(ref, name), dtype, name)
+    names = harness.ATTENTION_NAMES + (("dsinks",) if cfg.sinks else ())
+    harness.assert_matches(_run(cfg, a), _oracle(cfg, a), dtype, names)
 
 
 # -- output and gradients against the oracle ---------------------------------------
@@ -148,12 +99,13 @@ def _check(cfg: Ring, a: dict, dtype=np.float32):
 @pytest.mark.parametrize("sp", [2, 4, 8])
 def test_matches_oracle(sp, causal, layout):
     cfg = Ring(sp=sp, layout=layout, causal=causal)
-    _check(cfg, _inputs(H=4, H_kv=2, seed=sp))
+    _check(cfg, harness.attention_inputs(2, 32, 4, 8, H_kv=2, seed=sp))
 
 
 def test_odd_ring_size():
     """sp=3: a ring with no middle loop in the backward (steps 0, 1 and last)."""
-    _check(Ring(sp=3, layout="zigzag", causal=True, sinks=True), _inputs(S=24, sinks=True, seed=12))
+    a = harness.attention_inputs(2, 24, 4, 8, sinks=True, seed=12)
+    _check(Ring(sp=3, layout="zigzag", causal=True, sinks=True), a)
 
 
 @pytest.mark.parametrize(
@@ -161,20 +113,20 @@ def test_odd_ring_size():
     [("contiguous", False, (5, 3)), ("zigzag", False, (2, None)), ("zigzag", True, (9, None))],
 )
 def test_window(layout, causal, window):
-    _check(Ring(layout=layout, causal=causal, window=window), _inputs())
+    _check(Ring(layout=layout, causal=causal, window=window), harness.attention_inputs(2, 32, 4, 8))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_segment_ids_per_batch_with_padding(layout):
-    a = _inputs(segments=True, seed=3)
+    a = harness.attention_inputs(2, 32, 4, 8, segments=True, seed=3)
     assert (a["seg"] < 0).any() and not np.array_equal(a["seg"][0], a["seg"][1])
     _check(Ring(layout=layout, causal=True, segments=True), a)
 
 
 def test_segment_ids_as_pair():
     """`SegmentIds(q=..., kv=...)`: the kv ids travel with their block."""
-    a = _inputs(segments=True, seed=4)
-    mesh = parallel.make_mesh(sp=4)
+    a = harness.attention_inputs(2, 32, 4, 8, segments=True, seed=4)
+    mesh = harness.mesh(sp=4)
 
     def attend(q, k, v, seg):
         ids = kernels.SegmentIds(q=seg, kv=seg)
@@ -193,28 +145,30 @@ def test_segment_ids_as_pair():
 def test_sinks_replicated(layout, causal, check_vma):
     """Sinks enter once per row, and the gradient of the replicated (`P()`) input
     sums every device's rows exactly once, with and without `check_vma`."""
-    _check(Ring(layout=layout, causal=causal, sinks=True, check_vma=check_vma), _inputs(sinks=True, seed=5))
+    a = harness.attention_inputs(2, 32, 4, 8, sinks=True, seed=5)
+    _check(Ring(layout=layout, causal=causal, sinks=True, check_vma=check_vma), a)
 
 
 def test_sinks_replicated_over_data_and_ring_axes():
     """Batch over "dp", sequence over "sp", sinks replicated over both: the sink
     gradient sums all eight devices' rows once."""
     cfg = Ring(dp=2, sp=4, layout="zigzag", causal=True, segments=True, sinks=True)
-    _check(cfg, _inputs(segments=True, sinks=True, seed=13))
+    _check(cfg, harness.attention_inputs(2, 32, 4, 8, segments=True, sinks=True, seed=13))
 
 
 @pytest.mark.parametrize("H_kv, layout", [(2, "zigzag"), (1, "contiguous")], ids=["gqa", "mqa"])
 def test_gqa_mqa(H_kv, layout):
-    _check(Ring(layout=layout, causal=True), _inputs(H=4, H_kv=H_kv, seed=6))
+    _check(Ring(layout=layout, causal=True), harness.attention_inputs(2, 32, 4, 8, H_kv=H_kv, seed=6))
 
 
 def test_bfloat16():
-    a = _inputs(dtype=jnp.bfloat16, sinks=True, seed=7)
+    a = harness.attention_inputs(2, 32, 4, 8, dtype=jnp.bfloat16, sinks=True, seed=7)
     _check(Ring(layout="zigzag", causal=True, sinks=True), a, dtype=jnp.bfloat16)
 
 
 def test_soft_cap():
-    _check(Ring(layout="contiguous", causal=True, soft_cap=2.0), _inputs(seed=8))
+    a = harness.attention_inputs(2, 32, 4, 8, seed=8)
+    _check(Ring(layout="contiguous", causal=True, soft_cap=2.0), a)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -225,7 +179,7 @@ def test_implementations(implementation, layout):
     """Both kernels serve every step; 8x8 tiles make each local block span tiles
     (and the blockwise kernel skip hidden tiles inside a step)."""
     cfg = Ring(sp=4, layout=layout, causal=True, segments=True, sinks=True, implementation=implementation)
-    _check(cfg, _inputs(S=64, segments=True, sinks=True, seed=9))
+    _check(cfg, harness.attention_inputs(2, 64, 4, 8, segments=True, sinks=True, seed=9))
 
 
 @pytest.mark.parametrize("layout, S", [("contiguous", 30), ("zigzag", 27)])
@@ -234,7 +188,7 @@ def test_sequence_not_dividing_sp(layout, S):
     segment ids, unpad: equal to the unpadded oracle."""
     sp = 4
     multiple = sp if layout == "contiguous" else 2 * sp
-    a = _inputs(S=S, seed=10)
+    a = harness.attention_inputs(2, S, 4, 8, seed=10)
     padded = {n: np.asarray(parallel.pad_to_multiple(jnp.asarray(x), multiple, axis=1)) for n, x in a.items()}
     padded["seg"] = np.asarray(parallel.padding_segment_ids(S, multiple, a["q"].shape[0]))
     got = _run(Ring(sp=sp, layout=layout, causal=True, segments=True), padded)
@@ -246,7 +200,7 @@ def test_sequence_not_dividing_sp(layout, S):
 
 def test_deterministic():
     cfg = Ring(sp=8, layout="zigzag", causal=True)
-    first, second = _run(cfg, _inputs(H=4, H_kv=2, seed=8), repeat=2)
+    first, second = _run(cfg, harness.attention_inputs(2, 32, 4, 8, H_kv=2, seed=8), repeat=2)
     for name in ("out", "dq", "dk", "dv"):
         np.testing.assert_array_equal(first[name], second[name])
 
@@ -286,7 +240,7 @@ def test_hidden_blocks_are_skipped(layout):
     sp, S = 4, 32
     cfg = Ring(sp=sp, layout=layout, causal=True, implementation=_CountingXla())
     _CALLS.clear()
-    _check(cfg, _inputs(S=S, seed=11))
+    _check(cfg, harness.attention_inputs(2, S, 4, 8, seed=11))
     jax.effects_barrier()
     expected = parallel.ring_work(S, sp, layout=layout, causal=True)
     for kind in ("fwd", "bwd"):
@@ -316,7 +270,7 @@ def test_ring_work_balance():
 
 def test_jaxpr_has_skip_only_when_masked():
     """A `cond` (switch) guards the steps only when the mask structure can hide one."""
-    mesh = parallel.make_mesh(sp=4)
+    mesh = harness.mesh(sp=4)
     x = jnp.ones((1, 16, 2, 8))
 
     def jaxpr(**kw):
@@ -350,7 +304,7 @@ def test_communication_is_minimal(layout):
     again and n - 1 hops of the float32 dK/dV; no wasted transfer beyond the
     ordering tokens (`vidax_eqx._order`: a few float32 elements per permute)."""
     for sp in (2, 3, 4, 8):
-        mesh = parallel.make_mesh(sp=sp)
+        mesh = harness.mesh(sp=sp)
         x = jnp.ones((1, 4 * sp, 2, 8), jnp.float32)
         f = lambda q, k, v: parallel.ring_attention(
             q, k, v, axis_name="sp", causal=True, layout=layout, implementation="xla"
@@ -396,7 +350,7 @@ def test_missing_axis():
 
 
 def _trace_in_ring(sp=2, S=8, **kw):
-    mesh = parallel.make_mesh(sp=sp)
+    mesh = harness.mesh(sp=sp)
     f = lambda q: parallel.ring_attention(q, q, q, axis_name="sp", **kw)
     jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=SEQ, out_specs=SEQ), jnp.ones((1, S, 2, 8)))
 

@@ -1,6 +1,6 @@
 """Sliding tile attention (`kernels.SlidingTileMask`) against the float64 oracle.
 
-The mask's dense form is built here (`sta_dense`), from the documented semantics
+The mask's dense form is built by `oracle.sliding_tile_dense`, from the documented semantics
 and nothing of `vidax_eqx`: the video's tokens laid out tile by tile, each grid
 dimension padded to whole tiles, text before or after the video; query tile
 `(a, b, c)` sees the key tiles whose coordinate along each dimension lies in
@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import harness
 import oracle
 from _hypothesis import examples
 from vidax_eqx import kernels
@@ -42,17 +43,7 @@ IMPLS = [pytest.param("xla", id="xla"), pytest.param(BLOCKWISE, id="blockwise16"
 
 
 sta_dense = oracle.sliding_tile_dense
-_video_layout = oracle._video_layout
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def dense_of(tm: kernels.SlidingTileMask, q_pos=None, kv_pos=None):
-    """`sta_dense` with the mask's configuration (read from its fields only)."""
-    windows = [tm.window] if isinstance(tm.window[0], int) else list(tm.window)
-    return sta_dense(tm.grid, tm.tile, windows, tm.text_len, tm.text_position, q_pos, kv_pos)
+dense_of = oracle.sliding_tile_of  # the mask's configuration, read from its fields only
 
 
 def test_dense_oracle_by_hand():
@@ -115,31 +106,14 @@ def _seed(obj) -> int:
 
 def _segment_ids(rng, B: int, S: int) -> np.ndarray:
     """Sorted runs of ids 0..2 with a few negative (padding) ids scattered in."""
-    ids = np.sort(rng.integers(0, 3, (B, S)), axis=1)
-    ids[rng.random((B, S)) < 0.1] = -1
+    ids = harness.segment_ids(rng, B, S, scattered=False, pad=(0, 0), holes=0.1)
     ids[:, -2:] = -3
-    return ids.astype(np.int32)
+    return ids
 
 
-def _arrays(B, S_q, S_k, H, H_kv, D, *, segments, sinks, seed):
-    rng = np.random.default_rng(seed)
-    assert not segments or S_q == S_k
-    return {
-        "q": rng.standard_normal((B, S_q, H, D)).astype(F32),
-        "k": rng.standard_normal((B, S_k, H_kv, D)).astype(F32),
-        "v": rng.standard_normal((B, S_k, H_kv, D)).astype(F32),
-        "dout": rng.standard_normal((B, S_q, H, D)).astype(F32),
-        "dlse": rng.standard_normal((B, H, S_q)).astype(F32),
-        "sinks": rng.standard_normal((H,)).astype(F32) if sinks else None,
-        "seg": _segment_ids(rng, B, S_q) if segments else None,
-    }
-
-
-# Compiler options of the property test's programs (each example is a new static
-# mask, hence a new compilation): LLVM's optimizations off, which halves the
-# compile time of a blockwise program and changes no semantics. The fixed cases
-# compile as users do.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# The property test's programs (each example is a new static mask, hence a new
+# compilation) compile with `harness.FAST_COMPILE`, which halves the compile time of a
+# blockwise program and changes no semantics. The fixed cases compile as users do.
 
 
 def run_kernel(impl, tm, a, q_pos=None, kv_pos=None, grads=True, compiler_options=None):
@@ -147,7 +121,7 @@ def run_kernel(impl, tm, a, q_pos=None, kv_pos=None, grads=True, compiler_option
     with cotangent `(dout, dlse)` (`None` unless `grads`), in one jitted program;
     NumPy results."""
     kw = {"mask": tm, "implementation": impl}
-    if a["seg"] is not None:
+    if "seg" in a:
         kw["segment_ids"] = jnp.asarray(a["seg"])
     if q_pos is not None:
         kw["q_positions"], kw["kv_positions"] = jnp.asarray(q_pos), jnp.asarray(kv_pos)
@@ -159,7 +133,7 @@ def run_kernel(impl, tm, a, q_pos=None, kv_pos=None, grads=True, compiler_option
         (out, lse), vjp = jax.vjp(fwd, q, k, v, sinks)
         return out, lse, vjp((dout, dlse))
 
-    args = [None if a[n] is None else jnp.asarray(a[n]) for n in ("q", "k", "v", "sinks", "dout", "dlse")]
+    args = [jnp.asarray(a[n]) if n in a else None for n in ("q", "k", "v", "sinks", "dout", "dlse")]
     res = jax.jit(f).lower(*args).compile(compiler_options)(*args)
     return jax.tree.map(np.asarray, res)
 
@@ -168,8 +142,8 @@ def run_oracle(a, dense):
     """`oracle.attention` with the dense mask `(n_windows, S_q, S_k)`: one window is
     broadcast over the heads, several are one per head."""
     mask = dense[0] if len(dense) == 1 else dense
-    seg = None if a["seg"] is None else (a["seg"], a["seg"])
-    return oracle.attention(a["q"], a["k"], a["v"], mask=mask, sinks=a["sinks"], segment_ids=seg,
+    seg = (a["seg"], a["seg"]) if "seg" in a else None
+    return oracle.attention(a["q"], a["k"], a["v"], mask=mask, sinks=a.get("sinks"), segment_ids=seg,
                             dout=a["dout"], dlse=a["dlse"])
 
 
@@ -195,14 +169,17 @@ def check(got, ref, sinks: bool):
 def test_matches_oracle(impl, cfg):
     tm = cfg.mask()
     S = tm.seq_len
-    a = _arrays(cfg.B, S, S, cfg.H, cfg.H_kv, cfg.D, segments=cfg.segments, sinks=cfg.sinks,
-                seed=_seed(cfg))
+    rng = np.random.default_rng(_seed(cfg))
+    a = harness.attention_inputs(cfg.B, S, cfg.H, cfg.D, H_kv=cfg.H_kv, rng=rng, dlse=True,
+                                 sinks=cfg.sinks)
+    if cfg.segments:
+        a["seg"] = _segment_ids(rng, cfg.B, S)
     dense = dense_of(tm)
     assert dense.any() and not dense.all()  # a mask with something to skip
     got = run_kernel(impl, tm, a)
     check(got, run_oracle(a, dense), cfg.sinks)
     # Padding tokens (of a grid the tiles do not divide): exactly 0 output and -inf lse.
-    _, real = _video_layout(tm.grid, tm.tile)
+    _, real = oracle.video_layout(tm.grid, tm.tile)
     pad = np.flatnonzero(~real) + (tm.text_len if tm.text_position == "prefix" else 0)
     assert (pad.size > 0) == any(g % t for g, t in zip(tm.grid, tm.tile))
     assert np.all(got[0][:, pad] == 0)
@@ -214,7 +191,7 @@ def test_sinks_gradient_with_text_filler():
     """The gradient of the sinks where `Blockwise` inserts filler after a text prefix
     (here 1 text token, blocks of 2): the filler rows must not contribute."""
     tm = kernels.SlidingTileMask((1, 1, 4), (1, 1, 2), (1, 1, 1), text_len=1)
-    a = _arrays(1, tm.seq_len, tm.seq_len, 1, 1, 8, segments=False, sinks=True, seed=2)
+    a = harness.attention_inputs(1, tm.seq_len, 1, 8, dlse=True, sinks=True, seed=2)
     check(run_kernel(kernels.Blockwise(block_q=2), tm, a), run_oracle(a, dense_of(tm)), sinks=True)
 
 
@@ -238,7 +215,8 @@ def test_positions_dense_oracle():
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_positions_chunk(impl):
-    a = _arrays(1, len(CHUNK_Q), len(CHUNK_KV), 2, 1, 8, segments=False, sinks=True, seed=1)
+    a = harness.attention_inputs(1, len(CHUNK_Q), 2, 8, H_kv=1, S_k=len(CHUNK_KV), dlse=True,
+                                 sinks=True, seed=1)
     dense = dense_of(CHUNK_MASK, CHUNK_Q, CHUNK_KV)
     assert not dense[:, -4:].any() and not dense[:, :, :3].any()
     check(run_kernel(impl, CHUNK_MASK, a, CHUNK_Q, CHUNK_KV), run_oracle(a, dense), sinks=True)
@@ -260,7 +238,7 @@ def _blocks_any(dense, bq, bk):
     vis = dense.any(axis=0)
     S_q, S_k = vis.shape
     vis = np.pad(vis, ((0, -S_q % bq), (0, -S_k % bk)))
-    return vis.reshape(_ceil_div(S_q, bq), bq, _ceil_div(S_k, bk), bk).any(axis=(1, 3))
+    return vis.reshape(oracle.ceil_div(S_q, bq), bq, oracle.ceil_div(S_k, bk), bk).any(axis=(1, 3))
 
 
 @pytest.mark.parametrize("tm", BLOCK_MASKS, ids=repr)
@@ -288,7 +266,7 @@ def test_block_map(tm):
 def _layout_index(grid, tile):
     """For each slot of the tile layout, the raster index of its token, or -1 for padding."""
     _, H, W = grid
-    coords, real = _video_layout(grid, tile)
+    coords, real = oracle.video_layout(grid, tile)
     return np.where(real, coords[:, 0] * H * W + coords[:, 1] * W + coords[:, 2], -1), coords
 
 
@@ -320,7 +298,7 @@ def test_tile_layout(grid, tile):
 @pytest.mark.parametrize("tm", BLOCK_MASKS + [CHUNK_MASK, CONFIGS[1].mask()], ids=repr)
 def test_density(tm):
     dense = dense_of(tm)
-    _, real_video = _video_layout(tm.grid, tm.tile)
+    _, real_video = oracle.video_layout(tm.grid, tm.tile)
     real = np.ones(tm.seq_len, bool)
     start = tm.text_len if tm.text_position == "prefix" else 0
     real[start:start + tm.video_len] = real_video
@@ -381,12 +359,12 @@ def test_invalid_requests():
 def sta_problems(draw):
     grid = tuple(draw(st.integers(1, 6)) for _ in range(3))
     tile = tuple(draw(st.integers(1, 3)) for _ in range(3))
-    video = int(np.prod([_ceil_div(g, t) * t for g, t in zip(grid, tile)]))
+    video = int(np.prod([oracle.ceil_div(g, t) * t for g, t in zip(grid, tile)]))
     text_len = draw(st.integers(0, 5))
     # Keep shapes small: a large draw's grid is cut down along frames, then height.
     while video + text_len > 150:
         grid = (max(1, grid[0] - 1), *grid[1:]) if grid[0] > 1 else (grid[0], max(1, grid[1] - 1), grid[2])
-        video = int(np.prod([_ceil_div(g, t) * t for g, t in zip(grid, tile)]))
+        video = int(np.prod([oracle.ceil_div(g, t) * t for g, t in zip(grid, tile)]))
     odd = st.sampled_from([1, 3, 5])
     triple = st.tuples(odd, odd, odd)
     window = draw(st.one_of(triple, st.tuples(triple, triple)))
@@ -399,7 +377,7 @@ def sta_problems(draw):
 def test_property_blockwise(tm, grads):
     """Blockwise with 8-token blocks (whole tiles) against the oracle: the forward
     always, the gradients in some examples (a compilation of its own)."""
-    a = _arrays(1, tm.seq_len, tm.seq_len, 2, 1, 8, segments=False, sinks=False, seed=_seed(tm))
+    a = harness.attention_inputs(1, tm.seq_len, 2, 8, H_kv=1, dlse=True, seed=_seed(tm))
     impl = kernels.Blockwise(block_q=8)
-    got = run_kernel(impl, tm, a, grads=grads, compiler_options=FAST_COMPILE)
+    got = run_kernel(impl, tm, a, grads=grads, compiler_options=harness.FAST_COMPILE)
     check(got, run_oracle(a, dense_of(tm)), sinks=False)

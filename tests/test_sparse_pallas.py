@@ -2,7 +2,8 @@
 block-sparse structure, in Pallas interpret mode on CPU.
 
 Against the float64 oracle (`oracle.attention` with the dense mask that
-`test_sparse.dense_of` enumerates from the documented semantics): forward `out` / `lse` and the gradients of q, k, v and sinks (by
+`oracle.sliding_tile_of` enumerates from the documented semantics): forward `out` /
+`lse` and the gradients of q, k, v and sinks (by
 `jax.vjp` of `attention_fwd` with a random cotangent on both outputs), on grids
 that do and do not divide the tiles, text prefix and suffix, shared and per-head
 windows (several splash kernels, GQA groups whole and split), with causal / window
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 import oracle
-from test_sparse import dense_of
 from vidax_eqx import kernels
 from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
 from vidax_eqx.kernels import _pallas_tpu
@@ -37,7 +38,7 @@ def _dense(tm: kernels.SlidingTileMask, S_pad: int | None = None) -> np.ndarray:
     """The mask at positions `arange(S_pad or seq_len)` (beyond `seq_len`: padding):
     bool `(n_windows, S, S)`."""
     pos = np.arange(tm.seq_len if S_pad is None else S_pad)
-    return dense_of(tm, pos, pos)
+    return oracle.sliding_tile_of(tm, pos, pos)
 
 
 def _local(dense: np.ndarray, local) -> np.ndarray:
@@ -85,21 +86,15 @@ CONFIGS = [
 
 
 def _inputs(cfg: Config):
+    """Global arrays (with dlse and sinks); segment ids: sorted runs of 0 and 1 with
+    padding (-1) scattered in."""
     S = cfg.mask.seq_len
     rng = np.random.default_rng(zlib.crc32(cfg.name.encode()))
-    a = dict(
-        q=rng.standard_normal((cfg.B, S, cfg.H, cfg.D)).astype(F32),
-        k=rng.standard_normal((cfg.B, S, cfg.H_kv, cfg.D)).astype(F32),
-        v=rng.standard_normal((cfg.B, S, cfg.H_kv, cfg.D)).astype(F32),
-        sinks=rng.standard_normal((cfg.H,)).astype(F32),
-        dout=rng.standard_normal((cfg.B, S, cfg.H, cfg.D)).astype(F32),
-        dlse=rng.standard_normal((cfg.B, cfg.H, S)).astype(F32),
-        seg=None,
-    )
+    a = harness.attention_inputs(cfg.B, S, cfg.H, cfg.D, H_kv=cfg.H_kv, rng=rng, dlse=True,
+                                 sinks=True)
+    a["seg"] = None
     if cfg.segments:
-        seg = np.sort(rng.integers(0, 2, (cfg.B, S)), axis=1)
-        seg[rng.random((cfg.B, S)) < 0.1] = -1
-        a["seg"] = seg.astype(np.int32)
+        a["seg"] = harness.segment_ids(rng, cfg.B, S, ids=2, scattered=False, pad=(0, 0), holes=0.1)
     return a
 
 
