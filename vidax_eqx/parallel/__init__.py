@@ -22,13 +22,13 @@ from ._ulysses import (
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention as sequence_parallel_self_attention,
 )
-from ._ring import (
-    ring_attention as ring_attention,
+from ._layout import (
     ring_positions as ring_positions,
-    ring_work as ring_work,
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
 )
+from ._ring import ring_attention as ring_attention
+from ._schedule import ring_work as ring_work
 from ._usp import usp_attention as usp_attention
 from ._ring_kernel import (
     AbstractMask as AbstractMask,

@@ -5,8 +5,8 @@ device's share of the visual sequence]`, the visual sequence alone sharded over
 the ring (contiguous or zigzag). Single-device attention over `[text; visual]`
 splits into four kinds of blocks, and each runs where its data already is:
 
-- visual q x visual kv: the ring ([`ring_attention`][]'s `_ring._ring_forward` /
-  `_ring._ring_backward`): only the visual K/V (and their segment ids) travel;
+- visual q x visual kv: the ring ([`ring_attention`][]'s engine, `_ring_engine.ring_forward`
+  / `ring_backward`): only the visual K/V (and their segment ids) travel;
 - visual q x text kv: one local kernel call per device (its own visual rows
   against the text keys it holds);
 - text q x visual kv: one local kernel call per device against its own visual
@@ -49,10 +49,12 @@ from .. import kernels
 from ..kernels._api import check_request  # what `kernels.attention` would raise, once
 from .._order import after
 from .._vma import as_varying, varying_axes
-from . import _ring
+from ._checks import check_qkv, check_sinks, check_tile_mask
+from ._layout import block_positions, check_layout, check_zigzag_length, layout_parts, ring_positions
 from ._mesh import axis_size, check_sharded
-from ._ring import ring_positions
-from ._ulysses import _check_qkv
+from ._rank_masks import attention_bwd, attention_fwd, RankMasks, tile_masks
+from ._ring_engine import merge, ring_backward, ring_forward, RingConfig, seg_arg, segments
+from ._schedule import may_see
 
 
 F32 = jnp.float32
@@ -62,7 +64,7 @@ F32 = jnp.float32
 class _Joint:
     """Static configuration of the joint core (hashable)."""
 
-    ring: _ring._Config
+    ring: RingConfig
     text_len: int
     sees_visual: bool  # some text query may see some visual key
     seen_by_visual: bool  # some visual query may see some text key
@@ -90,9 +92,9 @@ def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: s
     text = np.arange(text_len)
     sees = seen = False
     for r in range(n):
-        visual = text_len + _ring._positions(np, L_v, n, r, layout)
-        sees = sees or _ring._may_see(causal, window, text, visual)
-        seen = seen or _ring._may_see(causal, window, visual, text)
+        visual = text_len + block_positions(np, L_v, n, r, layout)
+        sees = sees or may_see(causal, window, text, visual)
+        seen = seen or may_see(causal, window, visual, text)
     return sees, seen
 
 
@@ -102,23 +104,23 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
     rank = lax.axis_index(rc.axis_name)
     t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
     opts = cfg.kernel_options()
-    seg = _ring._seg_arg
+    seg = seg_arg
 
-    out_v, lse_v = _ring._ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
+    out_v, lse_v = ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
     if cfg.seen_by_visual:
-        o, l = _ring.attention_fwd(
+        o, l = attention_fwd(
             q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
             kv_positions=t_pos, **opts,
         )
-        out_v, lse_v = _ring._merge(out_v, lse_v, o, l)
+        out_v, lse_v = merge(out_v, lse_v, o, l)
 
-    out_t, lse_t = _ring.attention_fwd(
+    out_t, lse_t = attention_fwd(
         q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
         kv_positions=t_pos, **opts,
     )
     out_t = out_t.astype(F32)
     if cfg.sees_visual:
-        o, l = _ring.attention_fwd(
+        o, l = attention_fwd(
             q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
             kv_positions=v_pos, **opts,
         )
@@ -128,7 +130,7 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
         o_all = lax.all_gather(after(o, out_v), rc.axis_name, axis=0)
         l_all = lax.all_gather(after(l, o_all), rc.axis_name, axis=0)
         for i in range(rc.sp_size):
-            out_t, lse_t = _ring._merge(out_t, lse_t, o_all[i], l_all[i])
+            out_t, lse_t = merge(out_t, lse_t, o_all[i], l_all[i])
     return (out_t.astype(q_t.dtype), out_v.astype(q_v.dtype)), (lse_t, lse_v)
 
 
@@ -158,7 +160,7 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     first = rank == 0
     t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
     opts = cfg.kernel_options()
-    seg = _ring._seg_arg
+    seg = seg_arg
     ct_t, ct_v = cotangents
     # Every ring rank's text rows are the same function of the same inputs, so the
     # cotangent of the text rows is the sum of all the copies'.
@@ -167,26 +169,26 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     dout_v = after(ct_v.astype(q_v.dtype), dout_t)  # the ring's permutes after the psum
 
     with jax.named_scope("vidax_joint_attention_bwd"):
-        dq_v, dk_v, dv_v = _ring._ring_backward(
+        dq_v, dk_v, dv_v = ring_backward(
             rc, q_v, k_v, v_v, sq_v, skv_v, out_v, lse_v, dout_v
         )
         dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
         if cfg.seen_by_visual:
-            dq, dk, dv, _, _ = _ring.attention_bwd(
+            dq, dk, dv, _, _ = attention_bwd(
                 q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
                 q_positions=v_pos, kv_positions=t_pos, **opts,
             )
             dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
 
         # The text x text block is computed on every ring rank; count it once.
-        dq_t, dk, dv, _, ds_t = _ring.attention_bwd(
+        dq_t, dk, dv, _, ds_t = attention_bwd(
             q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
             q_positions=t_pos, kv_positions=t_pos, **opts,
         )
         once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
         dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
         if cfg.sees_visual:
-            dq, dk, dv, _, _ = _ring.attention_bwd(
+            dq, dk, dv, _, _ = attention_bwd(
                 q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
                 q_positions=t_pos, kv_positions=v_pos, **opts,
             )
@@ -215,8 +217,8 @@ def _visual_mask(tile_mask):
     """The video part of a joint layout's mask (or `RankMasks` of them): the ring's."""
     if tile_mask is None:
         return None
-    if isinstance(tile_mask, _ring.RankMasks):
-        return _ring.RankMasks(tuple(map(_visual_mask, tile_mask.masks)), tile_mask.axis_name)
+    if isinstance(tile_mask, RankMasks):
+        return RankMasks(tuple(map(_visual_mask, tile_mask.masks)), tile_mask.axis_name)
     return dataclasses.replace(tile_mask, text_len=0)
 
 
@@ -237,13 +239,13 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     pos = jnp.arange(L_v, dtype=jnp.int32)
     visual_mask = _visual_mask(tile_mask)
     check_request(
-        q_v, k_v, v_v, segment_ids=_ring._seg_arg(sq_v, skv_v), q_positions=pos,
+        q_v, k_v, v_v, segment_ids=seg_arg(sq_v, skv_v), q_positions=pos,
         kv_positions=pos, causal=causal, window=window, scale=scale,
         logits_soft_cap=logits_soft_cap, implementation=implementation, needs_lse=True,
-        mask=None if visual_mask is None else _ring._tile_masks(visual_mask)[0],
+        mask=None if visual_mask is None else tile_masks(visual_mask)[0],
     )
     window = None if window is None else tuple(window)
-    rc = _ring._Config(
+    rc = RingConfig(
         axis_name=axis_name,
         sp_size=sp_size,
         layout=layout,
@@ -270,11 +272,11 @@ def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, he
     tiles."""
     if tile_mask is None:
         return
-    if isinstance(tile_mask, _ring.RankMasks):
+    if isinstance(tile_mask, RankMasks):
         for mask in tile_mask.masks:
             check_joint_tile_mask(fn, mask, text_len, visual_len, heads, unit)
         return
-    _ring.check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
+    check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
     if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != "prefix"):
         raise ValueError(
             f"{fn}: in the joint layout the text is a prefix of text_len={text_len} tokens, so "
@@ -289,9 +291,9 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
     the per-device `[text; visual share]` arrays, checked and split for the core."""
     fn = "ring_attention"
     n = axis_size(axis_name, what="Ring")
-    _ring._check_layout(layout)
+    check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v, fn)
+    check_qkv(q, k, v, fn)
     B, S_local, H, _ = q.shape
     if not 0 <= text_len <= S_local:
         raise ValueError(
@@ -309,15 +311,15 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
         needs_lse=True,
     )
     if layout == "zigzag":
-        _ring._check_zigzag_length(
+        check_zigzag_length(
             L, "visual local length q.shape[1] - text_len",
             f"Pad the global visual sequence to a multiple of 2 * sp_size = {2 * n} before "
             "zigzag_permute (pad_to_multiple, padding_segment_ids); the text prefix is "
             "neither padded nor permuted.",
         )
-    sinks = _ring.check_sinks(fn, sinks, H)
-    check_joint_tile_mask(fn, tile_mask, T, n * L, H, _ring._parts(layout) * n)
-    seg_q, seg_kv = _ring._segments(segment_ids)
+    sinks = check_sinks(fn, sinks, H)
+    check_joint_tile_mask(fn, tile_mask, T, n * L, H, layout_parts(layout) * n)
+    seg_q, seg_kv = segments(segment_ids)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
 
@@ -326,7 +328,7 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
             axes = varying_axes(q, k, v) | frozenset({axis_name})
             q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
             pos = None if tile_mask is None else jnp.arange(T, dtype=jnp.int32)
-            return kernels.attention(q, k, v, segment_ids=_ring._seg_arg(seg_q, seg_kv),
+            return kernels.attention(q, k, v, segment_ids=seg_arg(seg_q, seg_kv),
                                      sinks=sinks, mask=tile_mask, q_positions=pos,
                                      kv_positions=pos, **opts)
         text = lambda x: None if x is None else x[:, :T]  # noqa: E731

@@ -40,8 +40,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .. import kernels
-from . import _ring
+from ._checks import check_sp_size
+from ._layout import check_layout, check_zigzag_length, layout_parts
 from ._mesh import axis_size
+from ._ring_engine import run_ring
+from ._schedule import plan_from_table, plan_work, ring_work, tile_plan
 
 
 _INT32_MAX = 2**31 - 1
@@ -458,9 +461,9 @@ class LogicalOr(AbstractMask):
 
 
 class _StepMask(eqx.Module):
-    """The step mask of one ring call (see `_ring._step_plan`): the part of the mask
-    handed to the kernel as `mask=`, and the ring's plan for the whole mask, static
-    (`static_plan`) or traced (`traced_plan`)."""
+    """The step mask of one ring call (see `_ring_engine._step_plan`): the part of the
+    mask handed to the kernel as `mask=`, and the ring's plan for the whole mask,
+    static (`static_plan`) or traced (`traced_plan`)."""
 
     rest: AbstractMask
     traced_plan: Int[Array, "n n"] | None
@@ -487,9 +490,9 @@ def _kernel_window(window: Window) -> tuple[bool, Window | None]:
 def _mask_plan(mask: AbstractMask, layout: str, n: int, L: int):
     """The ring's `(n, n)` plan for `mask` (NumPy when decided statically): hidden
     steps skipped, steps the mask does not touch run without `mask=`."""
-    some, every = mask._block_tables(n * L, L // _ring._parts(layout))
+    some, every = mask._block_tables(n * L, L // layout_parts(layout))
     xp = np if isinstance(some, np.ndarray) else jnp
-    return _ring._plan_from_table(layout, n, some, xp, full_table=every)
+    return plan_from_table(layout, n, some, xp, full_table=every)
 
 
 # -- the kernel object --------------------------------------------------------------
@@ -575,7 +578,7 @@ class RingAttentionKernel(eqx.Module):
                 "give the block sizes once: either `block_sizes=` or a configured "
                 f"`implementation=` instance; received both ({block_sizes!r}, {implementation!r})."
             )
-        self.layout = _ring._check_layout(layout)
+        self.layout = check_layout(layout)
         self.ring_axis = ring_axis
         self.is_mqa = bool(is_mqa)
         self.mask_value = mask_value
@@ -656,7 +659,7 @@ class RingAttentionKernel(eqx.Module):
             causal, window = _kernel_window(window)
             step_mask = functools.partial(self._step_mask, rest)
         with jax.named_scope("vidax_ring_attention_kernel"):
-            return _ring._ring_attention(
+            return run_ring(
                 q, k, v, axis_name=self.ring_axis, causal=causal, segment_ids=segment_ids,
                 sinks=sinks, window=window, scale=self.scale,
                 logits_soft_cap=self.logits_soft_cap, layout=self.layout,
@@ -694,7 +697,7 @@ class RingAttentionKernel(eqx.Module):
 
         int64 NumPy array `(sp_size,)`. Needs a concrete mask (not traced).
         """
-        n = _ring._check_sp_size(sp_size)
+        n = check_sp_size(sp_size)
         S = self._seq_len(seq_len)
         if S is None:
             raise ValueError("this mask has no length of its own: pass `seq_len`.")
@@ -704,18 +707,18 @@ class RingAttentionKernel(eqx.Module):
         window, tile_mask = self._tile_split()
         if tile_mask is not None:
             causal, window = _kernel_window(window)
-            plan = _ring._tile_plan(tile_mask, self.layout, n, L, L, causal, window)
-            return _ring._work(plan, self.layout, n, L)
+            plan = tile_plan(tile_mask, self.layout, n, L, L, causal, window)
+            return plan_work(plan, self.layout, n, L)
         window = self.mask.window()
         if window is not None:
             causal, window = _kernel_window(window)
-            return _ring.ring_work(S, n, layout=self.layout, causal=causal, window=window)
+            return ring_work(S, n, layout=self.layout, causal=causal, window=window)
         if self.layout == "zigzag":
-            _ring._check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
+            check_zigzag_length(L, "local length", f"Use a multiple of 2 * sp_size = {2 * n}.")
         plan = _mask_plan(self.mask, self.layout, n, L)
         if not isinstance(plan, np.ndarray):
             raise ValueError("`work` needs a concrete mask; this one is traced.")
-        return _ring._work(plan, self.layout, n, L)
+        return plan_work(plan, self.layout, n, L)
 
 
 def make_ring_attention(

@@ -24,56 +24,11 @@ from jaxtyping import Array, Float
 from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds, SlidingTileMask
+from ._checks import check_heads, check_qkv, static_int
 from ._mesh import axis_size, check_sharded
 
 
 _WHAT = "Sequence-parallel"
-
-
-def _static_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        got = (f"a {type(x).__name__} of shape {jnp.shape(x)}" if hasattr(x, "shape")
-               else f"{type(x).__name__} {x!r}")
-        raise ValueError(
-            f"`{name}` must be a Python int (static: it sets shapes); received {got}."
-        )
-    return int(x)
-
-
-def _check_qkv(q, k, v, fn: str) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if jnp.ndim(x) != 4:
-            raise ValueError(
-                f"{fn}: `{name}` must have rank 4 (B, L_local, H, D); received shape "
-                f"{jnp.shape(x)}."
-            )
-    if jnp.shape(k) != jnp.shape(v):
-        raise ValueError(
-            f"{fn}: `k` and `v` must have the same shape; received k: {jnp.shape(k)}, "
-            f"v: {jnp.shape(v)}."
-        )
-    B, L, H, D = jnp.shape(q)
-    Bk, Lk, H_kv, Dk = jnp.shape(k)
-    if (Bk, Lk, Dk) != (B, L, D):
-        raise ValueError(
-            f"{fn}: self-attention needs `q` and `k`/`v` to share B, the local sequence "
-            f"length and D; received q: {jnp.shape(q)}, k: {jnp.shape(k)}."
-        )
-    if H_kv == 0 or H % H_kv:
-        raise ValueError(
-            f"{fn}: the number of query heads must be a multiple of the number of key/value "
-            f"heads (GQA); received q: {jnp.shape(q)} (H={H}), k: {jnp.shape(k)} (H_kv={H_kv})."
-        )
-
-
-def _check_heads(H: int, sp: int, sp_axis_name: str, fn: str) -> None:
-    if H % sp:
-        raise ValueError(
-            f"{fn}: Ulysses splits the {H} query heads over the {sp} devices of axis "
-            f"{sp_axis_name!r}, so H must be a multiple of the SP size; received H={H}, "
-            f"sp={sp} ({H} % {sp} = {H % sp}). Use an SP size that divides H, or ring "
-            "attention (which splits the sequence, not the heads) for the rest."
-        )
 
 
 def kv_head_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
@@ -98,7 +53,7 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     return r
 
 
-def _match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
+def match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
     """Marks `x` as varying over every mesh axis `like` varies over.
 
     Under `shard_map(check_vma=True)` a differentiable operand that is invariant
@@ -119,7 +74,7 @@ def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str, order: Sequen
     return jnp.concatenate([text, visual], axis=axis) if text_len else visual
 
 
-def _local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
+def local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
     rank = jax.lax.axis_index(sp_axis_name)
     return jax.lax.dynamic_slice_in_dim(x, rank * heads_local, heads_local, axis)
 
@@ -168,7 +123,7 @@ def _per_token_options(
                 f"{fn}: `sinks` must have shape (H,) = ({H},), one logit per query head; "
                 f"received {jnp.shape(sinks)}."
             )
-        opts["sinks"] = _local_heads(_match_vma(jnp.asarray(sinks), like), 0, heads_local,
+        opts["sinks"] = local_heads(match_vma(jnp.asarray(sinks), like), 0, heads_local,
                                      sp_axis_name)
 
     for name in ("bias", "mask"):
@@ -188,14 +143,14 @@ def _per_token_options(
             )
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
         if x.shape[1] == H and heads_local != H:
-            x = _local_heads(x, 1, heads_local, sp_axis_name)
+            x = local_heads(x, 1, heads_local, sp_axis_name)
         if name == "bias":
-            x = _match_vma(x, like)
+            x = match_vma(x, like)
         opts[name] = x
     return opts
 
 
-def check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: int, text_len: int) -> None:
+def _check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: int, text_len: int) -> None:
     """A `SlidingTileMask` over the whole gathered sequence `[text_len text; visual]` of
     `S` tokens: the mask's layout, padded at the end by fewer than `sp` tokens."""
     tile_mask.check_heads(H, fn)
@@ -227,7 +182,7 @@ def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: in
     if not isinstance(tile_mask, SlidingTileMask):
         return attention(q, k, v, **opts)
     S = q.shape[1]
-    check_tile_mask(fn, tile_mask, S, H, sp, text_len)
+    _check_tile_mask(fn, tile_mask, S, H, sp, text_len)
     cut = S
     if S > tile_mask.seq_len and opts.get("q_positions") is None and opts.get("kv_positions") is None:
         cut = tile_mask.seq_len
@@ -255,10 +210,10 @@ def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: in
 
 def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, fn: str):
     sp = axis_size(sp_axis_name, what=_WHAT)
-    _check_qkv(q, k, v, fn)
+    check_qkv(q, k, v, fn)
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
-    _check_heads(H, sp, sp_axis_name, fn)
+    check_heads(H, sp, sp_axis_name, fn)
     L_local = S_local - text_len
     if L_local:
         check_sharded(fn, (sp_axis_name,), q=q, k=k, v=v)
@@ -287,7 +242,7 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
             visual = visual[:, :, :n_local]
         if not text_len:
             return visual
-        return jnp.concatenate([_local_heads(text, 2, n_local, sp_axis_name), visual], axis=1)
+        return jnp.concatenate([local_heads(text, 2, n_local, sp_axis_name), visual], axis=1)
 
     opts = _per_token_options(
         kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
@@ -454,9 +409,9 @@ def sequence_parallel_joint_self_attention(
     [`sequence_parallel_self_attention`][].
     """
     fn = "sequence_parallel_joint_self_attention"
-    text_len = _static_int("text_len", text_len)
+    text_len = static_int("text_len", text_len)
     axis_size(sp_axis_name, what=_WHAT)
-    _check_qkv(q, k, v, fn)
+    check_qkv(q, k, v, fn)
     S_local = q.shape[1]
     if not 0 <= text_len <= S_local:
         raise ValueError(

@@ -32,17 +32,13 @@ from jaxtyping import Array, Float, Int
 
 from .. import kernels
 from .._order import Sequence
-from . import _ring
+from ._checks import check_heads, check_qkv, check_sinks, check_tile_mask, static_int
 from ._joint import check_joint_tile_mask, joint_attention
+from ._layout import check_layout, layout_parts
 from ._mesh import axis_size, check_sharded
-from ._ulysses import (
-    _check_heads,
-    _check_qkv,
-    _local_heads,
-    _match_vma,
-    _static_int,
-    kv_head_repeats,
-)
+from ._rank_masks import RankMasks
+from ._ring_engine import run_ring
+from ._ulysses import kv_head_repeats, local_heads, match_vma
 
 
 _FN = "usp_attention"
@@ -182,13 +178,13 @@ def usp_attention(
             f"{ulysses_axis!r} for both. Use `sequence_parallel_self_attention` or "
             "`ring_attention` for one axis."
         )
-    _ring._check_layout(layout)
-    text_len = _static_int("text_len", text_len)
+    check_layout(layout)
+    text_len = static_int("text_len", text_len)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_qkv(q, k, v, _FN)
+    check_qkv(q, k, v, _FN)
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
-    _check_heads(H, U, ulysses_axis, _FN)
+    check_heads(H, U, ulysses_axis, _FN)
     if not 0 <= text_len <= S_local:
         raise ValueError(
             f"{_FN}: `text_len` must be between 0 and the per-device sequence length "
@@ -205,25 +201,25 @@ def usp_attention(
             f"(visual) sequence to a multiple of lcm(2 * R, U * R) = {multiple} "
             "(pad_to_multiple, padding_segment_ids) before zigzag_permute(x, 1, R)."
         )
-    sinks = _ring.check_sinks(_FN, sinks, H)
+    sinks = check_sinks(_FN, sinks, H)
 
     heads_local = H // U
     unit = None
     if mask is not None:
-        unit = _ring._parts(layout) * R * U  # at most one tile per device and chunk
+        unit = layout_parts(layout) * R * U  # at most one tile per device and chunk
         if text_len:
             check_joint_tile_mask(_FN, mask, text_len, R * U * L, H, unit)
         else:
-            _ring.check_tile_mask(_FN, mask, R * U * L, H, unit)
+            check_tile_mask(_FN, mask, R * U * L, H, unit)
         # Per-head windows follow their heads to the Ulysses ranks.
-        mask = _ring.RankMasks.of(mask, heads_local, ulysses_axis, U)
+        mask = RankMasks.of(mask, heads_local, ulysses_axis, U)
     repeats = kv_head_repeats(H, H_kv, U)
     if repeats > 1:  # consecutive copies: query head h keeps kv head h // (H // H_kv)
         k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
     kv_heads_local = H_kv * repeats // U
 
     def text_heads(x, n):
-        return _local_heads(x[:, :text_len], 2, n, ulysses_axis)
+        return local_heads(x[:, :text_len], 2, n, ulysses_axis)
 
     # Every collective below waits for the one before it (`vidax_eqx._order`); the
     # ring's own permutes wait for its inputs.
@@ -239,7 +235,7 @@ def usp_attention(
         order=order,
     )
     if sinks is not None:
-        sinks = _local_heads(_match_vma(sinks, q), 0, heads_local, ulysses_axis)
+        sinks = local_heads(match_vma(sinks, q), 0, heads_local, ulysses_axis)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
 
@@ -260,9 +256,8 @@ def usp_attention(
         q_v, k_v, v_v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if text_len == 0:
             seg = None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v)
-            out_v = _ring._ring_attention(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg,
-                                          sinks=sinks, layout=layout, tile_mask=mask,
-                                          tile_unit=unit, **opts)
+            out_v = run_ring(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg, sinks=sinks,
+                             layout=layout, tile_mask=mask, tile_unit=unit, **opts)
         else:
             out_t, out_v = joint_attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),

@@ -1,0 +1,113 @@
+"""Argument validators shared by the sequence-parallel entry points.
+
+Ulysses, the ring, its joint layout and USP check their common arguments here, so
+that each rule has one implementation and one message: static ints, the rank and
+head counts of `q, k, v`, sink logits, ring sizes, and sliding tile masks laid
+over a sharded global sequence. Everything raises `ValueError` (a wrong mask type
+`TypeError`), stating the rule, what was received and the fix.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import kernels
+from ._rank_masks import RankMasks
+
+
+def static_int(name: str, x) -> int:
+    """`x` as an int, or a `ValueError` unless it is a Python (or NumPy) int: it sets shapes."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        got = (f"a {type(x).__name__} of shape {jnp.shape(x)}" if hasattr(x, "shape")
+               else f"{type(x).__name__} {x!r}")
+        raise ValueError(
+            f"`{name}` must be a Python int (static: it sets shapes); received {got}."
+        )
+    return int(x)
+
+
+def check_qkv(q, k, v, fn: str) -> None:
+    """Self-attention operands of rank 4 with `k.shape == v.shape`, the same B, local
+    length and D as `q`, and `H % H_kv == 0`."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(
+                f"{fn}: `{name}` must have rank 4 (B, L_local, H, D); received shape "
+                f"{jnp.shape(x)}."
+            )
+    if jnp.shape(k) != jnp.shape(v):
+        raise ValueError(
+            f"{fn}: `k` and `v` must have the same shape; received k: {jnp.shape(k)}, "
+            f"v: {jnp.shape(v)}."
+        )
+    B, L, H, D = jnp.shape(q)
+    Bk, Lk, H_kv, Dk = jnp.shape(k)
+    if (Bk, Lk, Dk) != (B, L, D):
+        raise ValueError(
+            f"{fn}: self-attention needs `q` and `k`/`v` to share B, the local sequence "
+            f"length and D; received q: {jnp.shape(q)}, k: {jnp.shape(k)}."
+        )
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(
+            f"{fn}: the number of query heads must be a multiple of the number of key/value "
+            f"heads (GQA); received q: {jnp.shape(q)} (H={H}), k: {jnp.shape(k)} (H_kv={H_kv})."
+        )
+
+
+def check_heads(H: int, sp: int, sp_axis_name: str, fn: str) -> None:
+    """Ulysses' head split: `H` must be a multiple of the SP size `sp`."""
+    if H % sp:
+        raise ValueError(
+            f"{fn}: Ulysses splits the {H} query heads over the {sp} devices of axis "
+            f"{sp_axis_name!r}, so H must be a multiple of the SP size; received H={H}, "
+            f"sp={sp} ({H} % {sp} = {H % sp}). Use an SP size that divides H, or ring "
+            "attention (which splits the sequence, not the heads) for the rest."
+        )
+
+
+def check_sp_size(sp_size) -> int:
+    """`sp_size` as an int, or a `ValueError` unless it is a positive int."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, (int, np.integer)) or sp_size < 1:
+        raise ValueError(f"`sp_size` must be a positive int; received {sp_size!r}.")
+    return int(sp_size)
+
+
+def check_sinks(fn: str, sinks, H: int):
+    """`sinks` as an array, or a `ValueError` unless it is float `(H,)` (or `None`)."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (H,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: `sinks` must be a float array of shape (H,) = ({H},), one logit per "
+            f"query head; received shape {sinks.shape}, dtype {sinks.dtype}."
+        )
+    return sinks
+
+
+def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, what: str = "sequence"):
+    """Raises a `ValueError` unless `tile_mask` (a `kernels.SlidingTileMask` or None) fits
+    a global sequence of `global_len` tokens and `heads` query heads: the sequence is
+    the mask's, padded by fewer than `unit` tiles' tokens (positions past the mask's
+    `seq_len` are padding)."""
+    if tile_mask is None:
+        return
+    if isinstance(tile_mask, RankMasks):
+        for mask in tile_mask.masks:
+            check_tile_mask(fn, mask, global_len, heads, unit, what)
+        return
+    if not isinstance(tile_mask, kernels.SlidingTileMask):
+        raise TypeError(
+            f"{fn}: `mask` must be a kernels.SlidingTileMask (or None); received "
+            f"{type(tile_mask).__name__}."
+        )
+    tile_mask.check_heads(heads, fn)
+    need = tile_mask.seq_len if what == "sequence" else tile_mask.video_len
+    slack = unit * tile_mask.tile_size
+    if not need <= global_len < need + slack:
+        raise ValueError(
+            f"{fn}: the SlidingTileMask lays out {need} tokens ({what}; grid {tile_mask.grid}, "
+            f"tile {tile_mask.tile}, text_len {tile_mask.text_len}), but the devices hold "
+            f"{global_len} in all (sp_size x local length). The global {what} must be the "
+            f"mask's, padded at the end by fewer than {slack} tokens (pad to whole tiles per "
+            "device; padding is invisible)."
+        )
