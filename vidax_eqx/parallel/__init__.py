@@ -30,7 +30,7 @@ from ._layout import (
 from ._ring import ring_attention as ring_attention
 from ._schedule import ring_work as ring_work
 from ._usp import usp_attention as usp_attention
-from ._ring_kernel import (
+from ._masks import (
     AbstractMask as AbstractMask,
     CausalMask as CausalMask,
     DenseMask as DenseMask,
@@ -38,6 +38,8 @@ from ._ring_kernel import (
     LocalMask as LocalMask,
     LogicalAnd as LogicalAnd,
     LogicalOr as LogicalOr,
+)
+from ._ring_kernel import (
     make_ring_attention as make_ring_attention,
     RingAttentionKernel as RingAttentionKernel,
 )

@@ -4,15 +4,8 @@ The API of the splash-based ring attention kernels (`make_ring_attention(mask,
 ...)`, then `kernel(q, k, v, segment_ids=..., sinks=...)` inside `shard_map`), on
 top of [`ring_attention`][]: the kernel is an `eqx.Module`, so a PyTree whose mask
 arrays are leaves and whose options are static, and it can be passed through
-`jax.jit` or closed over.
-
-Masks are over **global positions** of one sequence attending to itself
-(`mask[i, j]`: may the query at position `i` see the key at position `j`):
-
-- a dense `(S, S)` boolean NumPy array ([`DenseMask`][]);
-- structured masks that never materialize `(S, S)`: [`FullMask`][],
-  [`CausalMask`][], [`LocalMask`][], and their combinations with `&` and `|`
-  ([`LogicalAnd`][], [`LogicalOr`][]), dense arrays included.
+`jax.jit` or closed over. The masks themselves ([`AbstractMask`][] and its
+subclasses, over global positions) are `_masks.py`'s.
 
 How a mask runs. Full, causal and local masks, and any `&` / `|` of them, are one
 window on `kv_pos - q_pos` (every such window contains the diagonal, so the union
@@ -29,7 +22,6 @@ touch run without `mask=` (as fast as no mask); the blockwise kernel then skips
 hidden tiles inside the blocks that get one.
 """
 
-import abc
 import functools
 from collections.abc import Hashable
 
@@ -37,424 +29,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from .. import kernels
 from ._checks import check_sp_size
 from ._layout import check_layout, check_zigzag_length, layout_parts
+from ._masks import AbstractMask, as_mask, block_tables, sliding_tile, split, Window
 from ._mesh import axis_size
 from ._ring_engine import run_ring
 from ._schedule import plan_from_table, plan_work, ring_work, tile_plan
-
-
-_INT32_MAX = 2**31 - 1
-Window = tuple[int | None, int | None]  # (left, right): -left <= kv_pos - q_pos <= right
-
-
-# -- masks --------------------------------------------------------------------------
-
-
-def _xp(*xs):
-    """`np` when every array is a NumPy array (static), else `jnp`."""
-    return np if all(isinstance(x, np.ndarray) for x in xs) else jnp
-
-
-def _check_shape(shape, what: str) -> tuple[int, int] | None:
-    if shape is None:
-        return None
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        shape = None
-    if shape is None or len(shape) != 2 or shape[0] != shape[1] or shape[0] < 1:
-        raise ValueError(
-            f"{what} `shape` must be (S, S), the global sequence attending to itself, or None "
-            f"(any length); received {shape!r}."
-        )
-    return shape
-
-
-def _check_window(window) -> Window:
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(
-            f"`LocalMask(window=...)` must be a pair (left, right) of non-negative ints or None "
-            f"(unbounded); received {window!r}."
-        )
-    sides = []
-    for side, w in zip(("left", "right"), window):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0):
-            raise ValueError(
-                f"`LocalMask(window=...)` {side} size must be a non-negative int or None "
-                f"(unbounded); received {w!r}."
-            )
-        # No two int32 positions are farther apart: a side this large excludes nothing.
-        sides.append(None if w is None or w >= _INT32_MAX else int(w))
-    return sides[0], sides[1]
-
-
-def _intersect(a: Window, b: Window) -> Window:
-    return tuple(x if y is None else y if x is None else min(x, y) for x, y in zip(a, b))
-
-
-def _union(a: Window, b: Window) -> Window:
-    return tuple(None if x is None or y is None else max(x, y) for x, y in zip(a, b))
-
-
-def _window_block(window: Window, q_pos, kv_pos):
-    xp = _xp(q_pos, kv_pos)
-    d = kv_pos[None, :] - q_pos[:, None]  # a difference: no int32 overflow
-    vis = xp.ones(d.shape, bool)
-    left, right = window
-    if left is not None:
-        vis = vis & (d >= -left)
-    if right is not None:
-        vis = vis & (d <= right)
-    return vis
-
-
-class AbstractMask(eqx.Module):
-    """A boolean attention mask over the global positions of one sequence.
-
-    `True` may attend: entry `(i, j)` says whether the query at global position `i`
-    may see the key at global position `j`. Combine masks with `&` and `|` (a
-    boolean NumPy array on either side becomes a [`DenseMask`][]). Concrete masks:
-    [`FullMask`][], [`CausalMask`][], [`LocalMask`][], [`DenseMask`][],
-    [`LogicalAnd`][], [`LogicalOr`][].
-    """
-
-    # `np_array & mask` must reach `mask.__rand__` instead of broadcasting elementwise.
-    __array_ufunc__ = None
-
-    @abc.abstractmethod
-    def block(
-        self, q_positions: Int[Array, " M"], kv_positions: Int[Array, " N"]
-    ) -> Bool[Array, "M N"]:
-        """The mask at the given global positions: `(len(q_positions),
-        len(kv_positions))`, NumPy when everything involved is NumPy, else JAX."""
-
-    @abc.abstractmethod
-    def window(self) -> Window | None:
-        """The mask as one window `(left, right)` on `kv_pos - q_pos` (`None` on a side:
-        unbounded), or `None` when it is not positional (it has a dense part)."""
-
-    @abc.abstractmethod
-    def seq_len(self) -> int | None:
-        """The global sequence length the mask is made for, or `None` (any)."""
-
-    @abc.abstractmethod
-    def _split(self) -> tuple[Window, "AbstractMask | None"]:
-        """`(window, rest)` with `self == window & rest` (`rest` `None`: all True)."""
-
-    @abc.abstractmethod
-    def _materialize(self, seq_len: int, xp):
-        """The whole `(S, S)` mask (only for masks that hold one anyway)."""
-
-    def block_visibility(self, seq_len: int, block_size: int) -> Bool[Array, "S/b S/b"]:
-        """Which `(query block, key block)` pairs hold at least one `True`.
-
-        **Arguments:**
-
-        - `seq_len`: the global sequence length `S`.
-        - `block_size`: positions per block `b`; it must divide `S`. Block `a` holds
-            the positions `[a * b, (a + 1) * b)`.
-
-        **Returns:**
-
-        bool `(S / b, S / b)`. For a positional mask (`window()` not `None`) it is
-        computed from the blocks' position ranges, without materializing anything;
-        otherwise from the whole mask, as NumPy when its arrays are concrete and as
-        a traced JAX array when they are traced.
-        """
-        return self._block_tables(seq_len, block_size)[0]
-
-    def _block_tables(self, seq_len: int, block_size: int):
-        """`(any, all)`: `block_visibility`, and which blocks are entirely `True`."""
-        seq_len, block_size = int(seq_len), int(block_size)
-        if block_size < 1 or seq_len % block_size:
-            raise ValueError(
-                f"`block_size` must divide `seq_len`; received seq_len={seq_len}, "
-                f"block_size={block_size}."
-            )
-        nb = seq_len // block_size
-        window = self.window()
-        if window is not None:
-            start = np.arange(nb, dtype=np.int64) * block_size
-            d_lo = start[None, :] - start[:, None] - (block_size - 1)  # of kv_pos - q_pos
-            d_hi = d_lo + 2 * (block_size - 1)
-            some, every = np.ones((nb, nb), bool), np.ones((nb, nb), bool)
-            left, right = window
-            if left is not None:
-                some, every = some & (d_hi >= -left), every & (d_lo >= -left)
-            if right is not None:
-                some, every = some & (d_lo <= right), every & (d_hi <= right)
-            return some, every
-        leaves = jax.tree.leaves(self)
-        concrete = not any(isinstance(x, jax.core.Tracer) for x in leaves)
-        full = self._materialize(seq_len, np if concrete else jnp)
-        blocks = full.reshape(nb, block_size, nb, block_size)
-        return blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
-
-    def __and__(self, other) -> "LogicalAnd":
-        return LogicalAnd(self, other)
-
-    def __rand__(self, other) -> "LogicalAnd":
-        return LogicalAnd(other, self)
-
-    def __or__(self, other) -> "LogicalOr":
-        return LogicalOr(self, other)
-
-    def __ror__(self, other) -> "LogicalOr":
-        return LogicalOr(other, self)
-
-
-def _as_mask(x) -> AbstractMask:
-    if isinstance(x, AbstractMask):
-        return x
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return DenseMask(x)
-    if isinstance(x, kernels.SlidingTileMask):
-        return _TileMask(x)
-    raise TypeError(
-        f"a mask must be an AbstractMask (FullMask, CausalMask, LocalMask, ...), a "
-        f"kernels.SlidingTileMask or a boolean (S, S) array; received {type(x).__name__}."
-    )
-
-
-class _PositionalMask(AbstractMask):
-    """Shared behaviour of masks that are a window on `kv_pos - q_pos` (abstract)."""
-
-    def block(self, q_positions, kv_positions):
-        return _window_block(self.window(), q_positions, kv_positions)
-
-    def _split(self):
-        return self.window(), None
-
-    def _materialize(self, seq_len, xp):
-        pos = xp.arange(seq_len, dtype=xp.int32)
-        return self.block(pos, pos)
-
-
-class FullMask(_PositionalMask):
-    """Every query sees every key.
-
-    **Arguments:**
-
-    - `shape`: optional `(S, S)`, checked against the global sequence at call time.
-    """
-
-    shape: tuple[int, int] | None = eqx.field(static=True)
-
-    def __init__(self, shape: tuple[int, int] | None = None):
-        self.shape = _check_shape(shape, "FullMask")
-
-    def window(self):
-        return None, None
-
-    def seq_len(self):
-        return None if self.shape is None else self.shape[0]
-
-
-class CausalMask(_PositionalMask):
-    """A query sees the keys at or before its global position (`kv_pos <= q_pos`).
-
-    **Arguments:**
-
-    - `shape`: optional `(S, S)`, checked against the global sequence at call time.
-    """
-
-    shape: tuple[int, int] | None = eqx.field(static=True)
-
-    def __init__(self, shape: tuple[int, int] | None = None):
-        self.shape = _check_shape(shape, "CausalMask")
-
-    def window(self):
-        return None, 0
-
-    def seq_len(self):
-        return None if self.shape is None else self.shape[0]
-
-
-class LocalMask(_PositionalMask):
-    """A sliding window: `q_pos - left <= kv_pos <= q_pos + right`.
-
-    **Arguments:**
-
-    - `window`: `(left, right)`, non-negative ints; `None` on a side is unbounded
-        (`(None, 0)` is causal).
-    - `shape`: optional `(S, S)`, checked against the global sequence at call time.
-    """
-
-    window_size: Window = eqx.field(static=True)
-    shape: tuple[int, int] | None = eqx.field(static=True)
-
-    def __init__(self, window: Window, shape: tuple[int, int] | None = None):
-        self.window_size = _check_window(window)
-        self.shape = _check_shape(shape, "LocalMask")
-
-    def window(self):
-        return self.window_size
-
-    def seq_len(self):
-        return None if self.shape is None else self.shape[0]
-
-
-class DenseMask(AbstractMask):
-    """An explicit boolean `(S, S)` mask over the global sequence.
-
-    **Arguments:**
-
-    - `array`: boolean `(S, S)`; NumPy (or a concrete JAX array, converted to NumPy)
-        keeps the ring's block skipping static. It is the PyTree leaf of the mask, so
-        a kernel passed through `jax.jit` carries it as a traced argument (then the
-        skipping is decided on device, from the traced mask).
-
-    Every device holds the whole array (`S^2` bytes): for long sequences prefer the
-    structured masks.
-    """
-
-    array: Bool[Array, "S S"] | np.ndarray
-
-    def __init__(self, array):
-        if not isinstance(array, jax.core.Tracer):
-            array = np.asarray(array)
-        if array.dtype != np.bool_:
-            raise TypeError(
-                f"a dense mask must be boolean (True = may attend); received dtype {array.dtype}. "
-                "Convert it with `mask.astype(bool)`."
-            )
-        if array.ndim != 2 or array.shape[0] != array.shape[1]:
-            raise ValueError(
-                "a dense mask must be 2D (S, S) over the global sequence (one mask for every "
-                f"batch element and head); received shape {tuple(array.shape)}."
-            )
-        self.array = array
-
-    def block(self, q_positions, kv_positions):
-        array = self.array if _xp(q_positions, kv_positions, self.array) is np else jnp.asarray(self.array)
-        return array[q_positions[:, None], kv_positions[None, :]]
-
-    def window(self):
-        return None
-
-    def seq_len(self):
-        return self.array.shape[0]
-
-    def _split(self):
-        return (None, None), self
-
-    def _materialize(self, seq_len, xp):
-        return self.array if xp is np else jnp.asarray(self.array)
-
-
-class _TileMask(AbstractMask):
-    """A [`kernels.SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] as a ring mask
-    (what `_as_mask` makes of one). Alone, or `&`-ed with positional masks, it runs
-    as `ring_attention(mask=...)`: every step's kernel evaluates it at the step's
-    global positions, nothing is materialized. Inside other combinations its
-    blocks are materialized (shared windows only)."""
-
-    tile: kernels.SlidingTileMask = eqx.field(static=True)
-
-    def block(self, q_positions, kv_positions):
-        if self.tile.heads is not None:
-            raise NotImplementedError(
-                "make_ring_attention: a SlidingTileMask with per-head windows runs alone or "
-                "`&`-ed with FullMask / CausalMask / LocalMask; combined with a dense mask or "
-                "with `|` it would need one 2D mask for every head."
-            )
-        xp = _xp(q_positions, kv_positions)
-        return self.tile.visible(q_positions, kv_positions, xp)[0]
-
-    def window(self):
-        return None
-
-    def seq_len(self):
-        return self.tile.seq_len
-
-    def _split(self):
-        return (None, None), self
-
-    def _materialize(self, seq_len, xp):
-        pos = xp.arange(seq_len, dtype=xp.int32)
-        return self.block(pos, pos)
-
-
-def _combined_seq_len(left: AbstractMask, right: AbstractMask) -> int | None:
-    a, b = left.seq_len(), right.seq_len()
-    if a is not None and b is not None and a != b:
-        raise ValueError(
-            f"masks combined with & or | must cover the same sequence; received lengths {a} "
-            f"and {b}."
-        )
-    return a if a is not None else b
-
-
-class LogicalAnd(AbstractMask):
-    """Visible where both masks are (`left & right`).
-
-    **Arguments:**
-
-    - `left`, `right`: masks, or boolean `(S, S)` arrays.
-    """
-
-    left: AbstractMask
-    right: AbstractMask
-
-    def __init__(self, left, right):
-        self.left, self.right = _as_mask(left), _as_mask(right)
-        _combined_seq_len(self.left, self.right)
-
-    def block(self, q_positions, kv_positions):
-        return self.left.block(q_positions, kv_positions) & self.right.block(q_positions, kv_positions)
-
-    def window(self):
-        a, b = self.left.window(), self.right.window()
-        return None if a is None or b is None else _intersect(a, b)
-
-    def seq_len(self):
-        return _combined_seq_len(self.left, self.right)
-
-    def _split(self):
-        (wa, ra), (wb, rb) = self.left._split(), self.right._split()
-        rest = ra if rb is None else rb if ra is None else LogicalAnd(ra, rb)
-        return _intersect(wa, wb), rest
-
-    def _materialize(self, seq_len, xp):
-        return self.left._materialize(seq_len, xp) & self.right._materialize(seq_len, xp)
-
-
-class LogicalOr(AbstractMask):
-    """Visible where either mask is (`left | right`).
-
-    **Arguments:**
-
-    - `left`, `right`: masks, or boolean `(S, S)` arrays.
-    """
-
-    left: AbstractMask
-    right: AbstractMask
-
-    def __init__(self, left, right):
-        self.left, self.right = _as_mask(left), _as_mask(right)
-        _combined_seq_len(self.left, self.right)
-
-    def block(self, q_positions, kv_positions):
-        return self.left.block(q_positions, kv_positions) | self.right.block(q_positions, kv_positions)
-
-    def window(self):
-        a, b = self.left.window(), self.right.window()
-        # Both windows hold the diagonal, so they overlap: their union is one window.
-        return None if a is None or b is None else _union(a, b)
-
-    def seq_len(self):
-        return _combined_seq_len(self.left, self.right)
-
-    def _split(self):
-        window = self.window()
-        return (window, None) if window is not None else ((None, None), self)
-
-    def _materialize(self, seq_len, xp):
-        return self.left._materialize(seq_len, xp) | self.right._materialize(seq_len, xp)
 
 
 # -- the step mask the ring runs ----------------------------------------------------
@@ -490,7 +73,7 @@ def _kernel_window(window: Window) -> tuple[bool, Window | None]:
 def _mask_plan(mask: AbstractMask, layout: str, n: int, L: int):
     """The ring's `(n, n)` plan for `mask` (NumPy when decided statically): hidden
     steps skipped, steps the mask does not touch run without `mask=`."""
-    some, every = mask._block_tables(n * L, L // layout_parts(layout))
+    some, every = block_tables(mask, n * L, L // layout_parts(layout))
     xp = np if isinstance(some, np.ndarray) else jnp
     return plan_from_table(layout, n, some, xp, full_table=every)
 
@@ -554,7 +137,7 @@ class RingAttentionKernel(eqx.Module):
         scale: float | None = None,
     ):
         """**Arguments:** as for [`make_ring_attention`][], which builds it."""
-        self.mask = _as_mask(mask)
+        self.mask = as_mask(mask)
         if not isinstance(is_mqa, (bool, np.bool_)):
             raise ValueError(f"`is_mqa` must be a bool; received {is_mqa!r}.")
         if mask_value is not None:
@@ -655,7 +238,7 @@ class RingAttentionKernel(eqx.Module):
             causal, window = _kernel_window(self.mask.window())
         else:  # the positional factors as causal / window, the rest as `mask=` blocks
             self._seq_len(n * q.shape[1])
-            window, rest = self.mask._split()
+            window, rest = split(self.mask)
             causal, window = _kernel_window(window)
             step_mask = functools.partial(self._step_mask, rest)
         with jax.named_scope("vidax_ring_attention_kernel"):
@@ -669,10 +252,8 @@ class RingAttentionKernel(eqx.Module):
     def _tile_split(self) -> tuple[Window, "kernels.SlidingTileMask | None"]:
         """`(window, tile_mask)` when the mask is a sliding tile mask `&`-ed with positional
         masks only (it then runs from positions alone), else `(_, None)`."""
-        window, rest = self.mask._split()
-        if isinstance(rest, _TileMask):
-            return window, rest.tile
-        return window, None
+        window, rest = split(self.mask)
+        return window, sliding_tile(rest)
 
     def _step_mask(self, rest: AbstractMask, n: int, L: int) -> _StepMask:
         plan = _mask_plan(self.mask, self.layout, n, L)
