@@ -19,7 +19,8 @@ What the test files would otherwise each write for themselves (DESIGN.md rule 14
   (the copies of the text rows, bitwise), `check_sharded` (the sharded check in one
   call: shard_map, VJP with a random cotangent, against the oracle and/or one device),
   `check_grads_fd` (gradients against central differences of a float64 reference),
-  `named` (a VJP's `(out, grads)` as a dict of names).
+  `named` (a VJP's `(out, grads)` as a dict of names), `shape_re` (a shape in an error
+  message).
 - **Modules.** `arrays`, `with_arrays`, `map_arrays`, `to64`, `leaf_names`, `perturbed`,
   `resampled`: an Equinox module's arrays read, replaced and randomized.
 - **Whole models.** `load_io`, `max_rel_error`, `loss_and_grad`, `same_arrays`.
@@ -292,7 +293,7 @@ def text_shares(dout_text, n: int, seed: int = 99) -> np.ndarray:
     T = dout_text.shape[1]
     base = np.array([2.0 ** -min(i + 1, n - 1) for i in range(n)]) if n > 1 else np.ones(1)
     rng = np.random.default_rng(seed)
-    shares = np.stack([rng.permutation(base) for _ in range(T)], axis=1)  # (n, T)
+    shares = np.stack([rng.permutation(base) for _ in range(T)], axis=1) if T else np.ones((n, 0))
     extra = (None,) * (dout_text.ndim - 2)
     parts = dout_text[:, None].astype(np.float64) * shares[(None, slice(None), slice(None), *extra)]
     return parts.astype(dout_text.dtype)
@@ -358,6 +359,13 @@ def assert_matches(got, ref, dtype, names=ATTENTION_NAMES, *, factor: float = 1.
         assert np.isfinite(g).all(), f"{name} has non-finite values"
         assert g.shape == np.shape(want), (name, g.shape, np.shape(want))
         oracle.assert_close(g, want, dtype, name, factor=factor)
+
+
+def shape_re(shape) -> str:
+    """A regex matching `shape` as Python prints a tuple (for error messages)."""
+    if not shape:
+        return r"\(\)"
+    return r"\(" + r",\s*".join(str(s) for s in shape) + (r",\)" if len(shape) == 1 else r"\)")
 
 
 def assert_trees_close(got, ref, dtype=np.float32, what: str = "", factor: float = 1.0) -> None:

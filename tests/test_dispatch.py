@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax import export
 
+import harness
 import oracle
 from vidax_eqx import kernels, parallel
 from vidax_eqx.kernels import _registry, PallasGpu, PallasTpu
@@ -34,13 +35,9 @@ UNSTABLE_KERNELS = [export.DisabledSafetyCheck.custom_call(TRITON)]
 
 
 def _inputs(seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, S, H, D), jnp.float32)
-    k = jax.random.normal(keys[1], (B, S, H_KV, D), jnp.float32)
-    v = jax.random.normal(keys[2], (B, S, H_KV, D), jnp.float32)
-    sinks = jax.random.normal(keys[3], (H,), jnp.float32)
-    dout = jax.random.normal(keys[4], (B, S, H, D), jnp.float32)
-    return q, k, v, sinks, dout
+    """`(q, k, v, sinks, dout)` as JAX arrays (`harness.attention_inputs`)."""
+    a = harness.attention_inputs(B, S, H, D, H_kv=H_KV, seed=seed, sinks=True)
+    return tuple(jnp.asarray(a[n]) for n in ("q", "k", "v", "sinks", "dout"))
 
 
 def _loss(implementation="auto"):
@@ -122,7 +119,7 @@ def test_a_named_vendor_kernel_lowers_for_its_platform_from_any_host(name, platf
 
 
 def test_a_named_vendor_kernel_in_a_ring_lowers_for_its_platform():
-    mesh = parallel.make_mesh(sp=4)
+    mesh = harness.mesh(sp=4)
     spec = jax.P(None, "sp")
     ring = jax.shard_map(
         lambda q, k, v: parallel.ring_attention(q, k, v, axis_name="sp", causal=True, implementation="pallas_tpu"),

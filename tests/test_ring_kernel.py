@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import kernels, parallel
 from vidax_eqx.parallel import CausalMask, DenseMask, FullMask, LocalMask, make_ring_attention
@@ -24,22 +25,9 @@ from vidax_eqx.parallel import CausalMask, DenseMask, FullMask, LocalMask, make_
 
 SEQ = P(None, "sp")
 SP, S = 4, 32
-
-
-def _inputs(B=2, S=S, H=4, H_kv=2, D=8, seed=0):
-    rng = np.random.default_rng(seed)
-    a = dict(
-        q=rng.standard_normal((B, S, H, D)).astype(np.float32),
-        k=rng.standard_normal((B, S, H_kv, D)).astype(np.float32),
-        v=rng.standard_normal((B, S, H_kv, D)).astype(np.float32),
-        dout=rng.standard_normal((B, S, H, D)).astype(np.float32),
-        sinks=rng.standard_normal((H,)).astype(np.float32),
-    )
-    runs = np.sort(rng.integers(0, 3, S))
-    runs[S - S // 6 :] = -1  # a padded tail
-    scattered = rng.integers(0, 3, S)
-    a["seg"] = np.stack([runs, scattered][:B]).astype(np.int32)
-    return a
+# Every input has sinks and segment ids (even batch elements: sorted runs with a padded
+# tail; odd ones: ids in random order).
+INPUTS = dict(sinks=True, segments=True, pad=(S // 6, 0))
 
 
 def _dense(seed=0, S=S, density=0.4):
@@ -112,49 +100,34 @@ class Run:
 
 def _run(kernel, cfg: Run, a: dict):
     """The kernel's output and (dq, dk, dv, dsinks) in global order, as NumPy."""
-    if cfg.layout == "zigzag":
-        to_layout = lambda x: parallel.zigzag_permute(jnp.asarray(x), 1, SP)
-        from_layout = lambda x: np.asarray(parallel.zigzag_unpermute(x, 1, SP))
+    segments = "one" if cfg.segments else None
+
+    def vjp(kernel, jit):
+        def attend(q, k, v, seg, sinks):
+            return kernel(q, k, v, segment_ids=seg, sinks=sinks)
+
+        return harness.sequence_vjp(attend, harness.mesh(sp=SP), "sp", segments=segments,
+                                    sinks=cfg.sinks, check_vma=cfg.check_vma, jit=jit)
+
+    if cfg.as_argument:  # the kernel a traced argument of the jitted program
+        program = jax.jit(lambda kernel, *xs: vjp(kernel, jit=False)(*xs))
+        fn = lambda *xs: program(kernel, *xs)  # noqa: E731
     else:
-        to_layout, from_layout = jnp.asarray, np.asarray
-    mesh = parallel.make_mesh(sp=SP)
-
-    def sharded(kernel):
-        attend = lambda q, k, v, seg, sinks: kernel(q, k, v, segment_ids=seg, sinks=sinks)
-        return jax.shard_map(
-            attend, mesh=mesh,
-            in_specs=(SEQ, SEQ, SEQ, SEQ if cfg.segments else None, P() if cfg.sinks else None),
-            out_specs=SEQ, check_vma=cfg.check_vma,
-        )
-
-    def grads(kernel, q, k, v, seg, sinks, dout):
-        f = sharded(kernel)
-        out, vjp = jax.vjp(lambda q, k, v, s: f(q, k, v, seg, s), q, k, v, sinks)
-        return out, vjp(dout)
-
-    args = [to_layout(a[n]) for n in ("q", "k", "v")]
-    seg = to_layout(a["seg"]) if cfg.segments else None
-    sinks = jnp.asarray(a["sinks"]) if cfg.sinks else None
-    if cfg.as_argument:
-        out, (dq, dk, dv, ds) = jax.jit(grads)(kernel, *args, seg, sinks, to_layout(a["dout"]))
-    else:
-        fn = jax.jit(lambda *xs: grads(kernel, *xs))
-        out, (dq, dk, dv, ds) = fn(*args, seg, sinks, to_layout(a["dout"]))
-    return dict(out=from_layout(out), dq=from_layout(dq), dk=from_layout(dk), dv=from_layout(dv),
-                dsinks=None if ds is None else np.asarray(ds))
+        fn = vjp(kernel, jit=True)
+    return harness.run_sequence(fn, a, zigzag_size=SP if cfg.layout == "zigzag" else 0,
+                                segments=segments, sinks=cfg.sinks)
 
 
 def _check(kernel, global_mask: np.ndarray, cfg: Run = Run(), a: dict | None = None, soft_cap=None):
-    a = _inputs() if a is None else a
+    a = harness.attention_inputs(2, S, 4, 8, H_kv=2, **INPUTS) if a is None else a
     got = _run(kernel, cfg, a)
     ref = oracle.attention(
         a["q"], a["k"], a["v"], mask=global_mask,
         segment_ids=a["seg"] if cfg.segments else None,
         sinks=a["sinks"] if cfg.sinks else None, logits_soft_cap=soft_cap, dout=a["dout"],
     )
-    for name in ("out", "dq", "dk", "dv") + (("dsinks",) if cfg.sinks else ()):
-        assert not np.isnan(got[name]).any(), f"{name} has NaN"
-        oracle.assert_close(got[name], getattr(ref, name), np.float32, name)
+    names = harness.ATTENTION_NAMES + (("dsinks",) if cfg.sinks else ())
+    harness.assert_matches(got, ref, np.float32, names)
 
 
 PLAIN = Run()
@@ -233,14 +206,15 @@ def test_full_mask():
 def test_heads(H_kv):
     m = _mixed("contiguous", seed=4)
     kernel = make_ring_attention(m & CausalMask(), is_mqa=H_kv == 1, implementation="xla")
-    _check(kernel, m & _causal(), Run(sinks=True), a=_inputs(H=4, H_kv=H_kv, seed=4))
+    a = harness.attention_inputs(2, S, 4, 8, H_kv=H_kv, seed=4, **INPUTS)
+    _check(kernel, m & _causal(), Run(sinks=True), a=a)
 
 
 def test_mqa_three_dimensional_kv():
     """`is_mqa=True` also takes the splash layout of one kv head, `(B, L, D)`."""
-    a = _inputs(H=4, H_kv=1, seed=5)
+    a = harness.attention_inputs(2, S, 4, 8, H_kv=1, seed=5, **INPUTS)
     kernel = make_ring_attention(CausalMask(), is_mqa=True, implementation="xla")
-    mesh = parallel.make_mesh(sp=SP)
+    mesh = harness.mesh(sp=SP)
     f = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ))
     got = f(jnp.asarray(a["q"]), jnp.asarray(a["k"][:, :, 0]), jnp.asarray(a["v"][:, :, 0]))
     ref = oracle.attention(a["q"], a["k"], a["v"], mask=_causal())
@@ -283,8 +257,8 @@ def test_kernel_as_shard_map_argument():
     """The kernel as a replicated `shard_map` operand (`P()`) of a jitted function."""
     m = _dense(seed=7)
     kernel = make_ring_attention(m, implementation="xla")
-    a = _inputs(seed=7)
-    mesh = parallel.make_mesh(sp=SP)
+    a = harness.attention_inputs(2, S, 4, 8, H_kv=2, seed=7, **INPUTS)
+    mesh = harness.mesh(sp=SP)
     f = jax.shard_map(lambda kern, q, k, v: kern(q, k, v), mesh=mesh,
                       in_specs=(P(), SEQ, SEQ, SEQ), out_specs=SEQ)
     got = jax.jit(f)(kernel, *(jnp.asarray(a[n]) for n in ("q", "k", "v")))
@@ -375,7 +349,7 @@ def test_static_plan_traces_only_what_runs():
     """A concrete mask is planned at trace time: a dense mask that hides nothing
     traces no `cond` and no mask at all (like `FullMask`); one that hides blocks
     traces the switch. Passed through `jit`, the plan is data: always the switch."""
-    mesh = parallel.make_mesh(sp=SP)
+    mesh = harness.mesh(sp=SP)
     x = jnp.ones((1, S, 2, 8))
 
     def jaxpr(kernel, as_argument=False):
@@ -420,7 +394,7 @@ def test_missing_axis():
 
 
 def _trace(kernel, S=S, H_kv=2):
-    mesh = parallel.make_mesh(sp=SP)
+    mesh = harness.mesh(sp=SP)
     q, kv = jnp.ones((1, S, 4, 8)), jnp.ones((1, S, H_kv, 8))
     f = jax.shard_map(lambda q, k: kernel(q, k, k), mesh=mesh, in_specs=(SEQ, SEQ), out_specs=SEQ)
     jax.eval_shape(f, q, kv)
