@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
-from test_modules import (
-    check_grads_fd, f64, leaf_names, params, randomized, ref_attention, ref_linear,
-    ref_rms_norm, ref_wan_cross_attention, with_leaves,
-)
-from vidax_eqx import nn, parallel
+from oracle import f64
+from vidax_eqx import nn
 
 
 F32 = np.float32
@@ -33,12 +31,12 @@ _ACT = {
 
 
 def ref_feed_forward(m, x):
-    return ref_linear(_ACT[m.activation](ref_linear(x, m.fc1)), m.fc2)
+    return oracle.linear(_ACT[m.activation](oracle.linear(x, m.fc1)), m.fc2)
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "silu"])
 def test_feed_forward_matches_reference(activation):
-    m = randomized(nn.FeedForward(12, 20, 8, activation=activation, key=jax.random.key(0)), 1)
+    m = harness.perturbed(nn.FeedForward(12, 20, 8, activation=activation, key=jax.random.key(0)), 1)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((5, 12)).astype(F32)
     ct = rng.standard_normal((5, 8)).astype(F32)
@@ -49,13 +47,17 @@ def test_feed_forward_matches_reference(activation):
 
     (_, out), (gm, gx) = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))((m, x))
     oracle.assert_close(out, ref_feed_forward(m, f64(x)), F32, "out")
-    check_grads_fd(lambda a: float(np.sum(ref_feed_forward(with_leaves(m, a[:-1]), a[-1]) * ct)),
-                   [*params(m), x], [*params(gm), gx], [*leaf_names(m), "x"], seed=3)
+
+    def ref_loss(a):
+        return float(np.sum(ref_feed_forward(harness.with_arrays(m, a[:-1]), a[-1]) * ct))
+
+    harness.check_grads_fd(ref_loss, [*harness.arrays(m), x], [*harness.arrays(gm), gx],
+                           [*harness.leaf_names(m), "x"], seed=3)
 
 
 def test_feed_forward_tensor_parallel_equals_single_device():
     dim, hidden, S = 16, 32, 8
-    m = randomized(nn.FeedForward(dim, hidden, key=jax.random.key(0)), 1)
+    m = harness.perturbed(nn.FeedForward(dim, hidden, key=jax.random.key(0)), 1)
     x = jax.random.normal(jax.random.key(1), (2, S, dim))
     ct = jax.random.normal(jax.random.key(2), (2, S, dim))
 
@@ -63,7 +65,7 @@ def test_feed_forward_tensor_parallel_equals_single_device():
         return jnp.sum(jax.vmap(mx[0])(mx[1]) * ct)
 
     ref, (g_ref_m, g_ref_x) = eqx.filter_jit(eqx.filter_value_and_grad(loss))((m, x))
-    mesh = parallel.make_mesh(sp=2, tp=4)
+    mesh = harness.mesh(sp=2, tp=4)
     tp = nn.with_parallel(m, nn.ParallelConfig(sequence="ulysses", tp_axis="tp"))
     specs = nn.partition_specs(tp)
     assert specs.fc1.weight == P("tp", None) and specs.fc1.bias == P("tp")
@@ -77,13 +79,13 @@ def test_feed_forward_tensor_parallel_equals_single_device():
     got, (g_m, g_x) = eqx.filter_jit(eqx.filter_value_and_grad(sharded_loss))((tp, x))
     oracle.assert_close(got, ref, F32, "loss")
     oracle.assert_close(g_x, g_ref_x, F32, "dx")
-    for name, a, b in zip(leaf_names(m), params(g_m), params(g_ref_m)):
+    for name, a, b in zip(harness.leaf_names(m), harness.arrays(g_m), harness.arrays(g_ref_m)):
         oracle.assert_close(a, b, F32, name)
 
 
 def test_feed_forward_placed_for_tp_without_tp_axis_raises():
     m = nn.FeedForward(8, 16, parallel=nn.ParallelConfig(tp_axis="tp"), key=jax.random.key(0))
-    mesh = parallel.make_mesh(tp=2)
+    mesh = harness.mesh(tp=2)
     plain = nn.with_parallel(m, nn.ParallelConfig())  # specs of the TP twin, config without
     run = nn.filter_shard_map(lambda m, x: m(x), mesh=mesh,
                               in_specs=(nn.partition_specs(m), P()), out_specs=P())
@@ -111,9 +113,9 @@ def test_timestep_embedding(dim, flip, shift):
     assert got.shape == (4, dim) and got.dtype == jnp.float32
     # float32 arguments of sin/cos up to 1000 rad: absolute error ~ 1000 * 2**-24
     np.testing.assert_allclose(got, ref_timestep_embedding(t, dim, flip, shift), atol=1e-4)
-    m = randomized(nn.TimestepEmbedding(dim, 24, key=jax.random.key(0)), 1)
-    ref = ref_linear(_ACT["silu"](ref_linear(ref_timestep_embedding(t, dim, flip, shift), m.linear_1)),
-                     m.linear_2)
+    m = harness.perturbed(nn.TimestepEmbedding(dim, 24, key=jax.random.key(0)), 1)
+    emb = ref_timestep_embedding(t, dim, flip, shift)
+    ref = oracle.linear(_ACT["silu"](oracle.linear(emb, m.linear_1)), m.linear_2)
     if flip and not shift:
         oracle.assert_close(jax.vmap(m)(jnp.asarray(t)), ref, F32, "TimestepEmbedding", factor=10)
     assert m(jnp.asarray(3)).shape == (24,)  # integer timesteps
@@ -124,14 +126,10 @@ def test_modulated_layer_norm(affine):
     rng = np.random.default_rng(0)
     m = nn.ModulatedLayerNorm(16, 1e-6, elementwise_affine=affine)
     if affine:
-        m = randomized(m, 1)
+        m = harness.perturbed(m, 1)
     x = jnp.asarray(rng.standard_normal((6, 16)), F32)
     shift, scale = jnp.asarray(rng.standard_normal((2, 16)), F32)
-    mu = f64(x).mean(-1, keepdims=True)
-    var = ((f64(x) - mu) ** 2).mean(-1, keepdims=True)
-    y = (f64(x) - mu) / np.sqrt(var + 1e-6)
-    if affine:
-        y = y * f64(m.weight) + f64(m.bias)
+    y = oracle.layer_norm(x, m.weight, m.bias, 1e-6)  # no affine part: weight, bias None
     ref = y * (1 + f64(scale)) + f64(shift)
     oracle.assert_close(m(x, shift, scale), ref, F32, "out")
     half = m(jnp.asarray(x, jnp.bfloat16), shift, scale)
@@ -162,16 +160,17 @@ def test_patch_embedding_and_unpatchify():
 
 def test_cross_attention_image_branch_matches_reference():
     S, T, I, dim, H = 6, 5, 4, 16, 4
-    m = randomized(nn.CrossAttention(dim, H, image_context_dim=12, key=jax.random.key(0)), 1)
+    m = harness.perturbed(nn.CrossAttention(dim, H, image_context_dim=12, key=jax.random.key(0)), 1)
     rng = np.random.default_rng(2)
     x, ctx, img = (jnp.asarray(rng.standard_normal(s), F32) for s in ((S, dim), (T, dim), (I, 12)))
     out = m(x, ctx, context_image=img)
     # Wan's WanI2VCrossAttention: the same queries attend to the text and to the image
-    q = ref_rms_norm(ref_linear(f64(x), m.q), m.norm_q.weight, m.eps).reshape(S, H, -1)
-    k_img = ref_rms_norm(ref_linear(f64(img), m.k_img), m.norm_k_img.weight, m.eps)
-    v_img = ref_linear(f64(img), m.v_img)
-    image = ref_attention(q, k_img.reshape(I, H, -1), v_img.reshape(I, H, -1)).reshape(S, dim)
-    ref = ref_wan_cross_attention(m, f64(x), f64(ctx)) + image @ f64(m.o.weight).T
+    q = oracle.rms_norm(oracle.linear(f64(x), m.q), m.norm_q.weight, m.eps).reshape(S, H, -1)
+    k_img = oracle.rms_norm(oracle.linear(f64(img), m.k_img), m.norm_k_img.weight, m.eps)
+    v_img = oracle.linear(f64(img), m.v_img)
+    image = oracle.example_attention(q, k_img.reshape(I, H, -1), v_img.reshape(I, H, -1))
+    image = image.reshape(S, dim)
+    ref = oracle.wan_cross_attention(m, f64(x), f64(ctx)) + image @ f64(m.o.weight).T
     oracle.assert_close(out, ref, F32, "out")
     specs = nn.partition_specs(nn.with_parallel(m, nn.ParallelConfig(tp_axis="tp")))
     assert specs.k_img.weight == P("tp", None) and specs.norm_k_img.weight == P("tp")
@@ -182,12 +181,12 @@ def test_cross_attention_image_branch_matches_reference():
 @pytest.mark.parametrize("config,mesh_axes", [
     (dict(sequence="ulysses"), dict(sp=8)),
     (dict(sequence="ring", layout="zigzag"), dict(sp=4, tp=2)),
-    (dict(sequence="usp", ring_axis="ring"), dict(sp=2, extra_axes={"ring": 4})),
-    (dict(sequence="usp", ring_axis="ring", layout="zigzag"), dict(sp=4, extra_axes={"ring": 2})),
+    (dict(sequence="usp", ring_axis="ring"), dict(sp=2, ring=4)),
+    (dict(sequence="usp", ring_axis="ring", layout="zigzag"), dict(sp=4, ring=2)),
 ])
 def test_gather_tokens_inverts_shard_tokens(config, mesh_axes):
     parallel_config = nn.ParallelConfig(**config)
-    mesh = parallel.make_mesh(**mesh_axes)
+    mesh = harness.mesh(**mesh_axes)
     x = jax.random.normal(jax.random.key(0), (32, 3))
     ct = jax.random.normal(jax.random.key(1), (32, 3))
 

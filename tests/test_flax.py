@@ -19,20 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 import vidax_eqx.flax as vflax
 from vidax_eqx import core, nn
-from vidax_eqx.parallel import make_mesh, TP_AXIS
-
-
-def _rms_ref(x, w, eps=1e-6):
-    x = np.asarray(x, np.float64)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
-
-
-def _draw(rng, shape, dtype=jnp.float32):
-    x = jnp.asarray(rng.standard_normal(shape), dtype)
-    return x, np.asarray(x.astype(jnp.float32), np.float64)
+from vidax_eqx.parallel import TP_AXIS
 
 
 # ---------------------------------------------------------------------------- names
@@ -63,12 +54,12 @@ def test_import_vidax_eqx_does_not_import_flax():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_linen_rms_norm_bit_identical_to_equinox(dtype):
     rng = np.random.default_rng(0)
-    x, x64 = _draw(rng, (3, 5, 32), dtype)
+    x, x64 = harness.rounded(rng, (3, 5, 32), dtype)
     lin = vflax.RMSNorm(32)
     variables = lin.init(jax.random.key(0), x)
     assert variables["params"]["scale"].shape == (32,)
     assert np.all(np.asarray(variables["params"]["scale"]) == 1)
-    w, w64 = _draw(rng, (32,))
+    w, w64 = harness.rounded(rng, (32,))
     variables = {"params": {"scale": w}}
     eqx_m = vflax.rms_norm_from_linen(lin, variables)
     assert isinstance(eqx_m, nn.RMSNorm) and eqx_m.dim == 32 and eqx_m.eps == 1e-6
@@ -77,7 +68,7 @@ def test_linen_rms_norm_bit_identical_to_equinox(dtype):
     assert got_linen.dtype == got_eqx.dtype == jnp.float32
     assert np.array_equal(np.asarray(got_linen), np.asarray(got_eqx))
     assert np.array_equal(np.asarray(lin.apply(variables, x)), np.asarray(eqx_m(x)))
-    oracle.assert_close(got_linen, _rms_ref(x64, w64), dtype)
+    oracle.assert_close(got_linen, oracle.rms_norm(x64, w64), dtype)
     # And back.
     back = vflax.rms_norm_to_linen(eqx_m)
     assert back["params"]["scale"] is eqx_m.weight
@@ -105,9 +96,9 @@ def test_converters_check_shapes_and_types():
 def test_linen_tp_sharded_rms_norm_in_shard_map(n):
     rng = np.random.default_rng(n)
     dim = 32
-    x, x64 = _draw(rng, (2, 3, dim))
-    w, w64 = _draw(rng, (dim,))
-    mesh = make_mesh(tp=n)
+    x, x64 = harness.rounded(rng, (2, 3, dim))
+    w, w64 = harness.rounded(rng, (dim,))
+    mesh = harness.mesh(tp=n)
     lin = vflax.TPShardedRMSNorm(dim // n, dim)
     eqx_m = vflax.rms_norm_from_linen(lin, {"params": {"scale": w}})  # global weight
 
@@ -120,7 +111,7 @@ def test_linen_tp_sharded_rms_norm_in_shard_map(n):
         lambda m, x: m(x), mesh=mesh, in_specs=(P(TP_AXIS), spec_x), out_specs=spec_x,
     ))(eqx_m, x)
     assert np.array_equal(np.asarray(got_linen), np.asarray(got_eqx))
-    oracle.assert_close(got_linen, _rms_ref(x64, w64), jnp.float32)
+    oracle.assert_close(got_linen, oracle.rms_norm(x64, w64), jnp.float32)
 
     # init inside shard_map gives each device a (dim_local,) slice of ones.
     init = jax.jit(jax.shard_map(
@@ -159,8 +150,8 @@ def _mha_reference(params, xq, xkv, mask):
 
 def test_attention_fn_inside_multi_head_dot_product_attention():
     rng = np.random.default_rng(0)
-    xq, xq64 = _draw(rng, (2, 3, 7, 16))  # two batch axes
-    xkv, xkv64 = _draw(rng, (2, 3, 9, 12))
+    xq, xq64 = harness.rounded(rng, (2, 3, 7, 16))  # two batch axes
+    xkv, xkv64 = harness.rounded(rng, (2, 3, 9, 12))
     mask = rng.random((2, 1, 1, 7, 9)) < 0.7  # (batch..., #heads, q, kv)
     mask[..., 0] = True  # every query sees at least one key (Flax differs on empty rows)
     kwargs = dict(num_heads=4, qkv_features=32, out_features=16)
@@ -182,10 +173,10 @@ def test_attention_fn_inside_multi_head_dot_product_attention():
 
 def test_attention_fn_bias_gqa_and_blockwise():
     rng = np.random.default_rng(1)
-    q, q64 = _draw(rng, (2, 5, 4, 8))
-    k, k64 = _draw(rng, (2, 6, 2, 8))
-    v, v64 = _draw(rng, (2, 6, 2, 8))
-    bias, b64 = _draw(rng, (1, 4, 5, 6))
+    q, q64 = harness.rounded(rng, (2, 5, 4, 8))
+    k, k64 = harness.rounded(rng, (2, 6, 2, 8))
+    v, v64 = harness.rounded(rng, (2, 6, 2, 8))
+    bias, b64 = harness.rounded(rng, (1, 4, 5, 6))
     ref = oracle.attention(q64, k64, v64, bias=b64).out
     for impl in ("xla", "blockwise"):
         got = jax.jit(functools.partial(vflax.attention_fn, implementation=impl))(q, k, v, bias)

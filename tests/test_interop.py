@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from vidax_eqx import interop, nn, parallel
+import harness
+from vidax_eqx import interop, nn
 
 
 DIM, HEADS, CTX = 32, 4, 24
@@ -68,40 +69,28 @@ KINDS = {
 }
 
 
-def _randomize(module, seed):
-    """Every array leaf replaced by random values (norm weights included)."""
-    params, static = eqx.partition(module, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(params)
-    rng = np.random.default_rng(seed)
-    leaves = [jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
-
-
 def _make(kind, seed):
-    return _randomize(KINDS[kind][0](jax.random.PRNGKey(seed)), seed)
-
-
-def _arrays(module):
-    return jax.tree.leaves(eqx.filter(module, eqx.is_array))
+    """A module of `kind`, every array leaf random (norm weights included)."""
+    return harness.resampled(KINDS[kind][0](jax.random.PRNGKey(seed)), seed)
 
 
 def _assert_same(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(_arrays(a), _arrays(b)):
+    for x, y in zip(harness.arrays(a), harness.arrays(b)):
         assert x.shape == y.shape and x.dtype == y.dtype
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _assert_differ(a, b):
-    assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(_arrays(a), _arrays(b)))
+    assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(harness.arrays(a), harness.arrays(b)))
 
 
 def _snapshot(module):
-    return [np.array(x) for x in _arrays(module)]
+    return [np.array(x) for x in harness.arrays(module)]
 
 
 def _unchanged(module, snapshot):
-    return all(np.array_equal(np.asarray(x), s) for x, s in zip(_arrays(module), snapshot))
+    return all(np.array_equal(np.asarray(x), s) for x, s in zip(harness.arrays(module), snapshot))
 
 
 # -- round trips ---------------------------------------------------------------------------
@@ -156,7 +145,7 @@ class Block(eqx.Module):
 
 
 def test_nested_module_names_and_prefix():
-    source, target = _randomize(Block(jax.random.PRNGKey(0)), 0), Block(jax.random.PRNGKey(1))
+    source, target = harness.resampled(Block(jax.random.PRNGKey(0)), 0), Block(jax.random.PRNGKey(1))
     sd = interop.state_dict(source, naming="diffusers", prefix="blocks.3.")
     assert {"blocks.3.self_attn.to_out.0.weight", "blocks.3.ffn.0.weight", "blocks.3.ffn.2.bias",
             "blocks.3.norm3.bias", "blocks.3.modulation"} <= set(sd)
@@ -255,20 +244,20 @@ def test_loaded_arrays_do_not_alias_the_source():
 
 
 def test_sharding_is_kept():
-    mesh = parallel.make_mesh(tp=2)
+    mesh = harness.mesh(tp=2)
     module = nn.Attention(DIM, HEADS, parallel=nn.ParallelConfig(tp_axis="tp"),
                           key=jax.random.PRNGKey(0))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), nn.partition_specs(module),
                              is_leaf=lambda x: isinstance(x, P))
     module = eqx.filter_shard(module, shardings)
     loaded = interop.load_state_dict(module, interop.state_dict(_make("Attention", 3)))
-    for old, new in zip(_arrays(module), _arrays(loaded)):
+    for old, new in zip(harness.arrays(module), harness.arrays(loaded)):
         assert new.sharding == old.sharding and new.committed
     assert loaded.q.weight.sharding.spec == P("tp", None)
     # An uncommitted module (plain initialization) gets uncommitted arrays, which
     # jit may still place anywhere.
     loaded = interop.load_state_dict(_make("Attention", 1), interop.state_dict(_make("Attention", 3)))
-    assert not any(x.committed for x in _arrays(loaded))
+    assert not any(x.committed for x in harness.arrays(loaded))
 
 
 def test_abstract_module_from_eval_shape():
@@ -369,16 +358,8 @@ def test_bad_arguments(tmp_path):
 # -- hostile .safetensors files -------------------------------------------------------------
 
 
-def _raw_file(path, header, data=b"", length=None):
-    """A file of `length` (default: the true header length), the header and the data."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    n = len(raw) if length is None else length
-    path.write_bytes(np.array([n], "<u8").tobytes() + raw + data)
-    return path
-
-
-def _entry(dtype="F32", shape=(2,), offsets=(0, 8)):
-    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+_raw_file = harness.safetensors_file  # the hostile-file builders, shared with test_bad_inputs
+_entry = harness.safetensors_entry
 
 
 def _valid(tmp_path):

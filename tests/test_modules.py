@@ -1,10 +1,11 @@
 """`vidax_eqx.nn` attention modules: Wan `Attention` / `CrossAttention`, CogVideoX
 `JointAttention`, `ParallelConfig`, `partition_specs`.
 
-1. Each module against a float64 NumPy re-derivation of its reference model written
-   here (Wan2.1 `WanSelfAttention` / `WanT2VCrossAttention`; diffusers
-   `CogVideoXAttnProcessor2_0`): linears, RMSNorm / LayerNorm, RoPE as a complex
-   multiplication, softmax attention. Output, and gradients with respect to every
+1. Each module against a float64 NumPy re-derivation of its reference model
+   (`oracle.wan_self_attention` / `oracle.wan_cross_attention` for Wan2.1's
+   `WanSelfAttention` / `WanT2VCrossAttention`; `oracle.cogvideox_attention` for
+   diffusers' `CogVideoXAttnProcessor2_0`): linears, RMSNorm / LayerNorm, RoPE as a
+   complex multiplication, softmax attention. Output, and gradients with respect to every
    parameter and input as directional central differences of the float64 reference.
 2. Sharded == unsharded: the same module (the same arrays) inside `jax.shard_map`
    with sequence parallelism (Ulysses, ring, USP) x tensor parallelism on 8
@@ -23,6 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jaxtyping import TypeCheckError
 
+import harness
 import oracle
 from vidax_eqx import nn, parallel
 
@@ -31,151 +33,15 @@ F32 = np.float32
 SP, TP, DP, RING = parallel.SP_AXIS, parallel.TP_AXIS, parallel.DP_AXIS, "ring"
 
 
-# -- float64 re-derivation of the reference models ---------------------------------------
-
-
-def f64(x):
-    return np.asarray(x, np.float64)
-
-
-def ref_linear(x, lin):
-    """torch.nn.Linear: `x @ W.T + b`."""
-    return x @ f64(lin.weight).T + f64(lin.bias)
-
-
-def ref_rms_norm(x, weight, eps):
-    """WanRMSNorm: `x * rsqrt(mean(x**2, -1) + eps) * weight`."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(weight)
-
-
-def ref_layer_norm(x, weight, bias, eps):
-    """torch.nn.LayerNorm over the last axis (biased variance)."""
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * f64(weight) + f64(bias)
-
-
-def ref_rope(x, angles):
-    """Wan's rope_apply: adjacent pairs as complex numbers times `exp(i * angle)`.
-
-    `x (S, H, D)`, `angles (S, D/2)`."""
-    xc = x[..., 0::2] + 1j * x[..., 1::2]
-    yc = xc * np.exp(1j * angles)[:, None, :]
-    out = np.empty_like(x)
-    out[..., 0::2], out[..., 1::2] = yc.real, yc.imag
-    return out
-
-
-def ref_attention(q, k, v, visible=None):
-    """softmax(q k^T / sqrt(D)) v per head; `q (S, H, D)`, `visible (S_q, S_k)` bool.
-    A row that sees nothing gives 0 (the library's rule)."""
-    s = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(q.shape[-1])
-    if visible is not None:
-        s = np.where(visible[None], s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    l = e.sum(-1, keepdims=True)
-    p = e / np.where(l == 0, 1.0, l)
-    return np.einsum("hij,jhd->ihd", p, v)
-
-
-def ref_wan_self_attention(m, x, angles=None, segment_ids=None):
-    """WanSelfAttention.forward for one example, `x (S, dim)`."""
-    S, H, D = x.shape[0], m.num_heads, m.head_dim
-    q, k = ref_linear(x, m.q), ref_linear(x, m.k)
-    if m.norm_q is not None:
-        q, k = ref_rms_norm(q, m.norm_q.weight, m.eps), ref_rms_norm(k, m.norm_k.weight, m.eps)
-    q, k, v = q.reshape(S, H, D), k.reshape(S, H, D), ref_linear(x, m.v).reshape(S, H, D)
-    if angles is not None:
-        q, k = ref_rope(q, angles), ref_rope(k, angles)
-    vis = None
-    if segment_ids is not None:
-        seg = np.asarray(segment_ids)
-        vis = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
-    return ref_linear(ref_attention(q, k, v, vis).reshape(S, H * D), m.o)
-
-
-def ref_wan_cross_attention(m, x, context, context_mask=None):
-    """WanT2VCrossAttention.forward for one example (`context_lens=None` when no mask)."""
-    S, T, H, D = x.shape[0], context.shape[0], m.num_heads, m.head_dim
-    q, k = ref_linear(x, m.q), ref_linear(context, m.k)
-    if m.norm_q is not None:
-        q, k = ref_rms_norm(q, m.norm_q.weight, m.eps), ref_rms_norm(k, m.norm_k.weight, m.eps)
-    v = ref_linear(context, m.v)
-    vis = None if context_mask is None else np.broadcast_to(np.asarray(context_mask)[None], (S, T))
-    out = ref_attention(q.reshape(S, H, D), k.reshape(T, H, D), v.reshape(T, H, D), vis)
-    return ref_linear(out.reshape(S, H * D), m.o)
-
-
-def ref_cogvideox_attention(m, x, context, angles=None):
-    """CogVideoXAttnProcessor2_0.__call__ for one example: returns `(x_out, context_out)`."""
-    T, H, D = context.shape[0], m.num_heads, m.head_dim
-    h = np.concatenate([context, x], axis=0)
-    n = h.shape[0]
-    q, k, v = (ref_linear(h, lin).reshape(n, H, D) for lin in (m.to_q, m.to_k, m.to_v))
-    if m.norm_q is not None:
-        q = ref_layer_norm(q, m.norm_q.weight, m.norm_q.bias, m.eps)
-        k = ref_layer_norm(k, m.norm_k.weight, m.norm_k.bias, m.eps)
-    if angles is not None:
-        q = np.concatenate([q[:T], ref_rope(q[T:], angles)])
-        k = np.concatenate([k[:T], ref_rope(k[T:], angles)])
-    out = ref_linear(ref_attention(q, k, v).reshape(n, H * D), m.to_out)
-    return out[T:], out[:T]
-
-
 # -- helpers -----------------------------------------------------------------------------
 
 
-def params(module):
-    """The module's arrays (its `ParallelConfig` and other static leaves left out)."""
-    return jax.tree.leaves(eqx.filter(module, eqx.is_array))
-
-
-def with_leaves(module, leaves):
-    """The module with other arrays in place of its own (float64 NumPy arrays for the
-    reference), its non-array leaves kept."""
-    arrays, static = eqx.partition(module, eqx.is_array)
-    return eqx.combine(jax.tree.unflatten(jax.tree.structure(arrays), leaves), static)
-
-
-def randomized(module, seed):
-    """Every parameter perturbed (norm weights away from 1, biases away from 0)."""
-    rng = np.random.default_rng(seed)
-    return with_leaves(module, [
-        jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(x.shape), x.dtype)
-        for x in params(module)])
-
-
 def rope_tables(S, D, seed):
+    """Random rotary angles `(S, D / 2)`: `(cos, sin)` in float64 for the reference, and
+    in float32 for the module."""
     angles = np.random.default_rng(seed).uniform(-np.pi, np.pi, (S, D // 2))
-    return angles, (jnp.asarray(np.cos(angles), F32), jnp.asarray(np.sin(angles), F32))
-
-
-def check_grads_fd(ref_loss, params, grads, names, seed, tol=2e-5):
-    """Directional central differences of the float64 `ref_loss(list_of_arrays)`:
-    for each array, two random directions `d`, `<grad, d>` against
-    `(L(p + eps d) - L(p - eps d)) / 2 eps`, relative to `sum |grad * d|`."""
-    rng = np.random.default_rng(seed)
-    params = [f64(p) for p in params]
-    eps = 1e-6
-    for i, (g, name) in enumerate(zip(grads, names)):
-        g = f64(g)
-        for _ in range(2):
-            d = rng.standard_normal(g.shape)
-            plus = [p + eps * d if j == i else p for j, p in enumerate(params)]
-            minus = [p - eps * d if j == i else p for j, p in enumerate(params)]
-            fd = (ref_loss(plus) - ref_loss(minus)) / (2 * eps)
-            got = float(np.sum(g * d))
-            scale = float(np.sum(np.abs(g * d))) + 1e-12
-            assert abs(got - fd) <= tol * max(scale, abs(fd)), (
-                f"{name}: <grad, d> = {got:.8g}, finite difference {fd:.8g}"
-            )
-
-
-def leaf_names(tree):
-    return [jax.tree_util.keystr(path)
-            for path, _ in jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))]
+    return (np.cos(angles), np.sin(angles)), (jnp.asarray(np.cos(angles), F32),
+                                              jnp.asarray(np.sin(angles), F32))
 
 
 # -- 1. single device against the float64 reference -------------------------------------
@@ -184,11 +50,11 @@ def leaf_names(tree):
 @pytest.mark.parametrize("qk_norm", ["rms", None])
 def test_attention_matches_wan_reference(qk_norm):
     B, S, dim, H = 2, 12, 32, 4
-    m = randomized(nn.Attention(dim, H, qk_norm=qk_norm, key=jax.random.key(0)), 1)
+    m = harness.perturbed(nn.Attention(dim, H, qk_norm=qk_norm, key=jax.random.key(0)), 1)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((B, S, dim)).astype(F32)
     ct = rng.standard_normal((B, S, dim)).astype(F32)
-    angles, rope = rope_tables(S, dim // H, 3)
+    tables, rope = rope_tables(S, dim // H, 3)
     seg = np.array([[0] * 5 + [1] * 7, [0] * 9 + [-1] * 3], np.int32)  # segments, padding
 
     def loss(mx):
@@ -197,28 +63,28 @@ def test_attention_matches_wan_reference(qk_norm):
         return jnp.sum(out * ct), out
 
     (_, out), (gm, gx) = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))((m, x))
-    ref = np.stack([ref_wan_self_attention(with_leaves(m, params(m)), f64(x[b]),
-                                           angles, seg[b]) for b in range(B)])
+    ref = np.stack([oracle.wan_self_attention(m, x[b], tables, seg[b]) for b in range(B)])
     oracle.assert_close(out, ref, F32, "out")
 
     def ref_loss(arrays):
-        mm, xx = with_leaves(m, arrays[:-1]), arrays[-1]
-        out = np.stack([ref_wan_self_attention(mm, xx[b], angles, seg[b]) for b in range(B)])
+        mm, xx = harness.with_arrays(m, arrays[:-1]), arrays[-1]
+        out = np.stack([oracle.wan_self_attention(mm, xx[b], tables, seg[b]) for b in range(B)])
         return float(np.sum(out * ct))
 
-    grads = [*params(gm), gx]
-    check_grads_fd(ref_loss, [*params(m), x], grads, [*leaf_names(m), "x"], seed=4)
+    grads = [*harness.arrays(gm), gx]
+    harness.check_grads_fd(ref_loss, [*harness.arrays(m), x], grads, [*harness.leaf_names(m), "x"],
+                           seed=4)
 
 
 def test_attention_bfloat16():
     S, dim, H = 16, 32, 4
-    m = randomized(nn.Attention(dim, H, dtype=jnp.bfloat16, key=jax.random.key(5)), 6)
+    m = harness.perturbed(nn.Attention(dim, H, dtype=jnp.bfloat16, key=jax.random.key(5)), 6)
     x = np.random.default_rng(7).standard_normal((S, dim)).astype(F32)
-    angles, rope = rope_tables(S, dim // H, 8)
+    tables, rope = rope_tables(S, dim // H, 8)
     out = m(jnp.asarray(x, jnp.bfloat16), rope=rope)
     assert out.dtype == jnp.bfloat16
-    xb = f64(jnp.asarray(x, jnp.bfloat16))
-    ref = ref_wan_self_attention(with_leaves(m, [f64(a) for a in params(m)]), xb, angles)
+    xb = oracle.f64(jnp.asarray(x, jnp.bfloat16))
+    ref = oracle.wan_self_attention(m, xb, tables)
     # bf16 rounds after every linear and norm: a few bf16 ulps of O(1) values.
     oracle.assert_close(out, ref, jnp.bfloat16, "bf16 out")
 
@@ -226,7 +92,7 @@ def test_attention_bfloat16():
 @pytest.mark.parametrize("masked", [False, True], ids=["reference", "context_mask"])
 def test_cross_attention_matches_wan_reference(masked):
     B, S, T, dim, cdim, H = 2, 10, 7, 32, 24, 4
-    m = randomized(nn.CrossAttention(dim, H, context_dim=cdim, key=jax.random.key(1)), 2)
+    m = harness.perturbed(nn.CrossAttention(dim, H, context_dim=cdim, key=jax.random.key(1)), 2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((B, S, dim)).astype(F32)
     ctx = rng.standard_normal((B, T, cdim)).astype(F32)
@@ -247,20 +113,20 @@ def test_cross_attention_matches_wan_reference(masked):
 
     def ref_out(mm, xx, cc):
         masks = [None] * B if mask is None else mask
-        return np.stack([ref_wan_cross_attention(mm, xx[b], cc[b], masks[b]) for b in range(B)])
+        return np.stack([oracle.wan_cross_attention(mm, xx[b], cc[b], masks[b]) for b in range(B)])
 
-    ref = ref_out(with_leaves(m, params(m)), f64(x), f64(ctx))
+    ref = ref_out(m, oracle.f64(x), oracle.f64(ctx))
     oracle.assert_close(out, ref, F32, "out")
 
     def ref_loss(a):
-        return float(np.sum(ref_out(with_leaves(m, a[:-2]), a[-2], a[-1]) * ct))
+        return float(np.sum(ref_out(harness.with_arrays(m, a[:-2]), a[-2], a[-1]) * ct))
 
-    check_grads_fd(ref_loss, [*params(m), x, ctx], [*params(gm), gx, gc],
-                   [*leaf_names(m), "x", "context"], seed=5)
+    harness.check_grads_fd(ref_loss, [*harness.arrays(m), x, ctx], [*harness.arrays(gm), gx, gc],
+                   [*harness.leaf_names(m), "x", "context"], seed=5)
 
 
 def test_cross_attention_fully_masked_context_gives_output_bias():
-    m = randomized(nn.CrossAttention(16, 2, key=jax.random.key(0)), 1)
+    m = harness.perturbed(nn.CrossAttention(16, 2, key=jax.random.key(0)), 1)
     out = m(jnp.ones((3, 16)), jnp.ones((4, 16)), context_mask=jnp.zeros((4,), bool))
     np.testing.assert_allclose(out, np.broadcast_to(m.o.bias, (3, 16)), rtol=0, atol=1e-6)
 
@@ -268,13 +134,13 @@ def test_cross_attention_fully_masked_context_gives_output_bias():
 @pytest.mark.parametrize("qk_norm", ["layer_norm", None])
 def test_joint_attention_matches_cogvideox_reference(qk_norm):
     B, S, T, dim, H = 2, 12, 5, 32, 4
-    m = randomized(nn.JointAttention(dim, H, qk_norm=qk_norm, key=jax.random.key(3)), 4)
+    m = harness.perturbed(nn.JointAttention(dim, H, qk_norm=qk_norm, key=jax.random.key(3)), 4)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((B, S, dim)).astype(F32)
     ctx = rng.standard_normal((B, T, dim)).astype(F32)
     ct_x = rng.standard_normal((B, S, dim)).astype(F32)
     ct_c = rng.standard_normal((B, T, dim)).astype(F32)
-    angles, rope = rope_tables(S, dim // H, 6)
+    tables, rope = rope_tables(S, dim // H, 6)
 
     def loss(mxc):
         m, x, c = mxc
@@ -286,31 +152,22 @@ def test_joint_attention_matches_cogvideox_reference(qk_norm):
     )
 
     def ref_outs(mm, xx, cc):
-        outs = [ref_cogvideox_attention(mm, xx[b], cc[b], angles) for b in range(B)]
+        outs = [oracle.cogvideox_attention(mm, xx[b], cc[b], tables) for b in range(B)]
         return np.stack([o[0] for o in outs]), np.stack([o[1] for o in outs])
 
-    rx, rc = ref_outs(with_leaves(m, params(m)), f64(x), f64(ctx))
+    rx, rc = ref_outs(m, oracle.f64(x), oracle.f64(ctx))
     oracle.assert_close(xo, rx, F32, "x_out")
     oracle.assert_close(co, rc, F32, "context_out")
 
     def ref_loss(a):
-        rx, rc = ref_outs(with_leaves(m, a[:-2]), a[-2], a[-1])
+        rx, rc = ref_outs(harness.with_arrays(m, a[:-2]), a[-2], a[-1])
         return float(np.sum(rx * ct_x) + np.sum(rc * ct_c))
 
-    check_grads_fd(ref_loss, [*params(m), x, ctx], [*params(gm), gx, gc],
-                   [*leaf_names(m), "x", "context"], seed=6)
+    harness.check_grads_fd(ref_loss, [*harness.arrays(m), x, ctx], [*harness.arrays(gm), gx, gc],
+                   [*harness.leaf_names(m), "x", "context"], seed=6)
 
 
 # -- 2. sharded == unsharded -------------------------------------------------------------
-
-
-def _mesh(dp=1, sp=1, tp=1, ring=1):
-    return parallel.make_mesh(dp=dp, sp=sp, tp=tp, extra_axes={RING: ring} if ring > 1 else None)
-
-
-def _assert_trees_close(got, ref, what):
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
-        oracle.assert_close(g, r, F32, f"{what}{jax.tree_util.keystr(path)}")
 
 
 # (sequence mode, layout, mesh sizes, segment ids); the heads (8) split over tp, then
@@ -345,7 +202,7 @@ def test_attention_sharded_equals_single_device(case):
     mode, layout, sizes, segments = SELF_CASES[case]
     B, F, Hh, W, dim, H = 2, 2, 4, 4, 64, 8  # S = 32 tokens, head_dim 8
     S = F * Hh * W
-    single = randomized(nn.Attention(dim, H, key=jax.random.key(0)), 1)
+    single = harness.perturbed(nn.Attention(dim, H, key=jax.random.key(0)), 1)
     cfg = _config(mode, layout, sizes)
     sharded = nn.with_parallel(single, cfg)
     assert jax.tree.leaves(sharded)[0] is jax.tree.leaves(single)[0]  # the same arrays
@@ -369,7 +226,7 @@ def test_attention_sharded_equals_single_device(case):
     zz = functools.partial(parallel.zigzag_permute, sp_size=n_ring)
     unzz = functools.partial(parallel.zigzag_unpermute, sp_size=n_ring)
     seq, b = _seq_axes(mode), DP if sizes.get("dp", 1) > 1 else None
-    mesh = _mesh(**sizes)
+    mesh = harness.mesh(**sizes)
     f = nn.filter_shard_map(
         call, mesh=mesh,
         in_specs=(nn.partition_specs(sharded), P(b, seq), P(seq), P(seq),
@@ -395,7 +252,7 @@ def test_attention_sharded_equals_single_device(case):
     (_, out_1), g_1 = eqx.filter_jit(eqx.filter_value_and_grad(single_loss, has_aux=True))(
         (single, x))
     oracle.assert_close(out_s, out_1, F32, "out")
-    _assert_trees_close(g_s, g_1, "grad")
+    harness.assert_trees_close(g_s, g_1, F32, "grad")
 
 
 CROSS_CASES = {
@@ -408,7 +265,8 @@ CROSS_CASES = {
 def test_cross_attention_sharded_equals_single_device(case):
     mode, layout, sizes = CROSS_CASES[case]
     B, S, T, dim, cdim, H = 2, 16, 6, 32, 24, 4
-    single = randomized(nn.CrossAttention(dim, H, context_dim=cdim, key=jax.random.key(7)), 8)
+    single = harness.perturbed(nn.CrossAttention(dim, H, context_dim=cdim, key=jax.random.key(7)),
+                               8)
     sharded = nn.with_parallel(single, _config(mode, layout, sizes))
     rng = np.random.default_rng(9)
     x = rng.standard_normal((B, S, dim)).astype(F32)
@@ -420,7 +278,7 @@ def test_cross_attention_sharded_equals_single_device(case):
         return jax.vmap(lambda x, c, k: m(x, c, context_mask=k))(x, c, k)
 
     b = DP if sizes.get("dp", 1) > 1 else None
-    f = nn.filter_shard_map(call, mesh=_mesh(**sizes),
+    f = nn.filter_shard_map(call, mesh=harness.mesh(**sizes),
                       in_specs=(nn.partition_specs(sharded), P(b, SP), P(b), P(b)),
                       out_specs=P(b, SP))
 
@@ -433,7 +291,7 @@ def test_cross_attention_sharded_equals_single_device(case):
     (_, out_s), g_s = loss(f)((sharded, x, ctx))
     (_, out_1), g_1 = loss(call)((single, x, ctx))
     oracle.assert_close(out_s, out_1, F32, "out")
-    _assert_trees_close(g_s, g_1, "grad")
+    harness.assert_trees_close(g_s, g_1, F32, "grad")
 
 
 JOINT_CASES = {
@@ -447,7 +305,7 @@ JOINT_CASES = {
 def test_joint_attention_sharded_equals_single_device(case):
     mode, layout, sizes = JOINT_CASES[case]
     B, S, T, dim, H = 2, 16, 5, 64, 8
-    single = randomized(nn.JointAttention(dim, H, key=jax.random.key(11)), 12)
+    single = harness.perturbed(nn.JointAttention(dim, H, key=jax.random.key(11)), 12)
     sharded = nn.with_parallel(single, _config(mode, layout, sizes))
     rng = np.random.default_rng(13)
     x = rng.standard_normal((B, S, dim)).astype(F32)
@@ -464,7 +322,7 @@ def test_joint_attention_sharded_equals_single_device(case):
         return xo, co[None]  # every SP device's copy of the text output
 
     seq = _seq_axes(mode)
-    f = nn.filter_shard_map(per_device, mesh=_mesh(**sizes),
+    f = nn.filter_shard_map(per_device, mesh=harness.mesh(**sizes),
                       in_specs=(nn.partition_specs(sharded), P(None, seq), P(), P(seq), P(seq)),
                       out_specs=(P(None, seq), P(seq)))
 
@@ -484,7 +342,7 @@ def test_joint_attention_sharded_equals_single_device(case):
     oracle.assert_close(xo_s, xo_1, F32, "x_out")
     for i in range(copies.shape[0]):
         oracle.assert_close(copies[i], co_1, F32, f"context_out copy {i}")
-    _assert_trees_close(g_s, g_1, "grad")
+    harness.assert_trees_close(g_s, g_1, F32, "grad")
 
 
 def test_partition_specs():
@@ -504,7 +362,7 @@ def test_partition_specs():
     assert all(spec == P() for spec in jax.tree.leaves(plain["attn"]))
     assert plain["w"] == P() and plain["n"] is None
     # Usable as shardings: placing the module with eqx.filter_shard.
-    mesh = _mesh(sp=4, tp=2)
+    mesh = harness.mesh(sp=4, tp=2)
     shardings = jax.tree.map(lambda p: jax.NamedSharding(mesh, p), s)
     placed = eqx.filter_shard(a, shardings)
     assert placed.q.weight.sharding.spec == P(TP, None)
@@ -550,7 +408,7 @@ def test_module_errors():
     tp_only = nn.with_parallel(a, nn.ParallelConfig(tp_axis=TP))
     with pytest.raises(ValueError, match="'tp' does not exist"):
         tp_only(jnp.ones((8, 32)))
-    mesh = _mesh(sp=4, tp=2)
+    mesh = harness.mesh(sp=4, tp=2)
     x = jnp.ones((16, 32))
     # Weights not placed by partition_specs (replicated) under TP: a clear error.
     with pytest.raises(ValueError, match="partition_specs"):

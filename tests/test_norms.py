@@ -4,7 +4,8 @@
 cast back to `x`'s dtype, times `weight`. `LayerNorm` is `torch.nn.LayerNorm`
 (CogVideoX's per-head q/k norm). Gradients are checked against analytic float64
 formulas; `TPShardedRMSNorm` inside `jax.shard_map` against `RMSNorm` on the full
-width. The oracles here import nothing from `vidax_eqx`.
+width. The references (`oracle.rms_norm`, `oracle.layer_norm` and their gradients)
+import nothing from `vidax_eqx`.
 """
 
 import equinox as eqx
@@ -15,62 +16,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import core
 from vidax_eqx.nn import functional, LayerNorm, RMSNorm, TPShardedRMSNorm
-from vidax_eqx.parallel import make_mesh, TP_AXIS
+from vidax_eqx.parallel import TP_AXIS
 
 
 EPS = 1e-6
-
-
-# ---------------------------------------------------------------------------- oracles
-
-
-def _rms_ref(x, w, eps=EPS):
-    x = np.asarray(x, np.float64)
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * r * np.asarray(w, np.float64)
-
-
-def _rms_grad_ref(x, w, ct, eps=EPS):
-    """d/dx and d/dw of sum(ct * rms_norm(x, w)): dx = r g - r^3 x (g.x) / D, g = ct w."""
-    x, w, ct = (np.asarray(a, np.float64) for a in (x, w, ct))
-    D = x.shape[-1]
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    g = ct * w
-    dx = r * g - r**3 * x * np.sum(g * x, axis=-1, keepdims=True) / D
-    dw = np.sum((ct * x * r).reshape(-1, D), axis=0)
-    return dx, dw
-
-
-def _ln_ref(x, w, b, eps=EPS):
-    x = np.asarray(x, np.float64)
-    mu = np.mean(x, axis=-1, keepdims=True)
-    var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
-    y = (x - mu) / np.sqrt(var + eps)
-    if w is not None:
-        y = y * np.asarray(w, np.float64)
-    if b is not None:
-        y = y + np.asarray(b, np.float64)
-    return y
-
-
-def _ln_grad_ref(x, w, ct, eps=EPS):
-    """dx = r (g - mean(g) - xhat mean(g xhat)), g = ct w; dw = sum ct xhat; db = sum ct."""
-    x, w, ct = (np.asarray(a, np.float64) for a in (x, w, ct))
-    D = x.shape[-1]
-    mu = np.mean(x, axis=-1, keepdims=True)
-    r = 1.0 / np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + eps)
-    xhat = (x - mu) * r
-    g = ct * w
-    dx = r * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    return dx, np.sum((ct * xhat).reshape(-1, D), 0), np.sum(ct.reshape(-1, D), 0)
-
-
-def _draw(rng, shape, dtype, offset=0.0):
-    x = jnp.asarray(rng.standard_normal(shape) + offset, dtype)
-    return x, np.asarray(x.astype(jnp.float32), np.float64)
 
 
 # ---------------------------------------------------------------------------- rms_norm
@@ -87,9 +40,9 @@ def _draw(rng, shape, dtype, offset=0.0):
 )
 def test_rms_norm_forward(x_dtype, w_dtype, out_dtype):
     rng = np.random.default_rng(0)
-    x, x64 = _draw(rng, (3, 5, 48), x_dtype)
-    w, w64 = _draw(rng, (48,), w_dtype)
-    ref = _rms_ref(x64, w64)
+    x, x64 = harness.rounded(rng, (3, 5, 48), x_dtype)
+    w, w64 = harness.rounded(rng, (48,), w_dtype)
+    ref = oracle.rms_norm(x64, w64)
     for got in (functional.rms_norm(x, w), eqx.tree_at(lambda m: m.weight, RMSNorm(48), w)(x)):
         assert got.dtype == out_dtype
         oracle.assert_close(got, ref, x_dtype if x_dtype != jnp.float32 else w_dtype, "rms_norm")
@@ -98,22 +51,22 @@ def test_rms_norm_forward(x_dtype, w_dtype, out_dtype):
 def test_rms_norm_casts_to_input_dtype_before_the_weight():
     """Wan's order: the normalized value is rounded to x's dtype, then scaled."""
     rng = np.random.default_rng(1)
-    x, _ = _draw(rng, (4, 64), jnp.bfloat16)
+    x, _ = harness.rounded(rng, (4, 64), jnp.bfloat16)
     w = jnp.asarray(2.0 ** rng.integers(-3, 4, size=64), jnp.float32)  # exact multiplies
     got = np.asarray(functional.rms_norm(x, w))
     assert got.dtype == np.float32
     y = got / np.asarray(w)
     assert np.array_equal(np.asarray(jnp.asarray(y).astype(jnp.bfloat16).astype(jnp.float32)), y)
-    oracle.assert_close(y, _rms_ref(np.asarray(x.astype(jnp.float32)), np.ones(64)), jnp.bfloat16)
+    oracle.assert_close(y, oracle.rms_norm(np.asarray(x.astype(jnp.float32)), np.ones(64)), jnp.bfloat16)
 
 
 def test_rms_norm_gradients():
     rng = np.random.default_rng(2)
-    x, x64 = _draw(rng, (2, 7, 40), jnp.float32)
-    w, w64 = _draw(rng, (40,), jnp.float32)
-    ct, ct64 = _draw(rng, (2, 7, 40), jnp.float32)
+    x, x64 = harness.rounded(rng, (2, 7, 40), jnp.float32)
+    w, w64 = harness.rounded(rng, (40,), jnp.float32)
+    ct, ct64 = harness.rounded(rng, (2, 7, 40), jnp.float32)
     dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(functional.rms_norm(x, w) * ct), argnums=(0, 1)))(x, w)
-    dx_ref, dw_ref = _rms_grad_ref(x64, w64, ct64)
+    dx_ref, dw_ref = oracle.rms_norm_grads(x64, w64, ct64)
     oracle.assert_close(dx, dx_ref, jnp.float32, "dx")
     oracle.assert_close(dw, dw_ref, jnp.float32, "dw")
     # The module's weight gradient, through eqx.filter_grad.
@@ -129,9 +82,9 @@ def test_rms_norm_module_vmap_jit_and_fields():
     assert RMSNorm(16, dtype=jnp.bfloat16).weight.dtype == jnp.bfloat16
     assert jax.tree.leaves(m) == [m.weight]  # dim, eps are static
     rng = np.random.default_rng(3)
-    x, x64 = _draw(rng, (4, 9, 16), jnp.float32)
+    x, x64 = harness.rounded(rng, (4, 9, 16), jnp.float32)
     out = jax.jit(jax.vmap(m))(x)
-    oracle.assert_close(out, _rms_ref(x64, np.ones(16), eps=1e-5), jnp.float32)
+    oracle.assert_close(out, oracle.rms_norm(x64, np.ones(16), eps=1e-5), jnp.float32)
     assert core.RMSNorm is RMSNorm and core.TPShardedRMSNorm is TPShardedRMSNorm
 
 
@@ -164,38 +117,38 @@ def test_rms_norm_bad_dim_raises(dim):
 )
 def test_layer_norm_forward(x_dtype, p_dtype, out_dtype):
     rng = np.random.default_rng(4)
-    x, x64 = _draw(rng, (6, 3, 24), x_dtype, offset=1.5)  # (S, heads, head_dim), nonzero mean
-    w, w64 = _draw(rng, (24,), p_dtype)
-    b, b64 = _draw(rng, (24,), p_dtype)
+    x, x64 = harness.rounded(rng, (6, 3, 24), x_dtype, offset=1.5)  # (S, heads, head_dim), nonzero mean
+    w, w64 = harness.rounded(rng, (24,), p_dtype)
+    b, b64 = harness.rounded(rng, (24,), p_dtype)
     m = eqx.tree_at(lambda m: (m.weight, m.bias), LayerNorm(24), (w, b))
     tol_dtype = jnp.bfloat16 if jnp.bfloat16 in (x_dtype, p_dtype) else jnp.float32
     for got in (functional.layer_norm(x, w, b), m(x)):
         assert got.dtype == out_dtype
-        oracle.assert_close(got, _ln_ref(x64, w64, b64), tol_dtype, "layer_norm")
+        oracle.assert_close(got, oracle.layer_norm(x64, w64, b64), tol_dtype, "layer_norm")
 
 
 def test_layer_norm_without_affine():
     m = LayerNorm(24, elementwise_affine=False)
     assert m.weight is None and m.bias is None and jax.tree.leaves(m) == []
     rng = np.random.default_rng(5)
-    x, x64 = _draw(rng, (5, 24), jnp.bfloat16, offset=-2.0)
+    x, x64 = harness.rounded(rng, (5, 24), jnp.bfloat16, offset=-2.0)
     got = m(x)
     assert got.dtype == jnp.bfloat16
-    oracle.assert_close(got, _ln_ref(x64, None, None), jnp.bfloat16)
+    oracle.assert_close(got, oracle.layer_norm(x64, None, None), jnp.bfloat16)
     d = LayerNorm(24)
     assert np.all(np.asarray(d.weight) == 1) and np.all(np.asarray(d.bias) == 0)
 
 
 def test_layer_norm_gradients():
     rng = np.random.default_rng(6)
-    x, x64 = _draw(rng, (4, 2, 16), jnp.float32, offset=0.7)
-    w, w64 = _draw(rng, (16,), jnp.float32)
-    b, _ = _draw(rng, (16,), jnp.float32)
-    ct, ct64 = _draw(rng, (4, 2, 16), jnp.float32)
+    x, x64 = harness.rounded(rng, (4, 2, 16), jnp.float32, offset=0.7)
+    w, w64 = harness.rounded(rng, (16,), jnp.float32)
+    b, _ = harness.rounded(rng, (16,), jnp.float32)
+    ct, ct64 = harness.rounded(rng, (4, 2, 16), jnp.float32)
     grads = jax.jit(jax.grad(
         lambda x, w, b: jnp.sum(functional.layer_norm(x, w, b) * ct), argnums=(0, 1, 2)
     ))(x, w, b)
-    for got, ref, name in zip(grads, _ln_grad_ref(x64, w64, ct64), ("dx", "dw", "db")):
+    for got, ref, name in zip(grads, oracle.layer_norm_grads(x64, w64, ct64), ("dx", "dw", "db")):
         oracle.assert_close(got, ref, jnp.float32, name)
 
 
@@ -204,7 +157,7 @@ def test_layer_norm_gradients():
 
 def _sharded(n, dim, eps=EPS):
     """Global `(x, weight) -> out` through a `TPShardedRMSNorm` inside shard_map over tp=n."""
-    mesh = make_mesh(tp=n)
+    mesh = harness.mesh(tp=n)
 
     def local(m, x):
         return jax.vmap(jax.vmap(m))(x)
@@ -228,20 +181,20 @@ def _sharded(n, dim, eps=EPS):
 def test_tp_sharded_rms_norm_equals_full_width(n, dtype):
     rng = np.random.default_rng(7 + n)
     dim = 48
-    x, x64 = _draw(rng, (2, 5, dim), dtype)
-    w, w64 = _draw(rng, (dim,), jnp.float32)
-    ct, ct64 = _draw(rng, (2, 5, dim), jnp.float32)
+    x, x64 = harness.rounded(rng, (2, 5, dim), dtype)
+    w, w64 = harness.rounded(rng, (dim,), jnp.float32)
+    ct, ct64 = harness.rounded(rng, (2, 5, dim), jnp.float32)
     f = jax.jit(_sharded(n, dim))
     full = eqx.tree_at(lambda m: m.weight, RMSNorm(dim), w)
 
     out = f(x, w)
     assert out.dtype == jnp.float32 and out.shape == x.shape
-    oracle.assert_close(out, _rms_ref(x64, w64), dtype, "sharded vs oracle")
+    oracle.assert_close(out, oracle.rms_norm(x64, w64), dtype, "sharded vs oracle")
     oracle.assert_close(out, jax.vmap(jax.vmap(full))(x), dtype, "sharded vs RMSNorm")
 
     if dtype == jnp.float32:
         dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * ct), argnums=(0, 1)))(x, w)
-        dx_ref, dw_ref = _rms_grad_ref(x64, w64, ct64)
+        dx_ref, dw_ref = oracle.rms_norm_grads(x64, w64, ct64)
         oracle.assert_close(dx, dx_ref, dtype, "dx")
         oracle.assert_close(dw, dw_ref, dtype, "dw")
         gfull = jax.jit(
@@ -253,13 +206,13 @@ def test_tp_sharded_rms_norm_equals_full_width(n, dtype):
 
 def test_tp_sharded_rms_norm_functional_in_shard_map():
     rng = np.random.default_rng(11)
-    x, x64 = _draw(rng, (3, 32), jnp.float32)
-    w, w64 = _draw(rng, (32,), jnp.float32)
+    x, x64 = harness.rounded(rng, (3, 32), jnp.float32)
+    w, w64 = harness.rounded(rng, (32,), jnp.float32)
     out = jax.shard_map(
         lambda x, w: functional.tp_sharded_rms_norm(x, w, 32, axis_name=TP_AXIS),
-        mesh=make_mesh(tp=4), in_specs=(P(None, TP_AXIS), P(TP_AXIS)), out_specs=P(None, TP_AXIS),
+        mesh=harness.mesh(tp=4), in_specs=(P(None, TP_AXIS), P(TP_AXIS)), out_specs=P(None, TP_AXIS),
     )(x, w)
-    oracle.assert_close(out, _rms_ref(x64, w64), jnp.float32)
+    oracle.assert_close(out, oracle.rms_norm(x64, w64), jnp.float32)
 
 
 def test_tp_sharded_rms_norm_bad_dims_raise():
@@ -271,7 +224,7 @@ def test_tp_sharded_rms_norm_bad_dims_raise():
     m = TPShardedRMSNorm(4, 16)
     with pytest.raises(ValueError, match=r"dim_local=4, axis_size=2, global_dim=16"):
         jax.shard_map(
-            m, mesh=make_mesh(tp=2), in_specs=P(None, TP_AXIS), out_specs=P(None, TP_AXIS)
+            m, mesh=harness.mesh(tp=2), in_specs=P(None, TP_AXIS), out_specs=P(None, TP_AXIS)
         )(jnp.ones((2, 8)))
     # Outside shard_map the tp axis is missing.
     with pytest.raises(ValueError, match=r"axis 'tp' does not exist"):
