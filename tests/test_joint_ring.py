@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import kernels, parallel
 
@@ -47,70 +48,43 @@ class Joint:
     check_vma: bool = True
 
     def mesh(self):
-        return parallel.make_mesh(dp=self.dp, sp=self.n)
-
-    def specs(self):
-        """`(text, visual)` partition specs of `(B, S, ...)` arrays."""
-        batch = "dp" if self.dp > 1 else None
-        return P(batch), P(batch, SP)
+        return harness.mesh(dp=self.dp, sp=self.n)
 
 
-def _attend(cfg: Joint, qt, kt, vt, qv, kv, vv, seg, sinks):
-    """Inside `shard_map`: `[text; visual chunk]` per device, then the joint ring."""
-    join = lambda t, x: jnp.concatenate([jax.lax.pcast(t, SP, to="varying")  # noqa: E731
-                                         if cfg.check_vma else t, x], axis=1)
-    if seg is not None:
-        (sq_t, sq_v), (skv_t, skv_v) = seg
-        sq, skv = join(sq_t, sq_v), join(skv_t, skv_v)
-        seg = sq if cfg.segments == "shared" else kernels.SegmentIds(q=sq, kv=skv)
+def _attend(cfg: Joint, q, k, v, seg, sinks):
+    """Inside `shard_map`, on `[text; visual chunk]` per device: the joint ring."""
+    if cfg.segments == "pair":
+        seg = kernels.SegmentIds(q=seg[0], kv=seg[1])
     return parallel.ring_attention(
-        join(qt, qv), join(kt, kv), join(vt, vv), axis_name=SP, causal=cfg.causal,
-        segment_ids=seg, sinks=sinks, window=cfg.window, layout=cfg.layout,
-        text_len=cfg.text_len, implementation="xla",
+        q, k, v, axis_name=SP, causal=cfg.causal, segment_ids=seg, sinks=sinks,
+        window=cfg.window, layout=cfg.layout, text_len=cfg.text_len, implementation="xla",
     )
+
+
+def _segments(cfg: Joint):
+    return {None: None, "shared": "one", "pair": "pair"}[cfg.segments]
 
 
 @functools.lru_cache(maxsize=None)
 def _joint_fn(cfg: Joint):
-    """A jitted `(text, visual, seg, sinks, dout) -> (out, grads)` on the sharded layout:
-    `text = (qt, kt, vt)` replicated, `visual = (qv, kv, vv)` sharded, `out` the
-    per-device `[text; visual]` rows side by side, `grads` of text, visual and sinks."""
-    text, seq = cfg.specs()
-    seg_spec = ((text, seq), (text, seq)) if cfg.segments else None
-    sharded = jax.shard_map(
-        functools.partial(_attend, cfg),
-        mesh=cfg.mesh(),
-        in_specs=(text, text, text, seq, seq, seq, seg_spec, P() if cfg.sinks else None),
-        out_specs=seq,
-        check_vma=cfg.check_vma,
+    """A jitted `(text, visual, seg, sinks, dout) -> (out, grads)` on the sharded layout
+    (`harness.joint_vjp`): `text = (qt, kt, vt)` replicated, `visual = (qv, kv, vv)`
+    sharded, `out` the per-device `[text; visual]` rows side by side, `grads` of text,
+    visual and sinks."""
+    return harness.joint_vjp(
+        functools.partial(_attend, cfg), cfg.mesh(), SP, batch_axis="dp" if cfg.dp > 1 else None,
+        segments=_segments(cfg), sinks=cfg.sinks, check_vma=cfg.check_vma,
     )
-
-    @jax.jit
-    def run(text, visual, seg, sinks, dout):
-        f = lambda text, visual, sinks: sharded(*text, *visual, seg, sinks)  # noqa: E731
-        out, vjp = jax.vjp(f, text, visual, sinks)
-        return out, vjp(dout)
-
-    return run
 
 
 def _inputs(B=2, T=4, S=16, H=4, H_kv=2, D=8, seed=0, segments=False, sinks=False):
-    """Global float32 arrays over `[text (T); visual (S)]`."""
+    """Global float32 arrays over `[text (T); visual (S)]`. Segment ids: text ids in
+    {0, 1}; visual ids per batch element (sorted runs, scattered), each with a padded
+    (-1) tail; kv ids equal to q ids but for a few tokens."""
     rng = np.random.default_rng(seed)
-    n = T + S
-    a = dict(q=rng.standard_normal((B, n, H, D)), k=rng.standard_normal((B, n, H_kv, D)),
-             v=rng.standard_normal((B, n, H_kv, D)), dout=rng.standard_normal((B, n, H, D)))
-    a = {name: x.astype(np.float32) for name, x in a.items()}
-    if sinks:
-        a["sinks"] = rng.standard_normal((H,)).astype(np.float32)
+    a = harness.attention_inputs(B, T + S, H, D, H_kv=H_kv, rng=rng, sinks=sinks)
     if segments:
-        # Text ids in {0, 1}; visual ids per batch element (sorted runs, scattered),
-        # each with a padded (-1) tail; kv ids equal to q ids but for a few tokens.
-        runs = np.sort(rng.integers(0, 3, S))
-        runs[S - max(S // 5, 1):] = -1
-        scattered = rng.integers(0, 3, S)
-        scattered[S - max(S // 8, 1):] = -1
-        visual = np.stack([runs, scattered][:B])
+        visual = harness.segment_ids(rng, B, S, pad=(max(S // 5, 1), max(S // 8, 1)))
         a["seg"] = np.concatenate([rng.integers(0, 2, (B, T)), visual], 1).astype(np.int32)
         seg_kv = a["seg"].copy()
         flip = rng.random(seg_kv.shape) < 0.15
@@ -120,39 +94,12 @@ def _inputs(B=2, T=4, S=16, H=4, H_kv=2, D=8, seed=0, segments=False, sinks=Fals
 
 
 def _run(cfg: Joint, a: dict):
-    """Runs the joint ring on global arrays `a`; global-order NumPy results, plus the
-    text output rows of every device (`out_text`, `(B, n, T, H, D)`)."""
-    n, T = cfg.n, cfg.text_len
-    B = a["q"].shape[0]
-    zig = cfg.layout == "zigzag"
-    to = lambda x: parallel.zigzag_permute(jnp.asarray(x), 1, n) if zig else jnp.asarray(x)  # noqa: E731
-    back = lambda x: np.asarray(parallel.zigzag_unpermute(x, 1, n) if zig else x)  # noqa: E731
-    text = tuple(jnp.asarray(a[name][:, :T]) for name in ("q", "k", "v"))
-    visual = tuple(to(a[name][:, T:]) for name in ("q", "k", "v"))
-    seg = None
-    if cfg.segments:
-        kv_name = "seg_kv" if cfg.segments == "pair" else "seg"
-        seg = tuple((jnp.asarray(a[name][:, :T]), to(a[name][:, T:])) for name in ("seg", kv_name))
-    sinks = jnp.asarray(a["sinks"]) if cfg.sinks else None
-
-    # The cotangent on the device layout: visual rows in place, the text cotangent
-    # split over the n copies in random shares that sum to it.
-    dout = a["dout"]
-    L = (dout.shape[1] - T) // n
-    shares = np.random.default_rng(99).dirichlet(np.ones(n), size=T).T  # (n, T)
-    text_dout = dout[:, None, :T] * shares[None, :, :, None, None]  # (B, n, T, H, D)
-    visual_dout = np.asarray(to(dout[:, T:])).reshape(B, n, L, *dout.shape[2:])
-    blocks = np.concatenate([text_dout, visual_dout], axis=2)
-    dev_dout = jnp.asarray(blocks.reshape(B, n * (T + L), *dout.shape[2:]), jnp.float32)
-
-    out, ((dt, dv_, dsinks)) = _joint_fn(cfg)(text, visual, seg, sinks, dev_dout)
-    out = np.asarray(out).reshape(B, n, T + L, *dout.shape[2:])
-    res = dict(out_text=out[:, :, :T])
-    res["out"] = np.concatenate([out[:, 0, :T], back(out[:, :, T:].reshape(B, n * L, *dout.shape[2:]))], 1)
-    for name, g_t, g_v in zip(("dq", "dk", "dv"), dt, dv_):
-        res[name] = np.concatenate([np.asarray(g_t), back(g_v)], 1)
-    res["dsinks"] = None if dsinks is None else np.asarray(dsinks)
-    return res
+    """Runs the joint ring on global arrays `a` (`harness.run_joint`: the text cotangent
+    split over the n copies in random shares that sum to it); global-order NumPy
+    results, plus the text output rows of every device (`out_text`, `(B, n, T, H, D)`)."""
+    return harness.run_joint(_joint_fn(cfg), a, cfg.n, cfg.text_len,
+                             zigzag_size=cfg.n if cfg.layout == "zigzag" else 0,
+                             segments=_segments(cfg), sinks=cfg.sinks)
 
 
 def _check(cfg: Joint, a: dict):
@@ -162,12 +109,9 @@ def _check(cfg: Joint, a: dict):
     ref = oracle.attention(a["q"], a["k"], a["v"], segment_ids=seg, sinks=a.get("sinks"),
                            causal=cfg.causal, window=cfg.window, dout=a["dout"])
     got = _run(cfg, a)
-    for name in ("out", "dq", "dk", "dv") + (("dsinks",) if cfg.sinks else ()):
-        assert not np.isnan(got[name]).any(), f"{name} has NaN"
-        oracle.assert_close(got[name], getattr(ref, name), np.float32, name)
-    text = got["out_text"]
-    for i in range(1, text.shape[1]):  # the text rows: bitwise the same on every device
-        np.testing.assert_array_equal(text[:, i], text[:, 0], err_msg=f"text rows, device {i}")
+    harness.assert_matches(got, ref, np.float32,
+                           harness.ATTENTION_NAMES + (("dsinks",) if cfg.sinks else ()))
+    harness.assert_copies_equal(got["out_text"])  # the text rows: bitwise the same everywhere
 
 
 # -- output and gradients against the oracle ---------------------------------------
@@ -205,7 +149,7 @@ def test_text_only():
 def test_text_len_zero_is_plain_ring():
     """`text_len=0` lowers to exactly the program of a call without it, and matches
     the oracle through this file's harness."""
-    mesh = parallel.make_mesh(sp=4)
+    mesh = harness.mesh(sp=4)
     x = jnp.ones((1, 8, 4, 8))
 
     def lowered(**kw):
@@ -231,7 +175,7 @@ def test_text_never_travels_the_ring():
     a = _inputs(B=B, T=T, S=cfg.n * L, H=H, H_kv=H_kv, D=D, segments=True, sinks=True)
     text = tuple(jnp.asarray(a[x][:, :T]) for x in ("q", "k", "v"))
     visual = tuple(jnp.asarray(a[x][:, T:]) for x in ("q", "k", "v"))
-    seg = ((jnp.asarray(a["seg"][:, :T]), jnp.asarray(a["seg"][:, T:])),) * 2
+    seg = (jnp.asarray(a["seg"][:, :T]), jnp.asarray(a["seg"][:, T:]))
     dout = jnp.ones((B, cfg.n * (T + L), H, D))
     hlo = _joint_fn(cfg).lower(text, visual, seg, jnp.asarray(a["sinks"]), dout).as_text()
 
@@ -252,7 +196,7 @@ def test_text_never_travels_the_ring():
 
 def _trace(n=4, S_local=6, H=4, H_kv=4, L_k=None, **kw):
     """Traces `ring_attention` on a ring of `n` with per-device length `S_local`."""
-    mesh = parallel.make_mesh(sp=n)
+    mesh = harness.mesh(sp=n)
     L_k = S_local if L_k is None else L_k
     f = lambda q, k: parallel.ring_attention(q, k, k, axis_name=SP, **kw)  # noqa: E731
     g = jax.shard_map(f, mesh=mesh, in_specs=(P(None, SP),) * 2, out_specs=P(None, SP))

@@ -1,8 +1,8 @@
 """Sliding tile attention (`kernels.SlidingTileMask`) on the sharded paths, against
 the float64 oracle.
 
-The mask's dense form is built here (`sta_dense`, as in `test_sparse.py`), from the
-documented semantics and nothing of `vidax_eqx`: the video's tokens laid out tile by
+The mask's dense form is built by `oracle.sliding_tile_of` (as in `test_sparse.py`),
+from the documented semantics and nothing of `vidax_eqx`: the video's tokens laid out tile by
 tile, each grid dimension padded to whole tiles, a text prefix; query tile `(a, b, c)`
 sees the key tiles whose coordinate along each dimension lies in `[s, s + w)`,
 `s = clip(a - w // 2, 0, n - w)`, `w = min(window, n)`; text sees and is seen by
@@ -12,9 +12,10 @@ over the whole padded sequence `[text; video]`.
 
 Every sharded path runs inside `jax.shard_map` on 4 simulated CPU devices in one
 shape: each device holds `[text prefix (replicated input, empty without text);
-its chunk of the visual sequence]` (zigzag: permuted first). The text cotangent
-goes whole to device 0's copy of the text rows, the gradients of the replicated
-text inputs are summed over the devices by `shard_map`. Forward and gradients of
+its chunk of the visual sequence]` (zigzag: permuted first; `harness.joint_vjp`).
+The text cotangent is split over the devices' copies of the text rows in random
+shares, the gradients of the replicated text inputs are summed over the devices by
+`shard_map`. Forward and gradients of
 q, k, v and sinks (random cotangent) are compared with the oracle for:
 
 1. `ring_attention`: contiguous / zigzag, shared / per-head windows, GQA, a grid
@@ -45,6 +46,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import kernels, nn, parallel
 from vidax_eqx.parallel import _ring
@@ -62,32 +64,14 @@ TILE3 = (1, 1, 3)
 PER_HEAD = ((1, 1, 3), (3, 1, 1), (1, 1, 1), (3, 3, 3))
 PER_HEAD8 = PER_HEAD + ((1, 3, 1), (3, 3, 1), (1, 1, 3), (3, 1, 3))  # 4 ranks, 4 pairs
 TEXT = 3
-# Tiny programs: XLA's backend optimizations cost most of the compile time and buy nothing.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 # ------------------------------------------------------------------ the dense oracle mask
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _multiple(need: int, m: int) -> int:
     """The smallest multiple of `m` that is at least `need`."""
-    return _ceil_div(need, m) * m
-
-
-def sta_dense(grid, tile, windows, text_len=0, length=None):
-    """The sliding tile mask (`oracle.sliding_tile_dense`) as bool `(len(windows),
-    length, length)` over `[text prefix; video]`: positions at or past the layout's
-    length (`length`, default that length) are padding."""
-    pos = None if length is None else np.arange(length)
-    return oracle.sliding_tile_dense(grid, tile, windows, text_len, "prefix", pos, pos)
-
-
-def _windows(window) -> list:
-    return [window] if isinstance(window[0], int) else list(window)
+    return oracle.ceil_div(need, m) * m
 
 
 def _tm(window, text_len=0, tile=TILE):
@@ -95,7 +79,11 @@ def _tm(window, text_len=0, tile=TILE):
 
 
 def _dense(window, text_len=0, tile=TILE, length=None):
-    return sta_dense(GRID, tile, _windows(window), text_len, length)
+    """The sliding tile mask (`oracle.sliding_tile_of`) as bool `(n_windows, length,
+    length)` over `[text prefix; video]`: positions at or past the layout's length
+    (`length`, default that length) are padding."""
+    pos = None if length is None else np.arange(length)
+    return oracle.sliding_tile_of(_tm(window, text_len, tile), pos, pos)
 
 
 # A dense (S, S) mask for `DenseMask & tm`: fixed, random, about 70% of pairs visible.
@@ -131,8 +119,8 @@ class Case:
 
     def mesh(self):
         if self.path == "usp":
-            return parallel.make_mesh(sp=2, extra_axes={RING: 2})
-        return parallel.make_mesh(sp=N)
+            return harness.mesh(sp=2, **{RING: 2})
+        return harness.mesh(sp=N)
 
     def zigzag_size(self):
         """`zigzag_permute`'s size (the ring's), or 0 for the contiguous layout."""
@@ -170,78 +158,36 @@ def _attend(case: Case, q, k, v, seg, sinks):
 
 @functools.cache
 def _sharded_fn(case: Case):
-    """A jitted `(text, visual, seg, sinks, dout) -> (out, grads)`: `text = (qt, kt, vt)`
-    replicated, `visual = (qv, kv, vv)` sharded, `seg = (seg_t, seg_v)` or None; `out`
-    the per-device `[text; visual chunk]` rows side by side."""
-    text, seq = P(), P(None, case.axes)
-
-    def per_device(qt, kt, vt, qv, kv, vv, seg, sinks):
-        join = lambda t, x: jnp.concatenate(
-            [jax.lax.pcast(t, case.axes, to="varying"), x], axis=1)
-        seg = None if seg is None else join(*seg)
-        return _attend(case, join(qt, qv), join(kt, kv), join(vt, vv), seg, sinks)
-
-    sharded = jax.shard_map(
-        per_device, mesh=case.mesh(),
-        in_specs=(text, text, text, seq, seq, seq, (text, seq) if case.segments else None,
-                  P() if case.sinks else None),
-        out_specs=seq,
-    )
-
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
-    def run(text, visual, seg, sinks, dout):
-        out, vjp = jax.vjp(lambda t, x, s: sharded(*t, *x, seg, s), text, visual, sinks)
-        return out, vjp(dout)
-
-    return run
+    """A jitted `(text, visual, seg, sinks, dout) -> (out, grads)` (`harness.joint_vjp`):
+    `text = (qt, kt, vt)` replicated (empty without text), `visual = (qv, kv, vv)`
+    sharded, `seg = (seg_t, seg_v)` or None; `out` the per-device `[text; visual chunk]`
+    rows side by side."""
+    return harness.joint_vjp(functools.partial(_attend, case), case.mesh(), case.axes,
+                             segments="one" if case.segments else None, sinks=case.sinks,
+                             compiler_options=harness.FAST_COMPILE)  # tiny programs
 
 
 def _inputs(case: Case, seed: int = 0) -> dict:
-    """Global float32 arrays over `[text; visual (padded)]`."""
+    """Global float32 arrays over `[text; visual (padded)]`. Segment ids: sorted runs of
+    two ids over the real tokens, padding (-1) on the last few real tokens and on the
+    global sequence's padding."""
     rng = np.random.default_rng(seed)
     H, H_kv = case.heads
     S = case.text_len + case.length
-    shapes = {"q": (B, S, H, D), "k": (B, S, H_kv, D), "v": (B, S, H_kv, D), "dout": (B, S, H, D)}
-    a = {name: rng.standard_normal(shape).astype(F32) for name, shape in shapes.items()}
-    if case.sinks:
-        a["sinks"] = rng.standard_normal((H,)).astype(F32)
+    a = harness.attention_inputs(B, S, H, D, H_kv=H_kv, rng=rng, sinks=case.sinks)
     if case.segments:
-        # Sorted runs of two ids over the real tokens, padding (-1) on the last few
-        # real tokens and on the global sequence's padding.
-        seq_len = case.mask.seq_len
-        seg = np.sort(rng.integers(0, 2, (B, S)), axis=1)
-        seg[:, seq_len - 5:] = -1
-        a["seg"] = seg.astype(np.int32)
+        a["seg"] = harness.segment_ids(rng, B, S, ids=2, scattered=False, pad=(0, 0))
+        a["seg"][:, case.mask.seq_len - 5:] = -1
     return a
 
 
 def _run(case: Case, a: dict) -> dict:
-    """Runs the case on global arrays `a`; global-order NumPy results, and the text rows
-    of every device (`out_text`, `(B, N, T, H, D)`)."""
-    T, zz = case.text_len, case.zigzag_size()
-    to = lambda x: parallel.zigzag_permute(jnp.asarray(x), 1, zz) if zz else jnp.asarray(x)
-    back = lambda x: np.asarray(parallel.zigzag_unpermute(x, 1, zz) if zz else x)
-    text = tuple(jnp.asarray(a[name][:, :T]) for name in ("q", "k", "v"))
-    visual = tuple(to(a[name][:, T:]) for name in ("q", "k", "v"))
-    seg = (jnp.asarray(a["seg"][:, :T]), to(a["seg"][:, T:])) if case.segments else None
-    sinks = jnp.asarray(a["sinks"]) if case.sinks else None
-
-    dout = a["dout"]
-    rest = dout.shape[2:]
-    L = case.length // N
-    text_dout = np.zeros((B, N, T, *rest), F32)
-    text_dout[:, 0] = dout[:, :T]  # the whole text cotangent on device 0's copy
-    visual_dout = np.asarray(to(dout[:, T:])).reshape(B, N, L, *rest)
-    dev_dout = np.concatenate([text_dout, visual_dout], 2).reshape(B, N * (T + L), *rest)
-
-    out, (dt, dx, dsinks) = _sharded_fn(case)(text, visual, seg, sinks, jnp.asarray(dev_dout))
-    out = np.asarray(out).reshape(B, N, T + L, *rest)
-    res = {"out_text": out[:, :, :T]}
-    res["out"] = np.concatenate([out[:, 0, :T], back(out[:, :, T:].reshape(B, N * L, *rest))], 1)
-    for name, g_t, g_v in zip(("dq", "dk", "dv"), dt, dx):
-        res[name] = np.concatenate([np.asarray(g_t), back(g_v)], 1)
-    res["dsinks"] = None if dsinks is None else np.asarray(dsinks)
-    return res
+    """Runs the case on global arrays `a` (`harness.run_joint`; the text cotangent split
+    over the devices' copies of the text rows); global-order NumPy results, and the text
+    rows of every device (`out_text`, `(B, N, T, H, D)`)."""
+    return harness.run_joint(_sharded_fn(case), a, N, case.text_len,
+                             zigzag_size=case.zigzag_size(),
+                             segments="one" if case.segments else None, sinks=case.sinks)
 
 
 def _oracle_mask(case: Case) -> np.ndarray:
@@ -259,12 +205,9 @@ def _check(case: Case, seed: int = 0):
     ref = oracle.attention(a["q"], a["k"], a["v"], mask=_oracle_mask(case),
                            segment_ids=a.get("seg"), sinks=a.get("sinks"), dout=a["dout"])
     got = _run(case, a)
-    for name in ("out", "dq", "dk", "dv") + (("dsinks",) if case.sinks else ()):
-        assert np.isfinite(got[name]).all(), f"{name} is not finite"
-        oracle.assert_close(got[name], getattr(ref, name), F32, name)
-    text = got["out_text"]
-    for i in range(1, text.shape[1]):  # the text rows: bitwise the same on every device
-        np.testing.assert_array_equal(text[:, i], text[:, 0], err_msg=f"text rows, device {i}")
+    names = harness.ATTENTION_NAMES + (("dsinks",) if case.sinks else ())
+    harness.assert_matches(got, ref, F32, names)
+    harness.assert_copies_equal(got["out_text"])  # the text rows: bitwise the same everywhere
 
 
 def _ring_length(need: int, layout: str) -> int:
@@ -316,7 +259,7 @@ def _visible_chunks(dense: np.ndarray, chunks: int) -> np.ndarray:
 def test_ring_plan_skips_the_steps_a_local_window_hides():
     S = FRAMES.seq_len
     L = S // N
-    dense = sta_dense(FRAMES.grid, FRAMES.tile, [FRAMES.window])
+    dense = oracle.sliding_tile_of(FRAMES)
     plan = _ring._tile_plan(FRAMES, "contiguous", N, L, L, False, None)
     assert plan.shape == (N, N) and (plan == _ring._SKIP).any()
     # Contiguous: each device computes exactly the key blocks the mask does not hide.
@@ -408,11 +351,6 @@ def test_make_ring_attention_matches_oracle(name):
 DIM, HEADS = 32, 4  # head_dim = D
 
 
-def _assert_tree_close(got, ref, name):
-    for i, (g, r) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(ref))):
-        oracle.assert_close(g, r, F32, f"{name}[{i}]")
-
-
 def test_attention_module_ring_tp_per_head_windows():
     """`sequence="ring"` x TP = 2: heads 0-1 on TP rank 0, 2-3 on rank 1, each rank its
     own windows (a switch on the TP rank around every step's kernel; its gradient is
@@ -422,9 +360,9 @@ def test_attention_module_ring_tp_per_head_windows():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, tm.seq_len, DIM)), F32)
     call = lambda m, x: jax.vmap(lambda x: m(x, mask=tm))(x)
     sharded = nn.with_parallel(attn, nn.ParallelConfig(sequence="ring", tp_axis=TP))
-    f = nn.filter_shard_map(call, mesh=parallel.make_mesh(sp=2, tp=2),
+    f = nn.filter_shard_map(call, mesh=harness.mesh(sp=2, tp=2),
                             in_specs=(nn.partition_specs(sharded), SEQ), out_specs=SEQ)
-    run = functools.partial(eqx.filter_jit, compiler_options=FAST_COMPILE)
+    run = functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
     oracle.assert_close(run(f)(sharded, x), run(call)(attn, x), F32, "ring x tp")
 
 
@@ -445,11 +383,11 @@ def test_joint_attention_module_ulysses_shared_window():
         xo, co = call(m, x, c)
         return xo, co[None]  # every device's copy of the text output
 
-    f = nn.filter_shard_map(per_device, mesh=parallel.make_mesh(sp=N),
+    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=N),
                             in_specs=(nn.partition_specs(sharded), SEQ, P()),
                             out_specs=(SEQ, P(SP)))
 
-    @functools.partial(eqx.filter_jit, compiler_options=FAST_COMPILE)
+    @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
     def run(fn, m, copies):
         def loss(x, c):
             xo, co = fn(m, x, c)
@@ -459,7 +397,8 @@ def test_joint_attention_module_ulysses_shared_window():
 
     (dx, dc), (xo, copies) = run(f, sharded, True)
     (dx_1, dc_1), (xo_1, co_1) = run(call, joint, False)
-    _assert_tree_close((xo, dx, dc), (xo_1, dx_1, dc_1), "joint ulysses: (x_out, dx, dcontext)")
+    harness.assert_trees_close((xo, dx, dc), (xo_1, dx_1, dc_1), F32,
+                               "joint ulysses: (x_out, dx, dcontext)")
     for i in range(copies.shape[0]):
         oracle.assert_close(copies[i], co_1, F32, f"context_out copy {i}")
 
@@ -479,7 +418,7 @@ def _zeros(S, H=4, H_kv=None):
 
 def test_wrong_global_length_raises():
     tm = _tm((3, 1, 1))  # 72 tokens; the ring pads by fewer than 4 tiles (16 tokens)
-    mesh = parallel.make_mesh(sp=N)
+    mesh = harness.mesh(sp=N)
     ring = lambda q, k, v: parallel.ring_attention(q, k, v, axis_name=SP, mask=tm)
     for S in (64, 88):
         with pytest.raises(ValueError, match=r"ring_attention: the SlidingTileMask lays out 72"):
@@ -494,7 +433,7 @@ def test_wrong_global_length_raises():
 
 def test_joint_layout_needs_the_masks_text_len():
     tm = _tm((3, 1, 1), text_len=TEXT - 1)
-    mesh = parallel.make_mesh(sp=N)
+    mesh = harness.mesh(sp=N)
     arrays = _zeros(N * (TEXT + 19))  # visual 76: fits every path's padding
     fns = {
         "ring_attention": lambda q, k, v: parallel.ring_attention(
@@ -508,13 +447,13 @@ def test_joint_layout_needs_the_masks_text_len():
     usp = lambda q, k, v: parallel.usp_attention(
         q, k, v, ulysses_axis=SP, ring_axis=RING, mask=tm, text_len=TEXT)
     with pytest.raises(ValueError, match=rf"needs text_len={TEXT}"):
-        _trace(usp, parallel.make_mesh(sp=2, extra_axes={RING: 2}), *arrays,
+        _trace(usp, harness.mesh(sp=2, **{RING: 2}), *arrays,
                spec=P(None, (RING, SP)))
 
 
 def test_per_head_window_count_must_be_the_head_count():
     tm = _tm(PER_HEAD)  # 4 windows
-    mesh = parallel.make_mesh(sp=N)
+    mesh = harness.mesh(sp=N)
     fns = {
         "ring_attention": lambda q, k, v: parallel.ring_attention(q, k, v, axis_name=SP, mask=tm),
         "sequence_parallel_self_attention": lambda q, k, v:
@@ -533,7 +472,7 @@ def test_differing_per_tp_rank_windows_under_ulysses_raise():
     attn = nn.with_parallel(nn.Attention(DIM, HEADS, key=jax.random.key(0)),
                             nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
     f = nn.filter_shard_map(lambda m, x: jax.vmap(lambda x: m(x, mask=tm))(x),
-                            mesh=parallel.make_mesh(sp=2, tp=2),
+                            mesh=harness.mesh(sp=2, tp=2),
                             in_specs=(nn.partition_specs(attn), SEQ), out_specs=SEQ)
     x = jax.ShapeDtypeStruct((1, tm.seq_len, DIM), F32)
     with pytest.raises(NotImplementedError, match=r"differ between tensor-parallel ranks"):
@@ -544,7 +483,7 @@ def test_dense_and_per_head_tile_mask_raises():
     tm = _tm(PER_HEAD)
     kernel = parallel.make_ring_attention(parallel.DenseMask(DENSE) & tm, ring_axis=SP)
     with pytest.raises(NotImplementedError, match=r"per-head windows runs alone"):
-        _trace(lambda q, k, v: kernel(q, k, v), parallel.make_mesh(sp=N), *_zeros(VIDEO))
+        _trace(lambda q, k, v: kernel(q, k, v), harness.mesh(sp=N), *_zeros(VIDEO))
 
 
 def test_documented_api_entry_points_take_the_mask():
@@ -556,7 +495,7 @@ def test_documented_api_entry_points_take_the_mask():
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((2, tm.seq_len, 4, 8)), jnp.float32)
     ref = kernels.attention(q, q, q, mask=tm, implementation="xla")
-    mesh = parallel.make_mesh(dp=2, tp=2, devices=jax.devices()[:4])
+    mesh = harness.mesh(dp=2, tp=2)
     for out in (core.dot_product_attention(q, q, q, mask=tm, mesh=mesh),
                 core.dot_product_attention(q, q, q, mask=tm),
                 vflax.attention_fn(q, q, q, mask=tm)):

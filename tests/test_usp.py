@@ -2,9 +2,10 @@
 
 Meshes are `make_mesh(dp, sp=U, extra_axes={"ring": R})`; the global sequence is
 sharded ring-major, `P(None, ("ring", "sp"))` (zigzag: permuted first with
-`zigzag_permute(x, 1, R)` and unpermuted after). Every comparison takes `jax.vjp`
-with a random cotangent and checks the output and the gradients of q, k, v (and
-sinks) against `oracle.attention` on the whole unsharded sequence. Shapes stay
+`zigzag_permute(x, 1, R)` and unpermuted after; a text prefix enters replicated and
+every device puts it before its chunk: `harness.joint_vjp`). Every comparison takes
+`jax.vjp` with a random cotangent and checks the output and the gradients of q, k, v
+(and sinks) against `oracle.attention` on the whole unsharded sequence. Shapes stay
 small so the file runs quickly on a 2-core machine; each configuration compiles
 once (`_usp_fn` caches it).
 """
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import kernels, parallel
 
@@ -45,7 +47,7 @@ class Usp:
     check_vma: bool = True
 
     def mesh(self):
-        return parallel.make_mesh(dp=self.dp, sp=self.U, extra_axes={RING: self.R})
+        return harness.mesh(dp=self.dp, sp=self.U, **{RING: self.R})
 
     def seq(self):
         return P("dp" if self.dp > 1 else None, (RING, ULYSSES))
@@ -54,8 +56,8 @@ class Usp:
 @functools.lru_cache(maxsize=None)
 def _usp_fn(cfg: Usp):
     """A jitted `(q, k, v, seg, sinks, dout) -> (out, (dq, dk, dv, dsinks))` on the
-    sharded (per-device) layout."""
-    seq = cfg.seq()
+    sharded (per-device) layout (`harness.sequence_vjp`); with a text prefix, the joint
+    layout's `(text, visual, seg, sinks, dout) -> (out, grads)` (`harness.joint_vjp`)."""
 
     def attend(q, k, v, seg, sinks):
         return parallel.usp_attention(
@@ -72,108 +74,36 @@ def _usp_fn(cfg: Usp):
             implementation=cfg.implementation,
         )
 
-    sharded = jax.shard_map(
-        attend,
-        mesh=cfg.mesh(),
-        in_specs=(seq, seq, seq, seq if cfg.segments else None, P() if cfg.sinks else None),
-        out_specs=seq,
-        check_vma=cfg.check_vma,
-    )
-
-    @jax.jit
-    def run(q, k, v, seg, sinks, dout):
-        out, vjp = jax.vjp(lambda q, k, v, s: sharded(q, k, v, seg, s), q, k, v, sinks)
-        return out, vjp(dout)
-
-    return run
+    vjp = harness.joint_vjp if cfg.text_len else harness.sequence_vjp
+    return vjp(attend, cfg.mesh(), (RING, ULYSSES), batch_axis="dp" if cfg.dp > 1 else None,
+               segments="one" if cfg.segments else None, sinks=cfg.sinks, check_vma=cfg.check_vma)
 
 
 def _inputs(B=2, S=32, T=0, H=4, H_kv=4, D=8, dtype=np.float32, seed=0, segments=False,
             sinks=False):
-    """Global arrays: `(B, T + S, ...)`, text first when `T > 0`."""
+    """Global arrays: `(B, T + S, ...)`, text first when `T > 0`. q, k, v and dout hold
+    values of `dtype` (rounded to it), in float32. Segment ids differ per batch element:
+    sorted runs and scattered ids, both with a padded (-1) tail; text ids in {0, 1}."""
     rng = np.random.default_rng(seed)
-    n = T + S
-
-    def draw(shape):
-        x = jnp.asarray(rng.standard_normal(shape), dtype)
-        return np.asarray(x.astype(jnp.float32))  # the rounded values, exactly
-
-    a = dict(q=draw((B, n, H, D)), k=draw((B, n, H_kv, D)), v=draw((B, n, H_kv, D)),
-             dout=draw((B, n, H, D)))
-    if sinks:
-        a["sinks"] = rng.standard_normal((H,)).astype(np.float32)
+    a = harness.attention_inputs(B, T + S, H, D, H_kv=H_kv, dtype=dtype, rng=rng, sinks=sinks)
+    for name in ("q", "k", "v", "dout"):
+        a[name] = a[name].astype(np.float32)  # the rounded values, exactly
     if segments:
-        # Different per batch element: sorted runs and scattered ids, both with a
-        # padded (-1) tail; text ids in {0, 1}.
-        runs = np.sort(rng.integers(0, 3, S))
-        runs[S - S // 6:] = -1
-        scattered = rng.integers(0, 3, S)
-        scattered[S - S // 10:] = -1
-        visual = np.stack([runs, scattered][:B])
+        visual = harness.segment_ids(rng, B, S)
         a["seg"] = np.concatenate([rng.integers(0, 2, (B, T)), visual], 1).astype(np.int32)
     return a
 
 
-def _to_devices(cfg: Usp, x, n_dev):
-    """Global `(B, T + S, ...)` -> the sharded layout: zigzag permutation of the visual
-    part, then (joint) the text prefix repeated before every device's chunk."""
-    T = cfg.text_len
-    x = jnp.asarray(x)
-    text, visual = x[:, :T], x[:, T:]
-    if cfg.layout == "zigzag":
-        visual = parallel.zigzag_permute(visual, 1, cfg.R)
-    if not T:
-        return visual
-    L = visual.shape[1] // n_dev
-    return jnp.concatenate(
-        [jnp.concatenate([text, visual[:, i * L:(i + 1) * L]], 1) for i in range(n_dev)], 1)
-
-
-def _from_devices(cfg: Usp, x, n_dev):
-    """Inverse of `_to_devices` for outputs and gradients: `(text rows per device
-    (B, n_dev, T, ...), global (B, T + S, ...))`, text gradients summed over copies."""
-    T = cfg.text_len
-    x = np.asarray(x, np.float64)
-    blocks = x.reshape(x.shape[0], n_dev, -1, *x.shape[2:])
-    text = blocks[:, :, :T]
-    visual = blocks[:, :, T:].reshape(x.shape[0], -1, *x.shape[2:])
-    if cfg.layout == "zigzag":
-        visual = np.asarray(parallel.zigzag_unpermute(visual, 1, cfg.R))
-    return text, visual
-
-
 def _run(cfg: Usp, a: dict, repeat: int = 1):
-    """Runs `usp_attention` on global arrays `a`; returns global-order results."""
-    n_dev = cfg.U * cfg.R
-    T = cfg.text_len
-    to = lambda x: _to_devices(cfg, x, n_dev)  # noqa: E731
-    args = [to(a[name]) for name in ("q", "k", "v")]
-    seg = to(a["seg"]) if cfg.segments else None
-    sinks = jnp.asarray(a["sinks"]) if cfg.sinks else None
-    dout = a["dout"]
-    if T:  # every device's text copy gets a share of the text cotangent
-        shares = np.random.default_rng(99).dirichlet(np.ones(n_dev), size=T).T  # (n_dev, T)
-        dev_dout = np.array(to(dout))
-        blocks = dev_dout.reshape(dout.shape[0], n_dev, -1, *dout.shape[2:])
-        blocks[:, :, :T] = dout[:, None, :T] * shares[None, :, :, None, None]
-        dev_dout = blocks.reshape(dev_dout.shape)
-    else:
-        dev_dout = to(dout)
-    fn = _usp_fn(cfg)
-    results = [fn(*args, seg, sinks, jnp.asarray(dev_dout)) for _ in range(repeat)]
-
-    def unpack(r):
-        out_text, out = _from_devices(cfg, r[0], n_dev)
-        res = dict(out=out, out_text=out_text)
-        if T:  # every device's text rows: check one, compare the rest bitwise
-            res["out"] = np.concatenate([out_text[:, 0], out], 1)
-        for name, g in zip(("dq", "dk", "dv"), r[1][:3]):
-            g_text, g = _from_devices(cfg, g, n_dev)
-            res[name] = np.concatenate([g_text.sum(1), g], 1) if T else g
-        res["dsinks"] = None if r[1][3] is None else np.asarray(r[1][3])
-        return res
-
-    return [unpack(r) for r in results] if repeat > 1 else unpack(results[0])
+    """Runs `usp_attention` on global arrays `a`; returns global-order results (with a
+    text prefix also every device's text rows, `out_text`; the text cotangent split over
+    the devices' copies in random shares)."""
+    common = dict(zigzag_size=cfg.R if cfg.layout == "zigzag" else 0,
+                  segments="one" if cfg.segments else None, sinks=cfg.sinks)
+    if cfg.text_len:
+        assert repeat == 1
+        return harness.run_joint(_usp_fn(cfg), a, cfg.U * cfg.R, cfg.text_len, **common)
+    return harness.run_sequence(_usp_fn(cfg), a, repeat=repeat, **common)
 
 
 def _oracle(cfg: Usp, a: dict):
@@ -190,14 +120,10 @@ def _oracle(cfg: Usp, a: dict):
 
 def _check(cfg: Usp, a: dict, dtype=np.float32):
     got, ref = _run(cfg, a), _oracle(cfg, a)
-    names = ("out", "dq", "dk", "dv") + (("dsinks",) if cfg.sinks else ())
-    for name in names:
-        assert not np.isnan(got[name]).any(), f"{name} has NaN"
-        oracle.assert_close(got[name], getattr(ref, name), dtype, name)
+    names = harness.ATTENTION_NAMES + (("dsinks",) if cfg.sinks else ())
+    harness.assert_matches(got, ref, dtype, names)
     if cfg.text_len:
-        text = got["out_text"]
-        for i in range(1, text.shape[1]):  # identical on every device
-            np.testing.assert_array_equal(text[:, i], text[:, 0], err_msg=f"text rows, device {i}")
+        harness.assert_copies_equal(got["out_text"])  # identical on every device
 
 
 MESHES = [(2, 4, 1), (4, 2, 1), (2, 2, 2)]
