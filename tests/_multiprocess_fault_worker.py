@@ -31,7 +31,7 @@ import time
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and the worker beside this file
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and harness.py beside this file
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from jax._src import distributed  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from _multiprocess_worker import _global  # noqa: E402
+import harness  # noqa: E402
 
 
 INIT_TIMEOUT_S = 60  # `initialization_timeout`: both processes must connect within this
@@ -64,7 +64,7 @@ def main() -> int:
     print(f"INFO process {jax.process_index()}/{jax.process_count()} "
           f"local={jax.local_device_count()} global={jax.device_count()} pid={os.getpid()}",
           flush=True)
-    mesh = parallel.make_mesh(sp=jax.device_count())
+    mesh = harness.mesh(sp=jax.device_count())
     spec = P(None, "sp")
 
     def local(q, k, v):
@@ -77,7 +77,7 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     B, L, H, D = 1, 16 * jax.device_count(), jax.device_count(), 8
-    q, k, v = (_global(mesh, spec, rng.standard_normal((B, L, H, D)).astype(np.float32))
+    q, k, v = (harness.global_array(mesh, spec, harness.normal(rng, (B, L, H, D)))
                for _ in range(3))
     compiled = jax.jit(step).lower(q, k, v).compile()
     # Compile times differ between processes; without this barrier the first

@@ -19,32 +19,15 @@ import traceback
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and oracle.py beside this file
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and oracle.py / harness.py beside this file
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import harness  # noqa: E402
 import oracle  # noqa: E402
-
-
-def _global(mesh, spec, x):
-    """The global array `x`, each process providing only its own devices' shards."""
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
-
-
-def _inputs(sp, seed=0):
-    B, L, H, H_kv, D = 2, 32, 8, 2, 16
-    rng = np.random.default_rng(seed)
-    a = {n: rng.standard_normal(s).astype(np.float32) for n, s in (
-        ("q", (B, L, H, D)), ("k", (B, L, H_kv, D)), ("v", (B, L, H_kv, D)),
-        ("dout", (B, L, H, D)), ("sinks", (H,)))}
-    a["seg"] = np.sort(rng.integers(0, 3, size=(B, L)), axis=1).astype(np.int32)
-    a["seg"][1] = np.sort(rng.integers(0, 2, size=L))
-    return a
 
 
 def _compare(name, got, ref):
@@ -63,9 +46,9 @@ def _run_case(name, mesh, local, a, ref):
         out, vjp = jax.vjp(lambda q, k, v, s: f(q, k, v, s, seg), q, k, v, sinks)
         return out, vjp(dout)
 
-    args = [_global(mesh, spec, a[n]) for n in ("q", "k", "v")]
-    args += [_global(mesh, P(), a["sinks"]), _global(mesh, spec, a["seg"]),
-             _global(mesh, spec, a["dout"])]
+    args = [harness.global_array(mesh, spec, a[n]) for n in ("q", "k", "v")]
+    args += [harness.global_array(mesh, P(), a["sinks"]),
+             *(harness.global_array(mesh, spec, a[n]) for n in ("seg", "dout"))]
     out, grads = run(*args)
     got = multihost_utils.process_allgather((out, *grads), tiled=True)
     _compare(name, got, (ref.out, ref.dq, ref.dk, ref.dv, ref.dsinks))
@@ -83,9 +66,11 @@ def main() -> int:
 
     print(f"INFO process {jax.process_index()}/{jax.process_count()} "
           f"local={jax.local_device_count()} global={jax.device_count()}", flush=True)
-    sp = jax.device_count()
-    mesh = parallel.make_mesh(sp=sp)
-    a = _inputs(sp)
+    mesh = harness.mesh(sp=jax.device_count())
+    # Segment ids: sorted runs, different per batch element, no padding.
+    rng = np.random.default_rng(0)
+    a = harness.attention_inputs(2, 32, 8, 16, H_kv=2, rng=rng, sinks=True)
+    a["seg"] = harness.segment_ids(rng, 2, 32, scattered=False, pad=(0, 0))
     ref = oracle.attention(a["q"], a["k"], a["v"], sinks=a["sinks"], segment_ids=a["seg"],
                            causal=True, dout=a["dout"])
 

@@ -8,45 +8,28 @@ float64 oracle. This is the code path of a multi-host TPU or GPU job.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+import harness
 from vidax_eqx import parallel
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multiprocess_worker.py")
-NUM_PROCESSES = 2
-LOCAL_DEVICES = 4
+NUM_PROCESSES, LOCAL_DEVICES = harness.NUM_PROCESSES, harness.LOCAL_DEVICES
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_env() -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_ENABLE_X64", None)
-    return env
 
 
 @pytest.fixture(scope="module")
 def workers():
     """Runs both workers once; returns `[(returncode, output), ...]` per process."""
-    port = _free_port()
+    port = harness.free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, str(i), str(NUM_PROCESSES), str(port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=harness.child_env(),
         )
         for i in range(NUM_PROCESSES)
     ]

@@ -51,10 +51,11 @@ import time
 
 import pytest
 
-from test_multiprocess import NUM_PROCESSES, _child_env, _free_port
+import harness
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multiprocess_fault_worker.py")
+NUM_PROCESSES = harness.NUM_PROCESSES
 HEARTBEAT_TIMEOUT_S = 20  # jax.distributed.initialize(heartbeat_timeout_seconds=...)
 COLLECTIVE_TIMEOUT_S = 5  # --xla_cpu_collective_timeout_seconds
 KILL_AFTER_STEP = 2  # signal the victim once both processes have printed `STEP 2`
@@ -78,9 +79,9 @@ SCENARIOS = {
 
 
 def _launch():
-    env = _child_env()
+    env = harness.child_env()
     env["XLA_FLAGS"] += f" --xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT_S}"
-    port = _free_port()
+    port = harness.free_port()
     return [
         subprocess.Popen(
             [sys.executable, WORKER, str(i), str(NUM_PROCESSES), str(port),
