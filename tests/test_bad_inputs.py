@@ -34,7 +34,6 @@ import re
 import tracemalloc
 from typing import Any, Callable, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +41,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jaxtyping import TypeCheckError
 
+import harness
 from vidax_eqx import core, interop, kernels, nn, parallel
-from test_interop import _entry, _raw_file  # the hostile-file builders
 from vidax_eqx.nn import functional
 
 
@@ -51,20 +50,15 @@ flax = pytest.importorskip("vidax_eqx.flax")
 
 B, S_q, S_k, H, H_kv, D = 2, 7, 5, 4, 2, 8
 _rng = np.random.default_rng(0)
-Q = jnp.asarray(_rng.standard_normal((B, S_q, H, D)), jnp.float32)
-K = jnp.asarray(_rng.standard_normal((B, S_k, H_kv, D)), jnp.float32)
-V = jnp.asarray(_rng.standard_normal((B, S_k, H_kv, D)), jnp.float32)
+_a = harness.attention_inputs(B, S_q, H, D, H_kv=H_kv, S_k=S_k, rng=_rng)
+Q, K, V = (jnp.asarray(_a[n]) for n in ("q", "k", "v"))
 # Global arrays for the parallel rows: 16 tokens, 4 per device over sp = 4.
-X = jnp.asarray(_rng.standard_normal((1, 16, 4, 8)), jnp.float32)
+X = jnp.asarray(harness.normal(_rng, (1, 16, 4, 8)))
 KEY = jax.random.PRNGKey(0)
 DIM, HEADS = 32, 4
 
 
-def _s(shape) -> str:
-    """A regex matching `shape` as Python prints a tuple."""
-    if len(shape) == 1:
-        return rf"\({shape[0]},\)"
-    return r"\(" + r", ".join(str(d) for d in shape) + r"\)"
+_s = harness.shape_re
 
 
 # The sharded rows only trace (`jax.eval_shape`): every check runs at trace time, and a
@@ -74,14 +68,14 @@ def _s(shape) -> str:
 def _on_sp(fn, *args, sp=4):
     """`fn` inside `shard_map` over the "sp" axis, every argument sharded on axis 1."""
     spec = P(None, parallel.SP_AXIS)
-    mesh = parallel.make_mesh(sp=sp)
+    mesh = harness.mesh(sp=sp)
     return jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec), *args)
 
 
 def _on_usp(fn, *args):
     """`fn` inside `shard_map` over Ulysses "sp" (2) x "ring" (2), ring-major."""
     spec = P(None, ("ring", parallel.SP_AXIS))
-    mesh = parallel.make_mesh(sp=2, extra_axes={"ring": 2})
+    mesh = harness.mesh(sp=2, ring=2)
     return jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec), *args)
 
 
@@ -120,11 +114,11 @@ def _ring_segment_ids(seg):
 
 def _tp(q=X, k=X, v=X, **kw):
     return lambda: jax.eval_shape(lambda q, k, v: parallel.tensor_parallel_attention(
-        q, k, v, mesh=parallel.make_mesh(tp=4), **kw), q, k, v)
+        q, k, v, mesh=harness.mesh(tp=4), **kw), q, k, v)
 
 
 def _inside_tp(fn, x):
-    mesh = parallel.make_mesh(tp=2)
+    mesh = harness.mesh(tp=2)
     return jax.eval_shape(
         jax.shard_map(fn, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, "tp")), x)
 
@@ -139,20 +133,8 @@ def _bwd(**kw):
 # -- weight files ---------------------------------------------------------------------
 
 
-def _arrays(module):
-    return jax.tree.leaves(eqx.filter(module, eqx.is_array))
-
-
-def _randomized(module, seed):
-    params, static = eqx.partition(module, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(params)
-    rng = np.random.default_rng(seed)
-    leaves = [jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in leaves]
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
-
-
 def _attention_module(seed=0):
-    return _randomized(nn.Attention(DIM, HEADS, key=jax.random.PRNGKey(seed)), seed)
+    return harness.resampled(nn.Attention(DIM, HEADS, key=jax.random.PRNGKey(seed)), seed)
 
 
 def _file_from(edit):
@@ -189,11 +171,11 @@ def _rejected_load(make_source):
 
     def call(tmp):
         target = _attention_module(1)
-        before = [np.array(x) for x in _arrays(target)]
+        before = [np.array(x) for x in harness.arrays(target)]
         try:
             interop.load_state_dict(target, make_source(tmp))
         finally:
-            after = _arrays(target)
+            after = harness.arrays(target)
             assert all(np.array_equal(np.asarray(a), b) for a, b in zip(after, before)), \
                 "the module passed to load_state_dict was modified"
 
@@ -710,26 +692,26 @@ ROWS = [
         r"is not a valid .safetensors file: (its header|tensor).*Nothing was loaded",
         takes_tmp=True),
     row("interop.load_state_dict", "header declaring a 4 TiB tensor",
-        _rejected_load(lambda tmp: _raw_file(
-            tmp / "w.safetensors", {"q.weight": _entry(shape=(2**40,), offsets=(0, 2**42))},
+        _rejected_load(lambda tmp: harness.safetensors_file(
+            tmp / "w.safetensors", {"q.weight": harness.safetensors_entry(shape=(2**40,), offsets=(0, 2**42))},
             bytes(8))), ValueError,
         r"tensor 'q.weight' has data_offsets \[0, 4398046511104\] outside the data section of "
         r"8 bytes", takes_tmp=True),
     row("interop.load_state_dict", "header with offsets past the end",
-        _rejected_load(lambda tmp: _raw_file(
-            tmp / "w.safetensors", {"q.bias": _entry(offsets=(8, 16))}, bytes(8))), ValueError,
+        _rejected_load(lambda tmp: harness.safetensors_file(
+            tmp / "w.safetensors", {"q.bias": harness.safetensors_entry(offsets=(8, 16))}, bytes(8))), ValueError,
         r"data_offsets \[8, 16\] outside the data section of 8 bytes", takes_tmp=True),
     row("interop.load_state_dict", "header with overlapping tensors",
-        _rejected_load(lambda tmp: _raw_file(
-            tmp / "w.safetensors", {"q.bias": _entry(), "k.bias": _entry(offsets=(4, 12))},
+        _rejected_load(lambda tmp: harness.safetensors_file(
+            tmp / "w.safetensors", {"q.bias": harness.safetensors_entry(), "k.bias": harness.safetensors_entry(offsets=(4, 12))},
             bytes(12))), ValueError,
         r"tensor 'k.bias' at data_offsets \[4, 12\] overlaps the previous tensor", takes_tmp=True),
     row("interop.load_state_dict", "header length 2**64 - 1",
-        _rejected_load(lambda tmp: _raw_file(tmp / "w.safetensors", b"{}", length=2**64 - 1)),
+        _rejected_load(lambda tmp: harness.safetensors_file(tmp / "w.safetensors", b"{}", length=2**64 - 1)),
         ValueError, r"its header claims 18446744073709551615 bytes, more than the 100000000-byte "
                     r"limit", takes_tmp=True),
     row("interop.load_state_dict", "a pickle where the JSON header should be",
-        _rejected_load(lambda tmp: _raw_file(
+        _rejected_load(lambda tmp: harness.safetensors_file(
             tmp / "w.safetensors", pickle.dumps({"q.weight": "os.system"}))), ValueError,
         r"its header is not valid UTF-8 JSON", takes_tmp=True),
     row("interop.load_state_dict", "a pickle-based .pt checkpoint",
@@ -783,11 +765,8 @@ _GROUP = _NH // _NK  # query heads per kv head
 
 
 def _nqkv(seed=1):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((_NB, _NS, _NH, _ND)).astype(np.float32)
-    k = rng.standard_normal((_NB, _NS, _NK, _ND)).astype(np.float32)
-    v = rng.standard_normal((_NB, _NS, _NK, _ND)).astype(np.float32)
-    return q, k, v
+    a = harness.attention_inputs(_NB, _NS, _NH, _ND, H_kv=_NK, seed=seed)
+    return a["q"], a["k"], a["v"]
 
 
 def _run(q, k, v, impl, **kw):
@@ -912,7 +891,7 @@ def _nan_pattern_parallel(fn, mesh_kw, spec, causal):
     # not in another (see docs/limits.md); that is not what this test is about.
     v[0, 0, 0, 5] = np.inf      # head 0, feature 5
     q, k, v = map(jnp.asarray, (q, k, v))
-    mesh = parallel.make_mesh(**mesh_kw)
+    mesh = harness.mesh(**mesh_kw)
     out = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(q, k, v)
     ref = kernels.attention(q, k, v, causal=causal, implementation="xla")
     return np.asarray(out), np.asarray(ref)
@@ -935,7 +914,7 @@ def test_nan_propagates_through_parallel_paths(path):
     else:
         fn = lambda q, k, v: parallel.usp_attention(  # noqa: E731
             q, k, v, ulysses_axis="sp", ring_axis="ring", causal=causal)
-        mesh_kw, spec = dict(sp=2, extra_axes={"ring": 2}), P(None, ("ring", "sp"))
+        mesh_kw, spec = dict(sp=2, ring=2), P(None, ("ring", "sp"))
     out, ref = _nan_pattern_parallel(fn, mesh_kw, spec, causal)
     assert np.isnan(ref).any() and np.isinf(ref).any()
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
@@ -988,19 +967,19 @@ def test_edge_inputs_that_are_valid():
 
 
 HOSTILE_FILES = {
-    "4 TiB tensor": lambda p: _raw_file(p, {"q.weight": _entry(shape=(2**20, 2**20),
+    "4 TiB tensor": lambda p: harness.safetensors_file(p, {"q.weight": harness.safetensors_entry(shape=(2**20, 2**20),
                                                                offsets=(0, 2**42))}, bytes(8)),
-    "2**62 x 1000 shape": lambda p: _raw_file(p, {"q.weight": _entry(shape=[2**62] * 1000)},
+    "2**62 x 1000 shape": lambda p: harness.safetensors_file(p, {"q.weight": harness.safetensors_entry(shape=[2**62] * 1000)},
                                               bytes(8)),
-    "header length at the cap": lambda p: _raw_file(p, b"{}", length=interop.MAX_HEADER_BYTES),
-    "offsets beyond the file": lambda p: _raw_file(
-        p, {"q.weight": _entry(offsets=(2**63, 2**63 + 8))}, bytes(8)),
-    "overlapping tensors": lambda p: _raw_file(
-        p, {"a": _entry(offsets=(0, 8)), "b": _entry(offsets=(0, 8))}, bytes(8)),
-    "pickle payload as header": lambda p: _raw_file(
+    "header length at the cap": lambda p: harness.safetensors_file(p, b"{}", length=interop.MAX_HEADER_BYTES),
+    "offsets beyond the file": lambda p: harness.safetensors_file(
+        p, {"q.weight": harness.safetensors_entry(offsets=(2**63, 2**63 + 8))}, bytes(8)),
+    "overlapping tensors": lambda p: harness.safetensors_file(
+        p, {"a": harness.safetensors_entry(offsets=(0, 8)), "b": harness.safetensors_entry(offsets=(0, 8))}, bytes(8)),
+    "pickle payload as header": lambda p: harness.safetensors_file(
         p, pickle.dumps(os.system) + b" " * 8),
-    "20k entries": lambda p: _raw_file(
-        p, {f"t{i}": _entry(shape=(0,), offsets=(0, 0)) for i in range(20_000)}),
+    "20k entries": lambda p: harness.safetensors_file(
+        p, {f"t{i}": harness.safetensors_entry(shape=(0,), offsets=(0, 0)) for i in range(20_000)}),
 }
 
 
@@ -1015,7 +994,7 @@ def test_hostile_file_is_rejected_safely(case, tmp_path, monkeypatch):
         monkeypatch.setattr(pickle, name, forbidden)
     monkeypatch.setattr(np, "load", forbidden)
     target = _attention_module(1)
-    before = [np.array(x) for x in _arrays(target)]
+    before = [np.array(x) for x in harness.arrays(target)]
     size = os.path.getsize(path)
     tracemalloc.start()
     try:
@@ -1027,4 +1006,4 @@ def test_hostile_file_is_rejected_safely(case, tmp_path, monkeypatch):
     assert "nothing was loaded" in str(info.value).lower()
     # The reader allocates for the header it parses, never for what the header claims.
     assert peak < 64 * size + 8_000_000, f"peak {peak} bytes for a {size}-byte file"
-    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(_arrays(target), before))
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(harness.arrays(target), before))

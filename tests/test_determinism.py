@@ -7,7 +7,7 @@ ring attention and Ulysses on 4 simulated devices, USP on 2 x 2, and an
 - calling the same function twice gives identical bytes, under `jax.jit` and
   (single-device kernels and the module) eagerly, op by op with no outer `jit`;
 - two fresh Python processes computing the same jitted things (`PROCESS_RUNS`)
-  from the same PRNG key get identical bytes, equal to this process's (a fresh
+  from the same seeded inputs get identical bytes, equal to this process's (a fresh
   process means a fresh trace and a fresh XLA compilation). The processes run
   this file as a script: `python tests/test_determinism.py` prints one SHA-256
   digest per case.
@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import harness  # noqa: E402
 from vidax_eqx import kernels, nn, parallel  # noqa: E402
 
 
@@ -54,22 +55,17 @@ PROCESS_RUNS = [(name, "jit") for name in ("xla-float32", "blockwise-float32", "
 TIMEOUT_S = 240
 
 
-def _normal(key, shape, dtype=jnp.float32):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+def _jax(*arrays):
+    return tuple(jnp.asarray(x) for x in arrays)
 
 
 def _kernel_case(impl, dtype):
     """GQA, causal, segment ids with padding, sinks, bias: `(out, lse, grads)`."""
     B, S, H, H_kv, D = 2, 45, 4, 2, 16
-    ks = jax.random.split(jax.random.key(0), 8)
-    q = _normal(ks[0], (B, S, H, D), dtype)
-    k = _normal(ks[1], (B, S, H_kv, D), dtype)
-    v = _normal(ks[2], (B, S, H_kv, D), dtype)
-    bias = _normal(ks[3], (1, H, S, S))
-    sinks = _normal(ks[4], (H,))
-    seg = jnp.sort(jax.random.randint(ks[5], (B, S), -1, 3), axis=1)
-    dout = _normal(ks[6], (B, S, H, D), dtype)
-    dlse = _normal(ks[7], (B, H, S))
+    rng = np.random.default_rng(0)
+    a = harness.attention_inputs(B, S, H, D, H_kv=H_kv, dtype=dtype, rng=rng, dlse=True,
+                                 sinks=True, segments=True)
+    bias = harness.normal(rng, (1, H, S, S))
 
     def fn(q, k, v, bias, sinks, seg, dout, dlse):
         def fwd(q, k, v, bias, sinks):
@@ -79,25 +75,19 @@ def _kernel_case(impl, dtype):
         (out, lse), vjp = jax.vjp(fwd, q, k, v, bias, sinks)
         return out, lse, vjp((dout, dlse))
 
-    return fn, (q, k, v, bias, sinks, seg, dout, dlse)
+    return fn, _jax(a["q"], a["k"], a["v"], bias, a["sinks"], a["seg"], a["dout"], a["dlse"])
 
 
 def _sharded_case(kind):
     """Ring (zigzag, sp=4), Ulysses (sp=4) or USP (2 x 2) with the "xla" kernel:
     causal, segment ids, sinks, GQA; `(out, grads)` of the sharded global arrays."""
     B, S, H, H_kv, D = 2, 32, 4, 2, 16
-    ks = jax.random.split(jax.random.key(1), 6)
-    q = _normal(ks[0], (B, S, H, D))
-    k = _normal(ks[1], (B, S, H_kv, D))
-    v = _normal(ks[2], (B, S, H_kv, D))
-    sinks = _normal(ks[3], (H,))
-    seg = jnp.sort(jax.random.randint(ks[4], (B, S), -1, 3), axis=1)
-    dout = _normal(ks[5], (B, S, H, D))
+    a = harness.attention_inputs(B, S, H, D, H_kv=H_kv, seed=1, sinks=True, segments=True)
     if kind == "usp":
-        mesh = parallel.make_mesh(sp=2, extra_axes={"ring": 2})
+        mesh = harness.mesh(sp=2, ring=2)
         spec = P(None, ("ring", parallel.SP_AXIS))
     else:
-        mesh = parallel.make_mesh(sp=4)
+        mesh = harness.mesh(sp=4)
         spec = P(None, parallel.SP_AXIS)
 
     def local(q, k, v, sinks, seg):
@@ -109,23 +99,19 @@ def _sharded_case(kind):
                                           **opts)
         return parallel.sequence_parallel_self_attention(q, k, v, parallel.SP_AXIS, **opts)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(), spec), out_specs=spec)
-
-    def fn(q, k, v, sinks, seg, dout):
-        out, vjp = jax.vjp(lambda *a: sharded(*a, seg), q, k, v, sinks)
-        return out, vjp(dout)
-
-    return fn, (q, k, v, sinks, seg, dout)
+    fn = harness.sharded_vjp(local, mesh, (spec, spec, spec, P(), spec), spec, (0, 1, 2, 3),
+                             jit=False)
+    return fn, _jax(a["q"], a["k"], a["v"], a["sinks"], a["seg"], a["dout"])
 
 
 def _module_case():
     """`nn.Attention` (qk RMSNorm, RoPE-free): output, and the gradients of a random
     projection of it with respect to every parameter and the input."""
     S, dim, H = 24, 32, 4
-    k_mod, k_x, k_cot = jax.random.split(jax.random.key(2), 3)
+    k_mod, = harness.keys(2, 1)
     params, static = eqx.partition(nn.Attention(dim, H, key=k_mod), eqx.is_array)
-    x = _normal(k_x, (S, dim))
-    cot = _normal(k_cot, (S, dim))
+    rng = np.random.default_rng(2)
+    x, cot = _jax(harness.normal(rng, (S, dim)), harness.normal(rng, (S, dim)))
 
     def fn(params, x, cot):
         def loss(params, x):
@@ -183,19 +169,12 @@ def test_repeated_calls_are_bitwise_equal(name, mode):
     assert any(np.any(np.asarray(a, np.float32) != 0) for a in first)
 
 
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_ENABLE_X64", None)
-    return env
-
-
 def test_across_processes():
     """Two fresh processes (spawned concurrently) and this one: identical digests of
     every jitted case."""
     procs = [
         subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_child_env())
+                         stderr=subprocess.PIPE, text=True, env=harness.child_env(8))
         for _ in range(2)
     ]
     results = []

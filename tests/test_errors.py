@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 from vidax_eqx import kernels
 
 
@@ -22,9 +23,9 @@ B, S_q, S_k, H, H_kv, D = 2, 7, 5, 4, 2, 8
 def _qkv(q_shape=(B, S_q, H, D), k_shape=(B, S_k, H_kv, D), v_shape=None, dtype=jnp.float32,
          k_dtype=None):
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
-    k = jnp.asarray(rng.standard_normal(k_shape), k_dtype or dtype)
-    v = jnp.asarray(rng.standard_normal(v_shape or k_shape), k_dtype or dtype)
+    q = jnp.asarray(harness.normal(rng, q_shape), dtype)
+    k = jnp.asarray(harness.normal(rng, k_shape), k_dtype or dtype)
+    v = jnp.asarray(harness.normal(rng, v_shape or k_shape), k_dtype or dtype)
     return q, k, v
 
 
@@ -56,13 +57,6 @@ ENTRY_POINTS = [
 entry_points = pytest.mark.parametrize("call", ENTRY_POINTS)
 
 
-def _shape_re(shape) -> str:
-    """A regex matching `shape` as Python prints a tuple."""
-    if not shape:
-        return r"\(\)"
-    return r"\(" + r",\s*".join(str(s) for s in shape) + (r",\)" if len(shape) == 1 else r"\)")
-
-
 # -- q, k, v ------------------------------------------------------------------------------
 
 
@@ -80,35 +74,35 @@ def _shape_re(shape) -> str:
 def test_wrong_rank(call, which, shapes):
     q, k, v = _qkv(**shapes)
     bad = {"q": q, "k": k, "v": v}[which]
-    with pytest.raises(ValueError, match=rf"`{which}` must have rank 4.*{_shape_re(bad.shape)}"):
+    with pytest.raises(ValueError, match=rf"`{which}` must have rank 4.*{harness.shape_re(bad.shape)}"):
         call(q, k, v)
 
 
 @entry_points
 def test_head_dim_mismatch(call):
     q, k, v = _qkv(k_shape=(B, S_k, H_kv, D + 1))
-    with pytest.raises(ValueError, match=rf"head_dim.*{_shape_re(q.shape)}.*{_shape_re(k.shape)}"):
+    with pytest.raises(ValueError, match=rf"head_dim.*{harness.shape_re(q.shape)}.*{harness.shape_re(k.shape)}"):
         call(q, k, v)
 
 
 @entry_points
 def test_k_v_shape_mismatch(call):
     q, k, v = _qkv(v_shape=(B, S_k + 1, H_kv, D))
-    with pytest.raises(ValueError, match=rf"`k` and `v`.*{_shape_re(k.shape)}.*{_shape_re(v.shape)}"):
+    with pytest.raises(ValueError, match=rf"`k` and `v`.*{harness.shape_re(k.shape)}.*{harness.shape_re(v.shape)}"):
         call(q, k, v)
 
 
 @entry_points
 def test_batch_mismatch(call):
     q, k, v = _qkv(k_shape=(B + 1, S_k, H_kv, D))
-    with pytest.raises(ValueError, match=rf"batch.*{_shape_re(q.shape)}.*{_shape_re(k.shape)}"):
+    with pytest.raises(ValueError, match=rf"batch.*{harness.shape_re(q.shape)}.*{harness.shape_re(k.shape)}"):
         call(q, k, v)
 
 
 @entry_points
 def test_heads_not_divisible(call):
     q, k, v = _qkv(k_shape=(B, S_k, 3, D))
-    with pytest.raises(ValueError, match=rf"multiple.*heads.*H=4.*{_shape_re(k.shape)}.*H_kv=3"):
+    with pytest.raises(ValueError, match=rf"multiple.*heads.*H=4.*{harness.shape_re(k.shape)}.*H_kv=3"):
         call(q, k, v)
 
 
@@ -173,9 +167,9 @@ def test_bias_not_float(call):
 def test_segment_ids_errors(call):
     q, k, v = _qkv()
     seg = kernels.SegmentIds
-    with pytest.raises(ValueError, match=rf"`segment_ids.q` must have shape.*{_shape_re((B, S_q + 1))}"):
+    with pytest.raises(ValueError, match=rf"`segment_ids.q` must have shape.*{harness.shape_re((B, S_q + 1))}"):
         call(q, k, v, segment_ids=seg(jnp.zeros((B, S_q + 1), jnp.int32), jnp.zeros((B, S_k), jnp.int32)))
-    with pytest.raises(ValueError, match=rf"`segment_ids.kv` must have shape.*{_shape_re((S_k,))}"):
+    with pytest.raises(ValueError, match=rf"`segment_ids.kv` must have shape.*{harness.shape_re((S_k,))}"):
         call(q, k, v, segment_ids=seg(jnp.zeros((B, S_q), jnp.int32), jnp.zeros((S_k,), jnp.int32)))
     with pytest.raises(TypeError, match=r"`segment_ids.q` must have an integer dtype.*float32"):
         call(q, k, v, segment_ids=seg(jnp.zeros((B, S_q), jnp.float32), jnp.zeros((B, S_k), jnp.int32)))
@@ -183,7 +177,7 @@ def test_segment_ids_errors(call):
     with pytest.raises(ValueError, match=rf"single `segment_ids` array needs S_q == S_k.*S_q={S_q}, S_k={S_k}"):
         call(q, k, v, segment_ids=jnp.zeros((B, S_q), jnp.int32))
     q2, k2, v2 = _qkv(k_shape=(B, S_q, H_kv, D))
-    with pytest.raises(ValueError, match=rf"`segment_ids` must have shape.*{_shape_re((B + 1, S_q))}"):
+    with pytest.raises(ValueError, match=rf"`segment_ids` must have shape.*{harness.shape_re((B + 1, S_q))}"):
         call(q2, k2, v2, segment_ids=jnp.zeros((B + 1, S_q), jnp.int32))
     with pytest.raises(TypeError, match=r"`segment_ids` must have an integer dtype.*float32"):
         call(q2, k2, v2, segment_ids=jnp.zeros((B, S_q), jnp.float32))
@@ -193,7 +187,7 @@ def test_segment_ids_errors(call):
 @pytest.mark.parametrize("shape", [(H_kv,), (1, H), (H + 1,), ()], ids=str)
 def test_sinks_wrong_shape(call, shape):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=rf"`sinks` must have shape \(H,\) = \({H},\).*{_shape_re(shape)}"):
+    with pytest.raises(ValueError, match=rf"`sinks` must have shape \(H,\) = \({H},\).*{harness.shape_re(shape)}"):
         call(q, k, v, sinks=jnp.ones(shape, jnp.float32))
 
 
@@ -207,9 +201,9 @@ def test_sinks_not_float(call):
 @entry_points
 def test_positions_errors(call):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=rf"`q_positions` must have shape \({S_q},\).*{_shape_re((S_q + 1,))}"):
+    with pytest.raises(ValueError, match=rf"`q_positions` must have shape \({S_q},\).*{harness.shape_re((S_q + 1,))}"):
         call(q, k, v, q_positions=jnp.arange(S_q + 1))
-    with pytest.raises(ValueError, match=rf"`kv_positions` must have shape \({S_k},\).*{_shape_re((1, S_k))}"):
+    with pytest.raises(ValueError, match=rf"`kv_positions` must have shape \({S_k},\).*{harness.shape_re((1, S_k))}"):
         call(q, k, v, kv_positions=jnp.arange(S_k)[None])
     with pytest.raises(TypeError, match=r"`q_positions` must have an integer dtype.*float32"):
         call(q, k, v, q_positions=jnp.arange(S_q, dtype=jnp.float32), kv_positions=jnp.arange(S_k))
@@ -287,13 +281,13 @@ def test_attention_bwd_residual_shapes():
     out, lse = kernels.attention_fwd(q, k, v)
     dout = jnp.ones_like(out)
     bad_lse = lse[:, :, :-1]
-    with pytest.raises(ValueError, match=rf"`lse` must have shape {_shape_re(lse.shape)}.*{_shape_re(bad_lse.shape)}"):
+    with pytest.raises(ValueError, match=rf"`lse` must have shape {harness.shape_re(lse.shape)}.*{harness.shape_re(bad_lse.shape)}"):
         kernels.attention_bwd(q, k, v, out, bad_lse, dout)
-    with pytest.raises(ValueError, match=rf"`out` must have shape.*{_shape_re(out[:1].shape)}"):
+    with pytest.raises(ValueError, match=rf"`out` must have shape.*{harness.shape_re(out[:1].shape)}"):
         kernels.attention_bwd(q, k, v, out[:1], lse, dout)
-    with pytest.raises(ValueError, match=rf"`dout` must have shape.*{_shape_re(out[..., :1].shape)}"):
+    with pytest.raises(ValueError, match=rf"`dout` must have shape.*{harness.shape_re(out[..., :1].shape)}"):
         kernels.attention_bwd(q, k, v, out, lse, dout[..., :1])
-    with pytest.raises(ValueError, match=rf"`dlse` must have shape.*{_shape_re(lse[0].shape)}"):
+    with pytest.raises(ValueError, match=rf"`dlse` must have shape.*{harness.shape_re(lse[0].shape)}"):
         kernels.attention_bwd(q, k, v, out, lse, dout, dlse=lse[0])
 
 
