@@ -29,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vidax_eqx import interop, models, nn, parallel
+import harness
+import oracle
+from vidax_eqx import interop, models, nn
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "cogvideox")
-RTOL = 1e-5  # float32, relative to the output's largest magnitude
+RTOL = oracle.tolerance(np.float32)  # relative to the output's largest magnitude
 
 
 def _io(name):
-    return {k: jnp.asarray(v) for k, v in np.load(os.path.join(FIXTURES, name, "io.npz")).items()}
+    return harness.load_io(os.path.join(FIXTURES, name, "io.npz"))
 
 
 def _path(name):
@@ -55,11 +57,6 @@ def _single(model, x, timestep, context):
     return jax.vmap(model)(x, timestep, context)
 
 
-def _rel_err(out, ref):
-    ref = np.asarray(ref)
-    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
 # -- 1. one device ---------------------------------------------------------------------
 
 
@@ -68,7 +65,7 @@ def test_matches_diffusers(loaded, name):
     io = _io(name)
     out = _single(loaded[name], io["x"], io["timestep"], io["context"])
     assert out.shape == io["out"].shape and out.dtype == jnp.float32
-    assert _rel_err(out, io["out"]) < RTOL
+    assert harness.max_rel_error(out, io["out"]) < RTOL
 
 
 def test_rope_crop_region_rounds_as_the_pipeline():
@@ -92,7 +89,7 @@ def test_rope_crop_region_rounds_as_the_pipeline():
 _CONFIGS = {  # name: (model, mesh axes, ParallelConfig, batch axis)
     "5b-ulysses-dp2-sp4": ("5b", dict(dp=2, sp=4), dict(sequence="ulysses"), "dp"),
     "5b-ring-sp8": ("5b", dict(sp=8), dict(sequence="ring"), None),
-    "5b-usp-zigzag-2x2-tp2": ("5b", dict(sp=2, tp=2, extra_axes={"ring": 2}),
+    "5b-usp-zigzag-2x2-tp2": ("5b", dict(sp=2, tp=2, ring=2),
                               dict(sequence="usp", ring_axis="ring", layout="zigzag",
                                    tp_axis="tp"), None),
     "2b-ring-zigzag-sp4-tp2": ("2b", dict(sp=4, tp=2),
@@ -106,7 +103,7 @@ _CONFIGS = {  # name: (model, mesh axes, ParallelConfig, batch axis)
 
 def _sharded(model, config, **kwargs):
     _, mesh_axes, parallel_config, batch_axis = _CONFIGS[config]
-    mesh = parallel.make_mesh(**mesh_axes)
+    mesh = harness.mesh(**mesh_axes)
     model = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**parallel_config)), mesh)
     run = eqx.filter_jit(lambda m, *a: models.run_sharded(
         m, *a, mesh=mesh, batch_axis=batch_axis, **kwargs))
@@ -120,18 +117,10 @@ def test_sharded_matches_diffusers(loaded, config):
     io = _io(name)
     model, run = _sharded(loaded[name], config)
     out = run(model, io["x"], io["timestep"], io["context"])
-    assert _rel_err(out, io["out"]) < RTOL
+    assert harness.max_rel_error(out, io["out"]) < RTOL
 
 
 # -- 3. gradients ----------------------------------------------------------------------
-
-
-def _loss_fn(run):
-    def loss(arrays, static, x, t, c, target):
-        model = eqx.combine(arrays, static)
-        return jnp.mean(jnp.square(run(model, x, t, c) - target))
-
-    return eqx.filter_jit(jax.value_and_grad(loss))
 
 
 def test_sharded_gradients_equal_single(loaded):
@@ -143,12 +132,12 @@ def test_sharded_gradients_equal_single(loaded):
     args = (io["x"], io["timestep"], io["context"], target)
 
     arrays, static = eqx.partition(model, eqx.is_array)
-    single = _loss_fn(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c, remat="full"))(x, t, c))
+    single = harness.loss_and_grad(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c, remat="full"))(x, t, c))
     loss_1, grad_1 = single(arrays, static, *args)
 
     sharded, run = _sharded(model, config, remat="dots_saveable")
     arrays_n, static_n = eqx.partition(sharded, eqx.is_array)
-    loss_n, grad_n = _loss_fn(run)(arrays_n, static_n, *args)
+    loss_n, grad_n = harness.loss_and_grad(run)(arrays_n, static_n, *args)
 
     assert abs(float(loss_n) - float(loss_1)) <= RTOL * abs(float(loss_1))
     flat_1 = jax.tree_util.tree_leaves_with_path(grad_1)
@@ -167,13 +156,6 @@ def test_sharded_gradients_equal_single(loaded):
 # -- 4. checkpoints and errors ---------------------------------------------------------
 
 
-def _same_arrays(a, b):
-    la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-    )
-
-
 def test_save_load_roundtrip(loaded, tmp_path):
     model = loaded["5b_i2v"]
     model.save_pretrained(tmp_path / "one")
@@ -182,11 +164,11 @@ def test_save_load_roundtrip(loaded, tmp_path):
     original = json.loads(open(os.path.join(_path("5b_i2v"), "config.json")).read())
     assert {k: v for k, v in saved.items() if not k.startswith("_")} == {
         k: v for k, v in original.items() if not k.startswith("_")}
-    assert _same_arrays(models.CogVideoXTransformer3D.from_pretrained(tmp_path / "one"), model)
+    assert harness.same_arrays(models.CogVideoXTransformer3D.from_pretrained(tmp_path / "one"), model)
     model.save_pretrained(tmp_path / "shards", max_shard_bytes=100_000)
     index = json.loads((tmp_path / "shards" / "diffusion_pytorch_model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    assert _same_arrays(models.CogVideoXTransformer3D.from_pretrained(tmp_path / "shards"), model)
+    assert harness.same_arrays(models.CogVideoXTransformer3D.from_pretrained(tmp_path / "shards"), model)
 
 
 def test_bfloat16_stays_bfloat16(loaded, tmp_path):
@@ -197,7 +179,7 @@ def test_bfloat16_stays_bfloat16(loaded, tmp_path):
     io = _io("2b")
     out = _single(back, io["x"], io["timestep"], io["context"])
     assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
-    assert _rel_err(out.astype(jnp.float32), io["out"]) < 0.1
+    assert harness.max_rel_error(out.astype(jnp.float32), io["out"]) < 0.1
 
 
 def test_checkpoint_that_does_not_fit(tmp_path):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 from vidax_eqx import kernels, nn, parallel
 
 
@@ -314,7 +315,7 @@ def _ring(layout: str, implementation: str):
         q, k, v, axis_name="sp", causal=True, segment_ids=seg, layout=layout,
         implementation=implementation,
     )
-    return attend, parallel.make_mesh(sp=n), P(None, "sp"), S, n
+    return attend, harness.mesh(sp=n), P(None, "sp"), S, n
 
 
 def _ulysses(implementation: str):
@@ -322,7 +323,7 @@ def _ulysses(implementation: str):
     attend = lambda q, k, v, seg: parallel.sequence_parallel_self_attention(
         q, k, v, "sp", implementation=implementation
     )
-    return attend, parallel.make_mesh(sp=n), P(None, "sp"), SHARDED_SEQ, n
+    return attend, harness.mesh(sp=n), P(None, "sp"), SHARDED_SEQ, n
 
 
 def _usp(implementation: str):
@@ -330,7 +331,7 @@ def _usp(implementation: str):
     attend = lambda q, k, v, seg: parallel.usp_attention(
         q, k, v, ulysses_axis="sp", ring_axis="ring", causal=True, implementation=implementation
     )
-    mesh = parallel.make_mesh(sp=U, extra_axes={"ring": R})
+    mesh = harness.mesh(sp=U, ring=R)
     return attend, mesh, P(None, ("ring", "sp")), SHARDED_SEQ, U * R
 
 
@@ -391,7 +392,7 @@ def test_wan_attention_layer(platform, direction):
     params, static = eqx.partition(layer, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     call = nn.filter_shard_map(
         lambda m, x, cos, sin: jax.vmap(lambda x: m(x, rope=(cos, sin)))(x),
-        mesh=parallel.make_mesh(sp=sp, tp=tp),
+        mesh=harness.mesh(sp=sp, tp=tp),
         in_specs=(nn.partition_specs(layer), P(None, "sp"), P("sp"), P("sp")),
         out_specs=P(None, "sp"),
     )

@@ -24,6 +24,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import core, nn, parallel
 
@@ -31,10 +32,6 @@ from vidax_eqx import core, nn, parallel
 F32 = jnp.float32
 SP, TP, DP, RING = parallel.SP_AXIS, parallel.TP_AXIS, parallel.DP_AXIS, "ring"
 DIM, H, S, B = 32, 4, 16, 2
-
-
-def _mesh(dp=1, sp=1, tp=1, ring=1):
-    return parallel.make_mesh(dp=dp, sp=sp, tp=tp, extra_axes={RING: ring} if ring > 1 else None)
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +60,16 @@ def _run(module, x, mesh, x_spec, *, context=None, c_spec=P()):
 
 def test_one_device_config_on_a_sharded_sequence_raises(attn, x):
     with pytest.raises(ValueError, match=r"varies over the mesh axis 'sp'.*with_parallel"):
-        _run(attn, x, _mesh(sp=4), P(None, SP))
+        _run(attn, x, harness.mesh(sp=4), P(None, SP))
     joint = nn.JointAttention(DIM, H, key=jax.random.key(2))
     with pytest.raises(ValueError, match=r"JointAttention: `x` varies over the mesh axis 'sp'"):
-        _run(joint, x, _mesh(sp=4), P(None, SP), context=x[:, :3])
+        _run(joint, x, harness.mesh(sp=4), P(None, SP), context=x[:, :3])
 
 
 def test_sequence_parallel_config_on_a_replicated_sequence_raises(attn, x):
-    for cfg, mesh in ((nn.ParallelConfig(sequence="ulysses"), _mesh(sp=4)),
-                      (nn.ParallelConfig(sequence="ring", layout="zigzag"), _mesh(sp=4)),
-                      (nn.ParallelConfig(sequence="usp", ring_axis=RING), _mesh(sp=2, ring=2))):
+    for cfg, mesh in ((nn.ParallelConfig(sequence="ulysses"), harness.mesh(sp=4)),
+                      (nn.ParallelConfig(sequence="ring", layout="zigzag"), harness.mesh(sp=4)),
+                      (nn.ParallelConfig(sequence="usp", ring_axis=RING), harness.mesh(sp=2, ring=2))):
         with pytest.raises(ValueError, match=r"same on every device of '(sp|ring)' \(replicated\)"):
             _run(nn.with_parallel(attn, cfg), x, mesh, P())
 
@@ -80,18 +77,18 @@ def test_sequence_parallel_config_on_a_replicated_sequence_raises(attn, x):
 def test_tokens_over_the_tensor_parallel_axis_raise(attn, x):
     tp = nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP))
     with pytest.raises(ValueError, match=r"tensor-parallel axis 'tp'.*splits heads, not tokens"):
-        _run(tp, x, _mesh(tp=2), P(None, TP))
+        _run(tp, x, harness.mesh(tp=2), P(None, TP))
 
 
 def test_sharded_text_context_raises(x):
     cross = nn.CrossAttention(DIM, H, key=jax.random.key(3))
     with pytest.raises(ValueError, match=r"CrossAttention: `context` \(the text\).*\['sp'\]"):
-        _run(cross, x, _mesh(sp=4), P(None, SP), context=x[:, :8], c_spec=P(None, SP))
+        _run(cross, x, harness.mesh(sp=4), P(None, SP), context=x[:, :8], c_spec=P(None, SP))
 
 
 def test_weights_placed_for_tp_under_a_config_without_tp_raise(attn, x):
     placed_for_tp = nn.partition_specs(nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP)))
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=_mesh(tp=2),
+    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(tp=2),
                             in_specs=(placed_for_tp, P()), out_specs=P())
     with pytest.raises(ValueError, match=r"no tp_axis.*received 16.*with_parallel"):
         eqx.filter_jit(f)(attn, x)
@@ -99,7 +96,7 @@ def test_weights_placed_for_tp_under_a_config_without_tp_raise(attn, x):
 
 def test_parallel_functions_and_core_refuse_replicated_or_sharded_misuse():
     q = jax.random.normal(jax.random.key(4), (1, S, H, 8), F32)
-    mesh = _mesh(sp=4)
+    mesh = harness.mesh(sp=4)
 
     def run(fn, spec):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(q)
@@ -110,7 +107,7 @@ def test_parallel_functions_and_core_refuse_replicated_or_sharded_misuse():
         run(lambda q: parallel.sequence_parallel_self_attention(q, q, q, SP), P())
     with pytest.raises(ValueError, match=r"dot_product_attention: `q` varies over the mesh axis"):
         run(lambda q: core.dot_product_attention(q, q, q), P(None, SP))
-    usp_mesh = _mesh(sp=2, ring=2)
+    usp_mesh = harness.mesh(sp=2, ring=2)
     with pytest.raises(ValueError, match=r"usp_attention: `q` must be"):
         jax.jit(jax.shard_map(
             lambda q: parallel.usp_attention(q, q, q, ulysses_axis=SP, ring_axis=RING),
@@ -119,10 +116,10 @@ def test_parallel_functions_and_core_refuse_replicated_or_sharded_misuse():
 
 def test_data_parallel_axis_and_sharded_cross_attention_queries_stay_legal(attn, x):
     ref = jax.vmap(attn)(x)
-    oracle.assert_close(_run(attn, x, _mesh(dp=2), P(DP)), ref, F32, "dp")
+    oracle.assert_close(_run(attn, x, harness.mesh(dp=2), P(DP)), ref, F32, "dp")
     cross = nn.CrossAttention(DIM, H, key=jax.random.key(3))
     ctx = x[:, :8]
-    oracle.assert_close(_run(cross, x, _mesh(sp=4), P(None, SP), context=ctx),
+    oracle.assert_close(_run(cross, x, harness.mesh(sp=4), P(None, SP), context=ctx),
                         jax.vmap(cross)(x, ctx), F32, "cross, queries sharded")
 
 
@@ -137,7 +134,7 @@ def test_data_parallel_axis_and_sharded_cross_attention_queries_stay_legal(attn,
 ])
 def test_shard_tokens_gives_the_rows_of_the_layout(cfg, sizes):
     rope = nn.functional.rope_3d((2, 4, 4), 8)  # 32 tokens
-    mesh = _mesh(**sizes)
+    mesh = harness.mesh(**sizes)
     seq = (RING, SP) if cfg.sequence == "usp" else SP
     got = jax.jit(jax.shard_map(lambda: nn.shard_tokens(rope, cfg), mesh=mesh, in_specs=(),
                                 out_specs=P(seq)))()
@@ -161,7 +158,7 @@ def test_zigzag_module_with_shard_tokens_rope_equals_single_device(attn, x):
         r = nn.shard_tokens(rope, cfg)
         return jax.vmap(lambda x: m(x, rope=r))(x)
 
-    f = nn.filter_shard_map(per_device, mesh=_mesh(sp=4),
+    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
                             in_specs=(nn.partition_specs(attn), P(None, SP)), out_specs=P(None, SP))
     zz = parallel.zigzag_permute(x, 1, 4)
     out = parallel.zigzag_unpermute(eqx.filter_jit(f)(nn.with_parallel(attn, cfg), zz), 1, 4)
@@ -192,7 +189,7 @@ def _loss_and_grad(model, name, x, ct):
         if sizes is None:
             out = jax.vmap(m)(x)
         else:
-            f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=_mesh(**sizes),
+            f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(**sizes),
                                     in_specs=(nn.partition_specs(m), spec), out_specs=spec)
             xs = parallel.zigzag_permute(x, 1, sizes["sp"]) if zigzag else x
             out = f(m, xs)
@@ -234,11 +231,11 @@ def test_variants_share_one_structure_and_specs_place_each_other(attn, x):
     # Specs of the Ulysses variant (no TP) place the ring variant, and the usp x tp
     # variant's specs place a Ulysses x tp variant.
     ring = nn.with_parallel(attn, VARIANTS["ring-zigzag"][0])
-    out = _run(ring, parallel.zigzag_permute(x, 1, 4), _mesh(sp=4), P(None, SP))
+    out = _run(ring, parallel.zigzag_permute(x, 1, 4), harness.mesh(sp=4), P(None, SP))
     assert nn.partition_specs(variants["ulysses"]) == nn.partition_specs(ring)
     uly_tp = nn.with_parallel(attn, nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
     specs = nn.partition_specs(variants["usp-tp"])
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=_mesh(sp=2, tp=2),
+    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=2, tp=2),
                             in_specs=(specs, P(None, SP)), out_specs=P(None, SP))
     ref = jax.vmap(attn)(x)
     oracle.assert_close(eqx.filter_jit(f)(uly_tp, x), ref, F32, "ulysses x tp, usp specs")
@@ -272,7 +269,7 @@ def test_partition_specs_of_the_whole_module_place_its_arrays_part(attn):
     tp = nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP))
     arrays, _ = eqx.partition(tp, eqx.is_array)
     specs = nn.partition_specs(tp)
-    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(_mesh(tp=2), s)),
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(harness.mesh(tp=2), s)),
                           arrays, specs)
     assert placed.q.weight.sharding.spec == P(TP, None)
     with pytest.raises(ValueError, match=r"partition_specs on the whole module"):
@@ -289,6 +286,6 @@ def test_module_on_an_explicitly_sharded_sequence_outside_shard_map_names_the_fi
 def test_a_sequence_axis_of_size_one_is_never_a_mismatch(attn, x):
     # Ulysses over sp = 1 (x trivially "replicated" over it) is the single-device answer.
     uly = nn.with_parallel(attn, nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=_mesh(sp=1, tp=2),
+    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=1, tp=2),
                             in_specs=(nn.partition_specs(uly), P()), out_specs=P(None, SP))
     oracle.assert_close(eqx.filter_jit(f)(uly, x), jax.vmap(attn)(x), F32, "sp = 1")

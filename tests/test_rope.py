@@ -15,6 +15,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
+import harness
 import oracle
 from vidax_eqx.nn.functional import apply_rope, rope_3d
 
@@ -123,8 +124,7 @@ def test_rope_3d_bad_arguments_raise(kwargs, match):
 def test_apply_rope_matches_complex_multiplication(dtype):
     grid, d = (2, 3, 5), 24
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((2, 30, 3, d)), dtype)
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    x, x64 = harness.rounded(rng, (2, 30, 3, d), dtype)
     cos, sin = rope_3d(grid, d)
     ref = _wan_rope_apply(x64, _wan_multipliers(grid, d))
     got = jax.jit(apply_rope)(x, cos, sin)
@@ -137,7 +137,7 @@ def test_apply_rope_matches_complex_multiplication(dtype):
 def test_apply_rope_gradient_is_the_inverse_rotation():
     grid, d = (1, 2, 3), 12
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((6, 2, d)), jnp.float32)
+    x = jnp.asarray(harness.normal(rng, (6, 2, d)))
     ct = rng.standard_normal((6, 2, d))
     cos, sin = rope_3d(grid, d)
     dx = jax.grad(lambda x: jnp.sum(apply_rope(x, cos, sin) * jnp.asarray(ct, jnp.float32)))(x)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vidax_eqx import models, nn, parallel
+import harness
+from vidax_eqx import models, nn
 
 
 def _wan():
@@ -70,7 +71,7 @@ def test_window_over_the_whole_grid_is_full_attention(name):
 
 CONFIGS = {
     "ring-tp": (dict(sp=2, tp=2), dict(sequence="ring", tp_axis="tp")),
-    "usp-zigzag": (dict(sp=2, extra_axes={"ring": 2}),
+    "usp-zigzag": (dict(sp=2, ring=2),
                    dict(sequence="usp", ring_axis="ring", layout="zigzag")),
 }
 
@@ -83,7 +84,7 @@ CONFIGS = {
 def test_sharded_equals_single_device(name, config):
     model, x, context = MODELS[name]()
     mesh_axes, parallel_config = CONFIGS[config]
-    mesh = parallel.make_mesh(**mesh_axes, devices=jax.devices()[:4])
+    mesh = harness.mesh(**mesh_axes)  # the first devices
     ref = _reference(name)
     sharded = nn.with_parallel(model, nn.ParallelConfig(**parallel_config))
     run = eqx.filter_jit(models.run_sharded)

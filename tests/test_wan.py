@@ -30,22 +30,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vidax_eqx import interop, models, nn, parallel
+import harness
+import oracle
+from vidax_eqx import interop, models, nn
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "wan")
-RTOL = 1e-5  # float32, relative to the output's largest magnitude
+RTOL = oracle.tolerance(np.float32)  # relative to the output's largest magnitude
 
 
 def _io(name):
-    return {k: jnp.asarray(v) for k, v in np.load(os.path.join(FIXTURES, name, "io.npz")).items()}
+    return harness.load_io(os.path.join(FIXTURES, name, "io.npz"))
 
 
 def _load(name, layout="diffusers", **kwargs):
     return models.WanTransformer3D.from_pretrained(os.path.join(FIXTURES, name, layout), **kwargs)
 
 
-def _inputs(io):
+def _call_args(io):
     kwargs = {"context_image": io["context_image"]} if "context_image" in io else {}
     return (io["x"], io["timestep"], io["context"]), kwargs
 
@@ -53,11 +55,6 @@ def _inputs(io):
 @eqx.filter_jit
 def _single(model, x, timestep, context, **kwargs):
     return jax.vmap(lambda x, t, c, **k: model(x, t, c, **k))(x, timestep, context, **kwargs)
-
-
-def _rel_err(out, ref):
-    ref = np.asarray(ref)
-    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +69,10 @@ def t2v():
 @pytest.mark.parametrize("name", ["t2v", "t2v_patch2", "t2v_no_qk_norm", "i2v"])
 def test_matches_diffusers(name, layout):
     io = _io(name)
-    args, kwargs = _inputs(io)
+    args, kwargs = _call_args(io)
     out = _single(_load(name, layout), *args, **kwargs)
     assert out.shape == io["out"].shape and out.dtype == jnp.float32
-    assert _rel_err(out, io["out"]) < RTOL
+    assert harness.max_rel_error(out, io["out"]) < RTOL
 
 
 def test_pad_text_is_wans_forward():
@@ -83,7 +80,7 @@ def test_pad_text_is_wans_forward():
     model = _load("t2v", "wan", pad_text=True)
     assert model.config.text_len == 512
     out = _single(model, io["x"], io["timestep"], io["context"])
-    assert _rel_err(out, io["out_padded"]) < RTOL
+    assert harness.max_rel_error(out, io["out_padded"]) < RTOL
     with pytest.raises(ValueError, match="text_len=512"):
         model(io["x"][0], io["timestep"][0], jnp.zeros((513, model.config.text_dim)))
 
@@ -96,11 +93,11 @@ _CONFIGS = {
     "ring-sp8": (dict(sp=8), dict(sequence="ring"), None),
     "ring-zigzag-sp4-tp2": (dict(sp=4, tp=2), dict(sequence="ring", layout="zigzag", tp_axis="tp"), None),
     "ulysses-sp4-tp2": (dict(sp=4, tp=2), dict(sequence="ulysses", tp_axis="tp"), None),
-    "usp-2x2-tp2": (dict(sp=2, tp=2, extra_axes={"ring": 2}),
+    "usp-2x2-tp2": (dict(sp=2, tp=2, ring=2),
                     dict(sequence="usp", ring_axis="ring", tp_axis="tp"), None),
-    "usp-zigzag-2x2-tp2": (dict(sp=2, tp=2, extra_axes={"ring": 2}),
+    "usp-zigzag-2x2-tp2": (dict(sp=2, tp=2, ring=2),
                            dict(sequence="usp", ring_axis="ring", layout="zigzag", tp_axis="tp"), None),
-    "usp-zigzag-2x2-dp2": (dict(dp=2, sp=2, extra_axes={"ring": 2}),
+    "usp-zigzag-2x2-dp2": (dict(dp=2, sp=2, ring=2),
                            dict(sequence="usp", ring_axis="ring", layout="zigzag"), "dp"),
     "dp2-ulysses-sp2-tp2": (dict(dp=2, sp=2, tp=2), dict(sequence="ulysses", tp_axis="tp"), "dp"),
     "tp8": (dict(tp=8), dict(tp_axis="tp"), None),
@@ -109,7 +106,7 @@ _CONFIGS = {
 
 def _sharded(model, name, **kwargs):
     mesh_axes, config, batch_axis = _CONFIGS[name]
-    mesh = parallel.make_mesh(**mesh_axes)
+    mesh = harness.mesh(**mesh_axes)
     model = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
     run = eqx.filter_jit(lambda m, *a, **k: models.run_sharded(
         m, *a, mesh=mesh, batch_axis=batch_axis, **kwargs, **k))
@@ -121,25 +118,17 @@ def test_sharded_matches_diffusers(t2v, config):
     io = _io("t2v")  # 3 x 3 x 5 = 45 tokens: padded on every mesh
     model, run = _sharded(t2v, config)
     out = run(model, io["x"], io["timestep"], io["context"])
-    assert _rel_err(out, io["out"]) < RTOL
+    assert harness.max_rel_error(out, io["out"]) < RTOL
 
 
 def test_sharded_i2v_matches_diffusers():
     io = _io("i2v")
     model, run = _sharded(_load("i2v"), "ulysses-sp4-tp2")
-    (x, t, c), kwargs = _inputs(io)
-    assert _rel_err(run(model, x, t, c, **kwargs), io["out"]) < RTOL
+    (x, t, c), kwargs = _call_args(io)
+    assert harness.max_rel_error(run(model, x, t, c, **kwargs), io["out"]) < RTOL
 
 
 # -- 3. gradients ----------------------------------------------------------------------
-
-
-def _loss_fn(run):
-    def loss(arrays, static, x, t, c, target):
-        model = eqx.combine(arrays, static)
-        return jnp.mean(jnp.square(run(model, x, t, c) - target))
-
-    return eqx.filter_jit(jax.value_and_grad(loss))
 
 
 def test_sharded_gradients_equal_single(t2v):
@@ -152,12 +141,12 @@ def test_sharded_gradients_equal_single(t2v):
     args = (io["x"], io["timestep"], io["context"], target)
 
     arrays, static = eqx.partition(t2v, eqx.is_array)
-    single = _loss_fn(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c, remat="full"))(x, t, c))
+    single = harness.loss_and_grad(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c, remat="full"))(x, t, c))
     loss_1, grad_1 = single(arrays, static, *args)
 
     model, run = _sharded(t2v, config, remat="dots_saveable")
     arrays_n, static_n = eqx.partition(model, eqx.is_array)
-    loss_n, grad_n = _loss_fn(run)(arrays_n, static_n, *args)
+    loss_n, grad_n = harness.loss_and_grad(run)(arrays_n, static_n, *args)
 
     assert abs(float(loss_n) - float(loss_1)) <= RTOL * abs(float(loss_1))
     flat_1 = jax.tree_util.tree_leaves_with_path(grad_1)
@@ -172,13 +161,6 @@ def test_sharded_gradients_equal_single(t2v):
 # -- 4. checkpoints --------------------------------------------------------------------
 
 
-def _same_arrays(a, b):
-    la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-    )
-
-
 def test_save_load_roundtrip(t2v, tmp_path):
     diffusers_names = set(interop.open_checkpoint(os.path.join(FIXTURES, "t2v", "diffusers")))
     wan_names = set(interop.open_checkpoint(os.path.join(FIXTURES, "t2v", "wan")))
@@ -186,12 +168,12 @@ def test_save_load_roundtrip(t2v, tmp_path):
         path = tmp_path / layout
         t2v.save_pretrained(path, layout=layout)
         assert set(interop.open_checkpoint(path)) == names
-        assert _same_arrays(models.WanTransformer3D.from_pretrained(path), t2v)
+        assert harness.same_arrays(models.WanTransformer3D.from_pretrained(path), t2v)
     sharded = tmp_path / "shards"
     t2v.save_pretrained(sharded, max_shard_bytes=100_000)
     index = json.loads((sharded / "diffusion_pytorch_model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    assert _same_arrays(models.WanTransformer3D.from_pretrained(sharded), t2v)
+    assert harness.same_arrays(models.WanTransformer3D.from_pretrained(sharded), t2v)
 
 
 def test_bfloat16_stays_bfloat16(t2v, tmp_path):
@@ -199,7 +181,7 @@ def test_bfloat16_stays_bfloat16(t2v, tmp_path):
     half.save_pretrained(tmp_path)
     loaded = models.WanTransformer3D.from_pretrained(tmp_path)
     assert {a.dtype for a in jax.tree.leaves(eqx.filter(loaded, eqx.is_array))} == {jnp.dtype(jnp.bfloat16)}
-    assert _same_arrays(loaded, half)
+    assert harness.same_arrays(loaded, half)
     as_f32 = models.WanTransformer3D.from_pretrained(tmp_path, dtype=jnp.float32)
     assert as_f32.blocks.self_attn.q.weight.dtype == jnp.float32
 
