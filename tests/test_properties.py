@@ -44,6 +44,7 @@ import pytest
 from hypothesis import event, given, strategies as st
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from _hypothesis import examples
 from vidax_eqx import kernels, parallel
@@ -187,8 +188,9 @@ def kernel_problems(draw):
 
 
 def _draw(rng, shape, dtype):
-    """Standard normal values, rounded to `dtype` (the oracle sees the rounded values)."""
-    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    """Standard normal values (`harness.normal`), rounded to `dtype` through float32 (the
+    oracle sees the rounded values)."""
+    return harness.normal(rng, shape).astype(dtype)
 
 
 def _positions(kind, S_q, S_k, rng):
@@ -209,10 +211,10 @@ def _kernel_arrays(p: KernelProblem):
         k=_draw(rng, (p.B, p.S_k, p.H_kv, p.D), dt),
         v=_draw(rng, (p.B, p.S_k, p.H_kv, p.D), dt),
         dout=_draw(rng, (p.B, p.S_q, p.H, p.D), dt),
-        dlse=rng.standard_normal((p.B, p.H, p.S_q)).astype(np.float32),
-        bias=None if p.bias is None else rng.standard_normal(p.bias).astype(np.float32),
+        dlse=harness.normal(rng, (p.B, p.H, p.S_q)),
+        bias=None if p.bias is None else harness.normal(rng, p.bias),
         mask=None if p.mask is None else rng.random(p.mask) < p.mask_density,
-        sinks=rng.standard_normal((p.H,)).astype(np.float32) if p.sinks else None,
+        sinks=harness.normal(rng, (p.H,)) if p.sinks else None,
     )
     a["q_pos"], a["kv_pos"] = _positions(p.positions, p.S_q, p.S_k, rng)
     a["seg_q"] = a["seg_kv"] = None
@@ -493,7 +495,7 @@ def _parallel_fn(path, U, R, T, layout, implementation, aux_keys, sinks, bias, o
     on the per-device layout, sharded ring-major over `make_mesh(dp, sp=U, ring=R)`
     (batch over "dp"). `bias`: None, or its PartitionSpec; `aux`: a dict of the
     non-differentiable per-token options (`aux_keys`: segment ids, positions)."""
-    mesh = parallel.make_mesh(dp=dp, sp=U, extra_axes={RING: R})
+    mesh = harness.mesh(dp=dp, sp=U, **{RING: R})
     seq = P("dp" if dp > 1 else None, (RING, SP))
     aux_specs = {key: seq if key == "segment_ids" else P((RING, SP)) for key in aux_keys}
 
@@ -513,15 +515,7 @@ def _parallel_fn(path, U, R, T, layout, implementation, aux_keys, sinks, bias, o
                                       text_len=T, **kw)
 
     in_specs = (seq, seq, seq, P() if sinks else None, bias, aux_specs)
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq,
-                            check_vma=check_vma)
-
-    @jax.jit
-    def run(q, k, v, sinks, bias, aux, dout):
-        out, vjp = jax.vjp(lambda q, k, v, s, b: sharded(q, k, v, s, b, aux), q, k, v, sinks, bias)
-        return out, vjp(dout)
-
-    return run
+    return harness.sharded_vjp(local, mesh, in_specs, seq, (0, 1, 2, 3, 4), check_vma=check_vma)
 
 
 def _to_devices(p: ParallelProblem, x):
@@ -558,8 +552,8 @@ def _check_parallel(p: ParallelProblem):
     dout_dev = _draw(rng, (p.B, p.n * (p.T + p.L // p.n), p.H, p.D), dt)
     dout_text, dout_vis = _from_devices(p, dout_dev)
     dout = np.concatenate([dout_text.sum(1), dout_vis], 1)
-    sinks = rng.standard_normal((p.H,)).astype(np.float32) if p.sinks else None
-    bias = None if p.bias is None else rng.standard_normal(p.bias).astype(np.float32)
+    sinks = harness.normal(rng, (p.H,)) if p.sinks else None
+    bias = None if p.bias is None else harness.normal(rng, p.bias)
     seg = seg_q = seg_kv = None
     if p.segments:
         seg_q, seg_kv = _segment_ids(p.seg_layout, p.B, S, S_k, p.segments == "shared", rng)
@@ -595,8 +589,7 @@ def _check_parallel(p: ParallelProblem):
         logits_soft_cap=p.soft_cap, dout=dout,
     )
     out_text, out_vis = _from_devices(p, out)
-    for i in range(1, p.n):  # the text rows: the same on every device, bit for bit
-        np.testing.assert_array_equal(out_text[:, i], out_text[:, 0], err_msg=f"text rows, device {i}")
+    harness.assert_copies_equal(out_text)  # the text rows: the same on every device, bit for bit
     got = {"out": np.concatenate([out_text[:, 0], out_vis], 1)}
     for name, g in zip(("dq", "dk", "dv"), grads[:3]):
         g_text, g_vis = _from_devices(p, g)

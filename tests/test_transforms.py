@@ -44,7 +44,7 @@ the file within its time budget.
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import equinox as eqx
 import flax.linen as linen
@@ -54,6 +54,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import harness
 import oracle
 from vidax_eqx import core, kernels, nn, parallel
 from vidax_eqx import flax as vflax
@@ -67,68 +68,15 @@ DIM = H * D  # 32
 NOTHING = jax.checkpoint_policies.nothing_saveable
 
 
-# -- float64 references (NumPy; attention is `oracle.attention`) ---------------------------
+# -- float64 references (`oracle.py`) --------------------------------------------------------
 
 
-def f64(x):
-    return np.asarray(x, np.float64)
-
-
-def map_arrays(f, tree):
-    """`f` applied to every array leaf of `tree`; other leaves (a module's
-    `ParallelConfig`) kept as they are."""
-    return jax.tree.map(lambda a: f(a) if eqx.is_array(a) else a, tree)
-
-
-def to64(tree):
-    """Every array leaf as NumPy: floating ones in float64, others unchanged."""
-
-    def conv(a):
-        a = np.asarray(a)
-        return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
-
-    return map_arrays(conv, tree)
-
-
-def ref_linear(x, lin):
-    return x @ lin.weight.T + lin.bias
-
-
-def ref_rms_norm(x, w, eps=1e-6):
-    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
-
-
-def ref_layer_norm(x, w, b, eps=1e-6):
-    mu = x.mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
-
-
-def ref_rope(x, cos, sin):
-    """Adjacent pairs as complex numbers times `cos + i sin`; `x (..., S, H, D)`."""
-    xc = x[..., 0::2] + 1j * x[..., 1::2]
-    yc = xc * (cos + 1j * sin)[:, None, :]
-    out = np.empty_like(x)
-    out[..., 0::2], out[..., 1::2] = yc.real, yc.imag
-    return out
-
-
-def ref_attn(q, k, v, **kw):
-    """`oracle.attention` of one example `(S, H, D)`."""
-    return oracle.attention(q[None], k[None], v[None], **kw).out[0]
-
-
-def ref_wan_attention(m, x, cos, sin, seg):
-    S = x.shape[0]
-    q, k, v = ref_linear(x, m.q), ref_linear(x, m.k), ref_linear(x, m.v)
-    q, k = ref_rms_norm(q, m.norm_q.weight, m.eps), ref_rms_norm(k, m.norm_k.weight, m.eps)
-    q, k, v = (a.reshape(S, m.num_heads, m.head_dim) for a in (q, k, v))
-    q, k = ref_rope(q, cos, sin), ref_rope(k, cos, sin)
-    out = ref_attn(q, k, v, segment_ids=None if seg is None else seg[None])
-    return ref_linear(out.reshape(S, -1), m.o)
+f64, map_arrays, to64 = oracle.f64, harness.map_arrays, harness.to64
 
 
 def ref_block(b, x, cos, sin):
-    return x + ref_wan_attention(b.attn, ref_rms_norm(x, b.norm.weight, b.norm.eps), cos, sin, None)
+    return x + oracle.wan_self_attention(b.attn, oracle.rms_norm(x, b.norm.weight, b.norm.eps),
+                                         (cos, sin))
 
 
 # -- entries -------------------------------------------------------------------------------
@@ -204,9 +152,9 @@ def _is_array(a) -> bool:
     return isinstance(a, (jax.Array, np.ndarray))
 
 
-# XLA's CPU backend at LLVM optimization level 0 compiles these small programs about
-# twice as fast and gives the same numbers; it changes code generation, not semantics.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# `harness.FAST_COMPILE`: XLA's CPU backend without its backend optimizations compiles
+# these small programs about twice as fast and gives the same numbers.
+FAST_COMPILE = harness.FAST_COMPILE
 
 
 def jit(fn, **kw):
@@ -250,19 +198,13 @@ def replicated(e: Entry, tree):
     return map_arrays(lambda a: jax.device_put(np.asarray(a), sharding), tree)
 
 
-def _rng(seed):
-    return np.random.default_rng(seed)
-
-
 def _normal(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape).astype(F32))
+    return jnp.asarray(harness.normal(rng, shape))
 
 
 def _segments(rng, Bn, S):
     """Sorted runs of 0..2 with a padded (-1) tail, differing per batch element."""
-    seg = np.sort(rng.integers(0, 3, (Bn, S)), axis=1)
-    seg[:, S - S // 7:] = -1
-    return jnp.asarray(seg, jnp.int32)
+    return jnp.asarray(harness.segment_ids(rng, Bn, S, scattered=False, pad=(S // 7, S // 7)))
 
 
 def _oracle_grads(call, names):
@@ -283,7 +225,7 @@ def _oracle_grads(call, names):
 
 @entry("kernels.attention[xla,gqa,cross,bias,sinks]")
 def _():
-    r = _rng(0)
+    r = np.random.default_rng(0)
     args = (_normal(r, 2, 45, H, D), _normal(r, 2, 61, 2, D), _normal(r, 2, 61, 2, D),
             _normal(r, 1, H, 45, 61), _normal(r, H))
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], sinks=a[4], **kw)
@@ -302,7 +244,7 @@ BLOCKWISE = kernels.Blockwise(block_q=16, block_kv=16)
 
 @entry("kernels.attention[blockwise,mqa,causal,window,segments]")
 def _():
-    r = _rng(1)
+    r = np.random.default_rng(1)
     S = 53  # 16-token tiles: 3 full and one of 5
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 1, D), _normal(r, 2, S, 1, D),
             _segments(r, 2, S))
@@ -320,7 +262,7 @@ def _():
 
 @entry("kernels.attention_fwd[auto,gqa,causal,softcap,sinks]")
 def _():
-    r = _rng(2)
+    r = np.random.default_rng(2)
     args = (_normal(r, 2, 44, H, D), _normal(r, 2, 44, 2, D), _normal(r, 2, 44, 2, D),
             _normal(r, H))
     opts = dict(causal=True, logits_soft_cap=2.0, scale=0.6)
@@ -338,7 +280,7 @@ def _():
 def _():
     """The backward from the `(out, lse)` of `attention_fwd` (`"xla"`) on the same inputs, so
     that every batch element of a `vmap` gets a consistent `(out, lse)`."""
-    r = _rng(3)
+    r = np.random.default_rng(3)
     S_q, S_k = 37, 50
     args = (_normal(r, 2, S_q, H, D), _normal(r, 2, S_k, 2, D), _normal(r, 2, S_k, 2, D),
             _normal(r, 2, S_q, H, D), _normal(r, 2, 1, S_q, S_k))
@@ -363,10 +305,10 @@ def _shard(fn, mesh, in_specs, out_specs):
 
 @entry("parallel.ring_attention[contiguous,gqa,causal,sinks]")
 def _():
-    r = _rng(4)
+    r = np.random.default_rng(4)
     S = 44  # 11 tokens per device
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D), _normal(r, H))
-    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    mesh, specs = harness.mesh(sp=4), (SEQ, SEQ, SEQ, P())
     f = _shard(lambda q, k, v, s: parallel.ring_attention(q, k, v, axis_name=SP, causal=True,
                                                           sinks=s), mesh, specs, SEQ)
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], causal=True, **kw)
@@ -377,11 +319,11 @@ def _():
 
 @entry("parallel.ring_attention[zigzag,window,segments]")
 def _():
-    r = _rng(5)
+    r = np.random.default_rng(5)
     S, n = 44, 2  # 22 tokens per device: zigzag chunks of 11
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, H, D), _normal(r, 2, S, H, D),
             _segments(r, 2, S))
-    mesh, specs = parallel.make_mesh(sp=n), (SEQ,) * 4
+    mesh, specs = harness.mesh(sp=n), (SEQ,) * 4
     sharded = _shard(
         lambda q, k, v, seg: parallel.ring_attention(
             q, k, v, axis_name=SP, window=(9, 4), segment_ids=seg, layout="zigzag"),
@@ -399,11 +341,11 @@ def _():
 
 @entry("parallel.sequence_parallel_self_attention[gqa,bias]")
 def _():
-    r = _rng(6)
+    r = np.random.default_rng(6)
     S = 44
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D),
             _normal(r, 1, H, S, S))
-    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    mesh, specs = harness.mesh(sp=4), (SEQ, SEQ, SEQ, P())
     f = _shard(lambda q, k, v, b: parallel.sequence_parallel_self_attention(q, k, v, SP, bias=b),
                mesh, specs, SEQ)
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], **kw)
@@ -420,7 +362,7 @@ def _():
     """Global text `(B, T, ...)` (replicated) and visual `(B, 44, ...)` (sharded); the
     output is `[text copy of device 0; visual]` (the whole text cotangent goes to that
     copy, as the function documents)."""
-    r = _rng(7)
+    r = np.random.default_rng(7)
     L = 44
     args = (_normal(r, 2, T_TEXT, H, D), _normal(r, 2, T_TEXT, 2, D), _normal(r, 2, T_TEXT, 2, D),
             _normal(r, 2, L, H, D), _normal(r, 2, L, 2, D), _normal(r, 2, L, 2, D))
@@ -431,7 +373,7 @@ def _():
             cat(qt, qv), cat(kt, kv), cat(vt, vv), T_TEXT, SP)
         return out[:, :T_TEXT][None], out[:, T_TEXT:]
 
-    mesh, specs = parallel.make_mesh(sp=4), (P(),) * 3 + (SEQ,) * 3
+    mesh, specs = harness.mesh(sp=4), (P(),) * 3 + (SEQ,) * 3
     sharded = _shard(local, mesh, specs, (P(SP), SEQ))
 
     def fn(*a):
@@ -457,10 +399,10 @@ USP_SEQ = P(None, (RING, SP))
 
 @entry("parallel.usp_attention[ulysses2xring2,gqa,causal]")
 def _():
-    r = _rng(8)
+    r = np.random.default_rng(8)
     S = 44  # 11 tokens per device, 22 per ring rank
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D))
-    mesh, specs = parallel.make_mesh(sp=2, extra_axes={RING: 2}), (USP_SEQ,) * 3
+    mesh, specs = harness.mesh(sp=2, **{RING: 2}), (USP_SEQ,) * 3
     f = _shard(lambda q, k, v: parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis=RING,
                                                       causal=True), mesh, specs, USP_SEQ)
     call = lambda a, **kw: oracle.attention(*a, causal=True, **kw)
@@ -470,7 +412,7 @@ def _():
 
 
 def _dense_mask(S, seed):
-    m = _rng(seed).random((S, S)) < 0.5
+    m = np.random.default_rng(seed).random((S, S)) < 0.5
     m[3] = False  # a row that sees nothing
     m[10:20, 20:30] = False  # a whole ring step of device 1
     return m
@@ -478,12 +420,12 @@ def _dense_mask(S, seed):
 
 @entry("parallel.make_ring_attention[dense mask,gqa,sinks]")
 def _():
-    r = _rng(9)
+    r = np.random.default_rng(9)
     S = 40
     mask = _dense_mask(S, 9)
     kernel = parallel.make_ring_attention(mask, ring_axis=SP)
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D), _normal(r, H))
-    mesh, specs = parallel.make_mesh(sp=4), (SEQ, SEQ, SEQ, P())
+    mesh, specs = harness.mesh(sp=4), (SEQ, SEQ, SEQ, P())
     f = _shard(lambda q, k, v, s: kernel(q, k, v, sinks=s), mesh, specs, SEQ)
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], mask=mask, **kw)
     return Entry(fn=f, args=args, diff=(0, 1, 2, 3), ref=lambda *a: call(a).out,
@@ -493,11 +435,11 @@ def _():
 
 @entry("parallel.tensor_parallel_attention[dp2xtp4,gqa,bias,sinks,segments]")
 def _():
-    r = _rng(10)
+    r = np.random.default_rng(10)
     S = 37
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D),
             _normal(r, 2, H, S, S), _normal(r, H), _segments(r, 2, S))
-    mesh = parallel.make_mesh(dp=2, tp=4)
+    mesh = harness.mesh(dp=2, tp=4)
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], bias=a[3], sinks=a[4],
                                             segment_ids=a[5], **kw)
     return Entry(
@@ -514,7 +456,7 @@ def _():
     """Inside shard_map over sp=4: pad 42 -> 44 tokens, take this rank's chunk, scale
     it by `rank + 1`, gather the chunks back, unpad: `x * (token // 11 + 1)`."""
     S, n = 42, 4
-    x = _normal(_rng(11), 2, S, 3)
+    x = _normal(np.random.default_rng(11), 2, S, 3)
 
     def local(x):
         rank = jax.lax.axis_index(SP)
@@ -522,7 +464,7 @@ def _():
         full = parallel.gather_chunks(chunk * (rank + 1).astype(x.dtype), 1, SP)
         return parallel.unpad(full, S, axis=1)[None]
 
-    mesh = parallel.make_mesh(sp=n)
+    mesh = harness.mesh(sp=n)
     sharded = _shard(local, mesh, P(), P(SP))
     factor = (np.arange(S) // 11 + 1)[:, None]
     return Entry(fn=lambda x: sharded(x)[0], args=(x,), diff=(0,), ref=lambda x: x * factor,
@@ -536,7 +478,7 @@ HEADS = P(DP, None, TP)  # (B, S, H, D) with heads over tp, batch over dp
 
 
 def _core_args(seed, S_q, S_k):
-    r = _rng(seed)
+    r = np.random.default_rng(seed)
     return (_normal(r, 2, S_q, H, D), _normal(r, 2, S_k, H, D), _normal(r, 2, S_k, H, D),
             _normal(r, 1, H, S_q, S_k), jnp.asarray(r.random((2, 1, S_q, S_k)) < 0.8))
 
@@ -556,7 +498,7 @@ def _():
 
 @entry("core.dot_product_attention[mesh=dp2xtp4,bias,mask]")
 def _():
-    mesh = parallel.make_mesh(dp=2, tp=4)
+    mesh = harness.mesh(dp=2, tp=4)
     return Entry(fn=lambda q, k, v, b, m: core.dot_product_attention(q, k, v, b, m, mesh=mesh),
                  args=_core_args(13, 41, 41), diff=(0, 1, 2, 3),
                  ref=lambda *a: _core_call(a).out,
@@ -579,9 +521,7 @@ def _():
 
 def randomized(module, seed):
     """Every parameter perturbed (norm weights away from 1, biases away from 0), in NumPy."""
-    rng = _rng(seed)
-    return map_arrays(lambda a: jnp.asarray(np.asarray(a) + 0.3 * rng.standard_normal(a.shape),
-                                            a.dtype), module)
+    return harness.perturbed(module, seed, scale=0.3)
 
 
 def random_module(make, seed):
@@ -589,7 +529,7 @@ def random_module(make, seed):
     parameters drawn in NumPy: matrices `N(0, 1 / DIM)`, biases `0.3 N(0, 1)`, other
     vectors (norm scales) `1 + 0.3 N(0, 1)`. Building modules eagerly would compile a
     dozen small initialization programs per module."""
-    rng = _rng(seed)
+    rng = np.random.default_rng(seed)
 
     def draw(path, a):
         if not isinstance(a, jax.ShapeDtypeStruct):
@@ -609,35 +549,35 @@ def random_module(make, seed):
 @entry("nn.RMSNorm")
 def _():
     m = random_module(lambda: nn.RMSNorm(DIM), 20)
-    return Entry(fn=lambda m, x: m(x), args=(m, _normal(_rng(21), 44, DIM)), diff=(0, 1),
-                 ref=lambda m, x: ref_rms_norm(x, m.weight, m.eps), partial=(None, 0))
+    return Entry(fn=lambda m, x: m(x), args=(m, _normal(np.random.default_rng(21), 44, DIM)), diff=(0, 1),
+                 ref=lambda m, x: oracle.rms_norm(x, m.weight, m.eps), partial=(None, 0))
 
 
 @entry("nn.TPShardedRMSNorm[tp=4]")
 def _():
     m = eqx.filter_eval_shape(nn.TPShardedRMSNorm, DIM // 4, DIM)
-    m = eqx.tree_at(lambda m: m.weight, m, _normal(_rng(22), DIM))  # the global weight
+    m = eqx.tree_at(lambda m: m.weight, m, _normal(np.random.default_rng(22), DIM))  # the global weight
     spec = jax.tree.map(lambda _: P(TP), m)
-    mesh, specs = parallel.make_mesh(tp=4), (spec, P(None, TP))
+    mesh, specs = harness.mesh(tp=4), (spec, P(None, TP))
     f = _shard(lambda m, x: m(x), mesh, specs, P(None, TP))
-    return Entry(fn=f, args=(m, _normal(_rng(23), 44, DIM)), diff=(0, 1),
-                 ref=lambda m, x: ref_rms_norm(x, m.weight, m.eps), partial=(None, 0),
+    return Entry(fn=f, args=(m, _normal(np.random.default_rng(23), 44, DIM)), diff=(0, 1),
+                 ref=lambda m, x: oracle.rms_norm(x, m.weight, m.eps), partial=(None, 0),
                  placement=(mesh, specs))
 
 
 @entry("nn.LayerNorm[per head]")
 def _():
     m = random_module(lambda: nn.LayerNorm(D), 24)
-    return Entry(fn=lambda m, x: m(x), args=(m, _normal(_rng(25), 44, H, D)), diff=(0, 1),
-                 ref=lambda m, x: ref_layer_norm(x, m.weight, m.bias, m.eps), partial=(None, 0))
+    return Entry(fn=lambda m, x: m(x), args=(m, _normal(np.random.default_rng(25), 44, H, D)), diff=(0, 1),
+                 ref=lambda m, x: oracle.layer_norm(x, m.weight, m.bias, m.eps), partial=(None, 0))
 
 
 @entry("nn.functional.rms_norm")
 def _():
-    r = _rng(26)
+    r = np.random.default_rng(26)
     return Entry(fn=lambda x, w: nn.functional.rms_norm(x, w, 1e-5),
                  args=(_normal(r, 2, 44, DIM), _normal(r, DIM)), diff=(0, 1),
-                 ref=lambda x, w: ref_rms_norm(x, w, 1e-5), partial=(0, None))
+                 ref=lambda x, w: oracle.rms_norm(x, w, 1e-5), partial=(0, None))
 
 
 GRID = (4, 1, 11)  # 44 tokens
@@ -651,8 +591,8 @@ def _rope(grid=GRID):
 def _():
     cos, sin = _rope()
     return Entry(fn=lambda x, c, s: nn.functional.apply_rope(x, c, s),
-                 args=(_normal(_rng(27), 2, 44, H, D), cos, sin), diff=(0, 1, 2),
-                 ref=ref_rope, partial=(0, None, None))
+                 args=(_normal(np.random.default_rng(27), 2, 44, H, D), cos, sin), diff=(0, 1, 2),
+                 ref=oracle.rope, partial=(0, None, None))
 
 
 # nn: attention modules ---------------------------------------------------------------------
@@ -661,51 +601,35 @@ def _():
 @entry("nn.Attention[rope,segments]")
 def _():
     m = random_module(lambda: nn.Attention(DIM, H, key=jax.random.key(0)), 30)
-    r = _rng(31)
+    r = np.random.default_rng(31)
     seg = np.zeros(44, np.int32)
     seg[30:], seg[40:] = 1, -1
     return Entry(fn=lambda m, x, c, s, seg: m(x, rope=(c, s), segment_ids=seg),
                  args=(m, _normal(r, 44, DIM), *_rope(), jnp.asarray(seg)), diff=(0, 1),
-                 ref=ref_wan_attention, partial=(None, 0, None, None, None))
+                 ref=lambda m, x, c, s, seg: oracle.wan_self_attention(m, x, (c, s), seg),
+                 partial=(None, 0, None, None, None))
 
 
 @entry("nn.CrossAttention[context_mask]")
 def _():
     m = random_module(lambda: nn.CrossAttention(DIM, H, context_dim=24, key=jax.random.key(1)), 32)
-    r = _rng(33)
+    r = np.random.default_rng(33)
     cmask = jnp.asarray(np.arange(13) < 10)
-
-    def ref(m, x, ctx, cmask):
-        S, T = x.shape[0], ctx.shape[0]
-        q = ref_rms_norm(ref_linear(x, m.q), m.norm_q.weight, m.eps).reshape(S, H, D)
-        k = ref_rms_norm(ref_linear(ctx, m.k), m.norm_k.weight, m.eps).reshape(T, H, D)
-        v = ref_linear(ctx, m.v).reshape(T, H, D)
-        return ref_linear(ref_attn(q, k, v, mask=cmask[None, :]).reshape(S, DIM), m.o)
 
     return Entry(fn=lambda m, x, ctx, cm: m(x, ctx, context_mask=cm),
                  args=(m, _normal(r, 44, DIM), _normal(r, 13, 24), cmask), diff=(0, 1, 2),
-                 ref=ref, partial=(None, 0, None, None))
+                 ref=oracle.wan_cross_attention, partial=(None, 0, None, None))
 
 
 @entry("nn.JointAttention[rope]")
 def _():
     m = random_module(lambda: nn.JointAttention(DIM, H, key=jax.random.key(2)), 34)
-    r = _rng(35)
-
-    def ref(m, x, ctx, cos, sin):
-        T, n = ctx.shape[0], ctx.shape[0] + x.shape[0]
-        h = np.concatenate([ctx, x])
-        q, k, v = (ref_linear(h, lin).reshape(n, H, D) for lin in (m.to_q, m.to_k, m.to_v))
-        q = ref_layer_norm(q, m.norm_q.weight, m.norm_q.bias, m.eps)
-        k = ref_layer_norm(k, m.norm_k.weight, m.norm_k.bias, m.eps)
-        q = np.concatenate([q[:T], ref_rope(q[T:], cos, sin)])
-        k = np.concatenate([k[:T], ref_rope(k[T:], cos, sin)])
-        out = ref_linear(ref_attn(q, k, v).reshape(n, DIM), m.to_out)
-        return out[T:], out[:T]
+    r = np.random.default_rng(35)
 
     return Entry(fn=lambda m, x, ctx, c, s: m(x, ctx, rope=(c, s)),
                  args=(m, _normal(r, 44, DIM), _normal(r, 7, DIM), *_rope()), diff=(0, 1, 2),
-                 ref=ref, partial=(None, 0, None, None, None))
+                 ref=lambda m, x, ctx, c, s: oracle.cogvideox_attention(m, x, ctx, (c, s)),
+                 partial=(None, 0, None, None, None))
 
 
 class Block(eqx.Module):
@@ -742,15 +666,15 @@ def block_fn(mode: str, module, wrap=lambda f: f):
     call = wrap(lambda b, x, c, s: b(x, c, s))
     if mode == "single":
         return call
-    return nn.filter_shard_map(call, mesh=parallel.make_mesh(**MESHES[mode]),
+    return nn.filter_shard_map(call, mesh=harness.mesh(**MESHES[mode]),
                                in_specs=block_specs(module), out_specs=P(SP))
 
 
 def _block_entry(mode):
     b = nn.with_parallel(random_module(lambda: Block(key=jax.random.key(3)), 36), CONFIGS[mode])
-    return Entry(fn=block_fn(mode, b), args=(b, _normal(_rng(37), 44, DIM), *_rope()),
+    return Entry(fn=block_fn(mode, b), args=(b, _normal(np.random.default_rng(37), 44, DIM), *_rope()),
                  diff=(0, 1), ref=ref_block, partial=(None, 0, None, None),
-                 placement=None if mode == "single" else (parallel.make_mesh(**MESHES[mode]),
+                 placement=None if mode == "single" else (harness.mesh(**MESHES[mode]),
                                                           block_specs(b)))
 
 
@@ -764,21 +688,21 @@ for _mode in ("single", "ulysses", "ring"):
 
 @entry("flax.RMSNorm")
 def _():
-    r = _rng(40)
+    r = np.random.default_rng(40)
     model = vflax.RMSNorm(DIM)
     return Entry(fn=model.apply, args=({"params": {"scale": _normal(r, DIM)}}, _normal(r, 44, DIM)),
-                 diff=(0, 1), ref=lambda v, x: ref_rms_norm(x, v["params"]["scale"]),
+                 diff=(0, 1), ref=lambda v, x: oracle.rms_norm(x, v["params"]["scale"]),
                  partial=(None, 0))
 
 
 @entry("flax.TPShardedRMSNorm[tp=4]")
 def _():
-    r = _rng(41)
+    r = np.random.default_rng(41)
     model = vflax.TPShardedRMSNorm(DIM // 4, DIM)
-    mesh, specs = parallel.make_mesh(tp=4), ({"params": {"scale": P(TP)}}, P(None, TP))
+    mesh, specs = harness.mesh(tp=4), ({"params": {"scale": P(TP)}}, P(None, TP))
     f = _shard(model.apply, mesh, specs, P(None, TP))
     return Entry(fn=f, args=({"params": {"scale": _normal(r, DIM)}}, _normal(r, 44, DIM)),
-                 diff=(0, 1), ref=lambda v, x: ref_rms_norm(x, v["params"]["scale"]),
+                 diff=(0, 1), ref=lambda v, x: oracle.rms_norm(x, v["params"]["scale"]),
                  partial=(None, 0), placement=(mesh, specs))
 
 
@@ -786,13 +710,13 @@ def _():
 def _():
     mha = linen.MultiHeadDotProductAttention(num_heads=H, qkv_features=DIM,
                                              attention_fn=vflax.attention_fn)
-    x = _normal(_rng(42), 44, DIM)
+    x = _normal(np.random.default_rng(42), 44, DIM)
     variables = random_module(lambda: mha.init(jax.random.key(4), x), 43)
 
     def ref(variables, x):
         p = variables["params"]
         proj = lambda n: np.einsum("sf,fhd->shd", x, p[n]["kernel"]) + p[n]["bias"]
-        out = ref_attn(proj("query"), proj("key"), proj("value"))
+        out = oracle.example_attention(proj("query"), proj("key"), proj("value"))
         return np.einsum("shd,hdf->sf", out, p["out"]["kernel"]) + p["out"]["bias"]
 
     return Entry(fn=lambda v, x: mha.apply(v, x), args=(variables, x), diff=(0, 1), ref=ref,
@@ -807,12 +731,7 @@ DIFF_NAMES = [n for n in NAMES if _BUILDERS[n][1]]
 
 
 def assert_trees_close(got, ref, what: str, factor: float = 1.0):
-    got_leaves, ref_leaves = jax.tree.leaves(got), jax.tree.leaves(ref)
-    assert len(got_leaves) == len(ref_leaves), (what, len(got_leaves), len(ref_leaves))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)]
-    for path, g, r in zip(paths, got_leaves, ref_leaves):
-        assert np.shape(g) == np.shape(r), f"{what}{path}: shape {np.shape(g)} != {np.shape(r)}"
-        oracle.assert_close(g, r, F32, f"{what}{path}", factor=factor)
+    harness.assert_trees_close(got, ref, F32, what, factor)
 
 
 def vdot_tree(out, ct):
@@ -842,7 +761,7 @@ def check_grads(e: Entry, grads, what: str):
         return sum(np.sum(o * c) for o, c in
                    zip(jax.tree.leaves(e.ref(*args)), jax.tree.leaves(ct64)))
 
-    rng, eps = _rng(99), 1e-6
+    rng, eps = np.random.default_rng(99), 1e-6
     for j, (g, path) in enumerate(zip(got, paths)):
         g = f64(g)
         d = rng.standard_normal(g.shape)
@@ -902,7 +821,7 @@ def test_jit_rejects_module_arguments():
     closed = jax.jit(lambda x: m(x))(x)
     filtered = filter_jit(lambda m, x: m(x))(m, x)
     no_rope = np.ones((x.shape[0], D // 2)), np.zeros((x.shape[0], D // 2))  # the identity
-    ref = ref_wan_attention(to64(m), f64(x), *no_rope, None)
+    ref = oracle.wan_self_attention(m, x, no_rope)
     oracle.assert_close(closed, ref, F32, "jit closing over the module vs oracle")
     oracle.assert_close(filtered, ref, F32, "filter_jit vs oracle")
 
@@ -928,7 +847,7 @@ def test_vmap(name, mode):
         in_axes, out_axes = tuple(0 if _is_array(a) else None for a in e.args), 0
     else:
         in_axes, out_axes = tuple(None if ax is None else 1 for ax in e.partial), 1
-    rng = _rng(7)
+    rng = np.random.default_rng(7)
     slices = [list(e.args), [a if ax is None else _second(a, rng) for a, ax in zip(e.args, in_axes)]]
     batched = [a if ax is None else replicated(e, jnp.asarray(np.stack([s[i] for s in slices], axis=ax)))
                for i, (a, ax) in enumerate(zip(e.args, in_axes))]
@@ -1085,9 +1004,9 @@ def test_vmap_inside_shard_map_with_per_device_segment_ids(mode):
 
         return jax.vmap(one)(q, k, v)
 
-    f = jax.shard_map(per_device, mesh=parallel.make_mesh(sp=n), in_specs=P(None, "sp"),
+    f = jax.shard_map(per_device, mesh=harness.mesh(sp=n), in_specs=P(None, "sp"),
                       out_specs=P(None, "sp"))
-    rng = _rng(70)
+    rng = np.random.default_rng(70)
     q, k, v, ct = (jnp.asarray(rng.standard_normal((2, S, H, D)), F32) for _ in range(4))
     out, vjp = jax.vjp(jax.jit(f), q, k, v)
     grads = vjp(ct)
@@ -1117,7 +1036,7 @@ def _stacked_blocks(mode):
 
 
 def _scan_inputs():
-    return _normal(_rng(51), 44, DIM), _rope(), _normal(_rng(52), 44, DIM)
+    return _normal(np.random.default_rng(51), 44, DIM), _rope(), _normal(np.random.default_rng(52), 44, DIM)
 
 
 def _value_and_grad(model, tree):
@@ -1175,7 +1094,7 @@ def test_scan_over_stacked_layers(case):
         specs = nn.partition_specs(stack)
         if CONFIGS[mode].tp_axis is not None:
             assert specs.attn.q.weight == P(None, TP, None)
-        scan_model = _shard(scan_model, parallel.make_mesh(**MESHES[mode]),
+        scan_model = _shard(scan_model, harness.mesh(**MESHES[mode]),
                             (specs, P(SP), P(SP), P(SP)), P(SP))
     single, out_l, g_layers, g_x_l = _loop_reference()
     assert jax.tree.structure(stack) == jax.tree.structure(single)
@@ -1307,7 +1226,7 @@ def test_grad_of_grad(name):
     a direction `d`, against central differences of the oracle's analytic `dq` in
     float64."""
     e = get(name)
-    rng = _rng(3)
+    rng = np.random.default_rng(3)
     q, rest = e.args[0], e.args[1:]
     args64, ct64 = to64(e.args), to64(e.ct)
     w, d = rng.standard_normal(q.shape).astype(F32), rng.standard_normal(q.shape)
@@ -1387,10 +1306,10 @@ def test_linen_scan_and_remat(remat):
     """`linen.scan` (and `linen.remat`) over the shim's `RMSNorm` == a Python loop of
     `RMSNorm.apply` over the unstacked scales, forward and gradients."""
     model = _NormStack(remat)
-    x, ct = _normal(_rng(60), 44, DIM), _normal(_rng(61), 44, DIM)
+    x, ct = _normal(np.random.default_rng(60), 44, DIM), _normal(np.random.default_rng(61), 44, DIM)
     abstract = jax.eval_shape(model.init, jax.random.key(0), x)
     assert abstract["params"]["layers"]["RMSNorm_0"]["scale"].shape == (N_LAYERS, DIM)
-    scales = _normal(_rng(62), N_LAYERS, DIM)
+    scales = _normal(np.random.default_rng(62), N_LAYERS, DIM)
     variables = {"params": {"layers": {"RMSNorm_0": {"scale": scales}}}}
 
     def loop(scales, x):
@@ -1406,7 +1325,7 @@ def test_linen_scan_and_remat(remat):
     v_loop, (g_scales, gx_loop) = value_and_grad(loop, scales)
     ref = f64(x)
     for s in f64(scales):
-        ref = ref + 0.5 * ref_rms_norm(ref, s)
+        ref = ref + 0.5 * oracle.rms_norm(ref, s)
     oracle.assert_close(v_scan, np.sum(ref * f64(ct)), F32, "scan: loss vs float64")
     oracle.assert_close(v_scan, v_loop, F32, "scan vs loop: loss")
     oracle.assert_close(g_vars["params"]["layers"]["RMSNorm_0"]["scale"], g_scales, F32,
