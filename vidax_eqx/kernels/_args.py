@@ -135,7 +135,7 @@ def _lift_to_4d(name: str, x: jax.Array, full: tuple[int, int, int, int]) -> jax
 _INT32_MAX = 2**31 - 1
 
 
-def _check_window(window) -> tuple[int | None, int | None] | None:
+def check_window(window) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -317,7 +317,7 @@ def normalize(
 
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"`causal` must be a bool; received {causal!r}.")
-    window = _check_window(window)
+    window = check_window(window)
     scale = 1.0 / math.sqrt(D) if scale is None else _static_float("scale", scale)
     if logits_soft_cap is not None:
         logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
