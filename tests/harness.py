@@ -4,8 +4,9 @@ What the test files would otherwise each write for themselves (DESIGN.md rule 14
 
 - **Inputs.** Seeded random NumPy arrays, never zeros: `normal`, `rounded` (a JAX array
   and the same rounded values in float64), `segment_ids` (different per batch element,
-  with padding), `attention_inputs` (q, k, v with GQA, the cotangent, optionally dlse,
-  sinks and segment ids, in any dtype), `keys` (PRNG keys).
+  with padding), `joint_segment_ids` (over a text prefix and the visual tokens),
+  `attention_inputs` (q, k, v with GQA, the cotangent, optionally dlse, sinks and
+  segment ids, in any dtype), `keys` (PRNG keys).
 - **Meshes.** `mesh(dp=, sp=, tp=, **extra_axes)`, `parallel.make_mesh` built once per
   shape; `zigzag` / `unzigzag` between the global order and a ring's zigzag layout.
 - **Runs.** `vjp`: the VJP of a function with a given cotangent under one `jax.jit`;
@@ -98,6 +99,13 @@ def segment_ids(rng, B: int, S: int, *, ids: int = 3, pad=None, scattered: bool 
     if holes:
         seg[rng.random(seg.shape) < holes] = -1
     return seg.astype(np.int32)
+
+
+def joint_segment_ids(rng, B: int, T: int, S: int, *, pad=None) -> np.ndarray:
+    """`(B, T + S)` int32 segment ids over `[text (T); visual (S)]`: the visual ids from
+    `segment_ids` (`pad` passed on), then text ids drawn from {0, 1}."""
+    visual = segment_ids(rng, B, S, pad=pad)
+    return np.concatenate([rng.integers(0, 2, (B, T)), visual], 1).astype(np.int32)
 
 
 def attention_inputs(B: int, S: int, H: int, D: int, *, H_kv: int | None = None,

@@ -84,8 +84,7 @@ def _inputs(B=2, T=4, S=16, H=4, H_kv=2, D=8, seed=0, segments=False, sinks=Fals
     rng = np.random.default_rng(seed)
     a = harness.attention_inputs(B, T + S, H, D, H_kv=H_kv, rng=rng, sinks=sinks)
     if segments:
-        visual = harness.segment_ids(rng, B, S, pad=(max(S // 5, 1), max(S // 8, 1)))
-        a["seg"] = np.concatenate([rng.integers(0, 2, (B, T)), visual], 1).astype(np.int32)
+        a["seg"] = harness.joint_segment_ids(rng, B, T, S, pad=(max(S // 5, 1), max(S // 8, 1)))
         seg_kv = a["seg"].copy()
         flip = rng.random(seg_kv.shape) < 0.15
         seg_kv[flip] = rng.integers(0, 2, flip.sum())

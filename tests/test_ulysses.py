@@ -301,8 +301,7 @@ def test_joint_segments_bfloat16():
     B, T, L, H, H_kv, D, sp = 2, 5, 32, 8, 2, 16, 4
     rng = np.random.default_rng(30)
     a = harness.attention_inputs(B, T + L, H, D, H_kv=H_kv, dtype=jnp.bfloat16, rng=rng)
-    a["seg"] = np.concatenate([rng.integers(0, 2, size=(B, T)), _segments(rng, B, L)],
-                              axis=1).astype(np.int32)
+    a["seg"] = harness.joint_segment_ids(rng, B, T, L)
 
     def local(q, k, v, seg, s):
         return sequence_parallel_joint_self_attention(q, k, v, T, SP_AXIS, segment_ids=seg)

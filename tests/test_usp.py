@@ -89,8 +89,7 @@ def _inputs(B=2, S=32, T=0, H=4, H_kv=4, D=8, dtype=np.float32, seed=0, segments
     for name in ("q", "k", "v", "dout"):
         a[name] = a[name].astype(np.float32)  # the rounded values, exactly
     if segments:
-        visual = harness.segment_ids(rng, B, S)
-        a["seg"] = np.concatenate([rng.integers(0, 2, (B, T)), visual], 1).astype(np.int32)
+        a["seg"] = harness.joint_segment_ids(rng, B, T, S)
     return a
 
 
