@@ -5,6 +5,20 @@ simulated with `--xla_force_host_platform_device_count`. This must be in
 `XLA_FLAGS` before the XLA backend initializes, so it is set here, at the top of
 the first module pytest imports. Float64 is *not* enabled in JAX: the library
 runs in its default float32 and the oracle (`tests/oracle.py`) uses NumPy float64.
+
+The shared harness is `tests/harness.py` (inputs, meshes, the sharded check, the
+comparisons), the float64 references `tests/oracle.py`, the kernel cases
+`tests/cases.py`; no test file imports another.
+
+The `slow` marker (registered in `pyproject.toml`) marks the tests that take more than
+about 10 s each on a 2-core CPU: the documentation pages run in processes of their own
+(`test_docs.py::test_page`), the training run (`test_train_wan.py`), the collective soak
+(`test_collective_soak.py`), the multi-process fault jobs (`test_multiprocess_faults.py`),
+the determinism check across fresh processes, the whole-model sharded gradients
+(`test_wan.py`, `test_cogvideox.py`) and the hypothesis searches (`test_properties.py`).
+The default run, and CI, run everything; the quick developer loop leaves them out:
+
+    python -m pytest -q -m "not slow" tests
 """
 
 import gc

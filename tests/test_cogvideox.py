@@ -123,6 +123,7 @@ def test_sharded_matches_diffusers(loaded, config):
 # -- 3. gradients ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole model's sharded forward and backward compiled: ~15 s
 def test_sharded_gradients_equal_single(loaded):
     # The joint zigzag ring (text counted once, its K/V never on the ring) x Megatron,
     # padded tokens (30 on 4 x 2 chunks), under rematerialization.

@@ -12,11 +12,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "scripts", "soak_collectives.py")
 
 
+@pytest.mark.slow  # a soak run of the collectives in a subprocess: ~40 s
 def test_collective_soak_ci(tmp_path):
     report = tmp_path / "soak.json"
     proc = subprocess.run(

@@ -169,6 +169,7 @@ def test_repeated_calls_are_bitwise_equal(name, mode):
     assert any(np.any(np.asarray(a, np.float32) != 0) for a in first)
 
 
+@pytest.mark.slow  # two fresh processes compile every case: ~25 s
 def test_across_processes():
     """Two fresh processes (spawned concurrently) and this one: identical digests of
     every jitted case."""

@@ -326,6 +326,7 @@ def _failed_line(stderr: str) -> str:
     return running[-1] if running else "?"
 
 
+@pytest.mark.slow  # every page's code in a process of its own: ~2 min in all
 @pytest.mark.parametrize("name", sorted(_PAGES))
 def test_page(name, page_runs):
     page = parse(_PAGES[name])

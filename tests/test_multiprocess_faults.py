@@ -56,6 +56,8 @@ import harness
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multiprocess_fault_worker.py")
 NUM_PROCESSES = harness.NUM_PROCESSES
+# Three two-process jobs started, signalled and waited for: ~15 s for the file.
+pytestmark = pytest.mark.slow
 HEARTBEAT_TIMEOUT_S = 20  # jax.distributed.initialize(heartbeat_timeout_seconds=...)
 COLLECTIVE_TIMEOUT_S = 5  # --xla_cpu_collective_timeout_seconds
 KILL_AFTER_STEP = 2  # signal the victim once both processes have printed `STEP 2`

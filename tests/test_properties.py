@@ -50,6 +50,9 @@ from _hypothesis import examples
 from vidax_eqx import kernels, parallel
 
 
+# Hypothesis searches, a compilation per drawn configuration: ~90 s for the file.
+pytestmark = pytest.mark.slow
+
 # Kernel implementations under test; the parallel paths draw their per-step kernel
 # from the same list. Small odd blocks make every drawn shape span several ragged
 # tiles.

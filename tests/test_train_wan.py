@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "examples", "train_wan.py")
@@ -21,6 +23,7 @@ CHECKS = (
 )
 
 
+@pytest.mark.slow  # a training run in subprocesses: ~25 s
 def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--steps", "3", "--resume-steps", "1",

@@ -131,6 +131,7 @@ def test_sharded_i2v_matches_diffusers():
 # -- 3. gradients ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole model's sharded forward and backward compiled: ~15 s
 def test_sharded_gradients_equal_single(t2v):
     # One configuration with every kind of communication (a compile costs ~30 s here):
     # Ulysses all_to_all, a zigzag ring with its backward ring, Megatron psums, the
