@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 import harness
 import oracle
 from vidax_eqx import kernels, nn, parallel
-from vidax_eqx.parallel import _ring
+from vidax_eqx.parallel import _schedule
 
 
 F32 = np.float32
@@ -260,8 +260,8 @@ def test_ring_plan_skips_the_steps_a_local_window_hides():
     S = FRAMES.seq_len
     L = S // N
     dense = oracle.sliding_tile_of(FRAMES)
-    plan = _ring._tile_plan(FRAMES, "contiguous", N, L, L, False, None)
-    assert plan.shape == (N, N) and (plan == _ring._SKIP).any()
+    plan = _schedule.tile_plan(FRAMES, "contiguous", N, L, L, False, None)
+    assert plan.shape == (N, N) and (plan == _schedule.SKIP).any()
     # Contiguous: each device computes exactly the key blocks the mask does not hide.
     work = parallel.make_ring_attention(FRAMES, ring_axis=SP).work(N)
     table = _visible_chunks(dense, N)
