@@ -42,9 +42,6 @@ from ._checks import static_int
 from ._joint import ring_joint_attention
 from ._ring_engine import run_ring
 
-# tests/test_sparse_parallel.py reads these two here, by the names they had before
-# the schedule left this file.
-from ._schedule import SKIP as _SKIP, tile_plan as _tile_plan  # noqa: F401
 
 
 def ring_attention(
