@@ -43,7 +43,6 @@ from ._joint import ring_joint_attention
 from ._ring_engine import run_ring
 
 
-
 def ring_attention(
     q: Float[Array, "B L H D"],
     k: Float[Array, "B L_k H_kv D"],
