@@ -86,6 +86,13 @@ class ChildResult(NamedTuple):
     def last(self) -> dict | None:
         return self.records[-1] if self.records else None
 
+    def record(self) -> dict:
+        """The child's last record, or an error record (`status`, `note`) when it failed
+        or printed none."""
+        if not self.ok or self.last is None:
+            return {"status": f"error (exit {self.returncode})", "note": (self.reason or "no result")[:300]}
+        return self.last
+
 
 _ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit)\b")
 
@@ -250,16 +257,21 @@ def _max_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def _proc_status(field: str) -> int | None:
-    """A memory field of `/proc/self/status` in bytes (Linux), else None."""
+def _kb_field(path: str, field: str) -> int | None:
+    """A `Name:  N kB` field of a `/proc` file in bytes (Linux), else None."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return None
+
+
+def _proc_status(field: str) -> int | None:
+    """A memory field of `/proc/self/status` in bytes (Linux), else None."""
+    return _kb_field("/proc/self/status", field)
 
 
 def current_rss() -> int:
@@ -376,14 +388,7 @@ def cpu_model() -> str:
 def meminfo(field: str) -> int | None:
     """A field of `/proc/meminfo` (`MemTotal`, `MemAvailable`) in bytes (Linux), else
     None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    return _kb_field("/proc/meminfo", field)
 
 
 # --------------------------------------------------------------------------- #

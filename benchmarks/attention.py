@@ -174,10 +174,7 @@ def spawn_child(args, config: str, pass_: str, seq: int) -> dict:
     ]  # fmt: skip
     if args.causal:
         cmd.append("--causal")
-    r = run_child(__file__, cmd)
-    if not r.ok or r.last is None:
-        return {"status": f"error (exit {r.returncode})", "note": (r.reason or "no result")[:300]}
-    return r.last
+    return run_child(__file__, cmd).record()
 
 
 # --------------------------------------------------------------------------- #

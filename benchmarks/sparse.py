@@ -275,10 +275,7 @@ def child_cmd(args, config: str, window, pass_: str) -> list[str]:
 
 def spawn_child(args, config: str, window, pass_: str) -> dict:
     devices = None if config == "single" else args.devices  # set before the child imports JAX
-    r = run_child(__file__, child_cmd(args, config, window, pass_), devices=devices)
-    if not r.ok or r.last is None:
-        return {"status": f"error (exit {r.returncode})", "note": (r.reason or "no result")[:300]}
-    return r.last
+    return run_child(__file__, child_cmd(args, config, window, pass_), devices=devices).record()
 
 
 # --------------------------------------------------------------------------- #
