@@ -4,6 +4,7 @@ and 5B, T2V and I2V), composed from `vidax_eqx.nn`."""
 import dataclasses
 import json
 import os
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -314,6 +315,7 @@ class CogVideoXBlock(eqx.Module):
         `(x, context)` after the block, `(S, dim)` and `(T, dim)`.
         """
         with jax.named_scope("vidax_eqx.models.CogVideoXBlock"):
+            self, (x, context, temb, rope) = nn.fsdp_gather(self, (x, context, temb, rope))
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)
             a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids,
@@ -387,6 +389,7 @@ class CogVideoXTransformer3D(eqx.Module):
     norm_out: CogVideoXAdaLayerNorm
     proj_out: eqx.nn.Linear
     config: CogVideoXConfig = eqx.field(static=True)
+    stacked_layers: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(
         self,
@@ -504,6 +507,14 @@ class CogVideoXTransformer3D(eqx.Module):
         with jax.named_scope("vidax_eqx.models.CogVideoXTransformer3D"):
             c = self.config
             policy = check_remat(remat)
+            parallel = self.parallel
+            # The text must come in whole and the same on every device: checked here,
+            # once, before weights (FSDP-gathered ones, typed as varying) touch it.
+            check_text("CogVideoXTransformer3D", parallel, context)
+            # FSDP: everything but the blocks gathered now; the scan gathers one block
+            # at a time.
+            self, (x, timestep, context) = nn.fsdp_gather(
+                self, (x, timestep, context), exclude=lambda m: m.transformer_blocks)
             dtype = self.proj_out.weight.dtype
             p = (1, c.patch_size, c.patch_size)
             video = jnp.transpose(x, (1, 0, 2, 3)).astype(dtype)  # (C, F, H, W)
@@ -516,7 +527,6 @@ class CogVideoXTransformer3D(eqx.Module):
             context = linear(self.patch_embed.text_proj, context.astype(dtype))
             if pos_text is not None:
                 context = context + pos_text.astype(dtype)
-            parallel = self.parallel
             mask = sliding_tile_mask("CogVideoXTransformer3D", sliding_tile, grid, T)
             if mask is not None:  # tile layout: tiles in raster order, zero padding rows
                 patches, rope, pos_video = jax.tree.map(
@@ -537,9 +547,7 @@ class CogVideoXTransformer3D(eqx.Module):
 
             # Every device carries a copy of the text stream. The joint attention makes
             # the copies vary (in type) over the sequence axes; the scan carry starts so,
-            # and the copies' gradients are summed by that cast's transpose. The text
-            # must come in whole and the same on every device: checked here, once.
-            check_text("CogVideoXTransformer3D", parallel, context)
+            # and the copies' gradients are summed by that cast's transpose.
             context = as_varying(context, varying_axes(tokens, context))
 
             def block(carry, b):

@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .. import interop, kernels, nn
+from ..nn._fsdp import has_shards, regather_policy
 from ..parallel import axis_size
 
 
@@ -41,13 +42,27 @@ def check_remat(remat):
 def scan_layers(fn, x, layers, policy):
     """`x = fn(x, layer)` for each layer of a stacked module (arrays with a leading layer
     axis, e.g. built with `eqx.filter_vmap`), by `lax.scan`, each step under
-    `jax.checkpoint(policy=policy)` unless `policy` is `_NO_REMAT`."""
+    `jax.checkpoint(policy=policy)` unless `policy` is `_NO_REMAT`.
+
+    With FSDP (the layers' weights are [`vidax_eqx.nn.FSDPShard`][]s inside
+    `shard_map`) every step is checkpointed, with `policy` (everything saveable for
+    `_NO_REMAT`) made to never save a gathered weight: one block is gathered at a time,
+    and gathered again in the backward pass (unless the configuration's
+    `fsdp_regather` is `False`)."""
     arrays, static = eqx.partition(layers, eqx.is_array)
 
     def step(x, layer_arrays):
         return fn(x, eqx.combine(layer_arrays, static)), None
 
-    if policy is not _NO_REMAT:
+    if has_shards(layers):
+        # FSDP: each step gathers its block's weights (the block's own fsdp_gather);
+        # the backward pass gathers them again instead of keeping every block's.
+        keep = not all(c.fsdp_regather for c in jax.tree.leaves(layers)
+                       if isinstance(c, nn.ParallelConfig))
+        base = jax.checkpoint_policies.everything_saveable if policy is _NO_REMAT else policy
+        policy = regather_policy(base, keep=keep)
+        step = jax.checkpoint(step, policy=policy)
+    elif policy is not _NO_REMAT:
         step = jax.checkpoint(step, policy=policy)
     return lax.scan(step, x, arrays)[0]
 
@@ -139,6 +154,28 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
     return interop.load_state_dict(model, tensors, **load_kwargs)
 
 
+def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
+    """Raises unless each FSDP axis of `model` carries different data: the batch
+    (`batch_axis`) or the model's sequence. Along any other axis the devices would
+    compute the same thing, and the output (computed with weights gathered over that
+    axis) could not leave `shard_map` as replicated."""
+    axes = nn.fsdp_axes_of(model)
+    if not axes:
+        return
+    parallel = model.parallel if hasattr(model, "parallel") else nn.ParallelConfig()
+    sequence = {"none": (), "usp": (parallel.sp_axis, parallel.ring_axis)}.get(
+        parallel.sequence, (parallel.sp_axis,))
+    data = {batch_axis, *sequence} - {None}
+    idle = [a for a in axes if a not in data and mesh.shape.get(a, 1) > 1]
+    if idle:
+        raise ValueError(
+            f"{owner}: the FSDP axis {idle[0]!r} (fsdp_axes={axes}) carries neither the batch "
+            f"(batch_axis={batch_axis!r}) nor the sequence (sequence={parallel.sequence!r}, "
+            f"axes {sequence}): its devices would compute the same thing. Split the batch or "
+            f"the sequence over it, or leave it out of fsdp_axes."
+        )
+
+
 def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
                 remat: str | None = None, sliding_tile=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
@@ -180,6 +217,7 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
                 f"run_sharded: the batch ({x.shape[0]}) must be a multiple of the size of "
                 f"`batch_axis` {batch_axis!r} ({mesh.shape[batch_axis]})."
             )
+    check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
     names = sorted(kwargs)
     static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
@@ -193,7 +231,7 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     run = nn.filter_shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(nn.partition_specs(model), batch, batch, batch, *(batch for _ in names)),
+        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch, *(batch for _ in names)),
         out_specs=batch,
     )
     return run(model, x, timestep, context, *(kwargs[n] for n in names))

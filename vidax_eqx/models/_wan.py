@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -16,6 +17,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 from .. import interop, kernels, nn
 from ..nn import functional
 from ..nn._layers import linear
+from ..nn._parallel import check_text
 from ._common import (
     check_remat,
     load_pretrained,
@@ -316,6 +318,8 @@ class WanBlock(eqx.Module):
         The float32 residual stream `(S, dim)` after the block.
         """
         with jax.named_scope("vidax_eqx.models.WanBlock"):
+            self, (x, e0, context, rope, context_image) = nn.fsdp_gather(
+                self, (x, e0, context, rope, context_image))
             dtype = self.self_attn.q.weight.dtype
             e = self.modulation[0].astype(jnp.float32) + e0
             shift1, scale1, gate1, shift2, scale2, gate2 = e
@@ -323,7 +327,8 @@ class WanBlock(eqx.Module):
             y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
             x = x + y.astype(jnp.float32) * gate1
             h = x if self.norm3 is None else self.norm3(x)
-            y = self.cross_attn(h.astype(dtype), context, context_image=context_image)
+            y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
+                                context_copies=True)
             x = x + y.astype(jnp.float32)
             h = self.norm2(x, shift2, scale2).astype(dtype)
             return x + self.ffn(h).astype(jnp.float32) * gate2
@@ -362,6 +367,7 @@ class WanHead(eqx.Module):
         The patch values `(S, out_channels * prod(patch_size))`, in the weights' dtype.
         """
         with jax.named_scope("vidax_eqx.models.WanHead"):
+            self, (x, e) = nn.fsdp_gather(self, (x, e))
             shift, scale = self.modulation[0].astype(jnp.float32) + e
             h = self.norm(x, shift, scale).astype(self.head.weight.dtype)
             return linear(self.head, h)
@@ -438,6 +444,7 @@ class WanTransformer3D(eqx.Module):
     blocks: WanBlock
     head: WanHead
     config: WanConfig = eqx.field(static=True)
+    stacked_layers: ClassVar[tuple[str, ...]] = ("blocks",)
 
     def __init__(
         self,
@@ -527,6 +534,16 @@ class WanTransformer3D(eqx.Module):
                     f"set) and refused otherwise; the model has image_dim={c.image_dim}, "
                     f"received context_image={None if context_image is None else context_image.shape}."
                 )
+            parallel = self.parallel
+            # The text must come in whole and the same on every device: checked here,
+            # once (the blocks see it embedded, by weights FSDP may have gathered).
+            check_text("WanTransformer3D", parallel, context)
+            if context_image is not None:
+                check_text("WanTransformer3D", parallel, context_image)
+            # FSDP: everything but the blocks gathered now; the scan gathers one block
+            # at a time.
+            self, (x, timestep, context, context_image) = nn.fsdp_gather(
+                self, (x, timestep, context, context_image), exclude=lambda m: m.blocks)
             dtype = self.patch_embedding.weight.dtype
             grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
             patches = functional.patchify(x.astype(dtype), c.patch_size)
@@ -545,7 +562,6 @@ class WanTransformer3D(eqx.Module):
                 context_image = self.img_emb(context_image.astype(dtype))
 
             rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
-            parallel = self.parallel
             mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
             if mask is not None:  # tile layout: tiles in raster order, zero padding rows
                 patches, rope = jax.tree.map(

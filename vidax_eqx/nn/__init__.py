@@ -19,13 +19,16 @@ from ._attention import (
 )
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
+from ._fsdp import fsdp_gather as fsdp_gather, FSDPShard as FSDPShard
 from ._placement import (
     partition_specs as partition_specs,
+    replicated_parameters as replicated_parameters,
     shard_module as shard_module,
     with_parallel as with_parallel,
 )
 from ._parallel import (
     filter_shard_map as filter_shard_map,
+    fsdp_axes_of as fsdp_axes_of,
     gather_tokens as gather_tokens,
     ParallelConfig as ParallelConfig,
     shard_tokens as shard_tokens,

@@ -37,6 +37,7 @@ from ..parallel import (
     usp_attention,
 )
 from ._checks import check_eps, check_heads, check_positive
+from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
 from ._parallel import check_context, check_parallel, ParallelConfig
@@ -232,6 +233,7 @@ class Attention(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.Attention"):
             check_context("Attention", self.parallel, x)
+            self, (x, rope) = fsdp_gather(self, (x, rope))
             H = local_heads("Attention", self, self.q)
             S = x.shape[0]
             x = tp_input(x, self.parallel.tp_axis)
@@ -356,6 +358,7 @@ class CrossAttention(eqx.Module):
         *,
         context_mask: Bool[Array, " S_ctx"] | None = None,
         context_image: Float[Array, "S_img {self.image_context_dim}"] | None = None,
+        context_copies: bool = False,
     ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
@@ -367,13 +370,24 @@ class CrossAttention(eqx.Module):
             whose mask hides every token gets 0 before `o`.
         - `context_image`: the image tokens `(S_img, image_context_dim)` of the image
             branch, whole on every device; required with the branch, refused without.
+        - `context_copies`: `True` when `context` (and `context_image`) are this
+            device's copies of text a model embedded on every device with its own
+            (possibly FSDP-gathered) weights: equal in value, but typed as varying over
+            the FSDP axes, so the check that the text is whole and the same on every
+            device (which refuses a text sharded like `x`) is skipped; the model checks
+            its raw text input instead.
 
         **Returns:**
 
         `(S, dim)`.
         """
         with jax.named_scope("vidax_eqx.nn.CrossAttention"):
-            check_context("CrossAttention", self.parallel, x, context=context, sharded_x=False)
+            check_context("CrossAttention", self.parallel, x,
+                          context=None if context_copies else context, sharded_x=False)
+            if context_image is not None and not context_copies:
+                check_context("CrossAttention", self.parallel, x, context=context_image,
+                              sharded_x=False)
+            self, (x, context, context_image) = fsdp_gather(self, (x, context, context_image))
             H = local_heads("CrossAttention", self, self.q)
             S, S_ctx = x.shape[0], context.shape[0]
             context = tp_input(context, self.parallel.tp_axis)
@@ -393,8 +407,6 @@ class CrossAttention(eqx.Module):
                     f"{None if context_image is None else context_image.shape}."
                 )
             if context_image is not None:
-                check_context("CrossAttention", self.parallel, x, context=context_image,
-                              sharded_x=False)
                 S_img = context_image.shape[0]
                 context_image = tp_input(context_image, self.parallel.tp_axis)
                 k_img = linear(self.k_img, context_image)
@@ -533,6 +545,7 @@ class JointAttention(eqx.Module):
         with jax.named_scope("vidax_eqx.nn.JointAttention"):
             check_context("JointAttention", self.parallel, x,
                           context=None if context_copies else context)
+            self, (x, context, rope) = fsdp_gather(self, (x, context, rope))
             H = local_heads("JointAttention", self, self.to_q)
             T, S = context.shape[0], x.shape[0]
             h = jnp.concatenate([context, x], axis=0)

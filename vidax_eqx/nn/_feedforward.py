@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from ..parallel import axis_size
 from ._checks import check_positive
+from ._fsdp import fsdp_gather
 from ._layers import linear, row_parallel
 from ._parallel import check_parallel, ParallelConfig
 
@@ -97,6 +98,7 @@ class FeedForward(eqx.Module):
         `(..., out_dim)`, in the promotion of `x`'s and the weights' dtypes.
         """
         with jax.named_scope("vidax_eqx.nn.FeedForward"):
+            self, x = fsdp_gather(self, x)
             tp_axis = self.parallel.tp_axis
             tp = 1 if tp_axis is None else axis_size(tp_axis, what="Tensor-parallel")
             rows = self.fc1.weight.shape[0]
@@ -201,6 +203,7 @@ class TimestepEmbedding(eqx.Module):
         `(*t.shape, dim)` in the weights' dtype.
         """
         with jax.named_scope("vidax_eqx.nn.TimestepEmbedding"):
+            self, t = fsdp_gather(self, t)
             emb = timestep_embedding(
                 t, self.freq_dim, flip_sin_to_cos=self.flip_sin_to_cos,
                 downscale_freq_shift=self.downscale_freq_shift,

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, jaxtyped
 
 from ..parallel import axis_size, TP_AXIS
 from ._checks import check_eps, check_positive
+from ._fsdp import fsdp_gather
 
 
 def _out_dtype(x, *params):
@@ -212,6 +213,7 @@ class RMSNorm(eqx.Module):
         The normalized array, `x`'s shape, dtype `promote_types(x.dtype, weight.dtype)`.
         """
         with jax.named_scope("vidax_eqx.nn.RMSNorm"):
+            self, x = fsdp_gather(self, x)
             return rms_norm(x, self.weight, self.eps)
 
 
@@ -281,6 +283,7 @@ class TPShardedRMSNorm(eqx.Module):
         `shard_map` over `axis_name`, or when `dim_local * axis_size != global_dim`.
         """
         with jax.named_scope("vidax_eqx.nn.TPShardedRMSNorm"):
+            self, x = fsdp_gather(self, x)
             return tp_sharded_rms_norm(x, self.weight, self.global_dim, self.eps, self.axis_name)
 
 
@@ -330,6 +333,7 @@ class LayerNorm(eqx.Module):
         The normalized array, `x`'s shape.
         """
         with jax.named_scope("vidax_eqx.nn.LayerNorm"):
+            self, x = fsdp_gather(self, x)
             return layer_norm(x, self.weight, self.bias, self.eps)
 
 
@@ -378,4 +382,5 @@ class ModulatedLayerNorm(eqx.Module):
         `layer_norm(x) * (1 + scale) + shift`, float32, `x`'s shape.
         """
         with jax.named_scope("vidax_eqx.nn.ModulatedLayerNorm"):
+            self, x = fsdp_gather(self, x)
             return modulated_layer_norm(x, shift, scale, self.eps, self.weight, self.bias)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._fsdp import unwrap_shards, wrap_shards
 from .._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
 from ..parallel import axis_size, chunk_by_rank, SP_AXIS, zigzag_permute, zigzag_unpermute
 
@@ -53,6 +54,18 @@ class ParallelConfig:
     - `tp_axis`: the tensor-parallel (Megatron) mesh axis, or `None`. With an axis,
         heads are split over it: q/k/v column-parallel, the output projection
         row-parallel with one `psum`.
+    - `fsdp_axes`: the mesh axes (data and sequence axes; never `tp_axis`) over which
+        every parameter is split (FSDP / ZeRO-3), or `()`. [`partition_specs`][] puts
+        them on one dimension of each parameter (the largest one that `tp` does not
+        split and that their size divides); inside `shard_map` each module gathers its
+        own weights just before it uses them ([`fsdp_gather`][]), so gradients come
+        back reduce-scattered. Every FSDP axis must carry different data (the batch or
+        the sequence), or its devices would compute the same thing.
+    - `fsdp_regather`: `True` (default, ZeRO-3): under a model's scanned blocks the
+        gathered weights of a block are not kept for the backward pass but gathered
+        again there, so at most about one block is gathered at a time. `False` keeps
+        them from the forward (one gather per block and step instead of two, but the
+        whole model gathered on every device by the end of the forward).
     """
 
     sequence: str = "none"
@@ -60,6 +73,8 @@ class ParallelConfig:
     ring_axis: str | None = None
     layout: str = "contiguous"
     tp_axis: str | None = None
+    fsdp_axes: tuple[str, ...] = ()
+    fsdp_regather: bool = True
 
     def __post_init__(self):
         if self.sequence not in SEQUENCE_MODES:
@@ -93,6 +108,44 @@ class ParallelConfig:
                 f"`tp_axis` must differ from the sequence axes; received tp_axis="
                 f"{self.tp_axis!r}, sp_axis={self.sp_axis!r}, ring_axis={self.ring_axis!r}."
             )
+        axes = self.fsdp_axes
+        if isinstance(axes, str):
+            axes = (axes,)
+        if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) and a for a in axes):
+            raise ValueError(
+                "`fsdp_axes` must be a tuple of mesh axis names, e.g. ('dp', 'sp'); received "
+                f"fsdp_axes={self.fsdp_axes!r}."
+            )
+        axes = tuple(axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"`fsdp_axes` names an axis twice; received fsdp_axes={axes!r}.")
+        if self.tp_axis is not None and self.tp_axis in axes:
+            raise ValueError(
+                f"`fsdp_axes` must not contain the tensor-parallel axis {self.tp_axis!r}: "
+                "Megatron already splits the weights over it (and its devices see the same "
+                f"tokens); received fsdp_axes={axes!r}, tp_axis={self.tp_axis!r}. FSDP goes over "
+                "the data and sequence axes, e.g. fsdp_axes=('dp', 'sp')."
+            )
+        if not isinstance(self.fsdp_regather, bool):
+            raise ValueError(
+                f"`fsdp_regather` must be a bool; received {self.fsdp_regather!r}."
+            )
+        object.__setattr__(self, "fsdp_axes", axes)
+
+
+def fsdp_axes_of(tree) -> tuple[str, ...]:
+    """The `fsdp_axes` of the [`ParallelConfig`][]s in `tree`: FSDP places a whole model,
+    so the configurations that name FSDP axes must agree (those with none, e.g. a
+    model's embeddings built without a configuration, follow them); `()` without any."""
+    found = {x.fsdp_axes for x in jax.tree.leaves(tree)
+             if isinstance(x, ParallelConfig) and x.fsdp_axes}
+    if len(found) > 1:
+        raise ValueError(
+            "the modules of one model must agree on their ParallelConfig's fsdp_axes (one "
+            f"placement of the whole model); received {sorted(found)}. Set one configuration "
+            "with nn.with_parallel(model, config)."
+        )
+    return found.pop() if found else ()
 
 
 def check_parallel(owner: str, parallel) -> None:
@@ -141,7 +194,9 @@ def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
     vma = varying_axes(x)
     seq_axes = _sequence_axes(parallel)
     if sharded_x and parallel.sequence == "none":
-        wrong = vma & {parallel.sp_axis, SP_AXIS}
+        # Values computed with FSDP-gathered weights vary over the FSDP axes by type
+        # (the gather's transpose is a reduce-scatter): nothing can be told there.
+        wrong = vma & {parallel.sp_axis, SP_AXIS} - set(parallel.fsdp_axes)
         if wrong:
             axis = sorted(wrong)[0]
             raise ValueError(
@@ -320,14 +375,23 @@ def filter_shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):
     under `jax.jit` when it closes over the modules.
     """
 
+    in_specs = tuple(in_specs)
+
     def call(*args):
         dynamic, static = eqx.partition(args, eqx.is_array)
+        fsdp = [fsdp_axes_of(arg) for arg in args]
 
         def per_device(*dynamic):
-            return fn(*eqx.combine(dynamic, static))
+            # Parameters split over FSDP axes enter as `FSDPShard`s (their in_spec says
+            # which dimension), for the modules to gather just before use.
+            args = eqx.combine(dynamic, static)
+            if len(in_specs) == len(args):
+                args = tuple(wrap_shards(a, spec, axes) if axes else a
+                             for a, spec, axes in zip(args, in_specs, fsdp))
+            return unwrap_shards(fn(*args))
 
         return jax.shard_map(
-            per_device, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, **kwargs
+            per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs
         )(*dynamic)
 
     return call

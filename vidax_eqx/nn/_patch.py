@@ -9,6 +9,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
 from ._checks import check_positive
+from ._fsdp import fsdp_gather
 
 
 def _check_patch(owner: str, patch_size) -> tuple[int, int, int]:
@@ -97,6 +98,7 @@ class PatchEmbedding(eqx.Module):
         as a `Conv3d` needs).
         """
         with jax.named_scope("vidax_eqx.nn.PatchEmbedding"):
+            self, x = fsdp_gather(self, x)
             return self.project(patchify(x.astype(self.weight.dtype), self.patch_3d))
 
     @property
@@ -121,6 +123,7 @@ class PatchEmbedding(eqx.Module):
 
         `(S, dim)` in the weight's dtype.
         """
+        self, patches = fsdp_gather(self, patches)
         if patches.shape[1] != self.weight[0].size:
             raise ValueError(
                 f"PatchEmbedding.project: `patches` must have in_channels * pt * ph * pw = "

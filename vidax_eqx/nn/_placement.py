@@ -2,6 +2,7 @@
 swap of a module tree's [`ParallelConfig`][]."""
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -9,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._attention import Attention, CrossAttention, JointAttention
 from ._feedforward import FeedForward
-from ._parallel import check_parallel, ParallelConfig
+from ._parallel import check_parallel, fsdp_axes_of, ParallelConfig
 
 
 # The modules that hold a ParallelConfig, and their Megatron split: (column-parallel
@@ -22,6 +23,10 @@ _MEGATRON = {
     FeedForward: (("fc1",), ("fc2",), ()),
 }
 _PARALLEL = tuple(_MEGATRON)
+
+FSDP_MAX_REPLICATED = 1 << 20
+"""The default of `partition_specs(max_replicated=)`: a parameter of more elements that
+FSDP cannot split raises instead of staying whole on every device."""
 
 
 def _is_parameter(x) -> bool:
@@ -72,34 +77,50 @@ def _module_specs(m):
     return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
 
 
-def partition_specs(module):
-    """The `PartitionSpec` of every parameter of `module` (Megatron tensor parallelism).
+def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICATED):
+    """The `PartitionSpec` of every parameter of `module`: Megatron tensor parallelism
+    and fully sharded data parallelism (FSDP).
 
-    For every attention module and [`FeedForward`][] inside `module` (any PyTree:
-    one layer or a whole model) whose `parallel.tp_axis` is set: q/k/v (`to_q`/`to_k`/`to_v`) weights
-    `P(tp, None)` and biases `P(tp)` (column-parallel: each device holds its heads'
-    output features); `o` / `to_out` weight `P(None, tp)` (row-parallel) and bias `P()`;
-    Wan's `norm_q` / `norm_k` weights, over the inner dim, `P(tp)`; CogVideoX's per-head
-    LayerNorms `P()`; a [`FeedForward`][]'s `fc1` column-parallel and `fc2`
-    row-parallel likewise. Every other array, and everything when `tp_axis` is `None`, is
-    replicated, `P()`; non-array leaves get `None`. Sequence parallelism never shards a
-    parameter. Layers stacked with `eqx.filter_vmap` (to `lax.scan` over them) keep their
-    leading layer axes unsharded: a stacked q weight `(L, dim, dim)` gets `P(None, tp, None)`.
+    **Tensor parallelism.** For every attention module and [`FeedForward`][] inside
+    `module` (any PyTree: one layer or a whole model) whose `parallel.tp_axis` is set:
+    q/k/v (`to_q`/`to_k`/`to_v`) weights `P(tp, None)` and biases `P(tp)`
+    (column-parallel: each device holds its heads' output features); `o` / `to_out`
+    weight `P(None, tp)` (row-parallel) and bias `P()`; Wan's `norm_q` / `norm_k`
+    weights, over the inner dim, `P(tp)`; CogVideoX's per-head LayerNorms `P()`; a
+    [`FeedForward`][]'s `fc1` column-parallel and `fc2` row-parallel likewise.
+    Sequence parallelism never shards a parameter.
+
+    **FSDP.** When the modules' [`ParallelConfig`][] has `fsdp_axes` (all of them must
+    agree), *every* parameter of `module`, inside those modules or not (embeddings,
+    norms, heads), is split over those axes on one dimension: the largest one that
+    tensor parallelism does not split and that the FSDP size (the product of their
+    sizes in `mesh`) divides, the first of equal ones. A parameter with no such
+    dimension stays replicated when it has at most `max_replicated` elements
+    ([`replicated_parameters`][] lists those and why) and is an error otherwise.
+
+    Layers stacked with `eqx.filter_vmap` (to `lax.scan` over them; a module lists
+    such fields in its class variable `stacked_layers`) keep their leading layer axis
+    unsharded: a stacked q weight `(L, dim, dim)` gets `P(None, tp, None)`.
 
     **Arguments:**
 
     - `module`: a PyTree of Equinox modules.
+    - `mesh`: the `jax.sharding.Mesh` (or `AbstractMesh`) the module runs on; needed
+        with FSDP, for the axes' sizes (without it, FSDP raises).
+    - `max_replicated`: the largest parameter (in elements) that may stay replicated
+        under FSDP because no dimension divides.
 
     **Returns:**
 
     A PyTree of the same structure with a `PartitionSpec` per array (or
     `jax.ShapeDtypeStruct`: a model built with `eqx.filter_eval_shape` gets the specs
     of its real twin) and `None` at every other leaf (the [`ParallelConfig`][] included), for
-    [`filter_shard_map`][]`(..., in_specs=(partition_specs(module), ...))`, or, mapped to
-    `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec of the
-    module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since the
-    configuration is a leaf, of every [`with_parallel`][] variant with the same
-    `tp_axis`. Call it on the whole module: the configuration decides the specs.
+    [`filter_shard_map`][]`(..., in_specs=(partition_specs(module, mesh), ...))`, or,
+    mapped to `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec
+    of the module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since
+    the configuration is a leaf, of every [`with_parallel`][] variant with the same
+    `tp_axis` and `fsdp_axes`. Call it on the whole module: the configuration decides
+    the specs.
     """
 
     def specs(x):
@@ -107,7 +128,121 @@ def partition_specs(module):
             return _module_specs(x)
         return P() if _is_parameter(x) else None
 
-    return jax.tree.map(specs, module, is_leaf=_is_parallel)
+    tp_specs = jax.tree.map(specs, module, is_leaf=_is_parallel)
+    axes = fsdp_axes_of(module)
+    if not axes:
+        return tp_specs
+    plan = _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, "partition_specs")
+    return jax.tree.map(lambda spec, entry: spec if entry is None else entry[0], tp_specs, plan,
+                        is_leaf=lambda s: s is None or isinstance(s, P))
+
+
+def replicated_parameters(module, mesh, *, max_replicated: int = FSDP_MAX_REPLICATED):
+    """The parameters of `module` that FSDP leaves whole on every device, and why.
+
+    [`partition_specs`][] splits every parameter over the FSDP axes on one dimension
+    that tensor parallelism does not split and that the FSDP size divides; those with
+    no such dimension (small biases or norm scales of an odd width, a `(1, 6, dim)`
+    modulation over 7 devices, ...) stay replicated. Their bytes are the per-device
+    remainder on top of `total / (fsdp x tp)`.
+
+    **Arguments:**
+
+    - `module`, `mesh`, `max_replicated`: as for [`partition_specs`][].
+
+    **Returns:**
+
+    A list of `(path, shape, reason)`, `path` as `jax.tree_util.keystr` writes it;
+    empty without FSDP or when every parameter is split.
+    """
+    axes = fsdp_axes_of(module)
+    if not axes:
+        return []
+    tp_specs = jax.tree.map(lambda x: _module_specs(x) if _is_parallel(x) else (
+        P() if _is_parameter(x) else None), module, is_leaf=_is_parallel)
+    plan = _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, "replicated_parameters")
+    flat = jax.tree_util.tree_flatten_with_path(
+        plan, is_leaf=lambda s: s is None or isinstance(s, tuple))[0]
+    return [(jax.tree_util.keystr(path), entry[1], entry[2]) for path, entry in flat
+            if entry is not None and entry[2] is not None]
+
+
+def _fsdp_size(axes, mesh, owner) -> int:
+    if mesh is None:
+        raise ValueError(
+            f"{owner}: the modules are fully sharded (fsdp_axes={axes}), which needs the mesh "
+            f"to size the split; pass the mesh: {owner}(module, mesh)."
+        )
+    shape = dict(mesh.shape)
+    missing = [a for a in axes if a not in shape]
+    if missing:
+        raise ValueError(
+            f"{owner}: the FSDP axis {missing[0]!r} (fsdp_axes={axes}) is not an axis of the "
+            f"mesh {shape}. Name axes of the mesh, or add the axis to it."
+        )
+    return math.prod(shape[a] for a in axes)
+
+
+def _stacked_depths(module):
+    """For each array leaf (flattened order): how many leading axes are stacked layers
+    (fields named in a module's `stacked_layers` class variable, on the way to it)."""
+    def depth(path):
+        node, n = module, 0
+        for key in path:
+            if isinstance(node, eqx.Module) and isinstance(key, jax.tree_util.GetAttrKey):
+                if key.name in getattr(type(node), "stacked_layers", ()):
+                    n += 1
+                node = getattr(node, key.name)
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                node = node[key.idx]
+            elif isinstance(key, jax.tree_util.DictKey):
+                node = node[key.key]
+            else:
+                return n
+        return n
+
+    flat = jax.tree_util.tree_flatten_with_path(module)[0]
+    return {jax.tree_util.keystr(path): depth(path) for path, _ in flat}
+
+
+def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
+    """Per array: `(spec, shape, reason)` (reason `None` when split) or `None`."""
+    n = _fsdp_size(axes, mesh, owner)
+    entry = axes[0] if len(axes) == 1 else tuple(axes)
+    depths = _stacked_depths(module)
+
+    def plan(path, spec, x):
+        if not isinstance(spec, P) or not _is_parameter(x):
+            return None
+        shape = tuple(x.shape)
+        if n == 1:
+            return spec, shape, None
+        first = depths.get(jax.tree_util.keystr(path), 0)
+        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+        free = [d for d in range(first, len(shape)) if entries[d] is None]
+        fits = [d for d in free if shape[d] % n == 0]
+        if fits:
+            d = max(fits, key=lambda d: (shape[d], -d))
+            return P(*entries[:d], entry, *entries[d + 1:]), shape, None
+        name = jax.tree_util.keystr(path)
+        size = math.prod(shape)
+        free_sizes = [shape[d] for d in free]
+        reason = (f"no dimension it may be split on ({free_sizes}, the others being the "
+                  f"layer axis or tensor-parallel) is a multiple of the FSDP size {n}")
+        if size > max_replicated:
+            raise ValueError(
+                f"{owner}: FSDP over {axes} (size {n}) cannot split the parameter {name} of "
+                f"shape {shape} ({size:,} elements, more than max_replicated="
+                f"{max_replicated:,} may stay whole on every device): {reason}. Use an FSDP "
+                f"size that divides one of {free_sizes} (e.g. "
+                f"{sorted({math.gcd(n, s) for s in free_sizes} - {1}) or 'none > 1'}), or "
+                "raise max_replicated."
+            )
+        return P(*entries), shape, reason
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, spec, x: plan(path, spec, x), tp_specs, module,
+        is_leaf=lambda s: s is None or isinstance(s, P))
 
 
 def with_parallel(module, parallel: ParallelConfig):
@@ -160,7 +295,7 @@ def shard_module(module, mesh):
 
     The same structure with its arrays placed.
     """
-    specs = partition_specs(module)
+    specs = partition_specs(module, mesh)
     shardings = jax.tree.map(
         lambda s: None if s is None else NamedSharding(mesh, s), specs,
         is_leaf=lambda s: s is None or isinstance(s, P),
