@@ -23,6 +23,7 @@ from ._fsdp import fsdp_gather as fsdp_gather, FSDPShard as FSDPShard
 from ._placement import (
     partition_specs as partition_specs,
     replicated_parameters as replicated_parameters,
+    shard_like as shard_like,
     shard_module as shard_module,
     with_parallel as with_parallel,
 )

@@ -281,26 +281,75 @@ def shard_module(module, mesh):
     """`module` with every array placed on `mesh` by [`partition_specs`][].
 
     `eqx.filter_shard(module, NamedSharding(mesh, spec) per array)`: outside `jit` it
-    moves the weights (each device receives its own Megatron shard), inside it
-    constrains them. Place a model once before running it sharded, so that every
+    moves the weights (each device receives its own Megatron and FSDP slice), inside
+    it constrains them. Place a model once before running it sharded, so that every
     call does not reshard its weights.
 
     **Arguments:**
 
     - `module`: a PyTree of Equinox modules, with its [`ParallelConfig`][]s (their
-        `tp_axis` decides the specs).
+        `tp_axis` and `fsdp_axes` decide the specs).
     - `mesh`: a `jax.sharding.Mesh` with the configured axes.
 
     **Returns:**
 
     The same structure with its arrays placed.
     """
+    return _place(module, partition_specs(module, mesh), mesh)
+
+
+def shard_like(tree, module, mesh):
+    """`tree` placed on `mesh` like the parameters of `module`: for optimizer states.
+
+    Every part of `tree` with the structure of `module`'s arrays
+    (`eqx.filter(module, eqx.is_array)`: an optax state's moments, a gradient, an
+    EMA of the weights) is placed by [`partition_specs`][]`(module, mesh)`, so its
+    arrays are split exactly like the parameters they follow (FSDP and Megatron);
+    every other array (AdamW's step `count`, a learning-rate schedule's state) is
+    replicated over the whole mesh. That is where a sharded training step returns
+    them, so the step compiles once.
+
+        opt_state = nn.shard_like(optimizer.init(eqx.filter(model, eqx.is_array)), model, mesh)
+
+    Also the one call that reshards a state after [`with_parallel`][] moved its model
+    to another configuration or mesh. Outside `jit` the arrays move; inside, they are
+    constrained.
+
+    **Arguments:**
+
+    - `tree`: any PyTree of arrays (e.g. an optax state).
+    - `module`: the model whose parameters `tree` follows.
+    - `mesh`: the `jax.sharding.Mesh`.
+
+    **Returns:**
+
+    `tree`, placed.
+    """
     specs = partition_specs(module, mesh)
+    params = eqx.filter(module, _is_parameter)
+    structure = jax.tree.structure(params)
+    is_params = lambda node: (  # noqa: E731
+        node is not None and not _is_parameter(node) and jax.tree.structure(node) == structure
+    )
+    arrays_specs = eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P))
+
+    def place(node):
+        if is_params(node):
+            return _place(node, arrays_specs, mesh)
+        if _is_parameter(node):
+            return eqx.filter_shard(node, NamedSharding(mesh, P()))
+        return node
+
+    return jax.tree.map(place, tree, is_leaf=lambda n: is_params(n) or _is_parameter(n))
+
+
+def _place(tree, specs, mesh):
+    """Each array of `tree` on `mesh` by its spec in `specs` (same structure)."""
     shardings = jax.tree.map(
         lambda s: None if s is None else NamedSharding(mesh, s), specs,
         is_leaf=lambda s: s is None or isinstance(s, P),
     )
-    arrays, static = eqx.partition(module, eqx.is_array)
+    arrays, static = eqx.partition(tree, eqx.is_array)
     arrays = jax.tree.map(
         lambda x, s: x if s is None else eqx.filter_shard(x, s), arrays, shardings,
         is_leaf=lambda x: x is None,
