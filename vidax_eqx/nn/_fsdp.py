@@ -32,7 +32,7 @@ class FSDPShard(eqx.Module):
     """This device's slice of a parameter split over FSDP axes, inside `shard_map`.
 
     Made by [`vidax_eqx.nn.filter_shard_map`][] from the parameter's in_spec and
-    turned back into the whole parameter by [`fsdp_gather`][]. `dim` counts from the
+    turned back into the whole parameter by [`vidax_eqx.nn.fsdp_gather`][]. `dim` counts from the
     end (negative), so the slice of a stacked layer taken by `lax.scan` keeps it.
 
     **Fields:** `shard` (the local slice), static `dim` and `axes` (the mesh axes the
@@ -65,7 +65,8 @@ def fsdp_gather(tree, inputs=None, *, exclude=None):
     Call it first thing in a module's `__call__` inside `jax.shard_map`:
     `self, x = fsdp_gather(self, x)`. Every [`FSDPShard`][] leaf becomes the global
     parameter (its Megatron slice under tensor parallelism) by one tiled `all_gather`
-    over its axes, named [`GATHERED`][] for the rematerialization policy; everything else
+    over its axes, named for the models' rematerialization policy (which never keeps
+    it for the backward pass, but gathers it again there); everything else
     is returned as it is, so with no shards (one device, replicated weights, or weights
     an enclosing module already gathered) this is `(tree, inputs)` and costs nothing.
 
