@@ -227,8 +227,12 @@ def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
         name = jax.tree_util.keystr(path)
         size = math.prod(shape)
         free_sizes = [shape[d] for d in free]
-        reason = (f"no dimension it may be split on ({free_sizes}, the others being the "
-                  f"layer axis or tensor-parallel) is a multiple of the FSDP size {n}")
+        if free_sizes:
+            reason = (f"none of its dimensions {free_sizes} that neither the layer axis nor "
+                      f"tensor parallelism takes is a multiple of the FSDP size {n}")
+        else:
+            reason = ("every dimension is the layer axis or split by tensor parallelism "
+                      f"({spec})")
         if size > max_replicated:
             raise ValueError(
                 f"{owner}: FSDP over {axes} (size {n}) cannot split the parameter {name} of "
