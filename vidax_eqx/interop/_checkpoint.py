@@ -68,7 +68,8 @@ class SafetensorsShards(Mapping):
     Every shard's header is validated on opening (see [`open_safetensors`][]) and
     the index is checked against them: every tensor the index names is in its shard,
     and every tensor of a shard is in the index. Tensors are read one at a time, on
-    access; `shape(name)` / `dtype(name)` answer from the headers.
+    access, or only the blocks asked for (`read_slice`, `read_slices`); `shape(name)` /
+    `dtype(name)` answer from the headers.
     """
 
     def __init__(self, index_path):
@@ -121,6 +122,21 @@ class SafetensorsShards(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._map[name][name]
+
+    def read_slice(self, name: str, index=(), dtype=None) -> np.ndarray:
+        """One block of tensor `name` from its shard, reading only the bytes it needs
+        (see [`vidax_eqx.interop.SafetensorsFile.read_slice`][])."""
+        return self._map[name].read_slice(name, index, dtype)
+
+    def read_slices(self, name: str, indices, dtype=None) -> list[np.ndarray]:
+        """Several blocks of tensor `name` in one pass (see
+        [`vidax_eqx.interop.SafetensorsFile.read_slices`][])."""
+        return self._map[name].read_slices(name, indices, dtype)
+
+    @property
+    def bytes_read(self) -> int:
+        """The tensor bytes read so far from all the shards."""
+        return sum(f.bytes_read for f in self.files.values())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._map)

@@ -14,7 +14,8 @@ checks every entry: known dtype, a shape of non-negative ints whose size times
 the dtype's item size equals the entry's byte length, offsets inside the data
 section, and entries that tile the data section without overlap or gap (the
 same rule as the reference implementation). Tensor data is read lazily, one
-tensor at a time, into a buffer of exactly the validated size.
+tensor at a time, into a buffer of exactly the validated size; or only the blocks of a
+tensor that a caller asks for (`_slices.py`): what one process's devices hold.
 """
 
 import json
@@ -23,6 +24,8 @@ from collections.abc import Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
+
+from ._slices import normalize_index, read_blocks
 
 
 MAX_HEADER_BYTES = 100_000_000
@@ -120,8 +123,10 @@ class SafetensorsFile(Mapping):
     """A validated `.safetensors` file as a read-only mapping of names to NumPy arrays.
 
     Opening validates the whole header and reads no tensor data; `file[name]` reads
-    that one tensor. `shape(name)` and `dtype(name)` answer from the header. Create
-    with [`vidax_eqx.interop.open_safetensors`][], which lists the checks.
+    that one tensor, and `read_slice(name, index)` / `read_slices(name, indices)` only
+    the blocks asked for (a sharded load reads what its devices hold). `shape(name)`
+    and `dtype(name)` answer from the header; `bytes_read` counts the tensor bytes read
+    so far. Create with [`vidax_eqx.interop.open_safetensors`][], which lists the checks.
     """
 
     def __init__(self, path):
@@ -177,22 +182,71 @@ class SafetensorsFile(Mapping):
         self._entries = entries
         self._data_start = 8 + n
         self._size = size
+        self.bytes_read = 0
 
     def __getitem__(self, name: str) -> np.ndarray:
+        return self.read_slice(name, ())
+
+    def read_slice(self, name: str, index=(), dtype=None) -> np.ndarray:
+        """One block of tensor `name`, reading only the bytes it needs.
+
+        **Arguments:**
+
+        - `name`: the tensor.
+        - `index`: a tuple of `slice`s (step 1), one per leading dimension, the rest
+            whole: what `jax.make_array_from_callback` asks for one device. `()` is the
+            whole tensor.
+        - `dtype`: the result's dtype (floating tensors are cast to it); default the
+            tensor's own.
+
+        **Returns:**
+
+        A new NumPy array of the block's shape. See [`read_slices`][] for what is read.
+        """
+        return self.read_slices(name, [index], dtype)[0]
+
+    def read_slices(self, name: str, indices, dtype=None) -> list[np.ndarray]:
+        """Several blocks of tensor `name` (e.g. those of one process's devices), read
+        in one pass over the file.
+
+        A block split only on the leading dimension is one contiguous read; a block
+        split on a later dimension is read run by run when its runs are at least a page
+        apart, and otherwise together with the other such blocks as the rows they span,
+        once, in chunks of at most 16 MiB (every page of that span would be read from
+        disk anyway). Host memory stays at the blocks plus one chunk.
+
+        **Arguments:**
+
+        - `name`: the tensor.
+        - `indices`: the blocks, each as for [`read_slice`][].
+        - `dtype`: as for [`read_slice`][].
+
+        **Returns:**
+
+        A list of new NumPy arrays, one per index.
+        """
         e = self._entries[name]
-        buffer = np.empty(e.end - e.begin, dtype=np.uint8)
-        with open(self.path, "rb") as f:
+        blocks = [normalize_index(index, e.shape, f"tensor {_clip(name)}") for index in indices]
+        with open(self.path, "rb", buffering=0) as f:
             if os.fstat(f.fileno()).st_size != self._size:
                 raise _bad(self.path, "its size changed after it was opened")
-            f.seek(self._data_start + e.begin)
-            view, done = memoryview(buffer), 0
-            while done < buffer.size:  # readinto may return less than asked for huge reads
-                got = f.readinto(view[done:])
-                if not got:
-                    raise _bad(self.path, f"tensor {_clip(name)} could not be read in full")
-                done += got
-        array = buffer.view(e.dtype).reshape(e.shape)
-        return array if e.dtype.isnative else array.astype(e.dtype.newbyteorder("="))
+
+            def read_at(offset: int, view: memoryview) -> None:
+                f.seek(self._data_start + e.begin + offset)
+                done = 0
+                while done < len(view):  # readinto may return less than asked for huge reads
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise _bad(self.path, f"tensor {_clip(name)} could not be read in full")
+                    done += got
+                self.bytes_read += done
+
+            arrays = read_blocks(read_at, e.shape, e.dtype, blocks)
+        target = e.dtype.newbyteorder("=") if dtype is None else np.dtype(dtype)
+        for i, array in enumerate(arrays):  # one converted copy at a time
+            if array.dtype != target:
+                arrays[i] = array.astype(target)
+        return arrays
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -229,7 +283,8 @@ def write_safetensors(path, tensors: Mapping[str, np.ndarray], metadata=None) ->
             raise ValueError(
                 f"tensor names must be strings other than '__metadata__'; received {name!r}."
             )
-        array = np.ascontiguousarray(tensors[name])
+        array = np.asarray(tensors[name])
+        array = array if array.flags.c_contiguous else np.ascontiguousarray(array)  # keeps 0-d
         code = _CODES.get(array.dtype.newbyteorder("="))
         if code is None:
             raise ValueError(
