@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from .. import nn
 from ._checkpoint import open_checkpoint, open_safetensors, SafetensorsShards
 from ._safetensors import SafetensorsFile, write_safetensors
+from ._sharded import place_sharded
+from ._slices import normalize_index
 
 
 NAMINGS = ("wan", "diffusers")
@@ -197,17 +200,11 @@ def _is_float(dtype) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _place(array: np.ndarray, like):
-    """`array` as a JAX array placed as the leaf `like` is.
-
-    With `like`'s sharding when that was committed (`device_put`, `filter_shard`) or
-    given (a `ShapeDtypeStruct`'s); uncommitted on the default device otherwise, so
-    that `jit` may still place it anywhere.
-    """
-    return jax.device_put(array, _sharding_of(like))
-
-
 def _sharding_of(like):
+    """Where a new array replacing the leaf `like` goes: `like`'s sharding when that was
+    committed (`device_put`, `filter_shard`) or given (a `ShapeDtypeStruct`'s); `None`
+    (uncommitted on the default device, so that `jit` may still place it anywhere)
+    otherwise."""
     if isinstance(like, jax.ShapeDtypeStruct):
         return like.sharding
     if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
@@ -221,18 +218,45 @@ def _set_layer(stack, layer, index):
     return jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
 
 
-def _place_stacked(like, layers):
-    """A stacked leaf `(L, ...)` on the device, filled one layer at a time.
+def _place_stacked(like, sharding, layers):
+    """A stacked leaf `(L, ...)` on the device (`sharding`), filled one layer at a time.
 
     `layers` yields `(index, NumPy array)`; each is copied into a device buffer that
     is updated in place (donated), so host memory holds one layer besides the model,
     never a second copy of the stack."""
-    stack = jnp.zeros(like.shape, like.dtype, device=_sharding_of(like))
+    stack = jnp.zeros(like.shape, like.dtype, device=sharding)
     for index, array in layers:
         # Wait for each copy: dispatch is asynchronous, and every update in flight
         # would hold its layer's host array.
         stack = jax.block_until_ready(_set_layer(stack, array, np.int32(index)))
     return stack
+
+
+def _mesh_shardings(module, mesh) -> list:
+    """`NamedSharding(mesh, spec)` of each leaf of `module` (flattened as
+    `_named_parameters` does) from `nn.partition_specs(module, mesh)`; `None` at leaves
+    that are not parameters."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. vidax_eqx.parallel.make_mesh(...)) or "
+            f"None; received {type(mesh).__name__}."
+        )
+    specs = nn.partition_specs(module, mesh)  # raises for FSDP axes the mesh lacks, misfits
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    axes = {a for s in jax.tree.leaves(specs, is_leaf=is_spec) if is_spec(s)
+            for entry in s if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    missing = sorted(axes - set(mesh.axis_names))
+    if missing:
+        raise ValueError(
+            f"`mesh` has the axes {tuple(mesh.axis_names)}, but the modules' ParallelConfig "
+            f"places parameters over {missing}. Pass a mesh with those axes, or a ParallelConfig "
+            "that names the mesh's (tp_axis, fsdp_axes)."
+        )
+    treedef = jax.tree_util.tree_structure(
+        module, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return [NamedSharding(mesh, spec) if is_spec(spec) else None
+            for spec in treedef.flatten_up_to(specs)]
 
 
 def _fmt_keys(keys, limit=20, sep=", ") -> str:
@@ -242,7 +266,7 @@ def _fmt_keys(keys, limit=20, sep=", ") -> str:
 
 
 def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, stacked=(),
-                    rename=None):
+                    rename=None, mesh=None):
     """Loads PyTorch weights into an Equinox module: a new module, every parameter replaced.
 
     Parameter names are PyTorch's: a module's array fields joined by dots
@@ -259,10 +283,20 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     replace, i.e. the module's dtype (build the module with `dtype=` to choose
     it). Integer, boolean and complex tensors are rejected. Each new array is
     placed as the array it replaces: with its sharding where that was committed
-    (`jax.device_put`, `eqx.filter_shard`), uncommitted on the default device
-    otherwise. Nothing is partially
+    (`jax.device_put`, `eqx.filter_shard`) or given (a `jax.ShapeDtypeStruct`'s
+    `sharding`), uncommitted on the default device otherwise; with `mesh`, by
+    [`vidax_eqx.nn.partition_specs`][] on that mesh. Nothing is partially
     loaded: every check runs, and every new array is built, before the new
     module is assembled; on any error the module you passed is untouched.
+
+    **Sharded loading.** An array with a sharding is assembled from the blocks of
+    this process's own devices (`jax.make_array_from_single_device_arrays`): each
+    distinct block is read once per process (a replicated parameter once, not once
+    per device), and from a safetensors file only its bytes
+    ([`SafetensorsFile.read_slices`][vidax_eqx.interop.SafetensorsFile.read_slices]).
+    So a model fully sharded over a mesh (FSDP) loads with host memory per process
+    near its share of the model plus one tensor, and in a multi-process
+    `jax.distributed` job every process reads only its own share.
 
     A module built abstractly (`eqx.filter_eval_shape(Module, ..., key=...)`,
     whose leaves are `jax.ShapeDtypeStruct`) works too: it is filled without
@@ -290,6 +324,11 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     - `rename`: `rename(name, naming) -> str`, applied to each generated name under
         each naming (`"wan"`, `"diffusers"`), for a model whose checkpoint names
         differ from its field names beyond the attention projections.
+    - `mesh`: a `jax.sharding.Mesh`: every parameter is placed on it by
+        [`vidax_eqx.nn.partition_specs`][]`(module, mesh)` (the modules'
+        [`vidax_eqx.nn.ParallelConfig`][] decides: Megatron over `tp_axis`, FSDP over
+        `fsdp_axes`, replicated otherwise), read as above. Default: as the arrays
+        it replaces.
 
     **Returns:**
 
@@ -313,6 +352,8 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
             f"received {type(source).__name__}."
         )
     leaves, entries, treedef = _named_parameters(module, stacked, rename)
+    shardings = ([_sharding_of(leaf) if _is_parameter(leaf) else None for leaf in leaves]
+                 if mesh is None else _mesh_shardings(module, mesh))
     what = type(module).__name__ + (f" (prefix={prefix!r})" if prefix else "")
     lazy = isinstance(source, _LAZY)
 
@@ -358,7 +399,38 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
             wrong_dtype.append(f"{key!r}: got {dtype if dtype is not None else 'no dtype'}, "
                                f"expected {want}")
 
+    partial = {}  # stacked abstract leaves of which only some layers are given
+    for e in matched:
+        entry = entries[e]
+        if entry.layer is not None and isinstance(leaves[entry.leaf], jax.ShapeDtypeStruct):
+            partial.setdefault(entry.leaf, []).append(matched[e])
+    partial = [f"{names[0]!r} ({len(names)} of {leaves[i].shape[0]} layers)"
+               for i, names in partial.items() if len(names) < leaves[i].shape[0]]
+
+    unplaceable = []  # shardings that do not split their parameter evenly
+    for i in sorted({entries[e].leaf for e in matched}):
+        if shardings[i] is None:
+            continue
+        try:
+            shardings[i].shard_shape(tuple(leaves[i].shape))
+        except ValueError:
+            name = next(matched[e] for e in matched if entries[e].leaf == i)
+            where = shardings[i]
+            if isinstance(where, NamedSharding):
+                where = f"{where.spec} over {dict(where.mesh.shape)}"
+            unplaceable.append(f"{name!r} {tuple(leaves[i].shape)} by {where}")
+
     problems = []
+    if unplaceable:
+        problems.append(
+            f"not split evenly by their placement ({len(unplaceable)}; choose mesh axis sizes "
+            f"that divide these dimensions): {_fmt_keys(unplaceable, sep='; ')}"
+        )
+    if partial and not strict:
+        problems.append(
+            f"some layers of an abstract stacked parameter, which has no values to keep for "
+            f"the others ({len(partial)}): {_fmt_keys(partial, sep='; ')}"
+        )
     if strict:
         if missing:
             problems.append(f"missing ({len(missing)}): {_fmt_keys(missing)}")
@@ -394,20 +466,53 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
         # copy: on CPU, device_put may alias the caller's NumPy memory
         return np.array(_to_numpy(values.pop(e)), dtype=dtype, copy=True)
 
+    def read_blocks(e, indices):
+        """Blocks (tuples of slices) of entry `e`'s tensor, fresh arrays in its leaf's
+        dtype: from a file, only their bytes."""
+        dtype = np.dtype(leaves[entries[e].leaf].dtype)
+        if lazy:
+            return source.read_slices(matched[e], indices, dtype)
+        array = _to_numpy(values.pop(e))
+        return [np.array(array[index], dtype=dtype, copy=True) for index in indices]
+
+    def read_stacked(group, indices):
+        """Blocks of a stacked leaf `(L, ...)`: each layer's part read from its tensor."""
+        like = leaves[entries[group[0]].leaf]
+        blocks = [normalize_index(index, tuple(like.shape), matched[group[0]]) for index in indices]
+        outs = [np.empty(tuple(b - a for a, b in block), np.dtype(like.dtype)) for block in blocks]
+        for e in group:  # one layer's blocks in flight at a time
+            layer = entries[e].layer
+            wanted = [j for j, block in enumerate(blocks) if block[0][0] <= layer < block[0][1]]
+            if not wanted:
+                continue
+            parts = read_blocks(e, [tuple(slice(a, b) for a, b in blocks[j][1:]) for j in wanted])
+            for j, part in zip(wanted, parts):
+                outs[j][layer - blocks[j][0][0]] = part
+        return outs
+
     new_leaves = list(leaves)
     by_leaf: dict[int, list[int]] = {}
     for e in matched:
         by_leaf.setdefault(entries[e].leaf, []).append(e)
     for i, group in by_leaf.items():
-        if entries[group[0]].layer is None:  # one host array in flight at a time
-            new_leaves[i] = jax.block_until_ready(_place(read(group[0]), leaves[i]))
+        sharding = shardings[i]
+        layered = entries[group[0]].layer is not None
+        if sharding is not None and not (layered and len(group) < leaves[i].shape[0]):
+            # Placed: each process reads only the blocks its devices hold.
+            e = group[0]
+            reader = ((lambda indices, g=group: read_stacked(g, indices)) if layered
+                      else (lambda indices, e=e: read_blocks(e, indices)))
+            new_leaves[i] = place_sharded(tuple(leaves[i].shape), sharding, reader, repr(matched[e]))
+        elif not layered:  # one host array in flight at a time
+            new_leaves[i] = jax.block_until_ready(jax.device_put(read(group[0]), sharding))
         elif len(group) < leaves[i].shape[0]:  # strict=False: some layers keep their values
             array = np.array(leaves[i], copy=True)
             for e in group:
                 array[entries[e].layer] = read(e)
-            new_leaves[i] = _place(array, leaves[i])
+            new_leaves[i] = jax.device_put(array, sharding)
         else:  # stacked: one device buffer, filled one layer (one tensor read) at a time
-            new_leaves[i] = _place_stacked(leaves[i], ((entries[e].layer, read(e)) for e in group))
+            new_leaves[i] = _place_stacked(leaves[i], sharding,
+                                           ((entries[e].layer, read(e)) for e in group))
     return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
