@@ -3,7 +3,10 @@
 Names follow the PyTorch reference models, in Wan's naming (`q, k, v, o`) or
 diffusers' (`to_q, to_k, to_v, to_out.0`). `.safetensors` files are read by a
 strict reader of the documented format: no pickle, nothing executed, bounded
-allocation, every header field checked before any tensor data is read.
+allocation, every header field checked before any tensor data is read. A model
+placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices hold,
+reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
+repository id (`resolve_checkpoint`; `huggingface_hub` is optional).
 """
 
 from ._checkpoint import (
@@ -12,6 +15,7 @@ from ._checkpoint import (
     SafetensorsShards as SafetensorsShards,
     write_checkpoint as write_checkpoint,
 )
+from ._hub import resolve_checkpoint as resolve_checkpoint
 from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile as SafetensorsFile
 from ._state_dict import (
     load_state_dict as load_state_dict,
