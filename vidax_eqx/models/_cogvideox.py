@@ -572,6 +572,10 @@ class CogVideoXTransformer3D(eqx.Module):
         dtype=None,
         parallel: nn.ParallelConfig = nn.ParallelConfig(),
         implementation="auto",
+        mesh=None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir=None,
     ) -> "CogVideoXTransformer3D":
         """Loads a diffusers CogVideoX checkpoint (`CogVideoXTransformer3DModel`).
 
@@ -580,19 +584,28 @@ class CogVideoXTransformer3D(eqx.Module):
         releases are). As for [`WanTransformer3D.from_pretrained`][]: the model is
         built abstractly, every tensor's shape is checked before any is read, missing
         and unexpected names are listed together, nothing is partially loaded, tensors
-        are read one at a time, no pickle.
+        are read one at a time, no pickle; with `mesh` it loads straight into its
+        sharded layout, each process reading only its devices' blocks.
 
         **Arguments:**
 
-        - `path`: the checkpoint directory (a diffusers `transformer/` folder).
+        - `path`: the checkpoint directory (a diffusers `transformer/` folder), or a
+            Hugging Face Hub repository id (needs `huggingface_hub`).
         - `dtype`: the parameters' dtype; default the checkpoint's.
         - `parallel`, `implementation`: as for the constructor.
+        - `mesh`: a `jax.sharding.Mesh`: place every parameter by
+            [`vidax_eqx.nn.partition_specs`][] under `parallel` while loading.
+        - `subfolder`: the folder of `path` holding the checkpoint, e.g.
+            `"transformer"` for a pipeline repository (`THUDM/CogVideoX-2b`).
+        - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
 
         **Returns:**
 
-        The loaded model, its arrays uncommitted on the default device.
+        The loaded model: its arrays uncommitted on the default device, or with
+        `mesh` placed on it.
         """
-        raw, tensors = read_config(path, "CogVideoXTransformer3D")
+        raw, tensors = read_config(path, "CogVideoXTransformer3D", subfolder=subfolder,
+                                   revision=revision, cache_dir=cache_dir)
         if raw.get("_class_name", "CogVideoXTransformer3DModel") != "CogVideoXTransformer3DModel":
             raise ValueError(
                 f"CogVideoXTransformer3D.from_pretrained: {os.fspath(path)!r}/config.json is a "
@@ -600,7 +613,7 @@ class CogVideoXTransformer3D(eqx.Module):
             )
         config = CogVideoXConfig.from_diffusers(raw)
         return load_pretrained(cls, config, tensors, dtype=dtype, dtype_from="proj_out.weight",
-                               parallel=parallel, implementation=implementation,
+                               parallel=parallel, implementation=implementation, mesh=mesh,
                                stacked=_STACKED)
 
     def state_dict(self) -> dict[str, np.ndarray]:

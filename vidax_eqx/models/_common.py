@@ -119,15 +119,23 @@ def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: 
     return tokens, per_token, segment_ids, n
 
 
-def read_config(path, owner: str):
-    """`(config.json as a dict, the lazy tensor mapping)` of a checkpoint directory."""
-    text = os.fspath(path)
+def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):
+    """`(config.json as a dict, the lazy tensor mapping)` of a checkpoint directory, or
+    of a Hugging Face Hub repository's (resolved by
+    [`vidax_eqx.interop.resolve_checkpoint`][] with `subfolder`, `revision`, `cache_dir`)."""
+    try:
+        text = interop.resolve_checkpoint(path, subfolder=subfolder, revision=revision,
+                                          cache_dir=cache_dir)
+    except ValueError as e:
+        raise ValueError(f"{owner}.from_pretrained: {e}") from e.__cause__
     config_path = os.path.join(text, "config.json")
-    if not os.path.isdir(text) or not os.path.isfile(config_path):
+    if not os.path.isfile(config_path):
         raise ValueError(
             f"{owner}.from_pretrained: {text!r} must be a checkpoint directory holding "
             "config.json and the safetensors weights (diffusers' save_pretrained layout, or "
-            "a Wan 2.1 release)."
+            "a Wan 2.1 release)"
+            + ("" if subfolder else "; for a diffusers pipeline pass subfolder='transformer'")
+            + "."
         )
     try:
         with open(config_path, encoding="utf-8") as f:
@@ -140,18 +148,27 @@ def read_config(path, owner: str):
 
 
 def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
-                    implementation, **load_kwargs):
+                    implementation, mesh=None, **load_kwargs):
     """`cls(config, ...)` built abstractly (no random weights) in `dtype` (default: the
     checkpoint's dtype of the tensor `dtype_from`, else float32) and filled from
     `tensors` by [`vidax_eqx.interop.load_state_dict`][] (`load_kwargs`: `stacked=`,
-    `rename=`)."""
+    `rename=`); with `mesh`, every parameter placed by
+    [`vidax_eqx.nn.partition_specs`][]`(model, mesh)` under `parallel`, each process
+    reading only the blocks its devices hold."""
     if dtype is None:  # a missing tensor is reported by the load
         dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
     model = eqx.filter_eval_shape(
         cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
         key=jax.random.PRNGKey(0),
     )
-    return interop.load_state_dict(model, tensors, **load_kwargs)
+    try:
+        return interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs)
+    except ValueError as e:
+        if mesh is None or str(e).startswith("load_state_dict"):
+            raise
+        # The placement's errors (nn.partition_specs: an FSDP size that divides nothing,
+        # axes the mesh lacks) name the model's call, not the loader's.
+        raise ValueError(f"{cls.__name__}.from_pretrained(mesh=...): {e}") from None
 
 
 def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:

@@ -595,6 +595,10 @@ class WanTransformer3D(eqx.Module):
         parallel: nn.ParallelConfig = nn.ParallelConfig(),
         implementation="auto",
         pad_text: bool = False,
+        mesh=None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir=None,
     ) -> "WanTransformer3D":
         """Loads a Wan 2.1 checkpoint: a diffusers directory or the original Wan layout.
 
@@ -610,20 +614,37 @@ class WanTransformer3D(eqx.Module):
         tensors are read one at a time: peak host memory stays near the model's size.
         No pickle.
 
+        With `mesh`, the model loads straight into its sharded layout: every
+        parameter placed by [`vidax_eqx.nn.partition_specs`][]`(model, mesh)` under
+        `parallel` (FSDP over its `fsdp_axes`, Megatron over its `tp_axis`), as
+        [`vidax_eqx.nn.shard_module`][] would place it, and each process reads only
+        the blocks of each tensor that its own devices hold (each once): peak host
+        memory per process is about its share of the model plus one tensor. Every
+        process of a multi-process `jax.distributed` job makes the same call.
+
         **Arguments:**
 
-        - `path`: the checkpoint directory.
+        - `path`: the checkpoint directory, or a Hugging Face Hub repository id
+            (`"owner/name"`, read from the local Hub cache or downloaded; needs
+            `huggingface_hub`), see [`vidax_eqx.interop.resolve_checkpoint`][].
         - `dtype`: the parameters' dtype; default: the checkpoint's (a bfloat16
             checkpoint stays bfloat16).
         - `parallel`, `implementation`: as for the constructor.
         - `pad_text`: zero-pad the text context to the config's `text_len` (Wan's
             own forward, 512 tokens) instead of using it as given (diffusers').
+        - `mesh`: a `jax.sharding.Mesh` with the axes `parallel` names: load sharded
+            (above). Default: unsharded.
+        - `subfolder`: the folder of `path` holding the checkpoint, e.g.
+            `"transformer"` for a diffusers pipeline (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`).
+        - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
 
         **Returns:**
 
-        The loaded model, its arrays uncommitted on the default device.
+        The loaded model: its arrays uncommitted on the default device, or with
+        `mesh` placed on it (`NamedSharding(mesh, spec)`).
         """
-        raw, tensors = read_config(path, "WanTransformer3D")
+        raw, tensors = read_config(path, "WanTransformer3D", subfolder=subfolder,
+                                   revision=revision, cache_dir=cache_dir)
         if "num_attention_heads" in raw or raw.get("_class_name") == "WanTransformer3DModel":
             config = WanConfig.from_diffusers(raw)
         elif "dim" in raw or raw.get("_class_name") == "WanModel":
@@ -638,7 +659,8 @@ class WanTransformer3D(eqx.Module):
             config = dataclasses.replace(config, text_len=raw.get("text_len", 512))
         return load_pretrained(cls, config, tensors, dtype=dtype,
                                dtype_from="patch_embedding.weight", parallel=parallel,
-                               implementation=implementation, stacked=_STACKED, rename=_rename)
+                               implementation=implementation, mesh=mesh, stacked=_STACKED,
+                               rename=_rename)
 
     def state_dict(self, *, layout: str = "diffusers") -> dict[str, np.ndarray]:
         """The parameters under the checkpoint names of `layout` (`"diffusers"` or
