@@ -7,6 +7,9 @@ call that runs a model over a mesh.
     from diffusers checkpoints.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
+- [`save_training_state`][], [`restore_training_state`][]: training checkpoints (the
+    model's arrays, the optimizer state, the step) with orbax, restored onto any mesh
+    and parallel configuration.
 """
 
 from ._cogvideox import (
@@ -16,6 +19,10 @@ from ._cogvideox import (
     rope_crop_positions as rope_crop_positions,
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
+from ._training import (
+    restore_training_state as restore_training_state,
+    save_training_state as save_training_state,
+)
 from ._wan import (
     WanBlock as WanBlock,
     WanConfig as WanConfig,
