@@ -178,6 +178,28 @@ def test_load_state_dict_places_one_module(checkpoints):
     assert got.q.weight.sharding != given  # the others: uncommitted, as without a sharding
 
 
+def test_stacked_leaves_under_any_sharding(tmp_path):
+    """A stacked leaf whose layer axis is split (not what partition_specs gives) is read
+    block by block too; one whose layer axis is whole, layer by layer."""
+    rng = np.random.default_rng(1)
+    tensors = {f"blocks.{i}.{n}": harness.normal(rng, s) for i in range(4)
+               for n, s in (("weight", (8, 6)), ("bias", (8,)))}
+    interop.write_checkpoint(tmp_path, tensors)
+    mesh = harness.mesh(dp=2, sp=4)
+    placed = {"weight": NamedSharding(mesh, P("dp", "sp", None)),  # layers split over dp
+              "bias": NamedSharding(mesh, P(None, ("dp", "sp")))}
+    module = {"blocks": {n: jax.ShapeDtypeStruct((4,) + tensors[f"blocks.0.{n}"].shape,
+                                                 jnp.float32, sharding=s)
+                         for n, s in placed.items()}}
+    source = interop.open_checkpoint(tmp_path)
+    got = interop.load_state_dict(module, source, stacked=("blocks",))
+    for n, sharding in placed.items():
+        assert got["blocks"][n].sharding == sharding
+        assert np.array_equal(got["blocks"][n], np.stack([tensors[f"blocks.{i}.{n}"]
+                                                          for i in range(4)]))
+    assert source.bytes_read == _total_bytes(source)
+
+
 # -- 2. the slice reader ---------------------------------------------------------------------
 
 

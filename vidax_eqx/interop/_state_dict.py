@@ -1,6 +1,5 @@
 """PyTorch-style state dicts <-> Equinox modules: names, checks, and one-shot replacement."""
 
-import functools
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -16,7 +15,7 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from .. import nn
 from ._checkpoint import open_checkpoint, open_safetensors, SafetensorsShards
 from ._safetensors import SafetensorsFile, write_safetensors
-from ._sharded import place_sharded
+from ._sharded import layer_sharding, place_sharded, place_stacked_sharded, set_layer
 from ._slices import normalize_index
 
 
@@ -212,12 +211,6 @@ def _sharding_of(like):
     return None
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stack, layer, index):
-    """`stack` with `stack[index] = layer`, in place (the old buffer is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
-
-
 def _place_stacked(like, sharding, layers):
     """A stacked leaf `(L, ...)` on the device (`sharding`), filled one layer at a time.
 
@@ -228,7 +221,7 @@ def _place_stacked(like, sharding, layers):
     for index, array in layers:
         # Wait for each copy: dispatch is asynchronous, and every update in flight
         # would hold its layer's host array.
-        stack = jax.block_until_ready(_set_layer(stack, array, np.int32(index)))
+        stack = jax.block_until_ready(set_layer(stack, array, np.int32(index)))
     return stack
 
 
@@ -490,6 +483,21 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
                 outs[j][layer - blocks[j][0][0]] = part
         return outs
 
+    def place(i, group, sharding):
+        """Leaf `i` placed by `sharding`, from the blocks of this process's devices."""
+        name = repr(matched[group[0]])
+        like = leaves[i]
+        if entries[group[0]].layer is None:
+            return place_sharded(tuple(like.shape), sharding,
+                                 lambda indices: read_blocks(group[0], indices), name)
+        if layer_sharding(sharding) is not None:  # one layer's blocks on the host at a time
+            by_layer = {entries[e].layer: e for e in group}
+            return place_stacked_sharded(
+                tuple(like.shape), like.dtype, sharding,
+                lambda layer, indices: read_blocks(by_layer[layer], indices), name)
+        return place_sharded(tuple(like.shape), sharding,
+                             lambda indices: read_stacked(group, indices), name)
+
     new_leaves = list(leaves)
     by_leaf: dict[int, list[int]] = {}
     for e in matched:
@@ -499,10 +507,7 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
         layered = entries[group[0]].layer is not None
         if sharding is not None and not (layered and len(group) < leaves[i].shape[0]):
             # Placed: each process reads only the blocks its devices hold.
-            e = group[0]
-            reader = ((lambda indices, g=group: read_stacked(g, indices)) if layered
-                      else (lambda indices, e=e: read_blocks(e, indices)))
-            new_leaves[i] = place_sharded(tuple(leaves[i].shape), sharding, reader, repr(matched[e]))
+            new_leaves[i] = place(i, group, sharding)
         elif not layered:  # one host array in flight at a time
             new_leaves[i] = jax.block_until_ready(jax.device_put(read(group[0]), sharding))
         elif len(group) < leaves[i].shape[0]:  # strict=False: some layers keep their values
