@@ -19,26 +19,36 @@ sees the same ones.
    from the same weights and AdamW state on 8 simulated CPU devices through
    `models.run_sharded`: the tokens split over "sp" (`--sequence ulysses`, `ring`,
    or `usp`: Ulysses over sp/2 x a ring of 2), the heads and MLP features over "tp"
-   (Megatron, weights placed by `nn.shard_module`), the batch over "dp" (`--dp`),
-   and each block rematerialized in the backward pass (`--remat`, default
-   `"full"`). The model's `ParallelConfig` is a non-array leaf, not tree
-   structure, so the one AdamW state serves both (placed on the mesh like the
-   weights). Checks: the loss went down, and the sharded losses equal the
-   1-device ones to `--tol` (relative).
+   (Megatron), the batch over "dp" (`--dp`), every weight fully sharded (FSDP,
+   `--fsdp`: on by default when `--dp` > 1) over "dp" and "sp" (over "sp" alone
+   with `--dp 1`), the weights placed by `nn.shard_module`, the AdamW state by
+   `nn.shard_like`, and each block rematerialized in the backward pass (`--remat`,
+   default `"full"`). The model's `ParallelConfig` is a non-array leaf, not tree
+   structure, so the one AdamW state serves both. Checks: the loss went down, the
+   sharded losses equal the 1-device ones to `--tol` (relative), and the sharded
+   step compiled once.
 2. **Resume.** The sharded run's model arrays, AdamW state and step are saved with
-   orbax and restored into a fresh model: its arrays from the checkpoint, its
-   non-array parts (config, `ParallelConfig`) from the constructor. The live and
-   the restored state then train `--resume-steps` more steps. Checks: the restore
-   is bit for bit, and so are the losses, parameters and AdamW state after.
+   `models.save_training_state` and restored with `models.restore_training_state`
+   into abstract templates (`eqx.filter_eval_shape`: no initialization): the arrays
+   from the checkpoint, the non-array parts (config, `ParallelConfig`) from the
+   templates. The live and the restored state then train `--resume-steps` more
+   steps. Checks: the restore is bit for bit, so are the losses, parameters and
+   AdamW state after, and the restored state reuses the compiled step.
+3. **Resume in another configuration.** The same checkpoint restored onto the same
+   mesh with FSDP switched (off when the run had it, on as `--fsdp` puts it when it
+   had not), trained `--resume-steps` steps. Checks: the restore is bit for bit, and the
+   losses equal the live run's to `--tol`.
 
     python examples/train_wan.py
-    python examples/train_wan.py --sequence usp --steps 8
+    python examples/train_wan.py --dp 2 --sp 2 --tp 2
     python examples/train_wan.py --sequence ring --dp 2 --sp 2 --tp 2 --remat dots_saveable
+    python examples/train_wan.py --sequence usp --steps 8 --no-fsdp
 
 Prints the per-step losses and every check; exits non-zero if one fails.
 """
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -46,12 +56,16 @@ import tempfile
 import time
 
 
-# 8 simulated CPU devices; XLA reads this when JAX initializes its backend.
+# 8 simulated CPU devices; XLA reads this when JAX initializes its backend. Unless
+# XLA_FLAGS says otherwise, XLA's CPU backend also skips its expensive optimizations:
+# the programs here are tiny, and they compile in about two thirds of the time (the
+# results agree to the same tolerances; what is compared bit for bit runs one program).
 _FLAG = "--xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] + [_FLAG]
-)
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+_flags += [f for f in _FAST_COMPILE if f.split("=")[0] not in {g.split("=")[0] for g in _flags}]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, _FLAG])
 
 # Run against this checkout's vidax_eqx when it is not installed.
 try:
@@ -64,7 +78,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax_eqx import models, nn, parallel
@@ -167,70 +180,43 @@ def train(step, model, opt_state, data, seed, steps, *, first=0, place=lambda a:
 # -- the mesh ----------------------------------------------------------------------------
 
 
-def sharded_setup(sequence, dp, sp, tp):
-    """`(mesh, ParallelConfig)` for `sequence` over `sp` devices x `tp` x `dp`.
+def sharded_setup(sequence, dp, sp, tp, fsdp):
+    """`(mesh, ParallelConfig)` for `sequence` over `sp` devices x `tp` x `dp`, the
+    weights fully sharded over `fsdp_axes(dp, fsdp)`.
 
     `usp` splits the `sp` devices into Ulysses over "sp" (`sp // 2`) and a ring of 2
     over "ring".
     """
     if sequence == "usp":
         mesh = parallel.make_mesh(dp=dp, sp=sp // 2, tp=tp, extra_axes={"ring": 2})
-        config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp")
+        config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp",
+                                   fsdp_axes=fsdp_axes(dp, fsdp))
     else:
         mesh = parallel.make_mesh(dp=dp, sp=sp, tp=tp)
-        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp")
+        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp", fsdp_axes=fsdp_axes(dp, fsdp))
     return mesh, config
 
 
-def place_state(optimizer, opt_state, model, mesh):
-    """`opt_state` on `mesh`: the moments placed like the parameters of `model` they
-    follow, the rest (AdamW's step count) replicated; as the sharded step returns it,
-    so that the step compiles once."""
-    replicated = NamedSharding(mesh, P())
-    return optax.tree_utils.tree_map_params(
-        optimizer, lambda x, p: jax.device_put(x, p.sharding), opt_state,
-        eqx.filter(model, eqx.is_array),
-        transform_non_params=lambda x: jax.device_put(x, replicated),
-    )
+def fsdp_axes(dp, fsdp):
+    """The mesh axes FSDP splits the weights over: "dp" (with `--dp` > 1) and "sp";
+    `()` without FSDP."""
+    return (("dp", "sp") if dp > 1 else ("sp",)) if fsdp else ()
 
 
-# -- checkpoints ---------------------------------------------------------------------------
+# -- checks ------------------------------------------------------------------------------------
 
 
-def checkpointer():
-    """An orbax PyTree checkpointer for arrays (sharded or not) and int scalars.
+class Compilations:
+    """Counts the XLA compilations of programs named `name` (jax.monitoring)."""
 
-    Orbax's default array handler saves replica-parallel: every replicated array is
-    sliced on device, one small compilation per slice and device, which on 8 simulated
-    CPU devices takes longer than the training. Here replica 0 writes each shard whole.
-    """
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (int, ocp.type_handlers.ScalarHandler()),
-        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
-    )
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+    def __init__(self, name: str):
+        self.name, self.count = name, 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
 
-
-def save(path, model, opt_state, step: int):
-    """Writes the model's arrays, the optimizer state and the step to `path` (absolute)."""
-    state = {"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state, "step": step}
-    with checkpointer() as c:
-        c.save(path, args=ocp.args.PyTreeSave(state), force=True)
-
-
-def restore(path, model_template, opt_state_template):
-    """Reads a checkpoint of `save` into the templates' shapes, dtypes and placements.
-
-    The arrays come from the checkpoint, the rest of the model (its config and
-    `ParallelConfig`) from `model_template`: `eqx.combine(arrays, eqx.partition(
-    model_template, eqx.is_array)[1])`. Returns `(model, opt_state, step)`.
-    """
-    arrays, static = eqx.partition(model_template, eqx.is_array)
-    target = {"model": arrays, "opt_state": opt_state_template, "step": 0}
-    with checkpointer() as c:
-        state = c.restore(path, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-    return eqx.combine(state["model"], static), state["opt_state"], int(state["step"])
+    def _listen(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and self.name in kwargs.get(
+                "fun_name", ""):
+            self.count += 1
 
 
 def bitwise_equal(a, b) -> bool:
@@ -279,6 +265,25 @@ def check(name: str, ok: bool, detail: str) -> bool:
     return ok
 
 
+def templates(optimizer, config):
+    """Abstract `(model, AdamW state)` for the `ParallelConfig` `config`: shapes, dtypes
+    and the non-array parts, no arrays (`eqx.filter_eval_shape`), for a restore."""
+    def init():
+        model = models.WanTransformer3D(CONFIG, key=jax.random.PRNGKey(0))
+        model = nn.with_parallel(model, config)
+        return model, optimizer.init(eqx.filter(model, eqx.is_array))
+
+    return eqx.filter_eval_shape(init)
+
+
+def describe(args, config) -> str:
+    """The sharded layout in words."""
+    layout = (f"sp={args.sp // 2}(ulysses) x ring=2" if args.sequence == "usp"
+              else f"sp={args.sp}({args.sequence})")
+    fsdp = f"fsdp over {' x '.join(config.fsdp_axes)}" if config.fsdp_axes else "no fsdp"
+    return f"dp={args.dp} x {layout} x tp={args.tp}, {fsdp}, remat={args.remat}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -294,13 +299,17 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     p.add_argument("--sp", type=int, default=4, help="sequence-parallel size (default 4)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="fully shard the weights and AdamW state over 'dp' and 'sp' ('sp' "
+                        "alone with --dp 1); default: on when --dp > 1")
     p.add_argument("--remat", default="full", choices=models.REMAT_POLICIES,
                    help="rematerialization of the sharded run (default full)")
     p.add_argument("--checkpoint-dir",
                    help="where the orbax checkpoint goes (default: a temporary directory, "
                         "removed at exit)")
     p.add_argument("--tol", type=float, default=1e-5,
-                   help="largest allowed |sharded - single| / |single| per loss (default 1e-5)")
+                   help="largest allowed |sharded - single| / |single| per loss, and between "
+                        "configurations after a restore (default 1e-5)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
     args = p.parse_args(argv)
 
@@ -308,6 +317,7 @@ def main(argv=None) -> int:
     if error:
         print(error, file=sys.stderr)
         return 2
+    fsdp = args.dp > 1 if args.fsdp is None else args.fsdp
 
     model = init_model(args.seed)
     data = dataset(args.seed)
@@ -317,6 +327,7 @@ def main(argv=None) -> int:
     print(f"Wan: dim={CONFIG.dim}, heads={CONFIG.num_heads}, layers={CONFIG.num_layers}, "
           f"{n_params:,} parameters; data: {LATENTS[0]} latents {LATENTS[1:]}, text {TEXT}; "
           f"AdamW lr={args.lr:g}")
+    compiled = Compilations("step")
 
     # 1. One device.
     t0 = time.perf_counter()
@@ -326,25 +337,24 @@ def main(argv=None) -> int:
 
     # 2. The same weights, optimizer state and draws, sharded.
     t0 = time.perf_counter()
-    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp)
+    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp, fsdp)
     batch_axis = "dp" if args.dp > 1 else None
     place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
     sharded_step = make_step(optimizer, lambda m, x, t, c: models.run_sharded(
         m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
     sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
-    sharded_state = place_state(optimizer, opt_state, sharded, mesh)
+    sharded_state = nn.shard_like(opt_state, sharded, mesh)
+    before = compiled.count
     sharded, sharded_state, losses = train(sharded_step, sharded, sharded_state, data, args.seed,
                                            args.steps, place=place)
+    sharded_compiles = compiled.count - before
     sharded_time = time.perf_counter() - t0
 
-    layout = (f"sp={args.sp // 2}(ulysses) x ring=2" if args.sequence == "usp"
-              else f"sp={args.sp}({args.sequence})")
-    label = f"dp={args.dp} x {layout} x tp={args.tp}, remat={args.remat}"
     print(f"\n step  {'1 device':>12}  {'sharded':>12}  |diff|")
     for i, (a, b) in enumerate(zip(single, losses)):
         print(f" {i:4d}  {a:12.8f}  {b:12.8f}  {abs(a - b):.2e}")
-    print(f" 1 device: {single_time:.1f} s; sharded ({label}): {sharded_time:.1f} s "
-          "(both including compilation)")
+    print(f" 1 device: {single_time:.1f} s; sharded ({describe(args, pconfig)}): "
+          f"{sharded_time:.1f} s (both including compilation)")
     max_diff = max(abs(a - b) for a, b in zip(single, losses))
     max_rel = max(abs(a - b) / abs(a) for a, b in zip(single, losses))
     param_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
@@ -357,23 +367,33 @@ def main(argv=None) -> int:
     ok &= check("sharded == 1 device", max_rel <= args.tol,
                 f"max|diff| = {max_diff:.2e}, relative {max_rel:.2e} <= {args.tol:g}; "
                 f"parameters max|diff| = {param_diff:.2e}")
+    ok &= check("sharded step compiled once", sharded_compiles == 1,
+                f"{sharded_compiles} compilation(s) in {args.steps} steps")
 
-    # 3. Checkpoint the sharded run, restore into a fresh model, continue both.
+    # 3. Checkpoint the sharded run; restore it into abstract templates, in the same
+    # configuration and in another one (FSDP switched), and continue all three.
+    other = dataclasses.replace(pconfig, fsdp_axes=() if fsdp else fsdp_axes(args.dp, True))
     tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="train_wan_")
     path = os.path.abspath(os.path.join(args.checkpoint_dir or tmp, f"step_{args.steps}"))
     try:
         t0 = time.perf_counter()
-        save(path, sharded, sharded_state, args.steps)
-        fresh = nn.shard_module(nn.with_parallel(init_model(args.seed + 1), pconfig), mesh)
-        fresh_state = place_state(optimizer, optimizer.init(eqx.filter(fresh, eqx.is_array)),
-                                  fresh, mesh)
-        restored, restored_state, step = restore(path, fresh, fresh_state)
-        checkpoint_time = time.perf_counter() - t0
+        models.save_training_state(path, sharded, sharded_state, args.steps,
+                                   overwrite=args.checkpoint_dir is not None)
+        save_time = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model_t, state_t = templates(optimizer, pconfig)
+        restored, restored_state, step = models.restore_training_state(
+            path, model_t, state_t, mesh=mesh)
+        restore_time = time.perf_counter() - t0
+        model_t, state_t = templates(optimizer, other)
+        moved, moved_state, moved_step = models.restore_training_state(
+            path, model_t, state_t, mesh=mesh)
+        moved_exact = bitwise_equal(moved, sharded) and bitwise_equal(moved_state, sharded_state)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n checkpoint: {path} ({'temporary, removed' if tmp else 'kept'}); save + restore "
-          f"{checkpoint_time:.1f} s")
+    print(f"\n checkpoint: {path} ({'temporary, removed' if tmp else 'kept'}); save "
+          f"{save_time:.1f} s, restore {restore_time:.1f} s")
     ok &= check("restored == saved", step == args.steps and bitwise_equal(restored, sharded)
                 and bitwise_equal(restored_state, sharded_state),
                 f"step {step}, model and AdamW state bit for bit")
@@ -381,17 +401,34 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     live, live_state, live_losses = train(sharded_step, sharded, sharded_state, data, args.seed,
                                           args.resume_steps, first=args.steps, place=place)
+    before = compiled.count
     restored, restored_state, restored_losses = train(
         sharded_step, restored, restored_state, data, args.seed, args.resume_steps, first=step,
         place=place)
+    restored_compiles = compiled.count - before
     resume_time = time.perf_counter() - t0
-    print(f"\n step  {'live':>12}  {'restored':>12}")
-    for i, (a, b) in enumerate(zip(live_losses, restored_losses), start=args.steps):
-        print(f" {i:4d}  {a:12.8f}  {b:12.8f}  {'same bits' if a == b else 'DIFFERENT'}")
-    print(f" {2 * args.resume_steps} steps: {resume_time:.1f} s")
+    t0 = time.perf_counter()
+    moved, moved_state, moved_losses = train(
+        sharded_step, moved, moved_state, data, args.seed, args.resume_steps, first=moved_step,
+        place=place)
+    moved_time = time.perf_counter() - t0
+    print(f"\n step  {'live':>12}  {'restored':>12}  {'other config':>12}")
+    for i, (a, b, c) in enumerate(zip(live_losses, restored_losses, moved_losses),
+                                  start=args.steps):
+        print(f" {i:4d}  {a:12.8f}  {b:12.8f}  {c:12.8f}  "
+              f"{'same bits' if a == b else 'DIFFERENT'}, |diff| {abs(a - c):.2e}")
+    print(f" live + restored {2 * args.resume_steps} steps: {resume_time:.1f} s; other config "
+          f"({describe(args, other)}): {moved_time:.1f} s (with its compilation)")
     ok &= check("resume bit-exact", live_losses == restored_losses
                 and bitwise_equal(live, restored) and bitwise_equal(live_state, restored_state),
                 "losses, parameters and AdamW state")
+    ok &= check("restored step not recompiled", restored_compiles == 0,
+                f"{restored_compiles} compilation(s) after the restore")
+    moved_rel = max(abs(a - c) / abs(a) for a, c in zip(live_losses, moved_losses))
+    ok &= check("restored into other config", moved_step == args.steps and moved_exact
+                and moved_rel <= args.tol,
+                f"{'no fsdp' if not other.fsdp_axes else 'fsdp'}: restore bit for bit, losses "
+                f"relative diff {moved_rel:.2e} <= {args.tol:g}")
     print("all checks passed" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -1,5 +1,6 @@
-"""`examples/train_wan.py`: a tiny Wan trained with flow matching, sharded == 1 device,
-and resumed bit-exactly from an orbax checkpoint.
+"""`examples/train_wan.py`: a tiny Wan trained with flow matching on dp=2 x sp=2 x tp=2
+with FSDP over dp and sp, sharded == 1 device, resumed bit-exactly from an orbax
+checkpoint, and resumed in another configuration (FSDP off) with the same losses.
 
 The example sets `XLA_FLAGS` for 8 simulated devices before it imports JAX, and this
 test process has JAX initialized already (conftest), so it runs in a subprocess.
@@ -18,16 +19,19 @@ CHECKS = (
     "loss decreased (1 device)",
     "loss decreased (sharded)",
     "sharded == 1 device",
+    "sharded step compiled once",
     "restored == saved",
     "resume bit-exact",
+    "restored step not recompiled",
+    "restored into other config",
 )
 
 
-@pytest.mark.slow  # a training run in subprocesses: ~25 s
+@pytest.mark.slow  # a training run in a subprocess: ~30 s
 def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--steps", "3", "--resume-steps", "1",
-         "--checkpoint-dir", str(tmp_path)],
+        [sys.executable, SCRIPT, "--dp", "2", "--sp", "2", "--tp", "2", "--steps", "3",
+         "--resume-steps", "1", "--checkpoint-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
     output = f"{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -36,5 +40,6 @@ def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
     for name in CHECKS:
         assert any(line.strip().startswith(f"check {name}") and " ok " in line
                    for line in lines), f"check {name!r} did not pass:\n{output}"
+    assert "fsdp over dp x sp" in proc.stdout, output
     assert "all checks passed" in proc.stdout, output
     assert (tmp_path / "step_3").is_dir(), f"no checkpoint in {tmp_path}:\n{output}"
