@@ -322,8 +322,9 @@ def test_hub_errors(hub_cache, monkeypatch):
 
 
 def test_local_path_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"`path` '.*/nothing/here' is not a directory on disk "
-                                         r"\(nor a Hub repository id"):
+    with pytest.raises(ValueError, match=r"`path` must be a checkpoint directory holding "
+                                         r"config.json .* '.*/nothing/here' is not a directory "
+                                         r"on disk, nor a repository id."):
         models.WanTransformer3D.from_pretrained(tmp_path / "nothing" / "here")
     with pytest.raises(ValueError, match=r"`revision` and `cache_dir` are for Hub repositories"):
         models.WanTransformer3D.from_pretrained(tmp_path, revision="main")

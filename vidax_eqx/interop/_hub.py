@@ -63,11 +63,12 @@ def resolve_checkpoint(path, *, subfolder: str | None = None, revision: str | No
             )
         folder = os.path.join(text, sub) if sub else text
         if not os.path.isdir(folder):
+            where = f"{text!r} with subfolder {sub!r}" if sub else repr(text)
             raise ValueError(
-                f"`path` {text!r}{f' with subfolder {sub!r}' if sub else ''} is not a "
-                "directory on disk"
-                + ("" if _REPO_ID.match(text) else " (nor a Hub repository id 'owner/name')")
-                + ". Pass the checkpoint's directory, or a Hugging Face Hub repository id."
+                f"`path` must be a checkpoint directory holding config.json and the "
+                f"safetensors weights, or a Hugging Face Hub repository id ('owner/name'); "
+                f"{where} is not a directory on disk"
+                + ("" if _REPO_ID.match(text) else ", nor a repository id") + "."
             )
         return folder
     return _from_hub(text, sub, revision, cache_dir)
@@ -76,6 +77,7 @@ def resolve_checkpoint(path, *, subfolder: str | None = None, revision: str | No
 def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
     try:
         import huggingface_hub
+        from huggingface_hub import constants
     except ImportError as e:
         raise ImportError(
             f"{repo_id!r} is not a directory on disk, so it is read as a Hugging Face Hub "
@@ -90,8 +92,6 @@ def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
             ignore_patterns=[prefix + "*/*"],  # not the folders below it
         )
     except Exception as e:  # huggingface_hub's errors: not found, offline, no access, ...
-        from huggingface_hub import constants
-
         offline = constants.HF_HUB_OFFLINE
         raise ValueError(
             f"{repo_id!r} is not a directory on disk, and the Hugging Face Hub repository "
