@@ -187,6 +187,7 @@ def _compiles(name: str):
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+@pytest.mark.slow  # compiles a sharded training step of the whole model: ~10-15 s
 def test_first_step_compiles_once_after_shard_like_and_restore(saved):
     """A sharded AdamW step (dp=2 x sp=2 x tp=2, FSDP over dp and sp) compiles on its
     first call from `shard_module` + `shard_like` placements, never on the next; the
@@ -235,6 +236,7 @@ def test_first_step_compiles_once_after_shard_like_and_restore(saved):
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_training_state_worker.py")
 
 
+@pytest.mark.slow  # two processes starting JAX: ~10-13 s
 def test_save_and_restore_across_two_processes(tmp_path):
     """Two processes of four devices: saved with FSDP over all 8 (each process writing
     its shards), restored as FSDP 4 x tensor parallel 2, every shard bit for bit."""
@@ -295,6 +297,9 @@ def test_template_of_another_model_raises_naming_the_array(saved):
 def test_missing_or_foreign_directory_raises(saved, tmp_path):
     with pytest.raises(ValueError, match=r"no checkpoint at .*not a directory"):
         models.restore_training_state(tmp_path / "absent", saved["model_t"])
+    with pytest.raises(ValueError, match=r"is not a checkpoint of save_training_state \(it holds "
+                                         r"no orbax PyTree checkpoint.*not its parent"):
+        models.restore_training_state(saved["path"].parent, saved["model_t"])
 
 
 def test_save_refuses_to_overwrite_and_abstract_or_bad_inputs(saved, tmp_path):

@@ -129,7 +129,8 @@ def restore_training_state(path, model, opt_state=None, *, mesh=None):
     by [`vidax_eqx.nn.partition_specs`][]`(model, mesh)`, the optimizer state as
     [`vidax_eqx.nn.shard_like`][] places it (the parts shaped like the parameters like
     them, the rest replicated), which is where a sharded training step returns them:
-    the first step after a restore compiles once, like the steps after it. The
+    a step already compiled for that placement runs on without compiling again, and
+    a new one compiles on its first call only. The
     checkpoint may come from any mesh and configuration (saved with FSDP over 8
     devices, restored as FSDP 4 x tensor parallel 2; saved sharded, restored on one
     device); every array is read bit for bit, each process reading only its devices'
@@ -269,11 +270,13 @@ def _spec_axes(spec) -> list[str]:
 
 def _check_stored(ocp, target, stored, templates, shardings, mesh) -> None:
     """Raises a ValueError naming the first array the restore would get wrong."""
-    if not isinstance(stored, dict) or not set(_KEYS) & set(stored) or "model" not in stored:
+    if not isinstance(stored, dict) or "model" not in stored or "step" not in stored:
+        holds = (f"its top level holds {sorted(stored)}" if isinstance(stored, dict)
+                 else "it holds no orbax PyTree checkpoint")
         raise ValueError(
             f"restore_training_state: {target} is not a checkpoint of save_training_state "
-            f"(its top level holds {sorted(stored) if isinstance(stored, dict) else stored!r}, "
-            f"not {list(_KEYS)}). Pass a directory that save_training_state wrote."
+            f"({holds}, not {list(_KEYS)}). Pass the directory of one checkpoint, as given "
+            "to save_training_state (e.g. .../step_1000, not its parent)."
         )
     if "opt_state" in templates and stored.get("opt_state") is None:
         raise ValueError(
