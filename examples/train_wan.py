@@ -20,8 +20,8 @@ sees the same ones.
    `models.run_sharded`: the tokens split over "sp" (`--sequence ulysses`, `ring`,
    or `usp`: Ulysses over sp/2 x a ring of 2), the heads and MLP features over "tp"
    (Megatron), the batch over "dp" (`--dp`), every weight fully sharded (FSDP,
-   `--fsdp`: on by default when `--dp` > 1) over "dp" and "sp" (over "sp" alone
-   with `--dp 1`), the weights placed by `nn.shard_module`, the AdamW state by
+   `--fsdp`: on by default when `--dp` > 1) over "dp" and "sp" (and "ring" with
+   `usp`; the sequence axes alone with `--dp 1`), the weights placed by `nn.shard_module`, the AdamW state by
    `nn.shard_like`, and each block rematerialized in the backward pass (`--remat`,
    default `"full"`). The model's `ParallelConfig` is a non-array leaf, not tree
    structure, so the one AdamW state serves both. Checks: the loss went down, the
@@ -182,7 +182,7 @@ def train(step, model, opt_state, data, seed, steps, *, first=0, place=lambda a:
 
 def sharded_setup(sequence, dp, sp, tp, fsdp):
     """`(mesh, ParallelConfig)` for `sequence` over `sp` devices x `tp` x `dp`, the
-    weights fully sharded over `fsdp_axes(dp, fsdp)`.
+    weights fully sharded over `fsdp_axes(sequence, dp, fsdp)`.
 
     `usp` splits the `sp` devices into Ulysses over "sp" (`sp // 2`) and a ring of 2
     over "ring".
@@ -190,17 +190,20 @@ def sharded_setup(sequence, dp, sp, tp, fsdp):
     if sequence == "usp":
         mesh = parallel.make_mesh(dp=dp, sp=sp // 2, tp=tp, extra_axes={"ring": 2})
         config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp",
-                                   fsdp_axes=fsdp_axes(dp, fsdp))
+                                   fsdp_axes=fsdp_axes(sequence, dp, fsdp))
     else:
         mesh = parallel.make_mesh(dp=dp, sp=sp, tp=tp)
-        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp", fsdp_axes=fsdp_axes(dp, fsdp))
+        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp",
+                                   fsdp_axes=fsdp_axes(sequence, dp, fsdp))
     return mesh, config
 
 
-def fsdp_axes(dp, fsdp):
-    """The mesh axes FSDP splits the weights over: "dp" (with `--dp` > 1) and "sp";
-    `()` without FSDP."""
-    return (("dp", "sp") if dp > 1 else ("sp",)) if fsdp else ()
+def fsdp_axes(sequence, dp, fsdp):
+    """The mesh axes FSDP splits the weights over: "dp" (with `--dp` > 1) and the
+    sequence axes ("sp"; "sp" and "ring" for `usp`); `()` without FSDP."""
+    if not fsdp:
+        return ()
+    return ("dp",) * (dp > 1) + ("sp",) + ("ring",) * (sequence == "usp")
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -300,8 +303,9 @@ def main(argv=None) -> int:
     p.add_argument("--sp", type=int, default=4, help="sequence-parallel size (default 4)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="fully shard the weights and AdamW state over 'dp' and 'sp' ('sp' "
-                        "alone with --dp 1); default: on when --dp > 1")
+                   help="fully shard the weights and AdamW state over 'dp' and 'sp' (and "
+                        "'ring' with usp; the sequence axes alone with --dp 1); default: on "
+                        "when --dp > 1")
     p.add_argument("--remat", default="full", choices=models.REMAT_POLICIES,
                    help="rematerialization of the sharded run (default full)")
     p.add_argument("--checkpoint-dir",
@@ -372,7 +376,8 @@ def main(argv=None) -> int:
 
     # 3. Checkpoint the sharded run; restore it into abstract templates, in the same
     # configuration and in another one (FSDP switched), and continue all three.
-    other = dataclasses.replace(pconfig, fsdp_axes=() if fsdp else fsdp_axes(args.dp, True))
+    other = dataclasses.replace(
+        pconfig, fsdp_axes=() if fsdp else fsdp_axes(args.sequence, args.dp, True))
     tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="train_wan_")
     path = os.path.abspath(os.path.join(args.checkpoint_dir or tmp, f"step_{args.steps}"))
     try:
