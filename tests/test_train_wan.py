@@ -27,7 +27,7 @@ CHECKS = (
 )
 
 
-@pytest.mark.slow  # a training run in a subprocess: ~30 s
+@pytest.mark.slow  # a training run in a subprocess: ~35 s
 def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--dp", "2", "--sp", "2", "--tp", "2", "--steps", "3",
