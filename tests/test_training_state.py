@@ -9,6 +9,7 @@ device. `tests/_training_state_worker.py` does the same across two processes.
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
 import subprocess
@@ -282,8 +283,6 @@ def test_mesh_without_the_configured_axis_raises(saved):
 
 
 def test_template_of_another_model_raises_naming_the_array(saved):
-    import dataclasses
-
     model_t, state_t = _templates(dataclasses.replace(CONFIG, ffn_dim=128))
     with pytest.raises(ValueError, match=r"array model\.blocks\.ffn\.fc1\.weight is stored as "
                                          r"float32\[2, 96, 64\], the template has "
