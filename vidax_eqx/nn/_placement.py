@@ -341,7 +341,7 @@ def shard_like(tree, module, mesh):
         if is_params(node):
             return _place(node, arrays_specs, mesh)
         if _is_parameter(node):
-            return eqx.filter_shard(node, NamedSharding(mesh, P()))
+            return _put(node, NamedSharding(mesh, P()))
         return node
 
     return jax.tree.map(place, tree, is_leaf=lambda n: is_params(n) or _is_parameter(n))
@@ -355,7 +355,15 @@ def _place(tree, specs, mesh):
     )
     arrays, static = eqx.partition(tree, eqx.is_array)
     arrays = jax.tree.map(
-        lambda x, s: x if s is None else eqx.filter_shard(x, s), arrays, shardings,
+        lambda x, s: x if s is None else _put(x, s), arrays, shardings,
         is_leaf=lambda x: x is None,
     )
     return eqx.combine(arrays, static)
+
+
+def _put(x, sharding):
+    """`x` placed by `sharding`: moved outside `jit` (a transfer, no compilation),
+    constrained inside."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
