@@ -131,11 +131,13 @@ def regather_policy(policy, *, keep: bool = False):
     whole model gathered by the end of the forward)."""
 
     def saveable(prim, *args, **params):
-        gathered = prim.name == "all_gather" or (
-            prim.name == "name" and params.get("name") == GATHERED
-        )
-        if gathered:
+        if prim.name == "all_gather":
             return keep
+        if prim.name == "name" and params.get("name") == GATHERED:
+            # Never the named copy: with keep=True the gather's own output is the one
+            # saved (the collective order's tokens are computed from it), and saving
+            # both kept every gathered weight twice.
+            return False
         return False if policy is None else policy(prim, *args, **params)
 
     if policy is None and not keep:
