@@ -22,11 +22,21 @@ checks both results against plain `jax.numpy` attention on one device: the outpu
 gradient in q of `<(dq, dk, dv), w>` (`second`: docs/transformations.md lists
 Ulysses and USP, joint layouts included; ring attention's is the program that aborted).
 
+FSDP draws (`fsdp-attention`, `fsdp-wan`) add a data-parallel and a tensor-parallel axis
+and weights fully sharded over some of the axes that carry data (`nn.ParallelConfig(
+fsdp_axes=...)`): a Wan self-attention (`nn.Attention`) or a tiny whole Wan
+(`models.run_sharded`), placed by `nn.partition_specs` and run through
+`nn.filter_shard_map`, where every module all-gathers its own weights (and the
+backward reduce-scatters their gradients) among its sequence and tensor-parallel
+collectives. They check the output (`forward`), or the gradients of `<out, cotangent>`
+in every weight and in the tokens (`grad`), against the same module on one device.
+
     python scripts/soak_collectives.py                          # 200 drawn configurations
     python scripts/soak_collectives.py --count 60 --seed 0 --jobs 2 --json soak.json
     python scripts/soak_collectives.py --profile ci             # the fixed CI list (tests/test_collective_soak.py)
     python scripts/soak_collectives.py --repo /tmp/old_checkout --profile ci
     python scripts/soak_collectives.py --list --count 20        # print the draws, run nothing
+    python scripts/soak_collectives.py --count 20 --fsdp-share 1   # FSDP draws only
     python scripts/soak_collectives.py --child '<a "config" of the JSON report>'   # rerun one, in this process
 
 The exit status is 1 when any configuration is not `ok`.
@@ -50,10 +60,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
-PATHS = ("ring", "ring-zigzag", "ulysses", "joint-ulysses", "usp", "joint-usp")
-# Second order on every path: the docs/transformations.md lists Ulysses and USP, and
-# ring attention's is the program known to abort over 4 simulated devices.
-SECOND_ORDER = frozenset(PATHS)
+ATTENTION_PATHS = ("ring", "ring-zigzag", "ulysses", "joint-ulysses", "usp", "joint-usp")
+FSDP_PATHS = ("fsdp-attention", "fsdp-wan")
+PATHS = ATTENTION_PATHS + FSDP_PATHS
+FSDP_SHARE = 0.25  # of the drawn configurations
+# Second order on every attention path: the docs/transformations.md lists Ulysses and
+# USP, and ring attention's is the program known to abort over 4 simulated devices.
+SECOND_ORDER = frozenset(ATTENTION_PATHS)
 MODES = ("forward", "grad", "second")
 OUTCOMES = ("ok", "wrong", "error", "abort", "timeout")
 RTOL = 1e-4  # max |sharded - reference| / max |reference|, per array, float32
@@ -83,12 +96,38 @@ class Config:
     implementation: str
     mode: str
     seed: int
+    # FSDP paths only: data- and tensor-parallel sizes, the FSDP axes, the whole model's
+    # rematerialization policy ("none" or a `remat=` name) and `fsdp_regather`.
+    dp: int = 1
+    tp: int = 1
+    fsdp: tuple = ()
+    remat: str = "none"
+    regather: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "fsdp", tuple(self.fsdp))  # a JSON list back to a tuple
 
     @property
     def devices(self) -> int:
-        return self.ulysses * self.ring
+        return self.dp * self.ulysses * self.ring * self.tp
+
+    @property
+    def sequence(self) -> str:
+        """The FSDP paths' `ParallelConfig.sequence`."""
+        if self.ulysses > 1 and self.ring > 1:
+            return "usp"
+        return "ulysses" if self.ulysses > 1 else "ring" if self.ring > 1 else "none"
 
     def describe(self) -> str:
+        if self.path in FSDP_PATHS:
+            sizes = (("dp", self.dp), ("U", self.ulysses), ("R", self.ring), ("tp", self.tp))
+            mesh = "x".join(f"{name}{size}" for name, size in sizes if size > 1)
+            extras = [self.layout] if self.ring > 1 else []
+            if self.path == "fsdp-wan":
+                extras += [f"remat={self.remat}"] + ([] if self.regather else ["keep-gathered"])
+            return " ".join([self.path, mesh, f"fsdp={'+'.join(self.fsdp)}", f"S={self.seq}",
+                             f"B={self.batch}", f"H={self.heads}", f"D={self.head_dim}", *extras,
+                             self.implementation, self.mode])
         mesh = f"U{self.ulysses}xR{self.ring}" if self.path.endswith("usp") else f"n{self.devices}"
         seq = f"S={self.seq}" + (f"+T{self.text}" if self.text else "")
         heads = f"H={self.heads}" + (f"/kv{self.kv_heads}" if self.kv_heads != self.heads else "")
@@ -129,8 +168,39 @@ def _work(cfg: Config) -> float:
     return 4 * cfg.batch * cfg.heads * (cfg.seq + cfg.text) ** 2 * cfg.head_dim * WORK_PER_PASS[cfg.mode]
 
 
-def draw(rng: random.Random, index: int, seed: int, max_seq: int) -> Config:
-    path = rng.choice(PATHS)
+def draw_fsdp(rng: random.Random, index: int, seed: int, max_seq: int) -> Config:
+    """An FSDP configuration: a mesh of at most 8 devices (dp x Ulysses x ring x tp), FSDP
+    over a non-empty subset of the axes that carry data (dp: the batch; the sequence
+    axes), heads that the tensor-parallel and Ulysses axes split."""
+    path = rng.choices(FSDP_PATHS, [0.6, 0.4])[0]
+    U, R = rng.choice([(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)])
+    dp = rng.choice([d for d in (1, 2, 4, 8) if d * U * R <= DEVICES and (d > 1 or U * R > 1)])
+    tp = rng.choice([t for t in (1, 2) if dp * U * R * t <= DEVICES])
+    layout = rng.choice(["contiguous", "zigzag"]) if R > 1 else "contiguous"
+    sizes = (("dp", dp), ("sp", U if U > 1 else R), ("ring", R if U > 1 else 1))
+    data = [a for a, n in sizes if n > 1]  # the axes that carry the batch or the sequence
+    fsdp = tuple(a for a in data if rng.random() < 0.6) or (rng.choice(data),)
+    heads = rng.choice([h for h in (4, 8, 16) if h % (tp * U) == 0])
+    multiple = U * R * (2 if layout == "zigzag" else 1)
+    if path == "fsdp-wan":  # patch tokens, padded by the model to the split
+        seq = rng.randint(max(multiple, 8), max(min(max_seq, 96), multiple, 8))
+    else:
+        seq = multiple * rng.randint(max(1, 16 // multiple), max(1, min(max_seq, 256) // multiple))
+    return Config(
+        path=path, ulysses=U, ring=R, seq=seq, text=0, batch=dp * rng.choice([1, 2]),
+        heads=heads, kv_heads=heads, head_dim=rng.choice([8, 16, 32]), causal=False,
+        layout=layout, implementation=rng.choices(["blockwise", "auto", "xla"], [0.4, 0.3, 0.3])[0],
+        mode=rng.choice(MODES[:2]), seed=seed * 100_003 + index, dp=dp, tp=tp, fsdp=fsdp,
+        remat=rng.choice(["none", "full", "dots_saveable"]) if path == "fsdp-wan" else "none",
+        regather=path != "fsdp-wan" or rng.random() < 0.8,
+    )
+
+
+def draw(rng: random.Random, index: int, seed: int, max_seq: int,
+         fsdp_share: float = FSDP_SHARE) -> Config:
+    if rng.random() < fsdp_share:
+        return draw_fsdp(rng, index, seed, max_seq)
+    path = rng.choice(ATTENTION_PATHS)
     layout = "zigzag" if path == "ring-zigzag" else "contiguous"
     if path.endswith("usp"):
         U, R = rng.choice([(2, 2), (2, 3), (3, 2), (2, 4), (4, 2)])
@@ -170,16 +240,17 @@ def draw(rng: random.Random, index: int, seed: int, max_seq: int) -> Config:
 
 
 def _ci(path, U, R, seq, mode, *, text=0, heads=8, kv_heads=8, head_dim=64, causal=False,
-        layout="contiguous", implementation="blockwise", batch=1) -> Config:
+        layout="contiguous", implementation="blockwise", batch=1, **fsdp) -> Config:
     return Config(path=path, ulysses=U, ring=R, seq=seq, text=text, batch=batch, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, causal=causal, layout=layout,
-                  implementation=implementation, mode=mode, seed=0)
+                  implementation=implementation, mode=mode, seed=0, **fsdp)
 
 
 # The fixed CI list: the patterns that aborted XLA's CPU runtime before the collectives
 # were ordered, at the smallest sizes found to trigger them (the USP gradient, ring
 # second order over 4 devices: both need B = 2 and GQA), then one configuration of
-# every other path. S <= 512, small heads: about a minute on two cores.
+# every other path, and two FSDP configurations. S <= 512, small heads: about a minute
+# and a half on two cores.
 CI_PROFILE = (
     _ci("usp", 2, 4, 512, "grad", batch=2, heads=4, kv_heads=2, head_dim=32),
     _ci("ring", 1, 4, 32, "second", batch=2, heads=4, kv_heads=2, head_dim=8, causal=True),
@@ -191,6 +262,13 @@ CI_PROFILE = (
         causal=True, layout="zigzag"),
     _ci("usp", 2, 3, 192, "forward", heads=8, kv_heads=1, head_dim=64, causal=True,
         layout="zigzag", implementation="auto"),
+    # FSDP: weights gathered (and gradients reduce-scattered) among a zigzag ring's
+    # ppermutes and the tensor-parallel psums; a whole Wan over dp x Ulysses x tp, its
+    # scanned blocks gathered again in the backward pass.
+    _ci("fsdp-attention", 1, 4, 64, "grad", batch=2, heads=4, kv_heads=4, head_dim=8,
+        layout="zigzag", tp=2, fsdp=("sp",)),
+    _ci("fsdp-wan", 2, 1, 24, "grad", batch=2, heads=4, kv_heads=4, head_dim=8, dp=2, tp=2,
+        fsdp=("dp", "sp"), remat="full"),
 )
 
 
@@ -202,7 +280,138 @@ def _zigzag_order(parts: int) -> list[int]:
     return [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
 
 
+def _relative_errors(got, want) -> list[tuple[str, float]]:
+    """`(path, max|got - want| / scale)` per array of two PyTrees, `scale` the array's
+    largest magnitude, at least 1e-3 of the largest of all (a gradient that is float32
+    noise around zero is compared to the others' scale)."""
+    import jax
+    import numpy as np
+
+    pairs = [(jax.tree_util.keystr(p), np.asarray(g, np.float64), np.asarray(w, np.float64))
+             for (p, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want))]
+    top = max((float(np.abs(w).max()) for _, _, w in pairs if w.size), default=0.0)
+    return [(p, float(np.abs(g - w).max()) / max(float(np.abs(w).max()), 1e-3 * top, 1e-30))
+            if np.isfinite(g).all() else (p, float("inf")) for p, g, w in pairs if w.size]
+
+
+def _run_fsdp_child(cfg: Config) -> dict:
+    """An FSDP configuration: the module (or whole model) sharded by
+    `nn.partition_specs`, run through `nn.filter_shard_map` twice, against one device."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import vidax_eqx
+    from vidax_eqx import models, nn, parallel
+
+    extra = {"ring": cfg.ring} if cfg.sequence == "usp" else {}
+    sp = cfg.ulysses if cfg.sequence in ("ulysses", "usp") else cfg.ring
+    mesh = parallel.make_mesh(dp=cfg.dp, sp=sp, tp=cfg.tp, extra_axes=extra)
+    config = nn.ParallelConfig(
+        sequence=cfg.sequence, ring_axis="ring" if extra else None, layout=cfg.layout,
+        tp_axis="tp" if cfg.tp > 1 else None, fsdp_axes=cfg.fsdp, fsdp_regather=cfg.regather)
+    batch_axis = "dp" if cfg.dp > 1 else None
+    rng = np.random.default_rng(cfg.seed)
+    dim = cfg.heads * cfg.head_dim
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    def random_weights(make):
+        """`make(key)`'s module with seeded normal weights, scaled by 1 / sqrt(the last
+        dimension), filled in NumPy (building it eagerly compiles a program per array)."""
+        def fill(x):
+            if not isinstance(x, jax.ShapeDtypeStruct):
+                return x
+            return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(x.shape[-1]), x.dtype)
+
+        return jax.tree.map(fill, eqx.filter_eval_shape(make, jax.random.key(0)))
+
+    if cfg.path == "fsdp-attention":
+        module = random_weights(lambda key: nn.Attention(
+            dim, cfg.heads, qk_norm="rms", implementation=cfg.implementation, key=key))
+        inputs = (normal(cfg.batch, cfg.seq, dim),)
+
+        def single(m, x):
+            return jax.vmap(m)(x)
+
+        def per_device(m, x):  # the whole sequence in, each device its share
+            def one(x):
+                return nn.gather_tokens(m(nn.shard_tokens(x, m.parallel)), m.parallel)
+
+            return jax.vmap(one)(x)
+
+        def sharded(m, x):
+            return nn.filter_shard_map(
+                per_device, mesh=mesh, in_specs=(nn.partition_specs(m, mesh), P(batch_axis)),
+                out_specs=P(batch_axis))(m, x)
+    else:
+        wan = models.WanConfig(dim=dim, ffn_dim=3 * dim // 2, num_heads=cfg.heads, num_layers=2,
+                               in_channels=4, out_channels=4, text_dim=24, freq_dim=32)
+        module = random_weights(lambda key: models.WanTransformer3D(
+            wan, implementation=cfg.implementation, key=key))
+        w = -(-cfg.seq // 4)  # patch grid (2, 2, w): about cfg.seq tokens
+        inputs = (normal(cfg.batch, 4, 2, 4, 2 * w),
+                  jnp.asarray(rng.uniform(0, 1000, cfg.batch), jnp.float32),
+                  normal(cfg.batch, 5, 24))
+        remat = None if cfg.remat == "none" else cfg.remat
+
+        def single(m, *inputs):
+            return jax.vmap(lambda *a: m(*a, remat=remat))(*inputs)
+
+        def sharded(m, *inputs):
+            return models.run_sharded(m, *inputs, mesh=mesh, batch_axis=batch_axis, remat=remat)
+
+    params, static = eqx.partition(module, eqx.is_array)
+    ct = normal(*jax.eval_shape(lambda: single(module, *inputs)).shape)
+
+    def program(run, static):
+        def forward(params, *inputs):
+            return run(eqx.combine(params, static), *inputs)
+
+        if cfg.mode == "forward":
+            return forward
+
+        def loss(params, *inputs):
+            return jnp.vdot(forward(params, *inputs), ct)
+
+        # The weights' gradients, and the tokens' for the attention module.
+        return jax.grad(loss, argnums=(0, 1) if cfg.path == "fsdp-attention" else 0)
+
+    placed = nn.shard_module(nn.with_parallel(module, config), mesh)
+    sharded_params, sharded_static = eqx.partition(placed, eqx.is_array)
+    clock = time.monotonic()
+    compiled = jax.jit(program(sharded, sharded_static)).lower(sharded_params, *inputs).compile()
+    seconds = dict(compile=time.monotonic() - clock)
+    clock = time.monotonic()
+    run1 = compiled(sharded_params, *inputs)
+    run2 = compiled(sharded_params, *inputs)  # back to back, no blocking in between
+    run1, run2 = jax.block_until_ready((run1, run2))
+    seconds["run"] = time.monotonic() - clock
+    clock = time.monotonic()
+    ref = jax.block_until_ready(jax.jit(program(single, static))(params, *inputs))
+    seconds["reference"] = time.monotonic() - clock
+
+    worst, problems = 0.0, []
+    for run, got in (("first", run1), ("second", run2)):
+        for name, err in _relative_errors(got, ref):
+            worst = max(worst, err)
+            if not err <= RTOL:
+                problems.append(
+                    f"{run} execution: {cfg.mode}{name} relative error {err:.2e} > {RTOL:g}")
+    if not all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(run1), jax.tree.leaves(run2))):
+        problems.append("the two executions differ")
+    return dict(outcome="wrong" if problems else "ok", max_rel_err=worst,
+                detail="; ".join(dict.fromkeys(problems[:6])), vidax_eqx=vidax_eqx.__file__,
+                phases={k: round(t, 1) for k, t in seconds.items()})
+
+
 def _run_child(cfg: Config) -> dict:
+    if cfg.path in FSDP_PATHS:
+        return _run_fsdp_child(cfg)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -466,6 +675,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration (default 150)")
     p.add_argument("--jobs", type=int, default=1, help="children run in parallel (default 1)")
     p.add_argument("--max-seq", type=int, default=4096, help="largest sharded sequence length (default 4096)")
+    p.add_argument("--fsdp-share", type=float, default=FSDP_SHARE,
+                   help=f"the share of FSDP draws (default {FSDP_SHARE}; 1: only FSDP)")
     p.add_argument("--repo", default=ROOT, help="checkout whose vidax_eqx the children import "
                    "(default: the one containing this script)")
     p.add_argument("--json", help="write a JSON report here")
@@ -479,7 +690,8 @@ def main(argv=None) -> int:
         configs = list(CI_PROFILE)
     else:
         rng = random.Random(args.seed)
-        configs = [draw(rng, i, args.seed, args.max_seq) for i in range(args.count)]
+        configs = [draw(rng, i, args.seed, args.max_seq, args.fsdp_share)
+                   for i in range(args.count)]
     if args.list:
         for i, cfg in enumerate(configs):
             print(f"[{i}] {cfg.describe()}")

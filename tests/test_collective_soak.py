@@ -2,9 +2,11 @@
 
 `scripts/soak_collectives.py --profile ci` runs a fixed list of sharded
 configurations (the USP gradient and ring attention's second order at the smallest
-sizes that aborted before the collectives were ordered, and one of every other
-path), each in its own subprocess, twice, against a single-device reference. An
-abort there ends only its child; this test asserts that every configuration is `ok`.
+sizes that aborted before the collectives were ordered, one of every other path, and
+two with fully sharded weights: an FSDP attention layer among a zigzag ring and tensor
+parallelism, a whole Wan over dp x Ulysses x tp), each in its own subprocess, twice,
+against a single-device reference. An abort there ends only its child; this test
+asserts that every configuration is `ok`.
 """
 
 import json
@@ -19,7 +21,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "scripts", "soak_collectives.py")
 
 
-@pytest.mark.slow  # a soak run of the collectives in a subprocess: ~40 s
+@pytest.mark.slow  # a soak run of the collectives in subprocesses: ~60 s
 def test_collective_soak_ci(tmp_path):
     report = tmp_path / "soak.json"
     proc = subprocess.run(
