@@ -6,10 +6,12 @@ On 8 simulated CPU devices:
    and a CogVideoX (the 5B fixture) equals the single-device one, relative 1e-5, with
    FSDP over dp and sp x TP 2 (Ulysses), FSDP alone over dp 8, and FSDP with a zigzag
    ring (x TP for Wan, x dp for CogVideoX); rematerialized (`"full"`) but for one
-   configuration of each model (`None`, `"dots_saveable"`);
+   configuration of each model (`None`; `"dots_saveable"` with the gathered weights
+   kept for the backward pass, `fsdp_regather=False`);
 2. the bytes each device holds of the parameters, the gradients and the AdamW moments
    (read from the arrays' `addressable_shards`) are within 1.05 x total / (FSDP x TP)
-   plus what `nn.replicated_parameters` leaves whole;
+   plus what `nn.replicated_parameters` leaves whole, where Megatron splits a
+   parameter; total / FSDP where it does not (embeddings, modulation, norms, heads);
 3. the scanned blocks' gathered weights are not kept for the backward pass: XLA's temp
    bytes of a training step grow with the layers by far less than one block's gathered
    weights under `fsdp_regather=True`, by about a block per layer with `False`; the
@@ -42,7 +44,7 @@ import oracle
 from vidax_eqx import models, nn
 
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))  # its _hlo
 
 import _hlo  # noqa: E402
 
@@ -92,14 +94,16 @@ def _cogvideox():
 MODELS = {"wan": _wan, "cogvideox": _cogvideox}
 
 
-def _train_step(run):
-    """`(optimizer, step)`: one jitted `step(model, opt_state, x, t, c, target) -> (loss,
-    grads, params, opt_state)`, the mean squared error of `run(model, x, t, c)`, its
-    gradient in every parameter and one AdamW step, in one program."""
+def _train_step(run, place=lambda model, state: (model, state)):
+    """One jitted `step(model, x, t, c, target) -> (loss, grads, params, opt_state)`:
+    a fresh AdamW state, `place(model, state)`, the mean squared error of
+    `run(model, x, t, c)`, its gradient in every parameter and one AdamW step, in one
+    program."""
     optimizer = optax.adamw(**ADAMW)
 
     @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
-    def step(model, opt_state, x, t, c, target):
+    def step(model, x, t, c, target):
+        model, state = place(model, optimizer.init(eqx.filter(model, eqx.is_array)))
         params, static = eqx.partition(model, eqx.is_array)
 
         def loss(params):
@@ -107,10 +111,10 @@ def _train_step(run):
             return jnp.mean(jnp.square(out - target))
 
         value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return value, grads, optax.apply_updates(params, updates), opt_state
+        updates, state = optimizer.update(grads, state, params)
+        return value, grads, optax.apply_updates(params, updates), state
 
-    return optimizer, step
+    return step
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +126,8 @@ def single():
     def get(name):
         if name not in cache:
             model, inputs = MODELS[name]()
-            optimizer, step = _train_step(lambda m, x, t, c: jax.vmap(m)(x, t, c))
-            state = optimizer.init(eqx.filter(model, eqx.is_array))
-            cache[name] = model, inputs, step(model, state, *inputs)
+            step = _train_step(lambda m, x, t, c: jax.vmap(m)(x, t, c))
+            cache[name] = model, inputs, step(model, *inputs)
         return cache[name]
 
     return get
@@ -139,7 +142,8 @@ CONFIGS = {
         sequence="ring", layout="zigzag", tp_axis="tp", fsdp_axes=("sp",)), None, "full"),
     "cogvideox-dp2-sp2-tp2-ulysses": ("cogvideox", dict(dp=2, sp=2, tp=2), dict(
         sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp")), "dp", "full"),
-    "cogvideox-dp8": ("cogvideox", dict(dp=8), dict(fsdp_axes=("dp",)), "dp", "dots_saveable"),
+    "cogvideox-dp8-keep-gathered": ("cogvideox", dict(dp=8), dict(
+        fsdp_axes=("dp",), fsdp_regather=False), "dp", "dots_saveable"),
     "cogvideox-dp2-sp4-ring-zigzag": ("cogvideox", dict(dp=2, sp=4), dict(
         sequence="ring", layout="zigzag", fsdp_axes=("dp", "sp")), "dp", "full"),
 }
@@ -147,10 +151,11 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def sharded(single):
-    """`get(config name) -> (model, mesh, state, (loss, grads, params, opt_state))`: the
-    model and its AdamW state placed (`nn.shard_module`, `nn.shard_like`) and the
-    sharded step's results where the step left them; each configuration's computed
-    once."""
+    """`get(config name) -> (model, mesh, (loss, grads, params, opt_state))`: the model
+    configured, and the sharded step's results where the step left them, the model and
+    its AdamW state placed in the step (`nn.shard_module`, `nn.shard_like` inside `jit`:
+    one program, where placing outside it runs one per array); each configuration's
+    computed once."""
     cache = {}
 
     def get(name):
@@ -163,19 +168,18 @@ def sharded(single):
                 return models.run_sharded(model, x, t, c, mesh=mesh, batch_axis=batch_axis,
                                           remat=remat)
 
-            optimizer, step = _train_step(run)
+            def place(model, state):
+                return nn.shard_module(model, mesh), nn.shard_like(state, model, mesh)
 
-            @eqx.filter_jit  # one program places everything (outside jit: one per array)
-            def place(model):
-                model = nn.shard_module(model, mesh)
-                state = optimizer.init(eqx.filter(model, eqx.is_array))
-                return model, nn.shard_like(state, model, mesh)
-
-            placed, state = place(nn.with_parallel(model, nn.ParallelConfig(**config)))
-            cache[name] = placed, mesh, state, step(placed, state, *inputs)
+            model = nn.with_parallel(model, nn.ParallelConfig(**config))
+            cache[name] = model, mesh, _train_step(run, place)(model, *inputs)
         return cache[name]
 
     return get
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P)
 
 
 def _leaf_errors(got, ref, floor: float = 0.0) -> dict:
@@ -195,11 +199,11 @@ def _assert_leaves_close(got, ref, what: str, floor: float = 0.0) -> None:
     assert not bad, f"{what}: {len(bad)} of {len(errors)} arrays off (relative): {bad}"
 
 
-@pytest.mark.slow  # a sharded training step compiled per configuration: ~10 s each
+@pytest.mark.slow  # a sharded training step compiled per configuration: 10-20 s each
 @pytest.mark.parametrize("name", CONFIGS)
 def test_training_step_matches_one_device(name, single, sharded):
     loss1, grads1, params1, state1 = single(CONFIGS[name][0])[2]
-    placed, mesh, _, (loss, grads, params, state) = sharded(name)
+    model, mesh, (loss, grads, params, state) = sharded(name)
     assert abs(float(loss) - float(loss1)) <= RTOL * abs(float(loss1)), (loss, loss1)
     _assert_leaves_close(grads, grads1, "gradients", floor=ZERO_GRADIENT)
     _assert_leaves_close(params, params1, "parameters after one AdamW step")
@@ -207,18 +211,17 @@ def test_training_step_matches_one_device(name, single, sharded):
     _assert_leaves_close(adam.mu, adam1.mu, "AdamW's first moment", floor=ZERO_GRADIENT)
     _assert_leaves_close(adam.nu, adam1.nu, "AdamW's second moment", floor=ZERO_GRADIENT**2)
     assert int(adam.count) == 1
-    # The step hands back parameters and moments placed as they came in (the next step
-    # reuses the program), the gradients split like the parameters.
-    specs = nn.partition_specs(placed, mesh)
+    # The step hands back parameters, gradients and moments placed by the specs (the
+    # next step reuses the program).
+    specs = nn.partition_specs(model, mesh)
     for tree in (params, grads, adam.mu, adam.nu):
         _assert_placed_by(tree, specs, mesh)
     assert adam.count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
 
 
 def _assert_placed_by(tree, specs, mesh) -> None:
-    specs = eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P))
     names = harness.leaf_names(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
     for name, x, spec in zip(names, harness.arrays(tree), spec_leaves, strict=True):
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (
             name, x.sharding, spec)
@@ -236,36 +239,35 @@ def _bytes_per_device(tree) -> int:
     return max(per_device.values())
 
 
-def _bytes_bound(model, mesh) -> tuple[float, int]:
-    """`(split, whole)`: the bytes per device of an even FSDP x TP split (total / (FSDP
-    x TP) for what tensor parallelism splits, total / FSDP for the rest: Megatron leaves
-    the embeddings, norms and heads whole), and the bytes per device of what
-    `nn.replicated_parameters` lists, as they exist on a device (a tensor-parallel
-    bias: its slice)."""
+def _bytes_bound(model, params, mesh) -> tuple[float, int]:
+    """`(split, whole)` bytes per device: `split` of an even FSDP x TP split of what
+    `nn.replicated_parameters` does not list (total / (FSDP x TP) where tensor
+    parallelism splits a parameter, total / FSDP elsewhere: Megatron leaves the
+    embeddings, norms and heads whole), `whole` of what it lists, as those exist on a
+    device (`params`, placed: a tensor-parallel bias is its slice)."""
     config = model.parallel
-    fsdp = int(np.prod([mesh.shape[a] for a in config.fsdp_axes]))
+    fsdp = math.prod(mesh.shape[a] for a in config.fsdp_axes)
     tp = 1 if config.tp_axis is None else mesh.shape[config.tp_axis]
-    whole = {path for path, _, _ in nn.replicated_parameters(model, mesh)}
-    specs = eqx.filter(nn.partition_specs(model, mesh), lambda s: isinstance(s, P),
-                       is_leaf=lambda s: isinstance(s, P))
-    split, replicated = 0.0, 0
-    for name, x, spec in zip(harness.leaf_names(model), harness.arrays(model),
-                             jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
-        if name in whole:
-            replicated += x.addressable_shards[0].data.nbytes
+    whole_names = {path for path, _, _ in nn.replicated_parameters(model, mesh)}
+    specs = jax.tree.leaves(nn.partition_specs(model, mesh), is_leaf=_is_spec)
+    split, whole = 0.0, 0
+    for name, x, spec in zip(harness.leaf_names(params), harness.arrays(params), specs,
+                             strict=True):
+        if name in whole_names:
+            whole += x.addressable_shards[0].data.nbytes
         else:
             split += x.nbytes / fsdp / (tp if config.tp_axis in jax.tree.leaves(tuple(spec)) else 1)
-    return split, replicated
+    return split, whole
 
 
 @pytest.mark.slow  # the sharded steps of test_training_step_matches_one_device
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_per_device(name, sharded):
     """Parameters, gradients and AdamW's moments each within 1.05 x an even split plus
-    what stays whole; the same bound (total / FSDP + whole) without tensor parallelism."""
-    placed, mesh, _, (_, grads, params, state) = sharded(name)
-    split, whole = _bytes_bound(placed, mesh)
-    total = sum(x.nbytes for x in harness.arrays(placed))
+    what stays whole (without tensor parallelism: 1.05 x total / FSDP + whole)."""
+    model, mesh, (_, grads, params, state) = sharded(name)
+    split, whole = _bytes_bound(model, params, mesh)
+    total = sum(x.nbytes for x in harness.arrays(params))
     for what, tree in (("parameters", params), ("gradients", grads),
                        ("AdamW first moments", state[0].mu), ("AdamW second moments", state[0].nu)):
         got = _bytes_per_device(tree)
@@ -289,8 +291,7 @@ def _compiled_step(num_layers: int, regather: bool):
     params, static = eqx.partition(model, is_abstract)
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        params, eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P)),
-        is_leaf=is_abstract)
+        params, specs, is_leaf=is_abstract)
     x = jax.ShapeDtypeStruct((BATCH, WAN.in_channels, 1, 4, 4), jnp.float32)
     t = jax.ShapeDtypeStruct((BATCH,), jnp.float32)
     c = jax.ShapeDtypeStruct((BATCH, 2, WAN.text_dim), jnp.float32)
@@ -309,9 +310,8 @@ def _gathered_counts(model, mesh) -> tuple[int, int, int]:
     scanned blocks and in one block, and one block's weights in bytes, gathered."""
     specs = nn.partition_specs(model, mesh)
     is_split = lambda s: isinstance(s, P) and "dp" in jax.tree.leaves(tuple(s))  # noqa: E731
-    split = [is_split(s) for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))]
-    block_split = [is_split(s) for s in jax.tree.leaves(specs.blocks,
-                                                        is_leaf=lambda s: isinstance(s, P))]
+    split = [is_split(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
+    block_split = [is_split(s) for s in jax.tree.leaves(specs.blocks, is_leaf=_is_spec)]
     L = model.config.num_layers
     blocks = [x for x in jax.tree.leaves(model.blocks) if isinstance(x, jax.ShapeDtypeStruct)]
     block_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in blocks) // L
@@ -339,10 +339,6 @@ def test_regather_keeps_one_block_gathered():
 
 
 # -- 4. the placement rules -------------------------------------------------------------
-
-
-def _is_spec(s) -> bool:
-    return isinstance(s, P)
 
 
 def _entries(spec) -> tuple:
@@ -388,9 +384,8 @@ def test_specs_take_the_largest_free_dividing_dimension():
     assert specs.fc1.weight == P("dp", None) and specs.fc2.weight == P(None, "dp")
     specs = nn.partition_specs(_attention(nn.ParallelConfig(fsdp_axes=("dp",))), harness.mesh(dp=2))
     assert specs.q.weight == P("dp", None) and specs.q.bias == P("dp")
-    # The largest dimension unless the FSDP size does not divide it: fc1 (96, 32) over 3
-    # on its 96 rows, fc2 (32, 96) over 3 on its columns, over 32 ... (size 4 divides both;
-    # the largest, again).
+    # Over 3: fc1 (96, 32) still on its 96 rows, fc2 (32, 96) on its 96 columns; fc2's
+    # bias (32,) has no dimension 3 divides: replicated.
     specs = nn.partition_specs(ffn, harness.mesh(dp=3))
     assert specs.fc1.weight == P("dp", None) and specs.fc1.bias == P("dp")
     assert specs.fc2.weight == P(None, "dp") and _entries(specs.fc2.bias) == ()  # 32 % 3
@@ -430,7 +425,8 @@ def test_replicated_parameters_and_their_reasons():
         assert "tensor parallelism" in reason and "'tp'" in reason
     assert nn.replicated_parameters(_attention(nn.ParallelConfig(tp_axis="tp")), mesh) == []
     # FSDP alone splits them all.
-    assert nn.replicated_parameters(_attention(nn.ParallelConfig(fsdp_axes=("dp", "sp"))), mesh) == []
+    fsdp_only = _attention(nn.ParallelConfig(fsdp_axes=("dp", "sp")))
+    assert nn.replicated_parameters(fsdp_only, mesh) == []
 
 
 def test_placement_errors():
