@@ -94,6 +94,7 @@ one-line estimate `total / (fsdp x tp) + replicated remainder`.
     python benchmarks/fsdp.py           # 14B x 480p, 720p x 8, 64, 256 devices; regather;
                                         # step time; bytes per device
     python benchmarks/fsdp.py --parts memory --devices 8
+    python benchmarks/fsdp.py --render benchmarks/results/fsdp.json   # the tables again
 
 Markdown tables go to stdout and `benchmarks/results/fsdp.md` (`fsdp_quick.md` with
 `--quick`), raw numbers to the `.json` next to it.
@@ -101,6 +102,7 @@ Markdown tables go to stdout and `benchmarks/results/fsdp.md` (`fsdp_quick.md` w
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -790,8 +792,11 @@ def notes(rows: list[dict], records: list[dict]) -> list[str]:
                            "loop(s) without known_trip_count, counted once.")
     for r in records:
         if r.get("kind") == "bytes" and r["replicated"]:
-            out.append(f"- Parameters FSDP leaves whole ({r['variant']}): "
-                       + ", ".join(f"`{p}` {tuple(s)}" for p, s in r["replicated"]) + ".")
+            e = r["expected"]
+            out.append(f"- Parameters FSDP leaves whole in the small model ({r['variant']}, fsdp "
+                       f"{e['fsdp']} x tp {e['tp']}; their only dimension besides the layer axis "
+                       "is the one tensor parallelism splits, and FSDP takes a dimension of its "
+                       "own): " + ", ".join(f"`{p}` {tuple(s)}" for p, s in r["replicated"]) + ".")
         if r.get("kind") == "error":
             out.append(f"- Parts 2 and 3: {r.get('status')}: {r.get('note')}")
     return out
@@ -819,6 +824,8 @@ def parse_args(argv=None):
     p.add_argument("--case-timeout", type=float, default=600.0,
                    help="seconds per compiled case (default 600)")
     p.add_argument("--out", default=None, help="output stem (default benchmarks/results/fsdp)")
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="write the Markdown of an earlier run's JSON (next to it), run nothing")
     p.add_argument("--child-memory", nargs="+", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-small", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fast-compile", action="store_true", help=argparse.SUPPRESS)
@@ -831,6 +838,17 @@ def parse_args(argv=None):
     return args
 
 
+def write_markdown(report: dict, stem: str) -> None:
+    """The tables of `report` on stdout and in `stem.md`."""
+    rows, records = report["memory"], report["small"]
+    text = "\n".join((memory_markdown(rows) if rows else []) + small_markdown(records)
+                     + notes(rows, records))
+    print(text)
+    command = report["command"] or "benchmarks/fsdp.py"
+    write_text(stem + ".md", f"# FSDP / ZeRO-3 benchmark\n\n`python {command}`, "
+               f"{report['date']}, {report['seconds']:.0f} s, git {report['git']}.\n\n{text}\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     options = FAST_COMPILE if args.fast_compile else None
@@ -839,6 +857,12 @@ def main(argv=None) -> int:
         return 0
     if args.child_small:
         small_child(args, options)
+        return 0
+
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            report = json.load(f)
+        write_markdown(report, args.render.removesuffix(".json"))
         return 0
 
     t_start = time.perf_counter()
@@ -851,12 +875,7 @@ def main(argv=None) -> int:
     rows = run_memory(args, cases) if cases else []
     records = run_small(args) if "time" in args.parts else []
     report.update(memory=rows, small=records, seconds=time.perf_counter() - t_start)
-    text = "\n".join((memory_markdown(rows) if rows else []) + small_markdown(records)
-                     + notes(rows, records))
-    print(text)
-    command = report["command"] or "benchmarks/fsdp.py"
-    write_text(args.out + ".md", f"# FSDP / ZeRO-3 benchmark\n\n`python {command}`, "
-               f"{report['date']}, {report['seconds']:.0f} s, git {report['git']}.\n\n{text}\n")
+    write_markdown(report, args.out)
     write_json(args.out + ".json", report)
     log(f"# wrote {os.path.relpath(args.out)}.md and .json after {report['seconds']:.0f} s")
     failed = ([r for r in rows if r["status"] != "ok"]
