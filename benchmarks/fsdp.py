@@ -83,12 +83,16 @@ machine (the gathers, the recompute of nothing extra: remat is "full" in both), 
 a network's cost.
 
 **3. `bytes`: bytes per device** of the same small model, FSDP over (dp, sp) with tp:
-the master weights, a gradient (`jax.grad` of the same loss, returned placed like
-the weights) and AdamW's two moments after one step, summed per device from each
-array's `addressable_shards`, against the placement's expectation: the bytes that
-tensor parallelism also splits / (fsdp x tp) + those it does not / fsdp + the
-parameters FSDP leaves whole (`nn.replicated_parameters`) in full; and against the
-one-line estimate `total / (fsdp x tp) + replicated remainder`.
+the master weights, a gradient (`jax.grad` of the same loss, its placement left to XLA:
+it leaves `shard_map` as the weights' in_specs say) and AdamW's two moments after one
+step, summed per device from each array's `addressable_shards`, against the
+placement's expectation: the bytes of the parameters split over both FSDP and tensor
+parallelism / (fsdp x tp), + over FSDP only / fsdp, + the replicated remainder, the
+parameters FSDP leaves whole (`nn.replicated_parameters`: under tp, the vectors whose
+one dimension tp already splits) / tp or in full; and against the one-line estimate
+`(total - replicated) / (fsdp x tp) + replicated remainder`, which assumes that every
+parameter FSDP splits is also split by tp (the embeddings, norms and modulations are
+not).
 
     python benchmarks/fsdp.py --quick   # small Wan on 8 devices, every part (< 2 min)
     python benchmarks/fsdp.py           # 14B x 480p, 720p x 8, 64, 256 devices; regather;
@@ -543,8 +547,8 @@ def device_bytes(tree) -> dict:
 
 
 def expected_bytes(model, mesh, case: Case) -> dict:
-    """Per device, float32: by the placement (split by TP and FSDP, by FSDP only, whole),
-    and the one-line estimate total / (fsdp x tp) + replicated."""
+    """Bytes per device, float32: by the placement (split by TP and FSDP, by FSDP only,
+    by TP only, neither), and the one-line estimate (module docstring)."""
     import equinox as eqx
     import jax
 
@@ -564,7 +568,14 @@ def expected_bytes(model, mesh, case: Case) -> dict:
     placement = (parts["tp_and_fsdp"] / (n_fsdp * tp) + parts["fsdp_only"] / n_fsdp
                  + parts["tp_only"] / tp + parts["whole"])
     return {"parts": parts, "total": total, "fsdp": n_fsdp, "tp": tp, "placement": placement,
-            "estimate": (total - parts["whole"]) / (n_fsdp * tp) + parts["whole"]}
+            "estimate": estimate(parts, n_fsdp, tp)}
+
+
+def estimate(parts: dict, fsdp: int, tp: int) -> float:
+    """`(total - replicated) / (fsdp x tp) + the replicated remainder` (per device)."""
+    replicated = parts["tp_only"] + parts["whole"]
+    return ((sum(parts.values()) - replicated) / (fsdp * tp)
+            + parts["tp_only"] / tp + parts["whole"])
 
 
 # --------------------------------------------------------------------------- #
@@ -743,12 +754,14 @@ def small_markdown(records: list[dict]) -> list[str]:
             "",
             "Bytes per device (KiB, max over the 8 devices; min in parentheses where it "
             "differs), measured from `addressable_shards` after one step, against the "
-            "placement (TP- and FSDP-split / (fsdp x tp) + FSDP-only / fsdp + TP-only / tp + "
-            "whole) and the estimate total / (fsdp x tp) + whole.",
+            "placement (TP- and FSDP-split / (fsdp x tp) + FSDP-only / fsdp + the replicated "
+            "remainder: TP-only / tp + whole) and the one-line estimate (total - replicated) / "
+            "(fsdp x tp) + the replicated remainder.",
             "",
             "| configuration | params | grads | AdamW mu | AdamW nu | expected (placement) | "
-            "measured / placement | estimate | whole model |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "measured / placement | replicated remainder | estimate | measured / estimate | "
+            "whole model |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sizes:
             m, e = r["measured"], r["expected"]
@@ -761,10 +774,13 @@ def small_markdown(records: list[dict]) -> list[str]:
                 if m[k]["min"] != m[k]["max"]:
                     cell += f" ({m[k]['min'] / 1024:,.1f})"
                 cells.append(cell)
-            worst = max(m[k]["max"] for k in m) / e["placement"]
+            worst = max(m[k]["max"] for k in m)
+            guess = estimate(e["parts"], e["fsdp"], e["tp"])
+            remainder = e["parts"]["tp_only"] / e["tp"] + e["parts"]["whole"]
             out.append(f"| {r['variant']} (fsdp {e['fsdp']}, tp {e['tp']}) | " + " | ".join(cells)
-                       + f" | {e['placement'] / 1024:,.1f} | {worst:.4f} | "
-                       f"{e['estimate'] / 1024:,.1f} | {e['total'] / 1024:,.1f} |")
+                       + f" | {e['placement'] / 1024:,.1f} | {worst / e['placement']:.4f} | "
+                       f"{remainder / 1024:,.1f} | {guess / 1024:,.1f} | {worst / guess:.3f} | "
+                       f"{e['total'] / 1024:,.1f} |")
     return out
 
 
