@@ -78,9 +78,8 @@ devices, dp2 x sp2 x tp2 (Ulysses over sp, Megatron over tp), the same training 
 same configuration without it, in one process: both compiled ahead of time, then
 timed in alternating rounds (`_harness.best_time`), best wall and process CPU time
 of each, and their ratio. Simulated devices share two cores and their collectives
-are memory copies, so the ratio is the extra work FSDP's program does on this
-machine (the gathers, the recompute of nothing extra: remat is "full" in both), not
-a network's cost.
+are memory copies, so the ratio is what FSDP's extra collectives cost on this machine
+(both programs recompute every block: remat "full"), not a network's cost.
 
 **3. `bytes`: bytes per device** of the same small model, FSDP over (dp, sp) with tp:
 the master weights, a gradient (`jax.grad` of the same loss, its placement left to XLA:
