@@ -333,3 +333,63 @@ def collective_dtypes(text: str) -> dict[str, int]:
         for dtype in dict.fromkeys(t):
             counts[dtype] = counts.get(dtype, 0) + 1
     return counts
+
+
+# -- where an instruction comes from ------------------------------------------------------
+
+
+_TABLE = r"^{}\n(.*?)\n\n"
+
+
+def frame_files(hlo: str) -> dict[int, frozenset[str]]:
+    """{stack_frame_id: the source files of that frame and of its callers}, from the
+    `FileNames`, `FileLocations` and `StackFrames` tables that head XLA's HLO text."""
+
+    def table(name):
+        m = re.search(_TABLE.format(name), hlo, re.S | re.M)
+        return {int(i): v for i, v in re.findall(r"^(\d+) (.*)$", m.group(1), re.M)} if m else {}
+
+    files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
+    loc_file = {i: files[int(re.search(r"file_name_id=(\d+)", v).group(1))].strip('"')
+                for i, v in locations.items()}
+    out: dict[int, frozenset[str]] = {}
+    for start in frames:
+        seen, i = [], start
+        while i in frames and i not in seen:
+            seen.append(i)
+            # `parent_frame_id` as printed is one more than the parent's id (the
+            # outermost frames print 1).
+            i = int(re.search(r"parent_frame_id=(\d+)", frames[i]).group(1)) - 1
+        out[start] = frozenset(
+            loc_file[int(re.search(r"file_location_id=(\d+)", frames[j]).group(1))] for j in seen)
+    return out
+
+
+def _collective(opcode: str) -> bool:
+    return opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_KINDS
+
+
+def split_collectives(hlo: str, n_devices: int, marker: str) -> dict:
+    """[`collective_bytes`][] of the program's collectives made under `marker` (a source
+    file on their call stack, e.g. `"vidax_eqx/nn/_fsdp.py"`) and of the others:
+    `{"marked": ..., "other": ...}`."""
+    module = parse(hlo)
+    files = frame_files(hlo)
+
+    def origin(instr, by_name) -> bool:
+        m = re.search(r"stack_frame_id=(\d+)", instr.rest)
+        if m is None and instr.opcode.endswith("-done"):  # an async pair: the start's
+            start = by_name.get((operands(instr) or [""])[0])
+            m = start and re.search(r"stack_frame_id=(\d+)", start.rest)
+        return bool(m) and any(f.endswith(marker) for f in files.get(int(m.group(1)), ()))
+
+    def only(keep: bool) -> Module:
+        comps = {}
+        for name, instrs in module.computations.items():
+            by_name = {i.name: i for i in instrs}
+            comps[name] = [i if not _collective(i.opcode) or origin(i, by_name) == keep
+                           else i._replace(opcode="") for i in instrs]
+        return Module(comps, module.entry)
+
+    return {"marked": collective_bytes(only(True), n_devices),
+            "other": collective_bytes(only(False), n_devices)}

@@ -109,7 +109,6 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 
@@ -117,7 +116,7 @@ from _harness import (
     RESULTS, best_time, command_line, emit, fmt, git_state, log, now, run_child,
     write_json, write_text,
 )
-from _hlo import COLLECTIVE_KINDS, collective_bytes, collective_dtypes, Module, parse
+from _hlo import collective_dtypes, split_collectives
 
 
 GIB = 2**30
@@ -333,64 +332,6 @@ def parameter_counts(params, specs, case: Case) -> dict:
     return counts
 
 
-_TABLE = r"^{}\n(.*?)\n\n"
-
-
-def frame_files(hlo: str) -> dict[int, frozenset[str]]:
-    """{stack_frame_id: the source files of that frame and of its callers}, from the
-    `FileNames`, `FileLocations` and `StackFrames` tables that head XLA's HLO text."""
-
-    def table(name):
-        m = re.search(_TABLE.format(name), hlo, re.S | re.M)
-        return {int(i): v for i, v in re.findall(r"^(\d+) (.*)$", m.group(1), re.M)} if m else {}
-
-    files, locations, frames = table("FileNames"), table("FileLocations"), table("StackFrames")
-    loc_file = {i: files[int(re.search(r"file_name_id=(\d+)", v).group(1))].strip('"')
-                for i, v in locations.items()}
-    out: dict[int, frozenset[str]] = {}
-    for start in frames:
-        seen, i = [], start
-        while i in frames and i not in seen:
-            seen.append(i)
-            # `parent_frame_id` as printed is one more than the parent's id (the
-            # outermost frames print 1).
-            i = int(re.search(r"parent_frame_id=(\d+)", frames[i]).group(1)) - 1
-        out[start] = frozenset(
-            loc_file[int(re.search(r"file_location_id=(\d+)", frames[j]).group(1))] for j in seen)
-    return out
-
-
-def _collective(opcode: str) -> bool:
-    return opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_KINDS
-
-
-def split_collectives(hlo: str, n_devices: int, marker: str = "vidax_eqx/nn/_fsdp.py") -> dict:
-    """`_hlo.collective_bytes` of the program's collectives made under `marker` (a
-    source file on their call stack) and of the others: `{"fsdp": ..., "other": ...}`."""
-    module = parse(hlo)
-    files = frame_files(hlo)
-
-    def origin(instr, by_name) -> bool:
-        m = re.search(r"stack_frame_id=(\d+)", instr.rest)
-        if m is None and instr.opcode.endswith("-done"):  # an async pair: the start's
-            from _hlo import operands
-
-            start = by_name.get((operands(instr) or [""])[0])
-            m = start and re.search(r"stack_frame_id=(\d+)", start.rest)
-        return bool(m) and any(f.endswith(marker) for f in files.get(int(m.group(1)), ()))
-
-    def only(keep: bool) -> Module:
-        comps = {}
-        for name, instrs in module.computations.items():
-            by_name = {i.name: i for i in instrs}
-            comps[name] = [i if not _collective(i.opcode) or origin(i, by_name) == keep
-                           else i._replace(opcode="") for i in instrs]
-        return Module(comps, module.entry)
-
-    return {"fsdp": collective_bytes(only(True), n_devices),
-            "other": collective_bytes(only(False), n_devices)}
-
-
 def memory_child(cases: list[Case], options: dict | None) -> None:
     """Compiles each case's training step (with the compiler `options`); one JSON line
     each."""
@@ -419,7 +360,8 @@ def memory_child(cases: list[Case], options: dict | None) -> None:
         compile_s = time.perf_counter() - t0
         mem = compiled.memory_analysis()
         hlo = compiled.as_text()
-        comm = split_collectives(hlo, case.devices)
+        comm = split_collectives(hlo, case.devices, "vidax_eqx/nn/_fsdp.py")
+        comm = {"fsdp": comm["marked"], "other": comm["other"]}
         state = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                     for a in jax.tree.leaves((params, opt_state)))
         emit({
