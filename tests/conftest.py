@@ -15,7 +15,9 @@ about 10 s each on a 2-core CPU: the documentation pages run in processes of the
 (`test_docs.py::test_page`), the training run (`test_train_wan.py`), the collective soak
 (`test_collective_soak.py`), the multi-process fault jobs (`test_multiprocess_faults.py`),
 the determinism check across fresh processes, the whole-model sharded gradients
-(`test_wan.py`, `test_cogvideox.py`) and the hypothesis searches (`test_properties.py`).
+(`test_wan.py`, `test_cogvideox.py`), the FSDP training steps and the regather's memory
+(`test_fsdp.py`), the two-process sharded load and checkpoint (`test_fsdp_loading.py`,
+`test_training_state.py`) and the hypothesis searches (`test_properties.py`).
 The default run, and CI, run everything; the quick developer loop leaves them out:
 
     python -m pytest -q -m "not slow" tests
