@@ -10,8 +10,8 @@ On 8 simulated CPU devices:
    kept for the backward pass, `fsdp_regather=False`);
 2. the bytes each device holds of the parameters, the gradients and the AdamW moments
    (read from the arrays' `addressable_shards`) are within 1.05 x total / (FSDP x TP)
-   plus what `nn.replicated_parameters` leaves whole, where Megatron splits a
-   parameter; total / FSDP where it does not (embeddings, modulation, norms, heads);
+   plus what `nn.replicated_parameters` leaves whole (what Megatron does not split,
+   embeddings, modulation, norms, heads, is split over FSDP x TP together);
 3. the scanned blocks' gathered weights are not kept for the backward pass: XLA's temp
    bytes of a training step grow with the layers by far less than one block's gathered
    weights under `fsdp_regather=True`, by about a block per layer with `False`; the
@@ -240,23 +240,20 @@ def _bytes_per_device(tree) -> int:
 
 
 def _bytes_bound(model, params, mesh) -> tuple[float, int]:
-    """`(split, whole)` bytes per device: `split` of an even FSDP x TP split of what
-    `nn.replicated_parameters` does not list (total / (FSDP x TP) where tensor
-    parallelism splits a parameter, total / FSDP elsewhere: Megatron leaves the
-    embeddings, norms and heads whole), `whole` of what it lists, as those exist on a
-    device (`params`, placed: a tensor-parallel bias is its slice)."""
+    """`(split, whole)` bytes per device: `split` is total / (FSDP x TP) of what
+    `nn.replicated_parameters` does not list (the issue's bound: what tensor
+    parallelism leaves whole is split over FSDP x TP too), `whole` what it lists, as
+    those exist on a device (`params`, placed: a tensor-parallel bias is its slice)."""
     config = model.parallel
     fsdp = math.prod(mesh.shape[a] for a in config.fsdp_axes)
     tp = 1 if config.tp_axis is None else mesh.shape[config.tp_axis]
     whole_names = {path for path, _, _ in nn.replicated_parameters(model, mesh)}
-    specs = jax.tree.leaves(nn.partition_specs(model, mesh), is_leaf=_is_spec)
     split, whole = 0.0, 0
-    for name, x, spec in zip(harness.leaf_names(params), harness.arrays(params), specs,
-                             strict=True):
+    for name, x in zip(harness.leaf_names(params), harness.arrays(params), strict=True):
         if name in whole_names:
             whole += x.addressable_shards[0].data.nbytes
         else:
-            split += x.nbytes / fsdp / (tp if config.tp_axis in jax.tree.leaves(tuple(spec)) else 1)
+            split += x.nbytes / (fsdp * tp)
     return split, whole
 
 
@@ -377,7 +374,8 @@ def test_specs_take_the_largest_free_dividing_dimension():
     specs = nn.partition_specs(_attention(nn.ParallelConfig(tp_axis="tp", fsdp_axes=fsdp)), mesh)
     # q (out, in): Megatron splits the rows, FSDP the columns; o the other way round.
     assert specs.q.weight == P("tp", fsdp) and specs.o.weight == P(fsdp, "tp")
-    assert specs.o.bias == P(fsdp)  # whole under TP: split by FSDP
+    # Whole under TP: split over FSDP x TP together (tp innermost).
+    assert specs.o.bias == P((*fsdp, "tp"))
     # A column-parallel bias or norm has no dimension left: replicated over FSDP.
     assert specs.q.bias == P("tp") and specs.norm_q.weight == P("tp")
     # Without TP the largest dimension: fc1 (96, 32) on its rows, fc2 (32, 96) columns;

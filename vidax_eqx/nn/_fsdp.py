@@ -35,13 +35,18 @@ class FSDPShard(eqx.Module):
     turned back into the whole parameter by [`vidax_eqx.nn.fsdp_gather`][]. `dim` counts from the
     end (negative), so the slice of a stacked layer taken by `lax.scan` keeps it.
 
-    **Fields:** `shard` (the local slice), static `dim` and `axes` (the mesh axes the
-    slice is taken over, major to minor, as in its `PartitionSpec` entry).
+    **Fields:** `shard` (the local slice), static `dim`, `axes` (the FSDP mesh axes the
+    slice is taken over, major to minor, as in its `PartitionSpec` entry) and
+    `inner_axes` (further axes of the same entry, innermost: the tensor-parallel axis
+    for a parameter that tensor parallelism does not split otherwise; its devices see
+    the same data, so that part is gathered into a value that does not vary over
+    them, and its transpose is a slice, no communication).
     """
 
     shard: jax.Array
     dim: int = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
+    inner_axes: tuple[str, ...] = eqx.field(static=True, default=())
 
     @property
     def dtype(self):
@@ -101,13 +106,16 @@ def fsdp_gather(tree, inputs=None, *, exclude=None):
     # vary over the FSDP axes only, then those a tensor-parallel axis also splits, so
     # that no link of the chain makes a weight vary (in type) over an axis it does not.
     fsdp = frozenset(a for leaf in shards for a in leaf.axes)
-    shards.sort(key=lambda leaf: len(varying_axes(leaf.shard) - fsdp))
+    shards.sort(key=lambda leaf: len(varying_axes(leaf.shard) - fsdp - set(leaf.inner_axes)))
     order = Sequence(inputs)
     full = {}
     for leaf in shards:
         axis = leaf.shard.ndim + leaf.dim
-        axes = leaf.axes[0] if len(leaf.axes) == 1 else leaf.axes
-        w = order(lax.all_gather, leaf.shard, axes, axis=axis, tiled=True)
+        w = leaf.shard
+        if leaf.inner_axes:  # innermost: devices with the same data (tp)
+            w = order(lax.all_gather, w, _names(leaf.inner_axes), axis=axis, tiled=True,
+                      to="invarying")
+        w = order(lax.all_gather, w, _names(leaf.axes), axis=axis, tiled=True)
         full[id(leaf)] = checkpoint_name(w, GATHERED)
     # The inputs wait for the last gather. Its token varies over the tensor-parallel
     # axis where that weight is split; a psum of the one-element token (in the chain)
@@ -122,6 +130,10 @@ def fsdp_gather(tree, inputs=None, *, exclude=None):
     return tree, after(inputs, token)
 
 
+def _names(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
+
+
 def regather_policy(policy, *, keep: bool = False):
     """The `jax.checkpoint` policy of a scanned block with FSDP shards: `policy` (a
     `jax.checkpoint_policies` policy; `None` for "full", which saves nothing anyway),
@@ -133,6 +145,8 @@ def regather_policy(policy, *, keep: bool = False):
     def saveable(prim, *args, **params):
         if prim.name == "all_gather":
             return keep
+        if prim.name == "all_gather_invariant":  # the inner (tp) half: recomputed, or
+            return False  # not needed once the whole weight is kept
         if prim.name == "name" and params.get("name") == GATHERED:
             # Never the named copy: with keep=True the gather's own output is the one
             # saved (the collective order's tokens are computed from it), and saving
@@ -162,15 +176,17 @@ def wrap_shards(tree, specs, fsdp_axes):
             for d, entry in enumerate(spec):
                 names = entry if isinstance(entry, tuple) else (entry,)
                 if any(n in fsdp for n in names if n is not None):
-                    other = [n for n in names if n is not None and n not in fsdp]
-                    if other:
+                    names = tuple(n for n in names if n is not None)
+                    k = next(i for i, n in enumerate(names) if n not in fsdp) if any(
+                        n not in fsdp for n in names) else len(names)
+                    if any(n in fsdp for n in names[k:]):
                         raise ValueError(
                             f"filter_shard_map: the in_spec {spec} splits one dimension over "
-                            f"the FSDP axes {sorted(fsdp)} and the axes {other} together; FSDP "
-                            "takes a dimension of its own (use nn.partition_specs(module, "
-                            "mesh))."
+                            f"the FSDP axes {sorted(fsdp)} and the axes {list(names[k:])}, "
+                            "which must come after (innermost); use nn.partition_specs("
+                            "module, mesh)."
                         )
-                    found.append((d, names))
+                    found.append((d, names[:k], names[k:]))
             if not found:
                 return x
             if len(found) > 1:
@@ -179,8 +195,8 @@ def wrap_shards(tree, specs, fsdp_axes):
                     f"axes on {len(found)} dimensions; FSDP takes one (use "
                     "nn.partition_specs(module, mesh))."
                 )
-            d, names = found[0]
-            return FSDPShard(x, d - x.ndim, tuple(names))
+            d, outer, inner = found[0]
+            return FSDPShard(x, d - x.ndim, outer, inner)
 
         return jax.tree.map(one, sub)
 

@@ -94,7 +94,10 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     agree), *every* parameter of `module`, inside those modules or not (embeddings,
     norms, heads), is split over those axes on one dimension: the largest one that
     tensor parallelism does not split and that the FSDP size (the product of their
-    sizes in `mesh`) divides, the first of equal ones. A parameter with no such
+    sizes in `mesh`) divides, the first of equal ones. A parameter that tensor
+    parallelism does not split at all is split over the FSDP axes and `tp_axis`
+    together (`P(("dp", "sp", "tp"))`, when that size divides a dimension), so that
+    with `tp` every device still holds `1 / (fsdp x tp)` of the model. A parameter with no such
     dimension stays replicated when it has at most `max_replicated` elements
     ([`replicated_parameters`][] lists those and why) and is an error otherwise.
 
@@ -206,9 +209,15 @@ def _stacked_depths(module):
 
 
 def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
-    """Per array: `(spec, shape, reason)` (reason `None` when split) or `None`."""
+    """Per array: `(spec, shape, reason)` (reason `None` when split) or `None`.
+
+    A parameter that tensor parallelism does not split is split over the FSDP axes and
+    the tensor-parallel axis together (innermost), so that no device of `tp` holds a
+    copy another one holds too; one that it splits, over the FSDP axes on another
+    dimension."""
     n = _fsdp_size(axes, mesh, owner)
-    entry = axes[0] if len(axes) == 1 else tuple(axes)
+    tp = _tp_axis(module, mesh)
+    n_tp = dict(mesh.shape)[tp] if tp is not None else 1
     depths = _stacked_depths(module)
 
     def plan(path, spec, x):
@@ -220,10 +229,13 @@ def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
         first = depths.get(jax.tree_util.keystr(path), 0)
         entries = tuple(spec) + (None,) * (len(shape) - len(spec))
         free = [d for d in range(first, len(shape)) if entries[d] is None]
-        fits = [d for d in free if shape[d] % n == 0]
-        if fits:
-            d = max(fits, key=lambda d: (shape[d], -d))
-            return P(*entries[:d], entry, *entries[d + 1:]), shape, None
+        whole = all(e is None for e in entries) and n_tp > 1
+        for over, size in ([(axes + (tp,), n * n_tp)] if whole else []) + [(axes, n)]:
+            fits = [d for d in free if shape[d] % size == 0]
+            if fits:
+                d = max(fits, key=lambda d: (shape[d], -d))
+                entry = over[0] if len(over) == 1 else tuple(over)
+                return P(*entries[:d], entry, *entries[d + 1:]), shape, None
         name = jax.tree_util.keystr(path)
         size = math.prod(shape)
         free_sizes = [shape[d] for d in free]
@@ -247,6 +259,20 @@ def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
     return jax.tree_util.tree_map_with_path(
         lambda path, spec, x: plan(path, spec, x), tp_specs, module,
         is_leaf=lambda s: s is None or isinstance(s, P))
+
+
+def _tp_axis(module, mesh):
+    """The tensor-parallel axis of the modules of `module` (they must agree), or `None`;
+    also `None` when the mesh lacks it (the Megatron specs name it anyway)."""
+    found = {x.parallel.tp_axis for x in jax.tree.leaves(module, is_leaf=_is_parallel)
+             if _is_parallel(x) and isinstance(x.parallel, ParallelConfig)} - {None}
+    if len(found) > 1:
+        raise ValueError(
+            "the modules of one model must agree on their ParallelConfig's tp_axis under FSDP "
+            f"(one placement of the whole model); received {sorted(found)}."
+        )
+    tp = found.pop() if found else None
+    return tp if tp in dict(mesh.shape) else None
 
 
 def with_parallel(module, parallel: ParallelConfig):
