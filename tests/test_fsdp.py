@@ -7,7 +7,8 @@ On 8 simulated CPU devices:
    FSDP over dp and sp x TP 2 (Ulysses), FSDP alone over dp 8, and FSDP with a zigzag
    ring (x TP for Wan, x dp for CogVideoX); rematerialized (`"full"`) but for one
    configuration of each model (`None`; `"dots_saveable"` with the gathered weights
-   kept for the backward pass, `fsdp_regather=False`);
+   kept for the backward pass, `fsdp_regather=False`); and sliding tile attention on a
+   zigzag ring with FSDP (loss and gradients);
 2. the bytes each device holds of the parameters, the gradients and the AdamW moments
    (read from the arrays' `addressable_shards`) are within 1.05 x total / (FSDP x TP)
    plus what `nn.replicated_parameters` leaves whole (what Megatron does not split,
@@ -537,3 +538,26 @@ def test_attention_gathers_itself_inside_filter_shard_map(attention):
     harness.assert_trees_close(dx, dx1, np.float32, "dx")
     # The weights' gradients leave shard_map split like the weights (reduce-scattered).
     _assert_placed_by(dm, specs, mesh)
+
+
+@pytest.mark.slow  # a sharded Wan gradient with sliding tile attention: ~15 s
+def test_sliding_tile_attention_with_fsdp():
+    """Sliding tile attention on a zigzag ring with FSDP over dp x sp: the loss and
+    every gradient of the single-device model with the same mask."""
+    model, (x, t, c, _) = _wan()
+    x, t, c = x[:2], t[:2], c[:2]
+    tile = ((1, 3, 5), (3, 1, 1))  # 9 tiles of 15 tokens, a 3 x 1 x 1 window
+
+    @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
+    def grad(run, model):
+        return eqx.filter_value_and_grad(lambda m: jnp.sum(jnp.square(run(m))))(model)
+
+    loss1, grads1 = grad(lambda m: jax.vmap(lambda *a: m(*a, sliding_tile=tile))(x, t, c), model)
+    mesh = harness.mesh(dp=2, sp=4)
+    config = nn.ParallelConfig(sequence="ring", layout="zigzag", fsdp_axes=("dp", "sp"))
+    sharded = nn.shard_module(nn.with_parallel(model, config), mesh)
+    loss, grads = grad(lambda m: models.run_sharded(
+        m, x, t, c, mesh=mesh, batch_axis="dp", remat="full", sliding_tile=tile), sharded)
+    assert abs(float(loss) - float(loss1)) <= RTOL * abs(float(loss1)), (loss, loss1)
+    _assert_leaves_close(eqx.filter(grads, eqx.is_array), eqx.filter(grads1, eqx.is_array),
+                         "gradients", floor=ZERO_GRADIENT)
