@@ -137,15 +137,21 @@ def fsdp_axes_of(tree) -> tuple[str, ...]:
     """The `fsdp_axes` of the [`ParallelConfig`][]s in `tree`: FSDP places a whole model,
     so the configurations that name FSDP axes must agree (those with none, e.g. a
     model's embeddings built without a configuration, follow them); `()` without any."""
-    found = {x.fsdp_axes for x in jax.tree.leaves(tree)
-             if isinstance(x, ParallelConfig) and x.fsdp_axes}
+    return agreed(tree, "fsdp_axes") or ()
+
+
+def agreed(tree, field: str):
+    """The one value of `field` that the [`ParallelConfig`][]s in `tree` set (ignoring
+    those that leave it empty), or `None`; a `ValueError` when they differ."""
+    found = {getattr(x, field) for x in jax.tree.leaves(tree) if isinstance(x, ParallelConfig)}
+    found -= {None, ()}
     if len(found) > 1:
         raise ValueError(
-            "the modules of one model must agree on their ParallelConfig's fsdp_axes (one "
-            f"placement of the whole model); received {sorted(found)}. Set one configuration "
-            "with nn.with_parallel(model, config)."
+            f"the modules of one model must agree on their ParallelConfig's {field} (one "
+            f"placement of the whole model); received {sorted(found, key=str)}. Set one "
+            "configuration with nn.with_parallel(model, config)."
         )
-    return found.pop() if found else ()
+    return found.pop() if found else None
 
 
 def check_parallel(owner: str, parallel) -> None:
@@ -359,9 +365,12 @@ def filter_shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):
     not JAX types, so `jax.shard_map` cannot take them; here every argument is
     split with `eqx.partition(args, eqx.is_array)`, only the arrays cross the
     `shard_map` boundary, and `fn` gets the modules back whole on every device.
-    [`partition_specs`][]`(module)` is the in_spec of a module (its non-array leaves
-    get `None`, which matches). `fn` must return arrays (or `None` leaves, as
-    `eqx.filter_grad`'s gradients have).
+    [`partition_specs`][]`(module, mesh)` is the in_spec of a module (its non-array
+    leaves get `None`, which matches). Under FSDP (`fsdp_axes`), a parameter whose
+    in_spec names an FSDP axis reaches `fn` as an [`FSDPShard`][] (which the modules
+    gather just before use, [`fsdp_gather`][]), and any `FSDPShard` `fn` returns (e.g.
+    in gradients) leaves as its local slice. `fn` must return arrays (or `None` leaves,
+    as `eqx.filter_grad`'s gradients have).
 
     **Arguments:**
 

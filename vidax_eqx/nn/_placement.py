@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._attention import Attention, CrossAttention, JointAttention
 from ._feedforward import FeedForward
-from ._parallel import check_parallel, fsdp_axes_of, ParallelConfig
+from ._parallel import agreed, check_parallel, fsdp_axes_of, ParallelConfig
 
 
 # The modules that hold a ParallelConfig, and their Megatron split: (column-parallel
@@ -126,12 +126,7 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     the specs.
     """
 
-    def specs(x):
-        if _is_parallel(x):
-            return _module_specs(x)
-        return P() if _is_parameter(x) else None
-
-    tp_specs = jax.tree.map(specs, module, is_leaf=_is_parallel)
+    tp_specs = _tp_specs(module)
     axes = fsdp_axes_of(module)
     if not axes:
         return tp_specs
@@ -161,13 +156,24 @@ def replicated_parameters(module, mesh, *, max_replicated: int = FSDP_MAX_REPLIC
     axes = fsdp_axes_of(module)
     if not axes:
         return []
-    tp_specs = jax.tree.map(lambda x: _module_specs(x) if _is_parallel(x) else (
-        P() if _is_parameter(x) else None), module, is_leaf=_is_parallel)
-    plan = _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, "replicated_parameters")
+    plan = _fsdp_plan(module, _tp_specs(module), axes, mesh, max_replicated,
+                      "replicated_parameters")
     flat = jax.tree_util.tree_flatten_with_path(
         plan, is_leaf=lambda s: s is None or isinstance(s, tuple))[0]
     return [(jax.tree_util.keystr(path), entry[1], entry[2]) for path, entry in flat
             if entry is not None and entry[2] is not None]
+
+
+def _tp_specs(module):
+    """The Megatron specs: `_module_specs` of each parallel module, `P()` for every other
+    array, `None` elsewhere."""
+
+    def specs(x):
+        if _is_parallel(x):
+            return _module_specs(x)
+        return P() if _is_parameter(x) else None
+
+    return jax.tree.map(specs, module, is_leaf=_is_parallel)
 
 
 def _fsdp_size(axes, mesh, owner) -> int:
@@ -264,14 +270,7 @@ def _fsdp_plan(module, tp_specs, axes, mesh, max_replicated, owner):
 def _tp_axis(module, mesh):
     """The tensor-parallel axis of the modules of `module` (they must agree), or `None`;
     also `None` when the mesh lacks it (the Megatron specs name it anyway)."""
-    found = {x.parallel.tp_axis for x in jax.tree.leaves(module, is_leaf=_is_parallel)
-             if _is_parallel(x) and isinstance(x.parallel, ParallelConfig)} - {None}
-    if len(found) > 1:
-        raise ValueError(
-            "the modules of one model must agree on their ParallelConfig's tp_axis under FSDP "
-            f"(one placement of the whole model); received {sorted(found)}."
-        )
-    tp = found.pop() if found else None
+    tp = agreed(module, "tp_axis")
     return tp if tp in dict(mesh.shape) else None
 
 
