@@ -1,8 +1,11 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
 call that runs a model over a mesh.
 
-- [`WanTransformer3D`][]: Wan 2.1's video DiT (T2V and I2V), from diffusers or original
-    Wan checkpoints.
+- [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
+    timestep per token), from diffusers or original Wan checkpoints;
+    [`wan_image_timestep`][] builds TI2V's per-token timestep.
+- [`WanExperts`][]: Wan 2.2 A14B, a high-noise and a low-noise expert routed by the
+    timestep.
 - [`CogVideoXTransformer3D`][]: CogVideoX 1.0's video DiT (2B and 5B, T2V and I2V),
     from diffusers checkpoints.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
@@ -19,6 +22,7 @@ from ._cogvideox import (
     rope_crop_positions as rope_crop_positions,
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
+from ._experts import WanExperts as WanExperts
 from ._training import (
     restore_training_state as restore_training_state,
     save_training_state as save_training_state,
@@ -29,4 +33,5 @@ from ._wan import (
     WanHead as WanHead,
     WanImageEmbedding as WanImageEmbedding,
     WanTransformer3D as WanTransformer3D,
+    wan_image_timestep as wan_image_timestep,
 )

@@ -1,6 +1,7 @@
 """What the whole models share: checkpoint directories, the token split of a sharded
 run, scanned layers with rematerialization, and the one call that runs a model over a mesh."""
 
+import abc
 import json
 import os
 
@@ -171,6 +172,18 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
         raise ValueError(f"{cls.__name__}.from_pretrained(mesh=...): {e}") from None
 
 
+class AbstractExperts(eqx.Module):
+    """A model made of experts, one chosen per call by the timestep (Wan 2.2 A14B's
+    [`vidax_eqx.models.WanExperts`][]): [`run_sharded`][] runs a batch through
+    `route_batch` instead of `jax.vmap`, which would run every expert."""
+
+    @abc.abstractmethod
+    def route_batch(self, fn, timestep, *, axis_name=None):
+        """`fn(expert)` (a batched call of one expert) for the experts the batch's
+        `timestep` selects; inside `shard_map` the devices along `axis_name` (the batch
+        axis) choose together."""
+
+
 def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
     """Raises unless each FSDP axis of `model` carries different data: the batch
     (`batch_axis`) or the model's sequence. Along any other axis the devices would
@@ -210,7 +223,10 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
 
     **Arguments:**
 
-    - `model`: e.g. a [`WanTransformer3D`][], configured for the mesh.
+    - `model`: e.g. a [`WanTransformer3D`][], configured for the mesh; or the
+        experts of [`WanExperts`][], the whole (local) batch routed to one expert
+        when its timesteps agree (all devices of the batch axis agreeing), to both
+        (each example's output from its own) when they do not.
     - `x`, `timestep`, `context`: batched inputs `(B, ...)`, as `jax.vmap(model)` takes.
     - `mesh`: a `jax.sharding.Mesh` with the model's axes (and `batch_axis`).
     - `batch_axis`: the data-parallel mesh axis, or `None` (the batch on every device).
@@ -240,10 +256,16 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
 
     def per_device(model, x, timestep, context, *extra):
-        def one(x, timestep, context, *extra):
-            return model(x, timestep, context, remat=remat, **static, **dict(zip(names, extra)))
+        def batch(model):
+            def one(x, timestep, context, *extra):
+                return model(x, timestep, context, remat=remat, **static,
+                             **dict(zip(names, extra)))
 
-        return jax.vmap(one)(x, timestep, context, *extra)
+            return jax.vmap(one)(x, timestep, context, *extra)
+
+        if isinstance(model, AbstractExperts):  # one expert per batch that agrees
+            return model.route_batch(batch, timestep, axis_name=batch_axis)
+        return batch(model)
 
     run = nn.filter_shard_map(
         per_device,

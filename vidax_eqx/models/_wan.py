@@ -1,4 +1,4 @@
-"""Wan 2.1's video DiT (`WanModel` of Wan2.1's `wan/modules/model.py`; diffusers'
+"""Wan 2.1's and 2.2's video DiT (`WanModel` of Wan's `wan/modules/model.py`; diffusers'
 `WanTransformer3DModel`), composed from `vidax_eqx.nn`."""
 
 import dataclasses
@@ -30,7 +30,7 @@ from ._common import (
 
 @dataclasses.dataclass(frozen=True)
 class WanConfig:
-    """The shape of a Wan 2.1 transformer (immutable, hashable: a static field).
+    """The shape of a Wan 2.1 or 2.2 transformer (immutable, hashable: a static field).
 
     The defaults are Wan 2.1 T2V 1.3B. Wan 14B: `dim=5120, ffn_dim=13824,
     num_heads=40, num_layers=40`. Build one from a checkpoint's `config.json` with
@@ -54,6 +54,26 @@ class WanConfig:
         own `WanModel.forward` does (`text_len=512`), so that the model also attends
         to the embedded padding. The two differ in their numbers.
     - `rope_theta`: the RoPE base (10000).
+    - `pos_embed_seq_len`: Wan 2.1 FLF2V (first-last-frame to video): the length of
+        the learned position embedding added to the image features (514: the CLIP
+        tokens of the first frame, then the last frame's), or `None`. Needs `image_dim`.
+
+    The released models, as [`WanConfig.preset`][] names them:
+
+    | preset | dim | ffn_dim | heads | layers | channels in / out | image_dim | pos_embed_seq_len |
+    |---|---|---|---|---|---|---|---|
+    | `"t2v-1.3b"` (Wan 2.1) | 1536 | 8960 | 12 | 30 | 16 / 16 | - | - |
+    | `"t2v-14b"` (Wan 2.1) | 5120 | 13824 | 40 | 40 | 16 / 16 | - | - |
+    | `"i2v-14b"` (Wan 2.1) | 5120 | 13824 | 40 | 40 | 36 / 16 | 1280 | - |
+    | `"flf2v-14b"` (Wan 2.1) | 5120 | 13824 | 40 | 40 | 36 / 16 | 1280 | 514 |
+    | `"ti2v-5b"` (Wan 2.2) | 3072 | 14336 | 24 | 30 | 48 / 48 | - | - |
+    | `"t2v-a14b"` (Wan 2.2, each expert) | 5120 | 13824 | 40 | 40 | 16 / 16 | - | - |
+    | `"i2v-a14b"` (Wan 2.2, each expert) | 5120 | 13824 | 40 | 40 | 36 / 16 | - | - |
+
+    All use patch `(1, 2, 2)`, `text_dim` 4096 (umT5) and `freq_dim` 256. Wan 2.2's
+    TI2V-5B takes a timestep per token ([`wan_image_timestep`][]); its 48 latent
+    channels are those of the Wan 2.2 VAE. The A14B models are two experts
+    ([`WanExperts`][]).
     """
 
     dim: int = 1536
@@ -71,6 +91,7 @@ class WanConfig:
     image_dim: int | None = None
     text_len: int | None = None
     rope_theta: float = 10000.0
+    pos_embed_seq_len: int | None = None
 
     def __post_init__(self):
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels",
@@ -83,7 +104,29 @@ class WanConfig:
                 "WanConfig: `dim` must be a multiple of `num_heads` with an even head_dim; "
                 f"received dim={self.dim}, num_heads={self.num_heads}."
             )
+        if self.pos_embed_seq_len is not None:
+            value = self.pos_embed_seq_len
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"WanConfig: `pos_embed_seq_len` must be None or a positive int; received {value!r}."
+                )
+            if self.image_dim is None:
+                raise ValueError(
+                    "WanConfig: `pos_embed_seq_len` (FLF2V's image position embedding) needs "
+                    f"`image_dim` (the image branch); received pos_embed_seq_len={value}, "
+                    "image_dim=None."
+                )
         object.__setattr__(self, "patch_size", tuple(self.patch_size))
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "WanConfig":
+        """The configuration of a released Wan model (the table above), e.g.
+        `WanConfig.preset("ti2v-5b")`; `overrides` replace fields (e.g. `num_layers=2`
+        for a test)."""
+        if name not in _PRESETS:
+            raise ValueError(f"WanConfig.preset: `name` must be one of {sorted(_PRESETS)}; "
+                             f"received {name!r}.")
+        return cls(**{**_PRESETS[name], **overrides})
 
     @property
     def head_dim(self) -> int:
@@ -93,11 +136,6 @@ class WanConfig:
     @classmethod
     def from_diffusers(cls, config: dict, **overrides) -> "WanConfig":
         """From a diffusers `WanTransformer3DModel` `config.json` (as a dict)."""
-        if config.get("pos_embed_seq_len") is not None:
-            raise NotImplementedError(
-                "WanConfig: pos_embed_seq_len (Wan FLF2V's image position embedding) is not "
-                f"implemented; received pos_embed_seq_len={config['pos_embed_seq_len']}."
-            )
         heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
         dim = heads * head_dim
         image_dim = config.get("image_dim")
@@ -121,23 +159,28 @@ class WanConfig:
             qk_norm=config.get("qk_norm", "rms_norm_across_heads") is not None,
             cross_attn_norm=config.get("cross_attn_norm", True),
             image_dim=image_dim,
+            pos_embed_seq_len=config.get("pos_embed_seq_len"),
         )
         return cls(**{**fields, **overrides})
 
     @classmethod
     def from_wan(cls, config: dict, tensors=None, **overrides) -> "WanConfig":
-        """From an original Wan 2.1 `config.json` (`dim`, `ffn_dim`, `num_heads`, ...).
+        """From an original Wan 2.1 or 2.2 `config.json` (`dim`, `ffn_dim`, `num_heads`, ...).
 
-        Real Wan configs leave out `text_dim`, `patch_size`, `qk_norm`,
+        `model_type` `"t2v"`, `"i2v"`, `"flf2v"` (Wan 2.1) and `"ti2v"` (Wan 2.2) are
+        read. Wan 2.2's I2V experts have no image branch (no CLIP features): with
+        `tensors`, the branch is there when its weights are; without, `"i2v"` means
+        Wan 2.1's (CLIP features of width 1280). Real Wan configs leave out `text_dim`, `patch_size`, `qk_norm`,
         `cross_attn_norm` and `window_size`: they are read off the checkpoint's tensor
         shapes when `tensors` (a mapping with `shape(name)`, e.g.
         [`vidax_eqx.interop.open_checkpoint`][]) is given, and take Wan's defaults
         otherwise.
         """
         model_type = config.get("model_type", "t2v")
-        if model_type not in ("t2v", "i2v"):
+        if model_type not in ("t2v", "i2v", "flf2v", "ti2v"):
             raise NotImplementedError(
-                f"WanConfig: model_type={model_type!r} is not implemented (t2v and i2v are)."
+                f"WanConfig: model_type={model_type!r} is not implemented (t2v, i2v, flf2v "
+                "and ti2v are)."
             )
         window = tuple(config.get("window_size", (-1, -1)))
         if window != (-1, -1):
@@ -154,6 +197,11 @@ class WanConfig:
         patch = shape("patch_embedding.weight")
         text = shape("text_embedding.0.weight")
         image = shape("img_emb.proj.0.weight")
+        position = shape("img_emb.emb_pos")
+        if model_type in ("t2v", "ti2v") or (tensors is not None and image is None):
+            image_dim = None  # Wan 2.2's I2V experts: no image branch
+        else:
+            image_dim = 1280 if image is None else image[0]
         fields = dict(
             dim=config.get("dim", 2048),
             ffn_dim=config.get("ffn_dim", 8192),
@@ -167,7 +215,9 @@ class WanConfig:
             eps=config.get("eps", 1e-6),
             qk_norm=config.get("qk_norm", has("blocks.0.self_attn.norm_q.weight") is not False),
             cross_attn_norm=config.get("cross_attn_norm", has("blocks.0.norm3.weight") is not False),
-            image_dim=(None if model_type == "t2v" else 1280 if image is None else image[0]),
+            image_dim=image_dim,
+            pos_embed_seq_len=(None if model_type != "flf2v" or image_dim is None
+                               else 514 if position is None else position[1]),
         )
         return cls(**{**fields, **overrides})
 
@@ -190,14 +240,16 @@ class WanConfig:
             "image_dim": self.image_dim,
             "added_kv_proj_dim": None if self.image_dim is None else self.dim,
             "rope_max_seq_len": 1024,
-            "pos_embed_seq_len": None,
+            "pos_embed_seq_len": self.pos_embed_seq_len,
         }
 
     def to_wan(self) -> dict:
-        """The original Wan 2.1 `config.json` of this model (with every key it may omit)."""
+        """The original Wan `config.json` of this model (with every key it may omit)."""
         return {
             "_class_name": "WanModel",
-            "model_type": "t2v" if self.image_dim is None else "i2v",
+            "model_type": ("flf2v" if self.pos_embed_seq_len is not None
+                           else "i2v" if self.image_dim is not None
+                           or self.in_channels != self.out_channels else "t2v"),
             "patch_size": list(self.patch_size),
             "text_len": 512 if self.text_len is None else self.text_len,
             "in_dim": self.in_channels,
@@ -215,42 +267,114 @@ class WanConfig:
         }
 
 
+_WAN_14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+_PRESETS = {
+    "t2v-1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
+    "t2v-14b": _WAN_14B,
+    "i2v-14b": dict(_WAN_14B, in_channels=36, image_dim=1280),
+    "flf2v-14b": dict(_WAN_14B, in_channels=36, image_dim=1280, pos_embed_seq_len=514),
+    "ti2v-5b": dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_channels=48,
+                    out_channels=48),
+    "t2v-a14b": _WAN_14B,
+    "i2v-a14b": dict(_WAN_14B, in_channels=36),
+}
+
+
+def wan_image_timestep(timestep, grid, *, patch_size=(1, 2, 2), cond_frames: int = 1):
+    """The per-token timestep of image-to-video with Wan 2.2 TI2V: the tokens of the
+    first `cond_frames` latent frames (the encoded image, kept clean) at 0, the rest at
+    `timestep`, in the model's patch order (frame-major), as Wan 2.2's own code and
+    diffusers' `expand_timesteps` build it.
+
+    **Arguments:**
+
+    - `timestep`: the denoising step's timestep, a scalar (traced or not).
+    - `grid`: the latent grid `(F, H, W)` (or the latents' shape `(C, F, H, W)`).
+    - `patch_size`: the model's `(pt, ph, pw)`.
+    - `cond_frames`: the number of conditioning latent frames at the start (a patch
+        is clean when its first latent frame is one of them).
+
+    **Returns:**
+
+    `(S,)`, `S = F/pt * H/ph * W/pw`, in `timestep`'s dtype (float32 for a Python
+    number): the `timestep` argument of [`WanTransformer3D`][].
+    """
+    grid = tuple(grid)[-3:]
+    patch_size = tuple(patch_size)
+    if len(grid) != 3 or any(g % p for g, p in zip(grid, patch_size)):
+        raise ValueError(
+            f"wan_image_timestep: `grid` must be the latent (F, H, W), each a multiple of "
+            f"patch_size={patch_size}; received {grid}."
+        )
+    if isinstance(cond_frames, bool) or not isinstance(cond_frames, int) or not 0 <= cond_frames <= grid[0]:
+        raise ValueError(
+            f"wan_image_timestep: `cond_frames` must be an int in [0, {grid[0]}] (the latent "
+            f"frames); received {cond_frames!r}."
+        )
+    timestep = jnp.asarray(timestep, jnp.result_type(timestep, jnp.float32))
+    if timestep.ndim:
+        raise ValueError(f"wan_image_timestep: `timestep` must be a scalar; received shape "
+                         f"{timestep.shape}.")
+    f, h, w = (g // p for g, p in zip(grid, patch_size))
+    clean = jnp.arange(f) * patch_size[0] < cond_frames
+    per_frame = jnp.where(clean, jnp.zeros_like(timestep), timestep)
+    return jnp.repeat(per_frame, h * w)
+
+
 class WanImageEmbedding(eqx.Module):
     """Wan I2V's projection of CLIP image features (`MLPProj`; diffusers'
-    `WanImageEmbedding`): LayerNorm, Linear, GELU, Linear, LayerNorm (eps 1e-5)."""
+    `WanImageEmbedding`): LayerNorm, Linear, GELU, Linear, LayerNorm (eps 1e-5); FLF2V
+    first adds a learned position embedding (`pos_embed`; Wan's `emb_pos`) to the
+    features of the first and the last frame, concatenated."""
 
     norm1: nn.LayerNorm
     ff: nn.FeedForward
     norm2: nn.LayerNorm
+    pos_embed: Float[Array, "1 L_img image_dim"] | None
 
-    def __init__(self, image_dim: int, dim: int, *, dtype=jnp.float32, key: PRNGKeyArray):
+    def __init__(self, image_dim: int, dim: int, *, pos_embed_seq_len: int | None = None,
+                 dtype=jnp.float32, key: PRNGKeyArray):
         """**Arguments:**
 
         - `image_dim`: the size of the CLIP image features (1280 in Wan 2.1 I2V).
         - `dim`: the model width.
+        - `pos_embed_seq_len`: FLF2V: the number of image tokens (514), which get a
+            learned position embedding (zeros at initialization, as in Wan); `None`:
+            none.
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the initialization.
         """
         self.norm1 = nn.LayerNorm(image_dim, 1e-5, dtype=dtype)
         self.ff = nn.FeedForward(image_dim, image_dim, dim, activation="gelu", dtype=dtype, key=key)
         self.norm2 = nn.LayerNorm(dim, 1e-5, dtype=dtype)
+        self.pos_embed = (None if pos_embed_seq_len is None
+                          else jnp.zeros((1, pos_embed_seq_len, image_dim), dtype))
 
     def __call__(self, x):
         """**Arguments:**
 
-        - `x`: the CLIP image features `(L_img, image_dim)` (257 tokens in Wan 2.1 I2V).
+        - `x`: the CLIP image features `(L_img, image_dim)` (257 tokens in Wan 2.1 I2V;
+            FLF2V: the first frame's 257 then the last frame's, `pos_embed_seq_len`).
 
         **Returns:**
 
         `(L_img, dim)`, the image context of the blocks' cross-attention.
         """
+        if self.pos_embed is not None:
+            if x.shape[0] != self.pos_embed.shape[1]:
+                raise ValueError(
+                    f"WanImageEmbedding: an FLF2V model takes the image features of the first "
+                    f"and the last frame, concatenated: {self.pos_embed.shape[1]} tokens "
+                    f"(pos_embed_seq_len); received {x.shape[0]}."
+                )
+            x = x + self.pos_embed[0].astype(x.dtype)
         return self.norm2(self.ff(self.norm1(x)))
 
 
 class WanBlock(eqx.Module):
     """One Wan 2.1 block (`WanAttentionBlock`; diffusers' `WanTransformerBlock`).
 
-        e = modulation + e0                                        # float32 (6, dim)
+        e = modulation + e0                 # float32 (6, dim), or (S, 6, dim) per token
         x = x + self_attn(norm1(x) * (1 + e[1]) + e[0], rope) * e[2]
         x = x + cross_attn(norm3(x), context)
         x = x + ffn(norm2(x) * (1 + e[4]) + e[3]) * e[5]
@@ -304,7 +428,8 @@ class WanBlock(eqx.Module):
         - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
             this device's chunk under sequence parallelism.
         - `e0`: the float32 time projection `(6, dim)`, added to `modulation` for the
-            shift, scale and gate of the self-attention and the FFN.
+            shift, scale and gate of the self-attention and the FFN; with a timestep
+            per token (Wan 2.2), `(S, 6, dim)`, rows like the tokens of `x`.
         - `context`: the embedded text `(L, dim)`, whole on every device.
         - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the tokens of `x`.
         - `segment_ids`: int `(S,)` or `None`, as for [`vidax_eqx.nn.Attention`][]
@@ -321,8 +446,8 @@ class WanBlock(eqx.Module):
             self, (x, e0, context, rope, context_image) = nn.fsdp_gather(
                 self, (x, e0, context, rope, context_image))
             dtype = self.self_attn.q.weight.dtype
-            e = self.modulation[0].astype(jnp.float32) + e0
-            shift1, scale1, gate1, shift2, scale2, gate2 = e
+            e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
+            shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
             h = self.norm1(x, shift1, scale1).astype(dtype)
             y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
             x = x + y.astype(jnp.float32) * gate1
@@ -360,7 +485,7 @@ class WanHead(eqx.Module):
 
         - `x`: the float32 residual stream `(S, dim)` after the last block.
         - `e`: the float32 time embedding `(dim,)`, added to `modulation` for the
-            shift and scale of the norm.
+            shift and scale of the norm; `(S, dim)` with a timestep per token.
 
         **Returns:**
 
@@ -368,7 +493,8 @@ class WanHead(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.models.WanHead"):
             self, (x, e) = nn.fsdp_gather(self, (x, e))
-            shift, scale = self.modulation[0].astype(jnp.float32) + e
+            e = self.modulation[0].astype(jnp.float32) + e[..., None, :]  # (2, dim) or (S, 2, dim)
+            shift, scale = jnp.moveaxis(e, -2, 0)
             h = self.norm(x, shift, scale).astype(self.head.weight.dtype)
             return linear(self.head, h)
 
@@ -381,6 +507,7 @@ _NAMES = (
     (r"^time_embedding\.", "time_embedding.", "condition_embedder.time_embedder."),
     (r"^text_embedding\.net\.0\.proj\.", None, "condition_embedder.text_embedder.linear_1."),
     (r"^text_embedding\.net\.2\.", None, "condition_embedder.text_embedder.linear_2."),
+    (r"^img_emb\.pos_embed$", "img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
     (r"^img_emb\.norm1\.", "img_emb.proj.0.", "condition_embedder.image_embedder.norm1."),
     (r"^img_emb\.ff\.0\.", "img_emb.proj.1.", None),
     (r"^img_emb\.ff\.2\.", "img_emb.proj.3.", None),
@@ -405,10 +532,11 @@ def _rename(name: str, naming: str) -> str:
 
 
 class WanTransformer3D(eqx.Module):
-    """The Wan 2.1 video DiT, one example per call (`jax.vmap` for a batch).
+    """The Wan 2.1 / 2.2 video DiT, one example per call (`jax.vmap` for a batch).
 
         tokens = patch_embedding(x)                       # (S, dim), S = F/pt * H/ph * W/pw
         t = time_embedding(sinusoid(timestep));  e0 = time_projection(silu(t))  # (6, dim)
+                                                # per-token timestep (S,): (S, dim), (S, 6, dim)
         context = text_embedding(context)                 # (+ img_emb(context_image): I2V)
         tokens = blocks(tokens, e0, context, rope_3d)     # lax.scan over stacked blocks
         out = unpatchify(head(tokens, t))                 # (C_out, F, H, W)
@@ -476,7 +604,9 @@ class WanTransformer3D(eqx.Module):
         self.time_embedding = nn.TimestepEmbedding(c.freq_dim, c.dim, dtype=dtype, key=keys[2])
         self.time_projection = eqx.nn.Linear(c.dim, 6 * c.dim, dtype=dtype, key=keys[3])
         self.img_emb = (None if c.image_dim is None
-                        else WanImageEmbedding(c.image_dim, c.dim, dtype=dtype, key=keys[4]))
+                        else WanImageEmbedding(c.image_dim, c.dim,
+                                               pos_embed_seq_len=c.pos_embed_seq_len,
+                                               dtype=dtype, key=keys[4]))
 
         @eqx.filter_vmap
         def make_blocks(k):
@@ -495,7 +625,7 @@ class WanTransformer3D(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "{self.config.in_channels} F H W"],
-        timestep: Real[Array, ""],
+        timestep: Real[Array, ""] | Real[Array, " S"],
         context: Float[Array, "L {self.config.text_dim}"],
         *,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
@@ -507,9 +637,17 @@ class WanTransformer3D(eqx.Module):
         - `x`: the noisy latents `(C, F, H, W)` of one video (the reference's layout
             without the batch axis), `F, H, W` multiples of the patch size. Whole on
             every device under sequence parallelism.
-        - `timestep`: the diffusion timestep, a scalar (0 to 1000 in Wan).
+        - `timestep`: the diffusion timestep (0 to 1000 in Wan): a scalar, or one per
+            patch token `(S,)`, `S = F/pt * H/ph * W/pw`, in the patch order
+            (frame-major; diffusers' `(B, seq_len)` timestep without the batch axis),
+            as Wan 2.2 TI2V takes it ([`wan_image_timestep`][]). Per token, the time
+            embedding, every block's modulation and the head's run per token; under
+            sequence parallelism and sliding tile attention the timesteps are laid out,
+            padded and split exactly like the tokens. A scalar costs no per-token work.
         - `context`: the text encoder's output `(L, text_dim)`, whole on every device.
-        - `context_image`: I2V only: the CLIP image features `(257, image_dim)`.
+        - `context_image`: I2V only: the CLIP image features `(257, image_dim)`; FLF2V
+            (`pos_embed_seq_len` set): the first frame's then the last frame's,
+            `(pos_embed_seq_len, image_dim)`.
         - `remat`: the rematerialization policy of each block in the backward pass:
             `None` (store activations), `"full"` (recompute everything), or the name
             of a `jax.checkpoint_policies` policy (e.g. `"dots_saveable"`).
@@ -548,8 +686,15 @@ class WanTransformer3D(eqx.Module):
             grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
             patches = functional.patchify(x.astype(dtype), c.patch_size)
 
-            t = self.time_embedding(timestep)
-            e0 = self.time_projection(jax.nn.silu(t)).reshape(6, c.dim).astype(jnp.float32)
+            per_token = timestep.ndim == 1
+            if per_token and timestep.shape[0] != int(np.prod(grid)):
+                raise ValueError(
+                    "WanTransformer3D: a per-token `timestep` has one value per patch token: "
+                    f"{int(np.prod(grid))} for the latent grid {tuple(x.shape[1:])} (patch grid "
+                    f"{tuple(grid)}, patch_size {c.patch_size}); received {timestep.shape[0]}."
+                )
+            if not per_token:
+                t, e0 = self._time(timestep)
             if c.text_len is not None:
                 if context.shape[0] > c.text_len:
                     raise ValueError(
@@ -563,26 +708,43 @@ class WanTransformer3D(eqx.Module):
 
             rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
             mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
+            # A timestep per token is laid out, padded and split like the tokens; its
+            # embedding is computed for this device's tokens only.
+            per_token_arrays = (rope, timestep) if per_token else rope
             if mask is not None:  # tile layout: tiles in raster order, zero padding rows
-                patches, rope = jax.tree.map(
-                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0), (patches, rope)
+                patches, per_token_arrays = jax.tree.map(
+                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
+                    (patches, per_token_arrays),
                 )
             # Each device embeds only its share of the patches (padding: zero patches,
             # invisible through segment id -1).
-            patches, rope, segment_ids, n = padded_tokens(
-                patches, rope, parallel, tile_size=1 if mask is None else mask.tile_size
+            patches, per_token_arrays, segment_ids, n = padded_tokens(
+                patches, per_token_arrays, parallel,
+                tile_size=1 if mask is None else mask.tile_size,
             )
+            if per_token:
+                rope, timestep = per_token_arrays
+                t, e0 = self._time(timestep)
+            else:
+                rope = per_token_arrays
             tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
             def block(x, b):
                 return b(x, e0, context, rope, segment_ids, context_image, mask)
 
             tokens = scan_layers(block, tokens, self.blocks, policy)
-            out = self.head(tokens, t.astype(jnp.float32))
+            out = self.head(tokens, t)
             out = nn.gather_tokens(out, parallel)[:n]
             if mask is not None:
                 out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
             return functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+
+    def _time(self, timestep):
+        """`(t, e0)`: the float32 time embedding `(..., dim)` and its projection
+        `(..., 6, dim)` of a scalar timestep or of one per token `(S,)`."""
+        t = self.time_embedding(timestep)
+        e0 = linear(self.time_projection, jax.nn.silu(t))
+        return t.astype(jnp.float32), e0.reshape(*t.shape[:-1], 6, self.config.dim).astype(jnp.float32)
 
     # -- checkpoints --------------------------------------------------------------------
 
