@@ -228,3 +228,30 @@ def test_bad_calls(t2v):
         t2v(x, t, c, remat="sometimes")
     with pytest.raises(Exception, match="text_dim|L"):  # jaxtyping: wrong text width
         t2v(x, t, c[:, :5])
+
+
+def test_experts_from_a_hub_repository(tmp_path, monkeypatch):
+    """Wan 2.2 A14B from a Hub cache (offline), in either layout: both experts' folders
+    and the pipeline's model_index.json (its boundary) come from the snapshot."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    for layout, repo in (("diffusers", "tiny-a14b-diffusers"), ("wan", "tiny-a14b")):
+        snapshot = tmp_path / f"models--vidax--{repo}" / "snapshots" / revision
+        shutil.copytree(os.path.join(FIXTURES, "a14b", layout), snapshot)
+        (tmp_path / f"models--vidax--{repo}" / "refs").mkdir()
+        (tmp_path / f"models--vidax--{repo}" / "refs" / "main").write_text(revision)
+    # The pipeline's boundary is read from its model_index.json (here made 0.5); Wan's
+    # layout gets Wan 2.2's T2V default.
+    index = tmp_path / "models--vidax--tiny-a14b-diffusers" / "snapshots" / revision
+    index = index / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "boundary_ratio": 0.5}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    local = models.WanExperts.from_pretrained(os.path.join(FIXTURES, "a14b", "diffusers"))
+    hub = models.WanExperts.from_pretrained("vidax/tiny-a14b-diffusers", cache_dir=tmp_path)
+    assert hub.boundary == 0.5 and harness.same_arrays(hub, local)
+    wan = models.WanExperts.from_pretrained("vidax/tiny-a14b", cache_dir=tmp_path)
+    assert wan.boundary == 0.875 and harness.same_arrays(wan, local)
+    with pytest.raises(ValueError, match=r"transformer/ and transformer_2/ \(diffusers\) or "
+                                         r"high_noise_model/ and low_noise_model/"):
+        models.WanExperts.from_pretrained("vidax/missing", cache_dir=tmp_path)

@@ -28,7 +28,8 @@ def resolve_checkpoint(path, *, subfolder: str | None = None, revision: str | No
     - `path`: a local directory, or the id of a Hugging Face Hub repository
         (`"owner/name"`), resolved by `huggingface_hub.snapshot_download` from its
         local cache (`HF_HUB_CACHE`, or `cache_dir`) or by downloading: only
-        `config.json` and the safetensors weights (and index) of `subfolder`.
+        `config.json` and the safetensors weights (and index) of `subfolder`, and the
+        repository's `model_index.json` when it has one.
     - `subfolder`: the folder inside `path` that holds the checkpoint, e.g.
         `"transformer"` in a diffusers pipeline repository; default `path` itself.
     - `revision`: the Hub revision (branch, tag or commit); default `"main"`. Hub only.
@@ -88,7 +89,9 @@ def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
     try:
         snapshot = huggingface_hub.snapshot_download(
             repo_id, revision=revision, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            allow_patterns=[prefix + p for p in CHECKPOINT_FILES],
+            # and a pipeline's model_index.json (what a pipeline of several models,
+            # e.g. Wan 2.2 A14B's two experts, says about them)
+            allow_patterns=[prefix + p for p in CHECKPOINT_FILES] + ["model_index.json"],
             ignore_patterns=[prefix + "*/*"],  # not the folders below it
         )
     except Exception as e:  # huggingface_hub's errors: not found, offline, no access, ...

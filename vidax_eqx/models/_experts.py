@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Real
 
-from .. import nn
+from .. import interop, nn
 from ._common import AbstractExperts
 from ._wan import WanTransformer3D
 
@@ -18,6 +18,9 @@ from ._wan import WanTransformer3D
 # The boundaries of Wan 2.2's own configs (`wan/configs/wan_{t2v,i2v}_A14B.py`), for the
 # original layout, whose checkpoint does not carry it.
 _WAN_BOUNDARIES = {"t2v": 0.875, "i2v": 0.900}
+# The experts' folders (high noise, low noise) in each layout.
+_FOLDERS = {"diffusers": ("transformer", "transformer_2"),
+            "wan": ("high_noise_model", "low_noise_model")}
 # Fields both experts must share: they take the same inputs and give the same outputs.
 _SHARED = ("patch_size", "in_channels", "out_channels", "text_dim", "image_dim",
            "pos_embed_seq_len", "text_len")
@@ -190,9 +193,9 @@ class WanExperts(AbstractExperts):
     @classmethod
     def from_pretrained(cls, path, *, boundary: float | None = None, dtype=None,
                         parallel: nn.ParallelConfig = nn.ParallelConfig(),
-                        implementation="auto", pad_text: bool = False,
-                        mesh=None) -> "WanExperts":
-        """Loads Wan 2.2 A14B from a local directory in one of its two layouts:
+                        implementation="auto", pad_text: bool = False, mesh=None,
+                        revision: str | None = None, cache_dir=None) -> "WanExperts":
+        """Loads Wan 2.2 A14B from a directory in one of its two layouts:
 
         - a diffusers pipeline (`Wan-AI/Wan2.2-T2V-A14B-Diffusers`): `model_index.json`,
             `transformer/` (the high-noise expert) and `transformer_2/` (low noise);
@@ -207,21 +210,23 @@ class WanExperts(AbstractExperts):
 
         **Arguments:**
 
-        - `path`: the directory.
+        - `path`: the directory, or a Hugging Face Hub repository id (either layout;
+            only the experts' folders and `model_index.json` are fetched), see
+            [`vidax_eqx.interop.resolve_checkpoint`][].
         - `boundary`: overrides the boundary the directory gives.
         - `dtype`, `parallel`, `implementation`, `pad_text`, `mesh`: as for
             [`WanTransformer3D.from_pretrained`][], for both experts.
+        - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
         """
         root = os.fspath(path)
-        found = sorted(os.listdir(root)) if os.path.isdir(root) else None
-        if found is None:
-            raise ValueError(f"WanExperts.from_pretrained: `path` must be a directory; "
-                             f"received {root!r}.")
+        if not os.path.isdir(root) or revision is not None or cache_dir is not None:
+            root = _from_hub(root, revision, cache_dir)
+        found = sorted(os.listdir(root))
         index = _read_json(os.path.join(root, "model_index.json"))
-        if index is not None or {"transformer", "transformer_2"} & set(found):
-            folders, saved = ("transformer", "transformer_2"), (index or {}).get("boundary_ratio")
+        if index is not None or set(_FOLDERS["diffusers"]) & set(found):
+            folders, saved = _FOLDERS["diffusers"], (index or {}).get("boundary_ratio")
         else:
-            folders, saved = ("high_noise_model", "low_noise_model"), None
+            folders, saved = _FOLDERS["wan"], None
         missing = [f for f in folders if not os.path.isfile(os.path.join(root, f, "config.json"))]
         if missing:
             raise ValueError(
@@ -256,8 +261,7 @@ class WanExperts(AbstractExperts):
         2.2's `high_noise_model/` and `low_noise_model/` (their `config.json` also
         carry `boundary_ratio`). `from_pretrained(path)` gives back the same arrays
         and boundary."""
-        folders = {"diffusers": ("transformer", "transformer_2"),
-                   "wan": ("high_noise_model", "low_noise_model")}
+        folders = _FOLDERS
         if layout not in folders:
             raise ValueError(f"`layout` must be 'diffusers' or 'wan'; received {layout!r}.")
         root = os.fspath(path)
@@ -274,6 +278,25 @@ class WanExperts(AbstractExperts):
             for folder in folders[layout]:
                 config_path = os.path.join(root, folder, "config.json")
                 _write_json(config_path, {**_read_json(config_path), "boundary_ratio": self.boundary})
+
+
+def _from_hub(path: str, revision, cache_dir) -> str:
+    """The local snapshot of a Hub repository holding both experts' folders, in the
+    diffusers layout or Wan 2.2's."""
+    errors = []
+    for folders in _FOLDERS.values():
+        try:
+            found = [interop.resolve_checkpoint(path, subfolder=f, revision=revision,
+                                                cache_dir=cache_dir) for f in folders]
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        return os.path.dirname(found[0])
+    raise ValueError(
+        "WanExperts.from_pretrained: a two-expert Wan 2.2 checkpoint holds transformer/ and "
+        "transformer_2/ (diffusers) or high_noise_model/ and low_noise_model/ (Wan); "
+        f"{path!r} gives neither: {errors[0]} / {errors[1]}"
+    )
 
 
 def _cond(pred, true_fn, false_fn):
