@@ -3,7 +3,7 @@ has a docstring.
 
 A name is public if and only if its package re-exports it (STYLE.md): in
 `vidax_eqx.kernels`, `.parallel`, `.nn`, `.nn.functional`, `.core`, `.flax`,
-`.interop` and `.models`, the names listed in `__all__` where the module has one,
+`.interop`, `.models` and `.sampling`, the names listed in `__all__` where the module has one,
 else the names imported as themselves (`from ._x import Y as Y`) and the functions,
 classes and constants defined there without a leading underscore. Each must appear
 in an API page as a mkdocstrings entry `::: vidax_eqx.<package>.<name>`, and every
@@ -40,6 +40,7 @@ PACKAGES = (
     "vidax_eqx.flax",
     "vidax_eqx.interop",
     "vidax_eqx.models",
+    "vidax_eqx.sampling",
 )
 _ENTRY = re.compile(r"^:::\s+(?P<path>[\w.]+)\s*$", re.MULTILINE)
 

@@ -1,0 +1,21 @@
+"""Sampling, the top floor: diffusion schedulers as pure functions of a small state,
+above [`vidax_eqx.models`][].
+
+- [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
+    `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` in its
+    flow-prediction form, the default of diffusers' Wan pipelines).
+- [`CogVideoXDDIM`][], [`CogVideoXDPM`][]: CogVideoX's (diffusers'
+    `CogVideoXDDIMScheduler`, CogVideoX-2B's default, and `CogVideoXDPMScheduler`,
+    which CogVideoX runs its 5B models with).
+- [`AbstractScheduler`][]: their contract, `plan` / `init` / `step` / `timestep`;
+    [`SchedulerPlan`][] and [`SchedulerState`][] are the arrays a denoising loop
+    carries, so that the whole loop is one `lax.fori_loop`.
+"""
+
+from ._cogvideox import CogVideoXDDIM as CogVideoXDDIM, CogVideoXDPM as CogVideoXDPM
+from ._flow_match import FlowMatchEuler as FlowMatchEuler, UniPC as UniPC
+from ._schedulers import (
+    AbstractScheduler as AbstractScheduler,
+    SchedulerPlan as SchedulerPlan,
+    SchedulerState as SchedulerState,
+)
