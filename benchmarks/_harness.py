@@ -13,7 +13,9 @@ module and before importing JAX, and a child that runs in another environment
   side.
 - **Timing**: [`best_time`][] times a callable that synchronizes itself
   (`jax.block_until_ready`) and returns a [`Timing`][]: the warm-up run and the timed
-  runs, wall and process CPU time (all threads) of each.
+  runs, wall and process CPU time (all threads) of each. [`interleaved`][] times
+  several against each other in rounds, shuffled; [`paired_ratio`][] divides them
+  round by round.
 - **Memory**: [`current_rss`][], [`peak_rss`][] (`VmHWM`, not `ru_maxrss`, which
   Linux carries from the parent across fork + exec), [`reset_peak_rss`][], and
   [`run_with_peak`][]: one run and its peak RSS above the RSS just before it.
@@ -30,6 +32,7 @@ import gc
 import json
 import os
 import platform
+import random
 import re
 import resource
 import shlex
@@ -246,6 +249,41 @@ def best_time(
     return Timing(first, tuple(timed(run)[0] for _ in range(max(1, n))))
 
 
+def interleaved(runs: dict[str, Callable[[], Any]], rounds: int, *,
+                seed: int = 0) -> dict[str, Timing]:
+    """Times callables against each other in one process: each once as a warm-up, then
+    `rounds` rounds that run each once, in an order shuffled every round (seeded), so
+    that neither a load that comes and goes on a shared machine nor what ran just before
+    (a large program's freed memory, cold caches: a fixed order slows whatever follows
+    it every round) favours one of them.
+
+    **Arguments:**
+
+    - `runs`: `{name: run}`, each `run()` synchronizing itself.
+    - `rounds`: the timed runs of each (at least one).
+    - `seed`: the shuffles' seed.
+
+    **Returns:** `{name: Timing}`; `samples[i]` of any two names come from round `i`,
+    a pair ([`paired_ratio`][]).
+    """
+    rng = random.Random(seed)
+    names = list(runs)
+    first = {n: timed(runs[n])[0] for n in names}
+    samples: dict[str, list[Sample]] = {n: [] for n in names}
+    for _ in range(max(1, rounds)):
+        for n in rng.sample(names, len(names)):
+            samples[n].append(timed(runs[n])[0])
+    return {n: Timing(first[n], tuple(samples[n])) for n in names}
+
+
+def paired_ratio(a: Timing, b: Timing, *, cpu: bool = False) -> tuple[float, float, float]:
+    """`(median, min, max)` over the rounds of [`interleaved`][] of `a / b`, each
+    round's samples divided (wall time, or process CPU time with `cpu`)."""
+    key = (lambda s: s.cpu) if cpu else (lambda s: s.wall)
+    ratios = [key(x) / key(y) for x, y in zip(a.samples, b.samples)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 # --------------------------------------------------------------------------- #
 # Memory
 # --------------------------------------------------------------------------- #
@@ -321,8 +359,8 @@ def compile_ahead(fn, args) -> tuple[Any, int | None, int | None]:
     """`fn.lower(*args).compile()`, and its `memory_analysis()` temp and output bytes
     (`None` where the backend does not report them)."""
     compiled = fn.lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
+    try:  # `eqx.filter_jit`'s Compiled wraps JAX's
+        ma = getattr(compiled, "compiled", compiled).memory_analysis()
         temp, out = int(ma.temp_size_in_bytes), int(ma.output_size_in_bytes)
     except Exception:  # not every backend reports it
         temp = out = None

@@ -213,6 +213,25 @@ def test_best_time_makes_the_runs_it_promises():
     assert (t.runs, len(calls)) == (3, 6)
 
 
+def test_interleaved_shuffles_every_round_and_pairs_the_rounds():
+    order = []
+    runs = {n: (lambda n=n: order.append(n)) for n in "abcd"}
+    timings = _harness.interleaved(runs, 6)
+    assert order[:4] == list("abcd")  # the warm-ups
+    rounds = [tuple(order[i:i + 4]) for i in range(4, len(order), 4)]
+    assert len(rounds) == 6 and all(sorted(r) == list("abcd") for r in rounds)
+    assert len(set(rounds)) > 1 and len({r.index("a") for r in rounds}) > 1  # not a fixed order
+    assert all(t.runs == 6 and not t.first_only for t in timings.values())
+    again = []
+    _harness.interleaved({n: (lambda n=n: again.append(n)) for n in "abcd"}, 6)
+    assert again == order  # seeded
+    s = _harness.Sample
+    a = _harness.Timing(s(1, 1), (s(2.0, 4.0), s(3.0, 3.0), s(8.0, 1.0)))
+    b = _harness.Timing(s(1, 1), (s(1.0, 2.0), s(2.0, 3.0), s(2.0, 1.0)))
+    assert _harness.paired_ratio(a, b) == (2.0, 1.5, 4.0)
+    assert _harness.paired_ratio(a, b, cpu=True) == (1.0, 1.0, 2.0)
+
+
 def test_collectives_split_by_the_source_file_on_their_stack():
     # An FSDP gather (made in vidax_eqx/nn/_fsdp.py) and a psum made here: the stack
     # frames XLA records in the HLO tell them apart.
