@@ -743,7 +743,11 @@ class WanTransformer3D(eqx.Module):
         """`(t, e0)`: the float32 time embedding `(..., dim)` and its projection
         `(..., 6, dim)` of a scalar timestep or of one per token `(S,)`."""
         t = self.time_embedding(timestep)
-        e0 = linear(self.time_projection, jax.nn.silu(t))
+        # A scalar's projection is the Linear's own `W @ x` (what it always was: the same
+        # program and bits); per token, `x @ W.T` on the (S, dim) rows.
+        project = self.time_projection if timestep.ndim == 0 else (
+            lambda h: linear(self.time_projection, h))
+        e0 = project(jax.nn.silu(t))
         return t.astype(jnp.float32), e0.reshape(*t.shape[:-1], 6, self.config.dim).astype(jnp.float32)
 
     # -- checkpoints --------------------------------------------------------------------
