@@ -19,3 +19,4 @@ from ._schedulers import (
     SchedulerPlan as SchedulerPlan,
     SchedulerState as SchedulerState,
 )
+from ._sample import sample as sample

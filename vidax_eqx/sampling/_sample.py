@@ -1,0 +1,315 @@
+"""One call that samples: the whole denoising loop of a Wan model, classifier-free
+guidance batched or over a mesh axis, in one compiled `lax.fori_loop`."""
+
+import math
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import models
+from ._cogvideox import CogVideoXDDIM, CogVideoXDPM
+from ._flow_match import FlowMatchEuler, UniPC
+from ._schedulers import AbstractScheduler
+
+
+SCHEDULERS = {
+    "unipc": lambda: UniPC(shift=3.0),
+    "euler": lambda: FlowMatchEuler(shift=3.0),
+    "cogvideox_ddim": CogVideoXDDIM,
+    "cogvideox_dpm": CogVideoXDPM,
+}
+"""The scheduler names `sample` accepts, and what each name builds."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _scheduler(scheduler) -> AbstractScheduler:
+    if scheduler is None:
+        return UniPC(shift=3.0)
+    if isinstance(scheduler, str):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"sample: `scheduler` must be a scheduler object or one of the names "
+                f"{sorted(SCHEDULERS)}; received {scheduler!r}.")
+        return SCHEDULERS[scheduler]()
+    if not isinstance(scheduler, AbstractScheduler):
+        raise ValueError(
+            "sample: `scheduler` must be a vidax_eqx.sampling scheduler (e.g. UniPC(shift=3.0)), "
+            f"one of the names {sorted(SCHEDULERS)}, or None (UniPC(shift=3.0)); received "
+            f"{type(scheduler).__name__}.")
+    return scheduler
+
+
+def _check_scale(name: str, value, required: bool = True) -> None:
+    if value is None and not required:
+        return
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"sample: `{name}` (the classifier-free guidance scale) must be a finite Python "
+            f"number >= 0 (1.0 or less: no guidance; Wan uses 5.0); received {value!r}.")
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", ()))
+
+
+def _check_inputs(model, noise, context, negative_context) -> None:
+    """The shapes `sample` needs: `(B, C, F, H, W)` noise fitting the model's channels
+    and patch size, `(B, L, text_dim)` embeddings with one row per example."""
+    if getattr(noise, "ndim", None) != 5:
+        raise ValueError(
+            f"sample: `noise` must be the initial latents (B, C, F, H, W); received shape "
+            f"{_shape(noise)}.")
+    B, C, F, H, W = noise.shape
+    config = getattr(model, "config", None)
+    if config is not None:
+        if config.in_channels != config.out_channels:
+            raise NotImplementedError(
+                f"sample: an image-conditioned model (in_channels {config.in_channels} != "
+                f"out_channels {config.out_channels}: Wan I2V) needs its condition latents "
+                "concatenated to the latents every step, which sample does not do yet.")
+        if C != config.in_channels:
+            raise ValueError(
+                f"sample: `noise` must have the model's {config.in_channels} latent channels "
+                f"(axis 1 of (B, C, F, H, W)); received shape {noise.shape}.")
+        patch = tuple(config.patch_size)
+        if any(n % p for n, p in zip((F, H, W), patch)):
+            raise ValueError(
+                f"sample: the latent frames, height and width (F, H, W) of `noise` must be "
+                f"multiples of the model's patch_size {patch}; received shape {noise.shape}.")
+    text_dim = getattr(config, "text_dim", None)
+    if getattr(context, "ndim", None) != 3 or context.shape[0] != B or (
+            text_dim is not None and context.shape[2] != text_dim):
+        width = "text_dim" if text_dim is None else text_dim
+        raise ValueError(
+            f"sample: `context` must be the text embeddings (B, L, text_dim) = ({B}, L, "
+            f"{width}), one row per example of `noise` {noise.shape}; received shape "
+            f"{_shape(context)}.")
+    if negative_context is not None and _shape(negative_context) != context.shape:
+        raise ValueError(
+            f"sample: `negative_context` must have the shape of `context` {context.shape} "
+            f"(pad or cut both to the same text length); received shape "
+            f"{_shape(negative_context)}.")
+
+
+def _check_mesh(mesh, batch_axis, cfg_axis, guided: bool, batch: int) -> None:
+    if mesh is None:
+        if batch_axis is not None or cfg_axis is not None:
+            raise ValueError(
+                "sample: `batch_axis` and `cfg_axis` name axes of `mesh`, which is None; "
+                f"received batch_axis={batch_axis!r}, cfg_axis={cfg_axis!r}. Pass the mesh.")
+        return
+    axes = dict(mesh.shape)
+    if batch_axis is not None:
+        if batch_axis not in axes:
+            raise ValueError(f"sample: `batch_axis` must be an axis of the mesh {axes}; "
+                             f"received {batch_axis!r}.")
+        if batch % axes[batch_axis]:
+            raise ValueError(
+                f"sample: the batch of `noise` ({batch}) must be a multiple of the size of "
+                f"`batch_axis` {batch_axis!r} ({axes[batch_axis]}).")
+    if cfg_axis is not None:
+        if cfg_axis not in axes or axes[cfg_axis] != 2:
+            raise ValueError(
+                f"sample: `cfg_axis` must be an axis of size 2 of the mesh {axes} (one half "
+                f"runs the conditional pass, the other the unconditional); received "
+                f"{cfg_axis!r}.")
+        if not guided:
+            raise ValueError(
+                "sample: `cfg_axis` splits the conditional and unconditional passes of "
+                "classifier-free guidance, which runs only when guidance_scale > 1; "
+                "received cfg_axis with no guidance. Drop cfg_axis or raise guidance_scale.")
+        if batch_axis is not None:
+            raise NotImplementedError(
+                "sample: `cfg_axis` together with `batch_axis` needs models.run_sharded to "
+                "split the batch over two mesh axes (P((cfg_axis, batch_axis))); it takes "
+                "one batch axis. Use one of them.")
+
+
+# -- progress ----------------------------------------------------------------------------
+
+
+class _Bars:
+    """The host side of `progress=True`: one tqdm bar per run of a compiled loop, opened
+    by step 0 and closed by the last (the callback is compiled once and reused)."""
+
+    bar = None
+
+    def advance(self, i, steps):
+        i = int(i)
+        if i == 0 or self.bar is None:
+            if self.bar is not None:
+                self.bar.close()
+            import tqdm
+
+            self.bar = tqdm.tqdm(total=steps, desc="sample", leave=True)
+        self.bar.update(i + 1 - self.bar.n)
+        if i + 1 == steps:
+            self.bar.close()
+            self.bar = None
+
+
+_BARS = _Bars()
+
+
+def _progress_wanted(progress) -> bool:
+    if not progress:
+        return False
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return sys.stdout.isatty()
+
+
+# -- the loop ----------------------------------------------------------------------------
+
+
+def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched):
+    """The model's batched prediction at one scalar timestep (every example's)."""
+    B = x.shape[0]
+    if mesh is not None:
+        t = jnp.broadcast_to(timestep, (B,))
+        return models.run_sharded(model, x, t, context, mesh=mesh, batch_axis=batch_axis,
+                                  **static, **batched)
+    # One timestep for the whole batch, kept out of the vmap: an expert model's
+    # routing (a lax.cond on the timestep) stays a cond and runs one expert.
+    return jax.vmap(lambda x, c, kw: model(x, timestep, c, **static, **kw))(x, context, batched)
+
+
+@eqx.filter_jit
+def _loop(model, noise, context, negative_context, scales, plan, key, batched, *,
+          scheduler, mesh, batch_axis, cfg_axis, static, progress):
+    guided = negative_context is not None
+    boundary = getattr(model, "boundary_timestep", None)
+    steps = plan.steps
+    if guided:
+        context = jnp.concatenate([context, negative_context])
+        batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
+    axis = cfg_axis if cfg_axis is not None else batch_axis
+
+    def body(i, carry):
+        latents, state = carry
+        t = scheduler.timestep(plan, i)
+        x = jnp.concatenate([latents, latents]) if guided else latents
+        out = _predict(model, x, t, context, mesh=mesh, batch_axis=axis, static=static,
+                       batched=batched)
+        if guided:
+            cond, uncond = jnp.split(out, 2)
+            scale = scales[0] if boundary is None else jnp.where(t >= boundary, scales[0], scales[1])
+            out = uncond + scale.astype(out.dtype) * (cond - uncond)
+        step_key = None if key is None else jax.random.fold_in(key, i)
+        latents, state = scheduler.step(plan, state, i, out, latents, key=step_key)
+        if progress:
+            jax.debug.callback(_BARS.advance, i, steps)
+        return latents, state
+
+    latents, _ = lax.fori_loop(0, steps, body, (noise, scheduler.init(noise)))
+    return latents
+
+
+def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
+           guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
+           batch_axis=None, cfg_axis=None, key=None, progress: bool = False,
+           **model_kwargs):
+    """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
+    (`output_type="latent"`) as one compiled program.
+
+        for i in range(steps):                      # lax.fori_loop, i traced
+            t = scheduler.timestep(plan, i)
+            cond, uncond = model([x; x], t, [context; negative_context])  # one call, 2B
+            v = uncond + scale * (cond - uncond)
+            x = scheduler.step(plan, state, i, v, x)
+
+    The loop runs under `eqx.filter_jit` (the model is an argument): it compiles once
+    per number of steps, scheduler, mesh and input shapes, and the guidance scales are
+    traced (changing them does not recompile). `sample` itself works inside a caller's
+    `eqx.filter_jit` too.
+
+    **Arguments:**
+
+    - `model`: a [`vidax_eqx.models.WanTransformer3D`][] or
+        [`vidax_eqx.models.WanExperts`][] (Wan 2.2 A14B), or any callable with their
+        one-example signature `model(x, timestep, context, **kwargs)` (then the shapes
+        are not checked against a config).
+    - `noise`: the initial latents `(B, C, F, H, W)` (standard normal), `C` the model's
+        `in_channels`, `F, H, W` multiples of its patch size.
+    - `context`: the text embeddings `(B, L, text_dim)`.
+    - `negative_context`: the unconditional (negative prompt) embeddings, the shape of
+        `context`; required when `guidance_scale > 1` (diffusers' pipeline encodes
+        an empty or negative prompt then: pass its embeddings).
+    - `guidance_scale`: the classifier-free guidance scale (>= 0); guidance runs
+        when it is > 1, as in diffusers (`do_classifier_free_guidance`).
+    - `guidance_scale_2`: Wan 2.2 A14B: the scale of the steps whose timestep is below
+        the model's `boundary_timestep` (the low-noise expert's); `None`: the same as
+        `guidance_scale`. Refused for a model without experts.
+    - `steps`: the number of denoising steps, an int >= 1 (static).
+    - `scheduler`: a scheduler of `vidax_eqx.sampling` ([`UniPC`][], [`FlowMatchEuler`][],
+        ...), or one of the names `"unipc"` / `"euler"` (shift 3.0) /
+        `"cogvideox_ddim"` / `"cogvideox_dpm"` (defaults); `None`: `UniPC(shift=3.0)`,
+        Wan 2.1's shipped configuration at 480p (720p uses shift 5.0).
+    - `mesh`: a `jax.sharding.Mesh`: each step's model call runs through
+        [`vidax_eqx.models.run_sharded`][] (the model's own sequence, TP and FSDP
+        parallelism as its `ParallelConfig` says); `None`: one device.
+    - `batch_axis`: the mesh axis the batch (the guided batch of `2B`) is split over.
+    - `cfg_axis`: CFG parallelism: a mesh axis of size 2 whose first half runs the
+        conditional pass and the second the unconditional one. Not combined with
+        `batch_axis` (`run_sharded` takes one batch axis).
+    - `key`: a PRNG key, required by a stochastic scheduler (`CogVideoXDPM`): step `i`
+        draws with `jax.random.fold_in(key, i)`.
+    - `progress`: a tqdm bar advanced by every step from inside the compiled loop
+        (`jax.debug.callback`), when tqdm is installed and stdout is a terminal.
+    - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
+        repeated for the unconditional pass (e.g. `context_image`); anything else
+        (`remat`, `sliding_tile`) is passed as it is.
+
+    **Returns:**
+
+    The final latents `(B, C, F, H, W)`, the dtype of `noise`.
+    """
+    if not _is_int(steps) or steps < 1:
+        raise ValueError(f"sample: `steps` (the number of denoising steps) must be a Python "
+                         f"int >= 1; received {steps!r}.")
+    scheduler = _scheduler(scheduler)
+    _check_scale("guidance_scale", guidance_scale)
+    _check_scale("guidance_scale_2", guidance_scale_2, required=False)
+    experts = hasattr(model, "boundary_timestep")
+    if guidance_scale_2 is not None and not experts:
+        raise ValueError(
+            "sample: `guidance_scale_2` is the low-noise expert's guidance scale of a "
+            f"two-expert model (models.WanExperts); received {guidance_scale_2!r} for a "
+            f"{type(model).__name__}. Drop it.")
+    guided = guidance_scale > 1
+    if guided and negative_context is None:
+        raise ValueError(
+            f"sample: `negative_context` is required when guidance_scale > 1 (classifier-free "
+            f"guidance; received guidance_scale={guidance_scale!r}): pass the embeddings of "
+            "the negative (or empty) prompt, or guidance_scale=1.0 for none.")
+    _check_inputs(model, noise, context, negative_context)
+    _check_mesh(mesh, batch_axis, cfg_axis, guided, noise.shape[0])
+    if scheduler.stochastic and key is None:
+        raise ValueError(f"sample: `key` (a PRNG key) is required by the stochastic scheduler "
+                         f"{type(scheduler).__name__}; received None.")
+    batched = {k: v for k, v in model_kwargs.items() if eqx.is_array(v)}
+    static = {k: v for k, v in model_kwargs.items() if not eqx.is_array(v)}
+    for name, value in batched.items():
+        if value.ndim == 0 or value.shape[0] != noise.shape[0]:
+            raise ValueError(
+                f"sample: the model argument `{name}` must be per example, (B, ...) with "
+                f"B = {noise.shape[0]}; received shape {value.shape}.")
+    scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+    scales = jnp.asarray([guidance_scale, scale_2], jnp.float32)
+    return _loop(model, noise, context, negative_context if guided else None, scales,
+                 scheduler.plan(steps), key, batched, scheduler=scheduler, mesh=mesh,
+                 batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
+                 progress=_progress_wanted(progress))
