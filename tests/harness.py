@@ -24,7 +24,9 @@ What the test files would otherwise each write for themselves (DESIGN.md rule 14
   message).
 - **Modules.** `arrays`, `with_arrays`, `map_arrays`, `to64`, `leaf_names`, `perturbed`,
   `resampled`: an Equinox module's arrays read, replaced and randomized.
-- **Whole models.** `load_io`, `max_rel_error`, `loss_and_grad`, `same_arrays`.
+- **Whole models.** `load_io`, `max_rel_error`, `loss_and_grad`, `same_arrays`,
+  `leaf_errors` / `assert_leaves_close` (every parameter's gradient, say, against its own
+  scale).
 - **Weight files.** `safetensors_file`, `safetensors_entry`: files built byte by byte.
 - **Processes.** `NUM_PROCESSES`, `LOCAL_DEVICES`, `free_port`, `child_env`,
   `global_array` for the multi-process tests and their workers.
@@ -521,6 +523,28 @@ def same_arrays(a, b) -> bool:
     return len(la) == len(lb) and all(
         x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
     )
+
+
+def leaf_errors(got, ref, floor: float = 0.0) -> dict:
+    """`{path: max|got - ref| / scale}` over the array leaves of two trees of the same
+    structure (a model's gradients, sharded or not), `scale` the leaf's largest magnitude
+    in `ref`, and at least `floor` x the largest of the whole tree (a leaf whose values
+    are float32 noise around zero is judged against the model's scale)."""
+    names = leaf_names(ref)
+    ref = [np.asarray(r, np.float64) for r in arrays(ref)]
+    got = [np.asarray(g, np.float64) for g in arrays(got)]
+    assert len(got) == len(ref), (len(got), len(ref))
+    top = max(float(np.max(np.abs(r))) for r in ref)
+    return {n: float(np.max(np.abs(g - r))) / max(float(np.max(np.abs(r))), floor * top, 1e-30)
+            for n, g, r in zip(names, got, ref, strict=True)}
+
+
+def assert_leaves_close(got, ref, what: str, floor: float = 0.0, dtype=np.float32) -> None:
+    """Every entry of `leaf_errors(got, ref, floor)` within the dtype's tolerance."""
+    tol = oracle.tolerance(dtype)
+    errors = leaf_errors(got, ref, floor)
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"{what}: {len(bad)} of {len(errors)} arrays off (relative): {bad}"
 
 
 # -- weight files ------------------------------------------------------------------------
