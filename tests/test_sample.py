@@ -1,0 +1,187 @@
+"""`sampling.sample`, the whole denoising loop, against diffusers' `WanPipeline`.
+
+The fixtures under `tests/fixtures/sampler/` come from `scripts/make_sampler_fixtures.py`
+(run by hand with torch + diffusers): `WanPipeline(output_type="latent")` around the
+tiny random transformers of `tests/fixtures/wan/` (`t2v`, and the two experts of
+`a14b`), with fixed noise and prompt embeddings, guidance 5.0. Here, without torch:
+
+1. the final latents equal diffusers' within 1e-4 relative, for `FlowMatchEuler` and
+   `UniPC` at 4 and 20 steps, and for Wan 2.2 A14B's experts with `guidance_scale_2`;
+2. the loop is one compiled program: a while loop in the HLO whose size does not grow
+   with the number of steps, traced once for new inputs of the same shapes;
+3. sharded on 8 simulated devices (Ulysses x TP with the guided batch whole, and the
+   conditional and unconditional halves over a `cfg` axis) equal to one device;
+4. bad inputs raise a ValueError naming the argument.
+"""
+
+import os
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+from vidax_eqx import models, nn, sampling
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+PARITY = 1e-4  # the issue's bound: final latents relative to their largest magnitude
+SHARDED = 1e-5
+SCHEDULERS = {"euler": sampling.FlowMatchEuler(shift=3.0), "unipc": sampling.UniPC(shift=3.0)}
+
+
+def _io(name):
+    return dict(np.load(os.path.join(FIXTURES, "sampler", f"{name}.npz")))
+
+
+@pytest.fixture(scope="module")
+def t2v():
+    return models.WanTransformer3D.from_pretrained(os.path.join(FIXTURES, "wan", "t2v", "diffusers"))
+
+
+@pytest.fixture(scope="module")
+def io():
+    return _io("wan_t2v")
+
+
+def _sample(model, io, **kwargs):
+    return sampling.sample(model, io["noise"], io["context"],
+                           negative_context=io["negative_context"], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def unipc4(t2v, io):
+    """One device, UniPC, 4 steps: the reference of the sharded runs."""
+    return _sample(t2v, io, steps=4, scheduler=SCHEDULERS["unipc"])
+
+
+# -- 1. diffusers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [4, 20])
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_matches_diffusers(t2v, io, unipc4, name, steps):
+    ref = io[f"{name}_s{steps}"]
+    out = unipc4 if (name, steps) == ("unipc", 4) else _sample(
+        t2v, io, steps=steps, scheduler=SCHEDULERS[name])
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    assert harness.max_rel_error(out, ref) < PARITY
+
+
+def test_default_scheduler_is_unipc(t2v, io, unipc4):
+    out = sampling.sample(t2v, io["noise"], io["context"], negative_context=io["negative_context"],
+                          steps=4, scheduler="unipc")
+    assert harness.same_arrays(out, unipc4)
+
+
+def test_experts_match_diffusers():
+    """Wan 2.2 A14B: the high-noise expert with guidance 5.0 while t >= 875, then the
+    low-noise one with guidance_scale_2 3.0 (4 steps: timesteps 999, 900, 750, 500)."""
+    io = _io("wan_a14b")
+    experts = models.WanExperts.from_pretrained(os.path.join(FIXTURES, "wan", "a14b", "diffusers"))
+    out = _sample(experts, io, steps=4, guidance_scale=5.0, guidance_scale_2=3.0)
+    assert harness.max_rel_error(out, io["unipc_s4"]) < PARITY
+
+
+# -- 2. one compiled loop ----------------------------------------------------------------
+
+
+def test_one_compiled_loop(t2v, io):
+    traces = []
+
+    @eqx.filter_jit
+    def run(model, noise, context, negative_context, steps):
+        traces.append(steps)
+        return sampling.sample(model, noise, context, negative_context=negative_context,
+                               steps=steps, scheduler=SCHEDULERS["euler"])
+
+    args = (t2v, io["noise"], io["context"], io["negative_context"])
+    hlo = {s: run.lower(*args, s).as_text() for s in (4, 20)}
+    assert "while" in hlo[4]
+    # Not unrolled: the same program but for the plan's length.
+    assert len(re.findall(r"\bwhile\b", hlo[4])) == len(re.findall(r"\bwhile\b", hlo[20]))
+    assert abs(len(hlo[20]) - len(hlo[4])) < 0.01 * len(hlo[4])
+    assert traces == [4, 20]
+    out = run(*args, 4)
+    assert harness.max_rel_error(out, io["euler_s4"]) < PARITY
+    rng = np.random.default_rng(1)
+    other = [rng.standard_normal(a.shape).astype(np.float32) for a in args[1:]]
+    out2 = run(t2v, *other, 4)
+    assert traces == [4, 20]  # both calls ran the program lowered above: no new trace
+    assert not np.allclose(out, out2)
+
+
+# -- 3. sharded --------------------------------------------------------------------------
+
+
+def test_sharded_sp_tp_equals_one_device(t2v, io, unipc4):
+    mesh = harness.mesh(sp=4, tp=2)
+    model = nn.shard_module(
+        nn.with_parallel(t2v, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh)
+    assert harness.max_rel_error(out, unipc4) < SHARDED
+
+
+def test_cfg_axis_equals_one_device(t2v, io, unipc4):
+    mesh = harness.mesh(sp=2, tp=2, cfg=2)
+    model = nn.shard_module(
+        nn.with_parallel(t2v, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh, cfg_axis="cfg")
+    assert harness.max_rel_error(out, unipc4) < SHARDED
+
+
+# -- 4. bad inputs -----------------------------------------------------------------------
+
+
+def _bad(io, **changes):
+    kwargs = dict(noise=io["noise"], context=io["context"],
+                  negative_context=io["negative_context"], steps=4)
+    kwargs.update(changes)
+    return kwargs
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(noise=np.zeros((2, 3, 3, 6, 10), np.float32)), "`noise` must have the model's 4"),
+    (dict(noise=np.zeros((2, 4, 3, 5, 10), np.float32)), "multiples of the model's patch_size"),
+    (dict(noise=np.zeros((4, 3, 6, 10), np.float32)), r"`noise` must be the initial latents"),
+    (dict(context=np.zeros((2, 7, 16), np.float32)), r"`context` must be .* = \(2, L, 32\)"),
+    (dict(context=np.zeros((1, 7, 32), np.float32)), r"`context` must be"),
+    (dict(negative_context=np.zeros((2, 5, 32), np.float32)), "`negative_context` must have"),
+    (dict(negative_context=None), "`negative_context` is required"),
+    (dict(guidance_scale=-1.0), "`guidance_scale`"),
+    (dict(guidance_scale=float("nan")), "`guidance_scale`"),
+    (dict(guidance_scale_2=3.0), "`guidance_scale_2`"),
+    (dict(steps=0), "`steps`"),
+    (dict(steps=2.0), "`steps`"),
+    (dict(scheduler="ddpm"), "`scheduler` must be"),
+    (dict(scheduler=sampling.CogVideoXDPM()), "`key`"),
+    (dict(cfg_axis="cfg"), "`batch_axis` and `cfg_axis` name axes of `mesh`"),
+])
+def test_bad_inputs(t2v, io, changes, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.sample(t2v, **_bad(io, **changes))
+
+
+@pytest.mark.parametrize("mesh_axes, changes, match", [
+    (dict(sp=8), dict(cfg_axis="cfg"), "`cfg_axis` must be an axis of size 2"),
+    (dict(sp=2, cfg=4), dict(cfg_axis="cfg"), "`cfg_axis` must be an axis of size 2"),
+    (dict(sp=4, cfg=2), dict(cfg_axis="cfg", guidance_scale=1.0, negative_context=None),
+     "no guidance"),
+    (dict(dp=8), dict(batch_axis="dp"), "multiple of the size of `batch_axis`"),
+    (dict(sp=8), dict(batch_axis="data"), "`batch_axis` must be an axis"),
+])
+def test_bad_mesh(t2v, io, mesh_axes, changes, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.sample(t2v, **_bad(io, mesh=harness.mesh(**mesh_axes), **changes))
+
+
+def test_unsupported_raise(t2v, io):
+    mesh = harness.mesh(dp=2, sp=2, cfg=2)
+    with pytest.raises(NotImplementedError, match="one batch axis"):
+        sampling.sample(t2v, **_bad(io, mesh=mesh, batch_axis="dp", cfg_axis="cfg"))
+    i2v = models.WanTransformer3D.from_pretrained(os.path.join(FIXTURES, "wan", "i2v", "diffusers"))
+    with pytest.raises(NotImplementedError, match="image-conditioned"):
+        sampling.sample(i2v, **_bad(io))
