@@ -1,6 +1,9 @@
 """Sampling, the top floor: diffusion schedulers as pure functions of a small state,
 above [`vidax_eqx.models`][].
 
+- [`sample`][]: a whole generation (diffusers' `WanPipeline` with
+    `output_type="latent"`): the denoising loop with classifier-free guidance, batched
+    or over a mesh axis, as one compiled `lax.fori_loop`.
 - [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
     `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` in its
     flow-prediction form, the default of diffusers' Wan pipelines).
