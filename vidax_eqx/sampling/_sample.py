@@ -153,7 +153,7 @@ class _Bars:
             import tqdm
 
             self.bar = tqdm.tqdm(total=steps, desc="sample", leave=True)
-        self.bar.update(i + 1 - self.bar.n)
+        self.bar.update(max(0, i + 1 - self.bar.n))  # unordered callbacks: never back
         if i + 1 == steps:
             self.bar.close()
             self.bar = None
