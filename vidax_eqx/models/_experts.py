@@ -2,6 +2,7 @@
 per call by the timestep."""
 
 import json
+import numbers
 import os
 
 import equinox as eqx
@@ -52,7 +53,7 @@ class WanExperts(AbstractExperts):
 
     high_noise: WanTransformer3D
     low_noise: WanTransformer3D
-    boundary: float = eqx.field(static=True)
+    boundary: float = eqx.field(static=True, converter=lambda b: _real_to_float(b))
     num_train_timesteps: int = eqx.field(static=True, default=1000)
 
     def __check_init__(self):
@@ -60,7 +61,7 @@ class WanExperts(AbstractExperts):
             if not isinstance(getattr(self, name), WanTransformer3D):
                 raise ValueError(f"WanExperts: `{name}` must be a WanTransformer3D; received "
                                  f"{type(getattr(self, name)).__name__}.")
-        if isinstance(self.boundary, bool) or not isinstance(self.boundary, (int, float)) \
+        if isinstance(self.boundary, bool) or not isinstance(self.boundary, numbers.Real) \
                 or not 0 < self.boundary < 1:
             raise ValueError(
                 "WanExperts: `boundary` (the fraction of num_train_timesteps where the "
@@ -280,6 +281,14 @@ class WanExperts(AbstractExperts):
                 _write_json(config_path, {**_read_json(config_path), "boundary_ratio": self.boundary})
 
 
+def _real_to_float(value):
+    """A real number (NumPy's included) as a Python float; anything else as it is, for
+    `__check_init__` to refuse."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def _from_hub(path: str, revision, cache_dir) -> str:
     """The local snapshot of a Hub repository holding both experts' folders, in the
     diffusers layout or Wan 2.2's."""
@@ -314,10 +323,18 @@ def _cond(pred, true_fn, false_fn):
 
     dynamic = lax.cond(pred, branch(true_fn), branch(false_fn))
     first, second = (jax.tree.structure(s) for s in static)
-    if first != second or jax.tree.leaves(static[0]) != jax.tree.leaves(static[1]):
+    if first != second:
         raise ValueError(
-            "WanExperts.route: both experts' branches must return the same non-array parts "
-            f"(structure and static values); received {first} and {second}."
+            "WanExperts.route: both experts' branches must return the same non-array parts; "
+            f"their structures differ: {first} and {second}."
+        )
+    differ = [(a, b) for a, b in zip(jax.tree.leaves(static[0]), jax.tree.leaves(static[1]))
+              if a != b]
+    if differ:
+        raise ValueError(
+            "WanExperts.route: both experts' branches must return the same non-array parts; "
+            f"the high-noise branch returns {differ[0][0]!r} where the low-noise one returns "
+            f"{differ[0][1]!r} ({len(differ)} value(s) differ). Return them as arrays."
         )
     return eqx.combine(dynamic, static[0])
 

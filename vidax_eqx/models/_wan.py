@@ -296,8 +296,8 @@ def wan_image_timestep(timestep, grid, *, patch_size=(1, 2, 2), cond_frames: int
 
     **Returns:**
 
-    `(S,)`, `S = F/pt * H/ph * W/pw`, in `timestep`'s dtype (float32 for a Python
-    number): the `timestep` argument of [`WanTransformer3D`][].
+    `(S,)`, `S = F/pt * H/ph * W/pw`, float32 (float64 for a float64 `timestep`):
+    the `timestep` argument of [`WanTransformer3D`][].
     """
     grid = tuple(grid)[-3:]
     patch_size = tuple(patch_size)
