@@ -22,6 +22,11 @@ initial `latents`, and returns the final latents.
     4 and 20 steps.
 - `wan_a14b.npz`: the same inputs, the two-expert pipeline with UniPC, guidance 5.0
     for the high-noise expert and `guidance_scale_2` 3.0 for the low-noise one.
+- `cogvideox_2b.npz`: `CogVideoXPipeline(output_type="latent")` around the tiny
+    `cogvideox/2b/diffusers` transformer with `CogVideoXDDIMScheduler` in
+    CogVideoX-2B's shipped configuration, guidance 6.0: `noise` `(2, 2, 4, 6, 10)`
+    (diffusers' `(B, F, C, H, W)`), `context` / `negative_context` `(2, 5, 24)`,
+    `ddim_s{steps}` at 4 and 20 steps and `ddim_dynamic_s4` with `use_dynamic_cfg`.
 """
 
 import pathlib
@@ -29,6 +34,9 @@ import pathlib
 import numpy as np
 import torch
 from diffusers import (
+    CogVideoXDDIMScheduler,
+    CogVideoXPipeline,
+    CogVideoXTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
     UniPCMultistepScheduler,
     WanPipeline,
@@ -47,6 +55,39 @@ SCHEDULERS = {
     "unipc": lambda: UniPCMultistepScheduler(prediction_type="flow_prediction",
                                              use_flow_sigmas=True, flow_shift=3.0),
 }
+
+
+# THUDM/CogVideoX-2b's scheduler_config.json (as scripts/make_scheduler_fixtures.py).
+COGVIDEOX_DDIM = dict(
+    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+    beta_schedule="scaled_linear", clip_sample=False, prediction_type="v_prediction",
+    rescale_betas_zero_snr=True, set_alpha_to_one=True, snr_shift_scale=3.0,
+    steps_offset=0, timestep_spacing="trailing",
+)
+
+
+def _cogvideox():
+    rng = np.random.default_rng(1)
+    io = {"noise": rng.standard_normal((2, 2, 4, 6, 10)).astype(np.float32),
+          "context": rng.standard_normal((2, 5, 24)).astype(np.float32),
+          "negative_context": rng.standard_normal((2, 5, 24)).astype(np.float32)}
+    model = CogVideoXTransformer3DModel.from_pretrained(
+        ROOT / "tests" / "fixtures" / "cogvideox" / "2b" / "diffusers").float().eval()
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=model,
+                             scheduler=CogVideoXDDIMScheduler(**COGVIDEOX_DDIM))
+    pipe.set_progress_bar_config(disable=True)
+    F, H, W = io["noise"].shape[1], io["noise"].shape[3], io["noise"].shape[4]
+    for name, steps, dynamic in (("ddim_s4", 4, False), ("ddim_s20", 20, False),
+                                 ("ddim_dynamic_s4", 4, True)):
+        with torch.no_grad():
+            out = pipe(prompt_embeds=torch.from_numpy(io["context"]),
+                       negative_prompt_embeds=torch.from_numpy(io["negative_context"]),
+                       latents=torch.from_numpy(io["noise"]), num_inference_steps=steps,
+                       guidance_scale=6.0, use_dynamic_cfg=dynamic, height=8 * H,
+                       width=8 * W, num_frames=4 * (F - 1) + 1, output_type="latent",
+                       return_dict=False)[0]
+        io[name] = out.detach().numpy().astype(np.float32)
+    np.savez(OUT / "cogvideox_2b.npz", **io)
 
 
 def _inputs():
@@ -100,6 +141,7 @@ def main():
             arrays[f"unipc_s{steps}"] = _run(pipe, io, steps, guidance_scale=5.0,
                                              guidance_scale_2=3.0)
     np.savez(OUT / "wan_a14b.npz", **arrays)
+    _cogvideox()
     for f in sorted(OUT.glob("*.npz")):
         print(f.relative_to(ROOT), f.stat().st_size, "bytes")
 

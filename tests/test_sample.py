@@ -3,10 +3,12 @@
 The fixtures under `tests/fixtures/sampler/` come from `scripts/make_sampler_fixtures.py`
 (run by hand with torch + diffusers): `WanPipeline(output_type="latent")` around the
 tiny random transformers of `tests/fixtures/wan/` (`t2v`, and the two experts of
-`a14b`), with fixed noise and prompt embeddings, guidance 5.0. Here, without torch:
+`a14b`), with fixed noise and prompt embeddings, guidance 5.0, and
+`CogVideoXPipeline` around `tests/fixtures/cogvideox/2b`. Here, without torch:
 
 1. the final latents equal diffusers' within 1e-4 relative, for `FlowMatchEuler` and
-   `UniPC` at 4 and 20 steps, and for Wan 2.2 A14B's experts with `guidance_scale_2`;
+   `UniPC` at 4 and 20 steps, for Wan 2.2 A14B's experts with `guidance_scale_2`, and
+   for `CogVideoXPipeline` (DDIM at 4 and 20 steps, dynamic guidance);
 2. the loop is one compiled program: a while loop in the HLO whose size does not grow
    with the number of steps, traced once for new inputs of the same shapes;
 3. sharded on 8 simulated devices (Ulysses x TP with the guided batch whole, and the
@@ -86,6 +88,19 @@ def test_experts_match_diffusers():
     assert harness.max_rel_error(out, io["unipc_s4"]) < PARITY
 
 
+@pytest.mark.parametrize("name, steps, dynamic", [
+    ("ddim_s4", 4, False), ("ddim_s20", 20, False), ("ddim_dynamic_s4", 4, True)])
+def test_cogvideox_matches_diffusers(name, steps, dynamic):
+    """CogVideoXPipeline: latents (B, F, C, H, W), CogVideoXDDIM (v-prediction), guidance
+    6.0, and its dynamic guidance."""
+    io = _io("cogvideox_2b")
+    model = models.CogVideoXTransformer3D.from_pretrained(
+        os.path.join(FIXTURES, "cogvideox", "2b", "diffusers"))
+    out = _sample(model, io, steps=steps, guidance_scale=6.0, scheduler="cogvideox_ddim",
+                  use_dynamic_cfg=dynamic)
+    assert harness.max_rel_error(out, io[name]) < PARITY
+
+
 # -- 2. one compiled loop ----------------------------------------------------------------
 
 
@@ -145,7 +160,7 @@ def _bad(io, **changes):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(noise=np.zeros((2, 3, 3, 6, 10), np.float32)), "`noise` must have the model's 4"),
-    (dict(noise=np.zeros((2, 4, 3, 5, 10), np.float32)), "multiples of the model's patch_size"),
+    (dict(noise=np.zeros((2, 4, 3, 5, 10), np.float32)), "multiples of the model's patch size"),
     (dict(noise=np.zeros((4, 3, 6, 10), np.float32)), r"`noise` must be the initial latents"),
     (dict(context=np.zeros((2, 7, 16), np.float32)), r"`context` must be .* = \(2, L, 32\)"),
     (dict(context=np.zeros((1, 7, 32), np.float32)), r"`context` must be"),
@@ -155,6 +170,7 @@ def _bad(io, **changes):
     (dict(guidance_scale=float("nan")), "`guidance_scale`"),
     (dict(guidance_scale_2=3.0), "`guidance_scale_2`"),
     (dict(steps=0), "`steps`"),
+    (dict(use_dynamic_cfg=1), "`use_dynamic_cfg`"),
     (dict(steps=2.0), "`steps`"),
     (dict(scheduler="ddpm"), "`scheduler` must be"),
     (dict(scheduler=sampling.CogVideoXDPM()), "`key`"),

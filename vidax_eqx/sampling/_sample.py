@@ -63,31 +63,47 @@ def _shape(x):
     return tuple(getattr(x, "shape", ()))
 
 
+def _layout(model):
+    """`(channel axis, (pt, ph, pw), text width, layout)` of the latents of a known
+    model, `None` for any other callable."""
+    config = getattr(model, "config", None)
+    if isinstance(model, models.CogVideoXTransformer3D):  # diffusers' CogVideoX layout
+        p = config.patch_size
+        return 2, (1, p, p), config.text_embed_dim, "(B, F, C, H, W)"
+    if config is None or not hasattr(config, "patch_size"):
+        return None
+    return 1, tuple(config.patch_size), config.text_dim, "(B, C, F, H, W)"
+
+
 def _check_inputs(model, noise, context, negative_context) -> None:
-    """The shapes `sample` needs: `(B, C, F, H, W)` noise fitting the model's channels
-    and patch size, `(B, L, text_dim)` embeddings with one row per example."""
+    """The shapes `sample` needs: 5D noise fitting the model's channels and patch size
+    (`(B, C, F, H, W)` for Wan, `(B, F, C, H, W)` for CogVideoX), `(B, L, text_dim)`
+    embeddings with one row per example."""
+    layout = _layout(model)
+    axis, patch, text_dim, names = layout or (1, None, None, "(B, C, F, H, W)")
     if getattr(noise, "ndim", None) != 5:
         raise ValueError(
-            f"sample: `noise` must be the initial latents (B, C, F, H, W); received shape "
+            f"sample: `noise` must be the initial latents {names}; received shape "
             f"{_shape(noise)}.")
-    B, C, F, H, W = noise.shape
+    B, C = noise.shape[0], noise.shape[axis]
     config = getattr(model, "config", None)
-    if config is not None:
+    if layout is not None:
         if config.in_channels != config.out_channels:
             raise NotImplementedError(
                 f"sample: an image-conditioned model (in_channels {config.in_channels} != "
-                f"out_channels {config.out_channels}: Wan I2V) needs its condition latents "
-                "concatenated to the latents every step, which sample does not do yet.")
+                f"out_channels {config.out_channels}: Wan I2V, CogVideoX I2V) needs its "
+                "condition latents concatenated to the latents every step, which sample "
+                "does not do yet.")
         if C != config.in_channels:
             raise ValueError(
                 f"sample: `noise` must have the model's {config.in_channels} latent channels "
-                f"(axis 1 of (B, C, F, H, W)); received shape {noise.shape}.")
-        patch = tuple(config.patch_size)
-        if any(n % p for n, p in zip((F, H, W), patch)):
+                f"(axis {axis} of {names}); received shape {noise.shape}.")
+        grid = [noise.shape[a] for a in range(1, 5) if a != axis]  # F, H, W
+        if any(n % p for n, p in zip(grid, patch)):
             raise ValueError(
-                f"sample: the latent frames, height and width (F, H, W) of `noise` must be "
-                f"multiples of the model's patch_size {patch}; received shape {noise.shape}.")
-    text_dim = getattr(config, "text_dim", None)
+                f"sample: the latent frames, height and width of `noise` {names} must be "
+                f"multiples of the model's patch size {patch} (F, H, W); received shape "
+                f"{noise.shape}.")
     if getattr(context, "ndim", None) != 3 or context.shape[0] != B or (
             text_dim is not None and context.shape[2] != text_dim):
         width = "text_dim" if text_dim is None else text_dim
@@ -188,7 +204,7 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched):
 
 
 @eqx.filter_jit
-def _loop(model, noise, context, negative_context, scales, plan, key, batched, *,
+def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched, *,
           scheduler, mesh, batch_axis, cfg_axis, static, progress):
     guided = negative_context is not None
     boundary = getattr(model, "boundary_timestep", None)
@@ -207,6 +223,8 @@ def _loop(model, noise, context, negative_context, scales, plan, key, batched, *
         if guided:
             cond, uncond = jnp.split(out, 2)
             scale = scales[0] if boundary is None else jnp.where(t >= boundary, scales[0], scales[1])
+            if dynamic is not None:  # CogVideoX's use_dynamic_cfg
+                scale = 1 + scale * dynamic[i]
             out = uncond + scale.astype(out.dtype) * (cond - uncond)
         step_key = None if key is None else jax.random.fold_in(key, i)
         latents, state = scheduler.step(plan, state, i, out, latents, key=step_key)
@@ -220,10 +238,11 @@ def _loop(model, noise, context, negative_context, scales, plan, key, batched, *
 
 def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
            guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
-           batch_axis=None, cfg_axis=None, key=None, progress: bool = False,
-           **model_kwargs):
+           batch_axis=None, cfg_axis=None, use_dynamic_cfg: bool = False, key=None,
+           progress: bool = False, **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
-    (`output_type="latent"`) as one compiled program.
+    (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
+    compiled program.
 
         for i in range(steps):                      # lax.fori_loop, i traced
             t = scheduler.timestep(plan, i)
@@ -238,11 +257,13 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
 
     **Arguments:**
 
-    - `model`: a [`vidax_eqx.models.WanTransformer3D`][] or
-        [`vidax_eqx.models.WanExperts`][] (Wan 2.2 A14B), or any callable with their
+    - `model`: a [`vidax_eqx.models.WanTransformer3D`][],
+        [`vidax_eqx.models.WanExperts`][] (Wan 2.2 A14B) or
+        [`vidax_eqx.models.CogVideoXTransformer3D`][], or any callable with their
         one-example signature `model(x, timestep, context, **kwargs)` (then the shapes
         are not checked against a config).
-    - `noise`: the initial latents `(B, C, F, H, W)` (standard normal), `C` the model's
+    - `noise`: the initial latents (standard normal), in the model's layout: Wan's
+        `(B, C, F, H, W)`, CogVideoX's `(B, F, C, H, W)` (diffusers'); `C` the model's
         `in_channels`, `F, H, W` multiples of its patch size.
     - `context`: the text embeddings `(B, L, text_dim)`.
     - `negative_context`: the unconditional (negative prompt) embeddings, the shape of
@@ -265,6 +286,10 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     - `cfg_axis`: CFG parallelism: a mesh axis of size 2 whose first half runs the
         conditional pass and the second the unconditional one. Not combined with
         `batch_axis` (`run_sharded` takes one batch axis).
+    - `use_dynamic_cfg`: CogVideoX's dynamic guidance (diffusers'
+        `CogVideoXPipeline(use_dynamic_cfg=True)`): the scale of the step at timestep
+        `t` is `1 + guidance_scale * (1 - cos(pi * ((steps - t) / steps) ** 5)) / 2`,
+        computed as diffusers does (float64 on the host; `t` the timestep, as there).
     - `key`: a PRNG key, required by a stochastic scheduler (`CogVideoXDPM`): step `i`
         draws with `jax.random.fold_in(key, i)`.
     - `progress`: a tqdm bar advanced by every step from inside the compiled loop
@@ -275,7 +300,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
 
     **Returns:**
 
-    The final latents `(B, C, F, H, W)`, the dtype of `noise`.
+    The final latents, the shape and dtype of `noise`.
     """
     if not _is_int(steps) or steps < 1:
         raise ValueError(f"sample: `steps` (the number of denoising steps) must be a Python "
@@ -297,6 +322,9 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
             "the negative (or empty) prompt, or guidance_scale=1.0 for none.")
     _check_inputs(model, noise, context, negative_context)
     _check_mesh(mesh, batch_axis, cfg_axis, guided, noise.shape[0])
+    if not isinstance(use_dynamic_cfg, bool):
+        raise ValueError(f"sample: `use_dynamic_cfg` must be True or False; received "
+                         f"{use_dynamic_cfg!r}.")
     if scheduler.stochastic and key is None:
         raise ValueError(f"sample: `key` (a PRNG key) is required by the stochastic scheduler "
                          f"{type(scheduler).__name__}; received None.")
@@ -309,7 +337,13 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
                 f"B = {noise.shape[0]}; received shape {value.shape}.")
     scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
     scales = jnp.asarray([guidance_scale, scale_2], jnp.float32)
+    plan = scheduler.plan(steps)
+    dynamic = None
+    if use_dynamic_cfg:  # on the host in float64, as diffusers computes it (math.cos)
+        dynamic = jnp.asarray([(1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
+                               for t in np.asarray(plan.timesteps, np.float64).tolist()],
+                              jnp.float32)
     return _loop(model, noise, context, negative_context if guided else None, scales,
-                 scheduler.plan(steps), key, batched, scheduler=scheduler, mesh=mesh,
+                 dynamic, plan, key, batched, scheduler=scheduler, mesh=mesh,
                  batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
                  progress=_progress_wanted(progress))
