@@ -10,6 +10,9 @@ call that runs a model over a mesh.
     from diffusers checkpoints.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
+- [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
+    ([`WanTransformer3D.text_cache`][], [`sharded_text_cache`][] over a mesh) and taken
+    by every denoising step.
 - [`save_training_state`][], [`restore_training_state`][]: training checkpoints (the
     model's arrays, the optimizer state, the step) with orbax, restored onto any mesh
     and parallel configuration.
@@ -32,6 +35,8 @@ from ._wan import (
     WanConfig as WanConfig,
     WanHead as WanHead,
     WanImageEmbedding as WanImageEmbedding,
+    WanTextCache as WanTextCache,
     WanTransformer3D as WanTransformer3D,
+    sharded_text_cache as sharded_text_cache,
     wan_image_timestep as wan_image_timestep,
 )

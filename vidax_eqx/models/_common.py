@@ -206,6 +206,14 @@ def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
         )
 
 
+def _kwarg_specs(value, model, batch_axis, batch):
+    """The in_spec of a keyword input of `run_sharded`: `batch`, or the specs of a value
+    that places itself (`value.partition_specs(parallel, batch_axis)`)."""
+    if not hasattr(value, "partition_specs"):
+        return batch
+    return value.partition_specs(getattr(model, "parallel", nn.ParallelConfig()), batch_axis)
+
+
 def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
                 remat: str | None = None, sliding_tile=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
@@ -233,7 +241,9 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     - `remat`: the model's rematerialization policy (see its `__call__`).
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
-    - `**kwargs`: further batched array inputs of the model (e.g. `context_image`).
+    - `**kwargs`: further batched array inputs of the model (e.g. `context_image`, or
+        `text_cache`: a value with a `partition_specs(parallel, batch_axis)` method, a
+        [`WanTextCache`][], is placed by the specs it returns, e.g. heads over `tp`).
 
     **Returns:**
 
@@ -270,7 +280,8 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     run = nn.filter_shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch, *(batch for _ in names)),
+        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch,
+                  *(_kwarg_specs(kwargs[n], model, batch_axis, batch) for n in names)),
         out_specs=batch,
     )
     return run(model, x, timestep, context, *(kwargs[n] for n in names))

@@ -12,13 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
+from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
+from .._vma import varying_axes
+from ..parallel import axis_size
 from ..nn import functional
 from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ._common import (
+    check_fsdp_axes,
     check_remat,
     load_pretrained,
     padded_tokens,
@@ -422,7 +427,8 @@ class WanBlock(eqx.Module):
                                   dtype=dtype, key=k3)
         self.modulation = (jax.random.normal(k4, (1, 6, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
 
-    def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None):
+    def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None,
+                 context_kv=None):
         """**Arguments:**
 
         - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
@@ -437,14 +443,19 @@ class WanBlock(eqx.Module):
         - `context_image`: I2V: the embedded image features `(L_img, dim)`; else `None`.
         - `mask`: the self-attention's `SlidingTileMask` (tokens in its tile layout), or
             `None` for full attention.
+        - `context_kv`: this block's precomputed cross-attention keys and values
+            (`(k, v, k_img, v_img)`, see [`vidax_eqx.nn.CrossAttention`][]`.project_context`),
+            used instead of `context` and `context_image` (then `None`); under FSDP the
+            cross-attention's key and value weights are then not gathered.
 
         **Returns:**
 
         The float32 residual stream `(S, dim)` after the block.
         """
         with jax.named_scope("vidax_eqx.models.WanBlock"):
+            unused = None if context_kv is None else (lambda b: _context_weights(b.cross_attn))
             self, (x, e0, context, rope, context_image) = nn.fsdp_gather(
-                self, (x, e0, context, rope, context_image))
+                self, (x, e0, context, rope, context_image), exclude=unused)
             dtype = self.self_attn.q.weight.dtype
             e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
             shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
@@ -453,10 +464,58 @@ class WanBlock(eqx.Module):
             x = x + y.astype(jnp.float32) * gate1
             h = x if self.norm3 is None else self.norm3(x)
             y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
-                                context_copies=True)
+                                context_copies=True, context_kv=context_kv)
             x = x + y.astype(jnp.float32)
             h = self.norm2(x, shift2, scale2).astype(dtype)
             return x + self.ffn(h).astype(jnp.float32) * gate2
+
+
+def _context_weights(attn: nn.CrossAttention):
+    """The weights of a cross-attention that only its keys and values use."""
+    return (attn.k, attn.v, attn.norm_k, attn.k_img, attn.v_img, attn.norm_k_img)
+
+
+class WanTextCache(eqx.Module):
+    """The keys and values of every block's cross-attention for one text (and image)
+    context: what [`WanTransformer3D.text_cache`][] computes once and
+    `WanTransformer3D.__call__(..., text_cache=...)` takes instead of projecting the
+    context in every block at every denoising step (the text does not change across
+    steps). Exact: the model gives bit for bit the output it gives without it.
+
+    Arrays stacked over the layers like the blocks (one slice per step of the blocks'
+    `lax.scan`), heads last but one; `jax.vmap` adds a leading batch axis:
+
+    - `k`, `v`: `(num_layers, L, H, head_dim)`, the text's (`k` after `norm_k`), `L`
+        the text length the blocks see (the config's `text_len` when it pads);
+    - `k_img`, `v_img`: I2V: `(num_layers, L_img, H, head_dim)`, the image context's;
+        else `None`.
+
+    `H` is `num_heads`; inside `shard_map` under tensor parallelism, this device's
+    `num_heads / tp` (a global cache splits its heads over `tp_axis`:
+    [`partition_specs`][WanTextCache.partition_specs], [`sharded_text_cache`][]).
+
+    Inference only: the keys and values are inputs, so a gradient through a call that
+    takes them reaches neither the text nor the cross-attention's `k`, `v` (`k_img`,
+    `v_img`, `norm_k`, `norm_k_img`) weights unless the cache was computed inside the
+    differentiated function.
+
+    CogVideoX has no equivalent: its text goes through joint self-attention with the
+    video and changes in every block, so its keys and values cannot be cached exactly.
+    """
+
+    k: Array
+    v: Array
+    k_img: Array | None
+    v_img: Array | None
+
+    def partition_specs(self, parallel: nn.ParallelConfig, batch_axis=None) -> "WanTextCache":
+        """The `shard_map` specs of a batched cache `(B, num_layers, L, H, head_dim)` for
+        a model configured with `parallel`: the batch over `batch_axis`, the heads over
+        `parallel.tp_axis` (each device gets its heads), the rest whole. What
+        [`run_sharded`][] gives its `text_cache` argument."""
+        spec = P(batch_axis, None, None, parallel.tp_axis, None)
+        image = None if self.k_img is None else spec
+        return WanTextCache(spec, spec, image, image)
 
 
 class WanHead(eqx.Module):
@@ -631,6 +690,7 @@ class WanTransformer3D(eqx.Module):
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
         sliding_tile: tuple | None = None,
+        text_cache: WanTextCache | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
 
@@ -657,6 +717,14 @@ class WanTransformer3D(eqx.Module):
             RoPE tables are laid out tile by tile ([`vidax_eqx.kernels.tile_permute`][])
             after the patch embedding and back before the output, and the hidden
             tiles are skipped. `None` (default): full attention, as the reference.
+        - `text_cache`: the blocks' cross-attention keys and values of this `context`
+            (and `context_image`), a [`WanTextCache`][] computed by
+            [`text_cache`][WanTransformer3D.text_cache] (inside `shard_map`: this
+            device's heads, e.g. by [`sharded_text_cache`][]): used instead of
+            projecting the context in every block, with bit for bit the same output.
+            `context` (and `context_image`) are still required: their shapes are
+            checked against the cache (their values cannot be), and they are not
+            otherwise used. `None` (default): the context is projected.
 
         **Returns:**
 
@@ -695,16 +763,10 @@ class WanTransformer3D(eqx.Module):
                 )
             if not per_token:
                 t, e0 = self._time(timestep)
-            if c.text_len is not None:
-                if context.shape[0] > c.text_len:
-                    raise ValueError(
-                        f"WanTransformer3D: the config pads the text to text_len={c.text_len} "
-                        f"tokens (Wan's forward); received {context.shape[0]} tokens."
-                    )
-                context = jnp.pad(context, ((0, c.text_len - context.shape[0]), (0, 0)))
-            context = self.text_embedding(context.astype(dtype))
-            if context_image is not None:
-                context_image = self.img_emb(context_image.astype(dtype))
+            if text_cache is None:
+                context, context_image = self._embed_context(context, context_image, dtype)
+            else:
+                self._check_text_cache(text_cache, context, context_image, dtype)
 
             rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
             mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
@@ -729,15 +791,132 @@ class WanTransformer3D(eqx.Module):
                 rope = per_token_arrays
             tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
-            def block(x, b):
-                return b(x, e0, context, rope, segment_ids, context_image, mask)
+            if text_cache is None:
+                def block(x, b):
+                    return b(x, e0, context, rope, segment_ids, context_image, mask)
 
-            tokens = scan_layers(block, tokens, self.blocks, policy)
+                tokens = scan_layers(block, tokens, self.blocks, policy)
+            else:  # one layer's keys and values per step, with its block
+                def block(x, layer):
+                    b, kv = layer
+                    return b(x, e0, None, rope, segment_ids, None, mask,
+                             context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
+
+                tokens = scan_layers(block, tokens, (self.blocks, text_cache), policy)
             out = self.head(tokens, t)
             out = nn.gather_tokens(out, parallel)[:n]
             if mask is not None:
                 out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
             return functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+
+    def _embed_context(self, context, context_image, dtype):
+        """The text padded to `text_len` (when the config pads) and embedded, and the
+        image context embedded (I2V)."""
+        c = self.config
+        if self._text_length(context) != context.shape[0]:
+            context = jnp.pad(context, ((0, c.text_len - context.shape[0]), (0, 0)))
+        context = self.text_embedding(context.astype(dtype))
+        if context_image is not None:
+            context_image = self.img_emb(context_image.astype(dtype))
+        return context, context_image
+
+    def _text_length(self, context) -> int:
+        """The text length the blocks see: the config's `text_len` when it pads."""
+        c = self.config
+        if c.text_len is None:
+            return context.shape[0]
+        if context.shape[0] > c.text_len:
+            raise ValueError(
+                f"WanTransformer3D: the config pads the text to text_len={c.text_len} "
+                f"tokens (Wan's forward); received {context.shape[0]} tokens."
+            )
+        return c.text_len
+
+    def _check_text_cache(self, cache, context, context_image, dtype) -> None:
+        """Raises unless `cache` is a `WanTextCache` of this model's shapes for this
+        context, with this device's heads."""
+        c = self.config
+        if not isinstance(cache, WanTextCache):
+            raise ValueError(
+                "WanTransformer3D: `text_cache` must be a WanTextCache (from "
+                f"model.text_cache(context)) or None; received {type(cache).__name__}."
+            )
+        tp_axis = self.parallel.tp_axis
+        tp = 1 if tp_axis is None else axis_size(tp_axis, what="Tensor-parallel")
+        heads = c.num_heads // tp if c.num_heads % tp == 0 else c.num_heads
+        L = self._text_length(context)
+        expected = {"k": (c.num_layers, L, heads, c.head_dim)}
+        expected["v"] = expected["k"]
+        if context_image is not None:
+            expected["k_img"] = (c.num_layers, context_image.shape[0], heads, c.head_dim)
+            expected["v_img"] = expected["k_img"]
+        received = {name: getattr(cache, name) for name in ("k", "v", "k_img", "v_img")}
+        bad = [name for name, a in received.items()
+               if (a is None) != (name not in expected)
+               or (a is not None and (not eqx.is_array(a) or a.shape != expected[name]
+                                      or a.dtype != dtype))]
+        if bad:
+            shapes = {n: None if a is None else (tuple(getattr(a, "shape", ())),
+                                                 str(getattr(a, "dtype", type(a).__name__)))
+                      for n, a in received.items()}
+            raise ValueError(
+                "WanTransformer3D: `text_cache` must hold the keys and values of this model "
+                "for this context, (num_layers, L, heads, head_dim) in the weights' dtype "
+                f"{jnp.dtype(dtype).name}: {expected}"
+                + ("" if context_image is not None else " (no image keys/values: T2V)")
+                + (f", heads this device's share under tp_axis={tp_axis!r}" if tp_axis else "")
+                + f"; received {shapes} (field {bad[0]!r}). Compute it with "
+                "model.text_cache(context, context_image=...) for this model and context "
+                "(sharded: models.sharded_text_cache)."
+            )
+
+    @jaxtyped(typechecker=beartype)
+    def text_cache(
+        self,
+        context: Float[Array, "L {self.config.text_dim}"],
+        *,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+    ) -> WanTextCache:
+        """The keys and values of every block's cross-attention for `context` (and
+        `context_image`), computed exactly as `__call__` computes them: pass them as
+        `__call__(..., text_cache=...)` with the same context at every denoising step.
+
+        **Arguments:**
+
+        - `context`, `context_image`: as for `__call__` (one example; `jax.vmap` for a
+            batch).
+
+        **Returns:**
+
+        A [`WanTextCache`][]. Inside `shard_map` under tensor parallelism it holds this
+        device's heads, and must be computed there, as the model runs (`norm_k`'s
+        statistics are summed over `tp_axis`): [`sharded_text_cache`][] does it from
+        global inputs.
+        """
+        with jax.named_scope("vidax_eqx.models.WanTransformer3D.text_cache"):
+            if (self.img_emb is None) != (context_image is None):
+                raise ValueError(
+                    "WanTransformer3D.text_cache: `context_image` is required by an I2V model "
+                    f"(image_dim set) and refused otherwise; the model has image_dim="
+                    f"{self.config.image_dim}, received context_image="
+                    f"{None if context_image is None else context_image.shape}."
+                )
+            check_text("WanTransformer3D", self.parallel, context)
+            if context_image is not None:
+                check_text("WanTransformer3D", self.parallel, context_image)
+            self, (context, context_image) = nn.fsdp_gather(
+                self, (context, context_image), exclude=lambda m: m.blocks)
+            dtype = self.patch_embedding.weight.dtype
+            context, context_image = self._embed_context(context, context_image, dtype)
+            arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def layer(carry, block_arrays):
+                attn = eqx.combine(block_arrays, static).cross_attn
+                return carry, attn.project_context(context, context_image=context_image,
+                                                   context_copies=True)
+
+            k, v, k_img, v_img = lax.scan(layer, None, arrays)[1]
+            return WanTextCache(k, v, k_img, v_img)
 
     def _time(self, timestep):
         """`(t, e0)`: the float32 time embedding `(..., dim)` and its projection
@@ -855,6 +1034,64 @@ class WanTransformer3D(eqx.Module):
                                  max_shard_bytes=max_shard_bytes)
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
+
+
+def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=None,
+                       context_image=None) -> WanTextCache:
+    """[`WanTransformer3D.text_cache`][] of a batch over `mesh`, computed on each device
+    as [`run_sharded`][] runs the model (tensor-parallel heads, FSDP-gathered weights),
+    global inputs in, a global cache out: pass it to `run_sharded(..., text_cache=...)`
+    for bit for bit the output of a call without it.
+
+    **Arguments:**
+
+    - `model`: a [`WanTransformer3D`][] configured for the mesh, as for `run_sharded`
+        (a [`WanExperts`][] has one cache per expert: not supported).
+    - `context`: the text embeddings `(B, L, text_dim)`.
+    - `mesh`, `batch_axis`: as for `run_sharded`.
+    - `context_image`: I2V: the image features `(B, L_img, image_dim)`; else `None`.
+
+    **Returns:**
+
+    The batched [`WanTextCache`][] `(B, num_layers, L, num_heads, head_dim)`, placed by
+    [`WanTextCache.partition_specs`][]: the batch over `batch_axis`, the heads over the
+    model's `tp_axis`. Devices that hold the same heads of the same examples computed
+    equal copies (the same text and weights); under FSDP, where these are typed as
+    varying over the FSDP axes, one `lax.pmax` over those axes (exact on equal values)
+    makes them one array.
+    """
+    if not isinstance(model, WanTransformer3D):
+        raise NotImplementedError(
+            "sharded_text_cache: the text cache is implemented for a WanTransformer3D (one "
+            f"set of cross-attention weights); received a {type(model).__name__}."
+        )
+    batch_axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
+    if any(a is not None and a not in mesh.shape for a in batch_axes):
+        raise ValueError(f"sharded_text_cache: `batch_axis` {batch_axis!r} is not an axis (or "
+                         f"a tuple of axes) of the mesh {dict(mesh.shape)}.")
+    check_fsdp_axes("sharded_text_cache", model, mesh, batch_axis)
+    parallel = model.parallel
+    batch = P(batch_axis)
+    keep = {parallel.tp_axis, *batch_axes}
+    image = None if context_image is None else batch
+    shape = WanTextCache(0, 0, None if context_image is None else 0, None)
+
+    def per_device(model, context, context_image):
+        cache = jax.vmap(lambda c, i: model.text_cache(c, context_image=i))(
+            context, context_image)
+
+        def invariant(a):  # FSDP: equal copies typed as varying over the FSDP axes
+            extra = tuple(sorted(varying_axes(a) - keep, key=str))
+            return lax.pmax(a, extra) if extra else a
+
+        return jax.tree.map(invariant, cache)
+
+    run = nn.filter_shard_map(
+        per_device, mesh=mesh,
+        in_specs=(nn.partition_specs(model, mesh), batch, image),
+        out_specs=shape.partition_specs(parallel, batch_axis),
+    )
+    return run(model, context, context_image)
 
 
 def _layout(layout: str) -> str:

@@ -40,7 +40,7 @@ from ._checks import check_eps, check_heads, check_positive
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
-from ._parallel import check_context, check_parallel, ParallelConfig
+from ._parallel import check_context, check_parallel, check_text, ParallelConfig
 from ._rope import apply_rope
 
 
@@ -270,6 +270,11 @@ class CrossAttention(eqx.Module):
     `norm_k_img` (diffusers' `add_k_proj`, `add_v_proj`, `norm_added_k`), and the two
     attention outputs are added before `o`.
 
+    **Precomputed keys and values:** the text does not change across denoising steps,
+    so its keys and values can be computed once: [`project_context`][] returns them
+    (this device's heads), and `__call__(x, context_kv=...)` uses them instead of
+    projecting `context`, with bit for bit the same result.
+
     **Fields:** `q` (`Linear(dim, dim)`), `k`, `v` (`Linear(context_dim, dim)`), `o`
     (`Linear(dim, dim)`), all with bias; `norm_q`, `norm_k` ([`RMSNorm`][]`(dim)` or
     `None`); `k_img`, `v_img` (`Linear(image_context_dim, dim)`), `norm_k_img`, or
@@ -350,69 +355,175 @@ class CrossAttention(eqx.Module):
         self.qk_norm, self.eps = qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
 
+    def project_context(
+        self,
+        context: Float[Array, "S_ctx {self.context_dim}"],
+        *,
+        context_image: Float[Array, "S_img {self.image_context_dim}"] | None = None,
+        context_copies: bool = False,
+    ) -> tuple:
+        """The keys and values of the context, as `__call__` computes them: to compute
+        once and pass as `__call__(..., context_kv=...)` while the context does not
+        change (the text across denoising steps).
+
+        **Arguments:**
+
+        - `context`, `context_image`, `context_copies`: as for `__call__`.
+
+        **Returns:**
+
+        `(k, v, k_img, v_img)`: `k`, `v` of shape `(S_ctx, H, head_dim)` (`k` after
+        `norm_k`), `k_img`, `v_img` `(S_img, H, head_dim)` with the image branch, else
+        `None`. `H` is this device's number of heads: `num_heads`, or `num_heads / tp`
+        under tensor parallelism (computed inside `shard_map` as `__call__` computes
+        them, `norm_k`'s statistics summed over `tp_axis`).
+        """
+        with jax.named_scope("vidax_eqx.nn.CrossAttention.project_context"):
+            self._check_image(context_image)
+            if not context_copies:
+                check_text("CrossAttention", self.parallel, context)
+                if context_image is not None:
+                    check_text("CrossAttention", self.parallel, context_image)
+            self, (context, context_image) = fsdp_gather(self, (context, context_image))
+            return self._context_kv(context, context_image, None)
+
+    def _check_image(self, context_image) -> None:
+        if (self.k_img is None) != (context_image is None):
+            raise ValueError(
+                "CrossAttention: `context_image` is required with the image branch "
+                "(image_context_dim set) and refused without it; received image_context_dim="
+                f"{self.image_context_dim}, context_image="
+                f"{None if context_image is None else context_image.shape}."
+            )
+
+    def _context_kv(self, context, context_image, q):
+        """`(k, v, k_img, v_img)` of this device's heads (weights already gathered).
+        `q`: the queries `norm_k`'s collective waits for under TP, or `None` (the
+        context itself: the same `+ 0` on the values, see `_order.after`)."""
+        H = local_heads("CrossAttention", self, self.q)
+        S_ctx = context.shape[0]
+        wait = context if q is None else q
+        context = tp_input(context, self.parallel.tp_axis)
+        k = _qk_rms_norm(self.norm_k, _after_tp(linear(self.k, context), wait, self), self)
+        k = k.reshape(S_ctx, H, self.head_dim)
+        v = linear(self.v, context).reshape(S_ctx, H, self.head_dim)
+        if context_image is None:
+            return k, v, None, None
+        S_img = context_image.shape[0]
+        context_image = tp_input(context_image, self.parallel.tp_axis)
+        k_img = linear(self.k_img, context_image)
+        k_img = _qk_rms_norm(self.norm_k_img, _after_tp(k_img, k, self), self)
+        k_img = k_img.reshape(S_img, H, self.head_dim)
+        v_img = linear(self.v_img, context_image).reshape(S_img, H, self.head_dim)
+        return k, v, k_img, v_img
+
+    def _check_kv(self, context_kv, H: int) -> None:
+        """Raises unless `context_kv` is `(k, v, k_img, v_img)` of this module's
+        local heads, the image part present exactly with the image branch."""
+        def shape(a):
+            return None if a is None else tuple(getattr(a, "shape", ()))
+
+        ok = isinstance(context_kv, tuple) and len(context_kv) == 4
+        if ok:
+            k, v, k_img, v_img = context_kv
+            pairs = [(k, v)] + ([(k_img, v_img)] if self.k_img is not None else [])
+            ok = (self.k_img is not None) or (k_img is None and v_img is None)
+            for a, b in pairs:
+                ok = ok and all(
+                    eqx.is_array(t) and t.ndim == 3 and t.shape[1:] == (H, self.head_dim)
+                    for t in (a, b)) and shape(a) == shape(b)
+        if not ok:
+            image = "" if self.k_img is None else " and (S_img, H, head_dim) image keys/values"
+            received = (tuple(shape(a) for a in context_kv) if isinstance(context_kv, tuple)
+                        else type(context_kv).__name__)
+            raise ValueError(
+                f"CrossAttention: `context_kv` must be (k, v, k_img, v_img) as project_context "
+                f"returns them: (S_ctx, H, head_dim) text keys/values{image} with this "
+                f"device's H={H} heads and head_dim={self.head_dim}"
+                + ("" if self.k_img is not None else ", k_img = v_img = None (no image branch)")
+                + f"; received {received}."
+            )
+
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
         x: Float[Array, "S {self.dim}"],
-        context: Float[Array, "S_ctx {self.context_dim}"],
+        context: Float[Array, "S_ctx {self.context_dim}"] | None = None,
         *,
         context_mask: Bool[Array, " S_ctx"] | None = None,
         context_image: Float[Array, "S_img {self.image_context_dim}"] | None = None,
         context_copies: bool = False,
+        context_kv: tuple | None = None,
     ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
             sequence parallelism).
-        - `context`: the text tokens `(S_ctx, context_dim)`, whole on every device.
+        - `context`: the text tokens `(S_ctx, context_dim)`, whole on every device;
+            `None` with `context_kv`.
         - `context_mask`: optional bool `(S_ctx,)`, `True` for real text tokens.
             `None` (the reference's behaviour) attends to every text token. A query
             whose mask hides every token gets 0 before `o`.
         - `context_image`: the image tokens `(S_img, image_context_dim)` of the image
-            branch, whole on every device; required with the branch, refused without.
+            branch, whole on every device; required with the branch, refused without
+            (`None` with `context_kv`).
         - `context_copies`: `True` when `context` (and `context_image`) are this
             device's copies of text a model embedded on every device with its own
             (possibly FSDP-gathered) weights: equal in value, but typed as varying over
             the FSDP axes, so the check that the text is whole and the same on every
             device (which refuses a text sharded like `x`) is skipped; the model checks
             its raw text input instead.
+        - `context_kv`: the precomputed keys and values `(k, v, k_img, v_img)` of
+            [`project_context`][] (this device's heads), used instead of `context` and
+            `context_image` (which must then be `None`): the same result, bit for bit,
+            without projecting the context. `k`, `v` are not checked against a context.
 
         **Returns:**
 
         `(S, dim)`.
         """
         with jax.named_scope("vidax_eqx.nn.CrossAttention"):
-            check_context("CrossAttention", self.parallel, x,
-                          context=None if context_copies else context, sharded_x=False)
-            if context_image is not None and not context_copies:
-                check_context("CrossAttention", self.parallel, x, context=context_image,
-                              sharded_x=False)
-            self, (x, context, context_image) = fsdp_gather(self, (x, context, context_image))
+            if context_kv is not None and (context is not None or context_image is not None):
+                raise ValueError(
+                    "CrossAttention: `context_kv` (precomputed keys and values) replaces "
+                    "`context` and `context_image`; pass them as None with it. Received "
+                    f"context={None if context is None else context.shape}, context_image="
+                    f"{None if context_image is None else context_image.shape}."
+                )
+            if context_kv is None and context is None:
+                raise ValueError(
+                    "CrossAttention: one of `context` (the text tokens) and `context_kv` "
+                    "(their precomputed keys and values) is required; received neither."
+                )
+            if context_kv is None:
+                check_context("CrossAttention", self.parallel, x,
+                              context=None if context_copies else context, sharded_x=False)
+                if context_image is not None and not context_copies:
+                    check_context("CrossAttention", self.parallel, x, context=context_image,
+                                  sharded_x=False)
+                self._check_image(context_image)
+            else:
+                check_context("CrossAttention", self.parallel, x, sharded_x=False)
+            self, (x, context, context_image, context_kv) = fsdp_gather(
+                self, (x, context, context_image, context_kv))
             H = local_heads("CrossAttention", self, self.q)
-            S, S_ctx = x.shape[0], context.shape[0]
-            context = tp_input(context, self.parallel.tp_axis)
+            S = x.shape[0]
             q = _qk_rms_norm(self.norm_q, linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = _qk_rms_norm(self.norm_k, _after_tp(linear(self.k, context), q, self), self)
-            k = k.reshape(S_ctx, H, self.head_dim)
-            v = linear(self.v, context).reshape(S_ctx, H, self.head_dim)
+            if context_kv is None:
+                context_kv = self._context_kv(context, context_image, q)
+            else:
+                self._check_kv(context_kv, H)
+            k, v, k_img, v_img = context_kv
+            if context_mask is not None and context_mask.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"CrossAttention: `context_mask` has one entry per text token ({k.shape[0]}); "
+                    f"received shape {context_mask.shape}."
+                )
             mask = None if context_mask is None else context_mask[None, None, None, :]
             out = kernels.attention(
                 q[None], k[None], v[None], mask=mask, implementation=self.implementation
             )[0]
-            if (self.k_img is None) != (context_image is None):
-                raise ValueError(
-                    "CrossAttention: `context_image` is required with the image branch "
-                    "(image_context_dim set) and refused without it; received image_context_dim="
-                    f"{self.image_context_dim}, context_image="
-                    f"{None if context_image is None else context_image.shape}."
-                )
-            if context_image is not None:
-                S_img = context_image.shape[0]
-                context_image = tp_input(context_image, self.parallel.tp_axis)
-                k_img = linear(self.k_img, context_image)
-                k_img = _qk_rms_norm(self.norm_k_img, _after_tp(k_img, k, self), self)
-                k_img = k_img.reshape(S_img, H, self.head_dim)
-                v_img = linear(self.v_img, context_image).reshape(S_img, H, self.head_dim)
+            if k_img is not None:
                 out = out + kernels.attention(
                     q[None], k_img[None], v_img[None], implementation=self.implementation
                 )[0]

@@ -205,7 +205,7 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched):
 
 @eqx.filter_jit
 def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched, *,
-          scheduler, mesh, batch_axis, cfg_axis, static, progress):
+          scheduler, mesh, batch_axis, cfg_axis, static, progress, text_cache):
     guided = negative_context is not None
     boundary = getattr(model, "boundary_timestep", None)
     steps = plan.steps
@@ -213,6 +213,15 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
         context = jnp.concatenate([context, negative_context])
         batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
     axis = cfg_axis if cfg_axis is not None else batch_axis
+    if text_cache and isinstance(model, models.WanTransformer3D):
+        # The cross-attention's keys and values of both contexts, once per generation.
+        image = batched.get("context_image")
+        if mesh is None:
+            cache = jax.vmap(lambda c, i: model.text_cache(c, context_image=i))(context, image)
+        else:
+            cache = models.sharded_text_cache(model, context, mesh=mesh, batch_axis=axis,
+                                              context_image=image)
+        batched = {**batched, "text_cache": cache}
 
     def body(i, carry):
         latents, state = carry
@@ -239,7 +248,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
 def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
            guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
            batch_axis=None, cfg_axis=None, use_dynamic_cfg: bool = False, key=None,
-           progress: bool = False, **model_kwargs):
+           progress: bool = False, text_cache: bool = True, **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
     (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
     compiled program.
@@ -294,6 +303,15 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         draws with `jax.random.fold_in(key, i)`.
     - `progress`: a tqdm bar advanced by every step from inside the compiled loop
         (`jax.debug.callback`), when tqdm is installed and stdout is a terminal.
+    - `text_cache`: for a [`vidax_eqx.models.WanTransformer3D`][], compute the
+        blocks' cross-attention keys and values of `context` and `negative_context`
+        (and `context_image`) once, before the loop
+        ([`vidax_eqx.models.WanTransformer3D.text_cache`][]; with `mesh`,
+        [`vidax_eqx.models.sharded_text_cache`][]), instead of in every step: the same
+        latents, bit for bit. `False`: every step projects the text. Ignored for other
+        models: [`vidax_eqx.models.WanExperts`][] (one cache per expert: not done yet),
+        and CogVideoX, whose text goes through joint self-attention with the video
+        and changes in every block (its keys and values cannot be cached exactly).
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
         (`remat`, `sliding_tile`) is passed as it is.
@@ -325,6 +343,8 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     if not isinstance(use_dynamic_cfg, bool):
         raise ValueError(f"sample: `use_dynamic_cfg` must be True or False; received "
                          f"{use_dynamic_cfg!r}.")
+    if not isinstance(text_cache, bool):
+        raise ValueError(f"sample: `text_cache` must be True or False; received {text_cache!r}.")
     if scheduler.stochastic and key is None:
         raise ValueError(f"sample: `key` (a PRNG key) is required by the stochastic scheduler "
                          f"{type(scheduler).__name__}; received None.")
@@ -346,4 +366,4 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     return _loop(model, noise, context, negative_context if guided else None, scales,
                  dynamic, plan, key, batched, scheduler=scheduler, mesh=mesh,
                  batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
-                 progress=_progress_wanted(progress))
+                 progress=_progress_wanted(progress), text_cache=text_cache)
