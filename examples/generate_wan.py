@@ -273,7 +273,7 @@ def decode_video(vae_dir, latents):
     z_dim = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-    z = torch.from_numpy(np.asarray(latents, np.float32)) / inv_std + mean
+    z = torch.from_numpy(np.array(latents, np.float32)) / inv_std + mean  # a writable copy
     with torch.no_grad():
         video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
     video = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()

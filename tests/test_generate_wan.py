@@ -88,12 +88,16 @@ def test_help():
     assert proc.stderr == ""
 
 
+@pytest.mark.slow  # a fresh JAX in a subprocess: ~12 s of its ~25 s on 2 cores
 def test_command_line_pipeline_equals_sample(tmp_path):
     """The CLI on a pipeline directory: its transformer/, 2 UniPC steps, guidance 5."""
     root = _pipeline(tmp_path)
     embeddings, tensors = _embeddings(tmp_path)
     out = tmp_path / "latents.safetensors"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # one CPU device (this process's 8 simulated ones make XLA's CPU programs slower)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--checkpoint", str(root), "--embeddings", str(embeddings),
          "--steps", "2", "--seed", "3", *VIDEO, "--output", str(out)],
