@@ -3,6 +3,7 @@ run, scanned layers with rematerialization, and the one call that runs a model o
 
 import abc
 import json
+import math
 import os
 
 import equinox as eqx
@@ -184,18 +185,26 @@ class AbstractExperts(eqx.Module):
         axis) choose together."""
 
 
+def _batch_axes(batch_axis) -> tuple:
+    """`batch_axis` (`None`, one mesh axis name or a tuple of them) as a tuple of names."""
+    if batch_axis is None:
+        return ()
+    return tuple(batch_axis) if isinstance(batch_axis, (tuple, list)) else (batch_axis,)
+
+
 def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
-    """Raises unless each FSDP axis of `model` carries different data: the batch
-    (`batch_axis`) or the model's sequence. Along any other axis the devices would
-    compute the same thing, and the output (computed with weights gathered over that
-    axis) could not leave `shard_map` as replicated."""
+    """Raises unless each FSDP axis of `model` carries different data: the batch (any
+    axis of `batch_axis`, one mesh axis name or a tuple of them) or the model's
+    sequence. Along any other axis the devices would compute the same thing, and the
+    output (computed with weights gathered over that axis) could not leave `shard_map`
+    as replicated."""
     axes = nn.fsdp_axes_of(model)
     if not axes:
         return
     parallel = model.parallel if hasattr(model, "parallel") else nn.ParallelConfig()
     sequence = {"none": (), "usp": (parallel.sp_axis, parallel.ring_axis)}.get(
         parallel.sequence, (parallel.sp_axis,))
-    data = {batch_axis, *sequence} - {None}
+    data = {*_batch_axes(batch_axis), *sequence} - {None}
     idle = [a for a in axes if a not in data and mesh.shape.get(a, 1) > 1]
     if idle:
         raise ValueError(
@@ -214,7 +223,8 @@ def _kwarg_specs(value, model, batch_axis, batch):
     return value.partition_specs(getattr(model, "parallel", nn.ParallelConfig()), batch_axis)
 
 
-def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = None,
+def run_sharded(model, x, timestep, context, *, mesh,
+                batch_axis: str | tuple[str, ...] | None = None,
                 remat: str | None = None, sliding_tile=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
@@ -222,7 +232,9 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
     [`vidax_eqx.nn.partition_specs`][] (Megatron shards when the model's
     `parallel.tp_axis` is set; place them once beforehand with
     [`vidax_eqx.nn.shard_module`][] to avoid a reshard per call), the batch split over
-    `batch_axis` (data parallelism), everything else whole on every device. Inside,
+    `batch_axis` (data parallelism, and classifier-free guidance's conditional and
+    unconditional halves over an axis of their own), everything else whole on every
+    device. Inside,
     the model splits its own tokens over its sequence axes after the patch embedding
     and gathers them before unpatchify, as its [`vidax_eqx.nn.ParallelConfig`][]
     says (set it with [`vidax_eqx.nn.with_parallel`][]). Works under `eqx.filter_jit`
@@ -233,11 +245,15 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
 
     - `model`: e.g. a [`WanTransformer3D`][], configured for the mesh; or the
         experts of [`WanExperts`][], the whole (local) batch routed to one expert
-        when its timesteps agree (all devices of the batch axis agreeing), to both
+        when its timesteps agree (all devices of the batch axes agreeing), to both
         (each example's output from its own) when they do not.
     - `x`, `timestep`, `context`: batched inputs `(B, ...)`, as `jax.vmap(model)` takes.
     - `mesh`: a `jax.sharding.Mesh` with the model's axes (and `batch_axis`).
-    - `batch_axis`: the data-parallel mesh axis, or `None` (the batch on every device).
+    - `batch_axis`: the mesh axis the batch is split over; or a tuple of distinct mesh
+        axes, the batch split over their product, the first outermost (as in
+        `PartitionSpec(("cfg", "dp"))`: with 2 x 2 devices, `cfg` index 0 holds the
+        first half of the batch); or `None` (the batch on every device). `B` must be a
+        multiple of the number of devices it is split over.
     - `remat`: the model's rematerialization policy (see its `__call__`).
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
@@ -247,18 +263,40 @@ def run_sharded(model, x, timestep, context, *, mesh, batch_axis: str | None = N
 
     **Returns:**
 
-    The batched output, sharded over `batch_axis`.
+    The batched output, sharded over `batch_axis` (`PartitionSpec(batch_axis)`).
     """
-    if batch_axis is not None:
-        if batch_axis not in mesh.shape:
+    if isinstance(batch_axis, list):
+        batch_axis = tuple(batch_axis)
+    axes = _batch_axes(batch_axis)
+    if batch_axis is not None and not axes:
+        raise ValueError(
+            "run_sharded: `batch_axis` is a mesh axis name, a non-empty tuple of them, or "
+            "None; received (). Pass None to keep the batch on every device."
+        )
+    for a in axes:
+        if a not in mesh.shape:
             raise ValueError(
-                f"run_sharded: `batch_axis` {batch_axis!r} is not an axis of the mesh "
-                f"{dict(mesh.shape)}."
+                f"run_sharded: every axis of `batch_axis` must be an axis of the mesh "
+                f"{tuple(mesh.shape)}; {a!r} (of batch_axis={batch_axis!r}) is not. Add it "
+                f"to the mesh or leave it out of batch_axis."
             )
-        if x.shape[0] % mesh.shape[batch_axis]:
+    if len(set(axes)) != len(axes):
+        repeated = sorted({a for a in axes if axes.count(a) > 1})
+        raise ValueError(
+            f"run_sharded: the axes of `batch_axis` must be distinct; received "
+            f"batch_axis={batch_axis!r}, which repeats {', '.join(map(repr, repeated))}. "
+            f"Name each axis once."
+        )
+    if axes:
+        sizes = [mesh.shape[a] for a in axes]
+        devices = math.prod(sizes)
+        if x.shape[0] % devices:
+            split = " x ".join(f"{a!r} ({n})" for a, n in zip(axes, sizes))
             raise ValueError(
-                f"run_sharded: the batch ({x.shape[0]}) must be a multiple of the size of "
-                f"`batch_axis` {batch_axis!r} ({mesh.shape[batch_axis]})."
+                f"run_sharded: the batch must be a multiple of the number of devices it is "
+                f"split over, the size of `batch_axis` {batch_axis!r}: {split} = {devices}; "
+                f"received a batch of {x.shape[0]}. Pad the batch or split it over fewer "
+                f"devices."
             )
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
