@@ -145,11 +145,10 @@ def _check_mesh(mesh, batch_axis, cfg_axis, guided: bool, batch: int) -> None:
                 "sample: `cfg_axis` splits the conditional and unconditional passes of "
                 "classifier-free guidance, which runs only when guidance_scale > 1; "
                 "received cfg_axis with no guidance. Drop cfg_axis or raise guidance_scale.")
-        if batch_axis is not None:
-            raise NotImplementedError(
-                "sample: `cfg_axis` together with `batch_axis` needs models.run_sharded to "
-                "split the batch over two mesh axes (P((cfg_axis, batch_axis))); it takes "
-                "one batch axis. Use one of them.")
+        if batch_axis == cfg_axis:
+            raise ValueError(
+                f"sample: `cfg_axis` and `batch_axis` must be two different mesh axes; "
+                f"received {cfg_axis!r} for both.")
 
 
 # -- progress ----------------------------------------------------------------------------
@@ -212,7 +211,10 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
     if guided:
         context = jnp.concatenate([context, negative_context])
         batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
-    axis = cfg_axis if cfg_axis is not None else batch_axis
+    # The guided batch [conditional; unconditional] over cfg_axis (its outer half each),
+    # and each half over batch_axis.
+    axis = (cfg_axis, batch_axis) if None not in (cfg_axis, batch_axis) else (
+        cfg_axis if cfg_axis is not None else batch_axis)
     if text_cache and isinstance(model, models.WanTransformer3D):
         # The cross-attention's keys and values of both contexts, once per generation.
         image = batched.get("context_image")
@@ -293,8 +295,9 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         parallelism as its `ParallelConfig` says); `None`: one device.
     - `batch_axis`: the mesh axis the batch (the guided batch of `2B`) is split over.
     - `cfg_axis`: CFG parallelism: a mesh axis of size 2 whose first half runs the
-        conditional pass and the second the unconditional one. Not combined with
-        `batch_axis` (`run_sharded` takes one batch axis).
+        conditional pass and the second the unconditional one. With `batch_axis` as
+        well, each half's `B` examples are split over `batch_axis` (the guided batch
+        over `(cfg_axis, batch_axis)`).
     - `use_dynamic_cfg`: CogVideoX's dynamic guidance (diffusers'
         `CogVideoXPipeline(use_dynamic_cfg=True)`): the scale of the step at timestep
         `t` is `1 + guidance_scale * (1 - cos(pi * ((steps - t) / steps) ** 5)) / 2`,
