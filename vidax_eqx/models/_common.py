@@ -185,11 +185,51 @@ class AbstractExperts(eqx.Module):
         axis) choose together."""
 
 
-def _batch_axes(batch_axis) -> tuple:
+def batch_axes(batch_axis) -> tuple:
     """`batch_axis` (`None`, one mesh axis name or a tuple of them) as a tuple of names."""
     if batch_axis is None:
         return ()
     return tuple(batch_axis) if isinstance(batch_axis, (tuple, list)) else (batch_axis,)
+
+
+def check_batch_axis(owner: str, mesh, batch_axis, batch: int):
+    """`batch_axis` of a sharded call (`None`, a mesh axis name, or a tuple or list of
+    them) as `P` takes it, after checking it names distinct axes of `mesh` whose
+    devices divide the `batch`; a `ValueError` naming `owner` otherwise."""
+    if isinstance(batch_axis, list):
+        batch_axis = tuple(batch_axis)
+    axes = batch_axes(batch_axis)
+    if batch_axis is not None and not axes:
+        raise ValueError(
+            f"{owner}: `batch_axis` is a mesh axis name, a non-empty tuple of them, or "
+            "None; received (). Pass None to keep the batch on every device."
+        )
+    for a in axes:
+        if a not in mesh.shape:
+            raise ValueError(
+                f"{owner}: every axis of `batch_axis` must be an axis of the mesh "
+                f"{tuple(mesh.shape)}; {a!r} (of batch_axis={batch_axis!r}) is not. Add it "
+                f"to the mesh or leave it out of batch_axis."
+            )
+    if len(set(axes)) != len(axes):
+        repeated = sorted({a for a in axes if axes.count(a) > 1})
+        raise ValueError(
+            f"{owner}: the axes of `batch_axis` must be distinct; received "
+            f"batch_axis={batch_axis!r}, which repeats {', '.join(map(repr, repeated))}. "
+            f"Name each axis once."
+        )
+    if axes:
+        sizes = [mesh.shape[a] for a in axes]
+        devices = math.prod(sizes)
+        if batch % devices:
+            split = " x ".join(f"{a!r} ({n})" for a, n in zip(axes, sizes))
+            raise ValueError(
+                f"{owner}: the batch must be a multiple of the number of devices it is "
+                f"split over, the size of `batch_axis` {batch_axis!r}: {split} = {devices}; "
+                f"received a batch of {batch}. Pad the batch or split it over fewer "
+                f"devices."
+            )
+    return batch_axis
 
 
 def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
@@ -204,7 +244,7 @@ def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
     parallel = model.parallel if hasattr(model, "parallel") else nn.ParallelConfig()
     sequence = {"none": (), "usp": (parallel.sp_axis, parallel.ring_axis)}.get(
         parallel.sequence, (parallel.sp_axis,))
-    data = {*_batch_axes(batch_axis), *sequence} - {None}
+    data = {*batch_axes(batch_axis), *sequence} - {None}
     idle = [a for a in axes if a not in data and mesh.shape.get(a, 1) > 1]
     if idle:
         raise ValueError(
@@ -265,39 +305,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
 
     The batched output, sharded over `batch_axis` (`PartitionSpec(batch_axis)`).
     """
-    if isinstance(batch_axis, list):
-        batch_axis = tuple(batch_axis)
-    axes = _batch_axes(batch_axis)
-    if batch_axis is not None and not axes:
-        raise ValueError(
-            "run_sharded: `batch_axis` is a mesh axis name, a non-empty tuple of them, or "
-            "None; received (). Pass None to keep the batch on every device."
-        )
-    for a in axes:
-        if a not in mesh.shape:
-            raise ValueError(
-                f"run_sharded: every axis of `batch_axis` must be an axis of the mesh "
-                f"{tuple(mesh.shape)}; {a!r} (of batch_axis={batch_axis!r}) is not. Add it "
-                f"to the mesh or leave it out of batch_axis."
-            )
-    if len(set(axes)) != len(axes):
-        repeated = sorted({a for a in axes if axes.count(a) > 1})
-        raise ValueError(
-            f"run_sharded: the axes of `batch_axis` must be distinct; received "
-            f"batch_axis={batch_axis!r}, which repeats {', '.join(map(repr, repeated))}. "
-            f"Name each axis once."
-        )
-    if axes:
-        sizes = [mesh.shape[a] for a in axes]
-        devices = math.prod(sizes)
-        if x.shape[0] % devices:
-            split = " x ".join(f"{a!r} ({n})" for a, n in zip(axes, sizes))
-            raise ValueError(
-                f"run_sharded: the batch must be a multiple of the number of devices it is "
-                f"split over, the size of `batch_axis` {batch_axis!r}: {split} = {devices}; "
-                f"received a batch of {x.shape[0]}. Pad the batch or split it over fewer "
-                f"devices."
-            )
+    batch_axis = check_batch_axis("run_sharded", mesh, batch_axis, x.shape[0])
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
     names = sorted(kwargs)

@@ -23,6 +23,8 @@ from ..nn import functional
 from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ._common import (
+    batch_axes,
+    check_batch_axis,
     check_fsdp_axes,
     check_remat,
     load_pretrained,
@@ -1065,14 +1067,11 @@ def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=Non
             "sharded_text_cache: the text cache is implemented for a WanTransformer3D (one "
             f"set of cross-attention weights); received a {type(model).__name__}."
         )
-    batch_axes = batch_axis if isinstance(batch_axis, tuple) else (batch_axis,)
-    if any(a is not None and a not in mesh.shape for a in batch_axes):
-        raise ValueError(f"sharded_text_cache: `batch_axis` {batch_axis!r} is not an axis (or "
-                         f"a tuple of axes) of the mesh {dict(mesh.shape)}.")
+    batch_axis = check_batch_axis("sharded_text_cache", mesh, batch_axis, context.shape[0])
     check_fsdp_axes("sharded_text_cache", model, mesh, batch_axis)
     parallel = model.parallel
     batch = P(batch_axis)
-    keep = {parallel.tp_axis, *batch_axes}
+    keep = {parallel.tp_axis, *batch_axes(batch_axis)}
     image = None if context_image is None else batch
     shape = WanTextCache(0, 0, None if context_image is None else 0, None)
 
