@@ -13,6 +13,9 @@ call that runs a model over a mesh.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
     ([`WanTransformer3D.text_cache`][], [`sharded_text_cache`][] over a mesh) and taken
     by every denoising step.
+- [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
+    stack's residual of an earlier step ([`WanTransformer3D.cached_call`][],
+    [`run_sharded`][]`(step_cache=...)`).
 - [`save_training_state`][], [`restore_training_state`][]: training checkpoints (the
     model's arrays, the optimizer state, the step) with orbax, restored onto any mesh
     and parallel configuration.
@@ -26,6 +29,7 @@ from ._cogvideox import (
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
 from ._experts import WanExperts as WanExperts
+from ._step_cache import StepCache as StepCache
 from ._training import (
     restore_training_state as restore_training_state,
     save_training_state as save_training_state,

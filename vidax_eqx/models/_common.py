@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .. import interop, kernels, nn
 from ..nn._fsdp import has_shards, regather_policy
 from ..parallel import axis_size
+from ._step_cache import step_cache_specs
 
 
 REMAT_POLICIES = (
@@ -263,9 +264,14 @@ def _kwarg_specs(value, model, batch_axis, batch):
     return value.partition_specs(getattr(model, "parallel", nn.ParallelConfig()), batch_axis)
 
 
+_BATCH = "vidax_eqx.batch"
+"""The axis name `run_sharded` vmaps the batch with (a step cache sums over it)."""
+
+
 def run_sharded(model, x, timestep, context, *, mesh,
                 batch_axis: str | tuple[str, ...] | None = None,
-                remat: str | None = None, sliding_tile=None, **kwargs):
+                remat: str | None = None, sliding_tile=None, step_cache=None,
+                may_reuse=False, threshold=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
     `jax.shard_map` of `jax.vmap(model)`: the weights placed by
@@ -297,37 +303,64 @@ def run_sharded(model, x, timestep, context, *, mesh,
     - `remat`: the model's rematerialization policy (see its `__call__`).
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
+    - `step_cache`: step caching (a [`StepCache`][], batched and global: the
+        previous step's, or `StepCache()` for the first step): the model's
+        `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
+        [`WanTransformer3D.cached_call`][]), the change behind the decision summed over
+        the batch and every mesh axis, so that every device takes the same branch.
     - `**kwargs`: further batched array inputs of the model (e.g. `context_image`, or
         `text_cache`: a value with a `partition_specs(parallel, batch_axis)` method, a
         [`WanTextCache`][], is placed by the specs it returns, e.g. heads over `tp`).
 
     **Returns:**
 
-    The batched output, sharded over `batch_axis` (`PartitionSpec(batch_axis)`).
+    The batched output, sharded over `batch_axis` (`PartitionSpec(batch_axis)`); with
+    `step_cache`, `(output, step_cache)`, the cache's tokens split over the sequence
+    axes.
     """
     batch_axis = check_batch_axis("run_sharded", mesh, batch_axis, x.shape[0])
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
     names = sorted(kwargs)
     static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
+    cached = step_cache is not None
+    if cached and not hasattr(model, "cached_call"):
+        raise ValueError(
+            f"run_sharded: `step_cache` needs a model with step caching (cached_call: "
+            f"WanTransformer3D); received a {type(model).__name__}.")
+    decision = (jnp.asarray(may_reuse, bool),
+                None if threshold is None else jnp.asarray(threshold, jnp.float32))
 
-    def per_device(model, x, timestep, context, *extra):
+    def per_device(model, x, timestep, context, decision, *extra):
         def batch(model):
             def one(x, timestep, context, *extra):
-                return model(x, timestep, context, remat=remat, **static,
-                             **dict(zip(names, extra)))
+                kw = dict(zip(names, extra))
+                if not cached:
+                    return model(x, timestep, context, remat=remat, **static, **kw)
+                cache = kw.pop("step_cache")
+                return model.cached_call(
+                    x, timestep, context, cache, may_reuse=decision[0],
+                    threshold=decision[1], axis_name=(_BATCH, *mesh.axis_names),
+                    remat=remat, **static, **kw)
 
-            return jax.vmap(one)(x, timestep, context, *extra)
+            return jax.vmap(one, axis_name=_BATCH)(x, timestep, context, *extra)
 
         if isinstance(model, AbstractExperts):  # one expert per batch that agrees
             return model.route_batch(batch, timestep, axis_name=batch_axis)
         return batch(model)
 
+    if cached:
+        kwargs = {**kwargs, "step_cache": step_cache}
+        names = sorted(kwargs)
+    parallel = getattr(model, "parallel", nn.ParallelConfig())
     run = nn.filter_shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch,
+        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch, P(),
                   *(_kwarg_specs(kwargs[n], model, batch_axis, batch) for n in names)),
-        out_specs=batch,
+        out_specs=(batch, step_cache_specs(parallel, batch_axis)) if cached else batch,
+        # A step cache's decision sums over the vmapped batch's axis, a collective
+        # that shard_map's varying-axes checks do not take inside vmap.
+        check_vma=not cached,
     )
-    return run(model, x, timestep, context, *(kwargs[n] for n in names))
+    return run(model, x, timestep, context, decision, *(kwargs[n] for n in names))

@@ -14,7 +14,7 @@ import numpy as np
 from beartype import beartype
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
 from .._vma import varying_axes
@@ -33,6 +33,7 @@ from ._common import (
     scan_layers,
     sliding_tile_mask,
 )
+from ._step_cache import cached_blocks, check_step_cache, StepCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -734,82 +735,161 @@ class WanTransformer3D(eqx.Module):
         weights' dtype.
         """
         with jax.named_scope("vidax_eqx.models.WanTransformer3D"):
-            c = self.config
-            policy = check_remat(remat)
-            if (self.img_emb is None) != (context_image is None):
-                raise ValueError(
-                    "WanTransformer3D: `context_image` is required by an I2V model (image_dim "
-                    f"set) and refused otherwise; the model has image_dim={c.image_dim}, "
-                    f"received context_image={None if context_image is None else context_image.shape}."
-                )
-            parallel = self.parallel
-            # The text must come in whole and the same on every device: checked here,
-            # once (the blocks see it embedded, by weights FSDP may have gathered).
-            check_text("WanTransformer3D", parallel, context)
-            if context_image is not None:
-                check_text("WanTransformer3D", parallel, context_image)
-            # FSDP: everything but the blocks gathered now; the scan gathers one block
-            # at a time.
-            self, (x, timestep, context, context_image) = nn.fsdp_gather(
-                self, (x, timestep, context, context_image), exclude=lambda m: m.blocks)
-            dtype = self.patch_embedding.weight.dtype
-            grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
-            patches = functional.patchify(x.astype(dtype), c.patch_size)
+            return self._forward(x, timestep, context, context_image=context_image,
+                                 remat=remat, sliding_tile=sliding_tile,
+                                 text_cache=text_cache)
 
-            per_token = timestep.ndim == 1
-            if per_token and timestep.shape[0] != int(np.prod(grid)):
-                raise ValueError(
-                    "WanTransformer3D: a per-token `timestep` has one value per patch token: "
-                    f"{int(np.prod(grid))} for the latent grid {tuple(x.shape[1:])} (patch grid "
-                    f"{tuple(grid)}, patch_size {c.patch_size}); received {timestep.shape[0]}."
-                )
-            if not per_token:
-                t, e0 = self._time(timestep)
-            if text_cache is None:
-                context, context_image = self._embed_context(context, context_image, dtype)
-            else:
-                self._check_text_cache(text_cache, context, context_image, dtype)
+    @jaxtyped(typechecker=beartype)
+    def cached_call(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""] | Real[Array, " S"],
+        context: Float[Array, "L {self.config.text_dim}"],
+        step_cache: StepCache,
+        *,
+        may_reuse: Bool[ArrayLike, ""] = False,
+        threshold: Real[ArrayLike, ""] | None = None,
+        axis_name=None,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        remat: str | None = None,
+        sliding_tile: tuple | None = None,
+        text_cache: WanTextCache | None = None,
+    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
+        """`__call__` with step caching: a denoising step that may reuse the residual of
+        the block stack from the last step that ran it, instead of running the blocks
+        (MagCache's static schedules; TeaCache's and first-block cache's data-dependent
+        rule). Approximate by design when it reuses; exactly `__call__` when it runs
+        the blocks.
 
-            rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
-            mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
-            # A timestep per token is laid out, padded and split like the tokens; its
-            # embedding is computed for this device's tokens only.
-            per_token_arrays = (rope, timestep) if per_token else rope
-            if mask is not None:  # tile layout: tiles in raster order, zero padding rows
-                patches, per_token_arrays = jax.tree.map(
-                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
-                    (patches, per_token_arrays),
-                )
-            # Each device embeds only its share of the patches (padding: zero patches,
-            # invisible through segment id -1).
-            patches, per_token_arrays, segment_ids, n = padded_tokens(
-                patches, per_token_arrays, parallel,
-                tile_size=1 if mask is None else mask.tile_size,
+        **Arguments:**
+
+        - `x`, `timestep`, `context` and the keywords of `__call__`: as there.
+        - `step_cache`: the [`StepCache`][] the previous step returned, or the empty
+            `StepCache()` (the first step: every block runs).
+        - `may_reuse`: whether this step may reuse the residual (a bool scalar, the
+            same on every device: e.g. a static schedule's entry for this step). False
+            forces the blocks to run.
+        - `threshold`: `None`: a static schedule, the whole stack is skipped when
+            `may_reuse`. A number: the first-block rule: the first block always runs,
+            and the others are skipped when `may_reuse` and the relative L1 change of
+            the first block's residual (`sum |r - r_last| / sum |r_last|` over the real
+            tokens, `r_last` that of the last step that ran every block) is below it.
+        - `axis_name`: the axes the change is summed over besides this example's
+            tokens, so that one decision holds everywhere: the vmapped batch's axis
+            name and every mesh axis inside `shard_map` ([`run_sharded`][] passes
+            them). Under `jax.vmap` the decision must be summed over the vmapped axis
+            (else it is one per example and `lax.cond` runs both branches).
+
+        **Returns:**
+
+        `(out, step_cache)`: the prediction, as `__call__` returns it, and the cache
+        for the next step (its `reused` says whether this step reused).
+        """
+        with jax.named_scope("vidax_eqx.models.WanTransformer3D.cached_call"):
+            return self._forward(x, timestep, context, context_image=context_image,
+                                 remat=remat, sliding_tile=sliding_tile,
+                                 text_cache=text_cache,
+                                 step=(step_cache, may_reuse, threshold, axis_name))
+
+    def _forward(self, x, timestep, context, *, context_image, remat, sliding_tile,
+                 text_cache, step=None):
+        """The forward pass; with `step = (cache, may_reuse, threshold, axis_name)`,
+        through the step cache, returning `(out, cache)`."""
+        c = self.config
+        policy = check_remat(remat)
+        if (self.img_emb is None) != (context_image is None):
+            raise ValueError(
+                "WanTransformer3D: `context_image` is required by an I2V model (image_dim "
+                f"set) and refused otherwise; the model has image_dim={c.image_dim}, "
+                f"received context_image={None if context_image is None else context_image.shape}."
             )
-            if per_token:
-                rope, timestep = per_token_arrays
-                t, e0 = self._time(timestep)
-            else:
-                rope = per_token_arrays
-            tokens = self.patch_embedding.project(patches).astype(jnp.float32)
+        parallel = self.parallel
+        # The text must come in whole and the same on every device: checked here,
+        # once (the blocks see it embedded, by weights FSDP may have gathered).
+        check_text("WanTransformer3D", parallel, context)
+        if context_image is not None:
+            check_text("WanTransformer3D", parallel, context_image)
+        # FSDP: everything but the blocks gathered now; the scan gathers one block
+        # at a time.
+        self, (x, timestep, context, context_image) = nn.fsdp_gather(
+            self, (x, timestep, context, context_image), exclude=lambda m: m.blocks)
+        dtype = self.patch_embedding.weight.dtype
+        grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
+        patches = functional.patchify(x.astype(dtype), c.patch_size)
 
-            if text_cache is None:
-                def block(x, b):
-                    return b(x, e0, context, rope, segment_ids, context_image, mask)
+        per_token = timestep.ndim == 1
+        if per_token and timestep.shape[0] != int(np.prod(grid)):
+            raise ValueError(
+                "WanTransformer3D: a per-token `timestep` has one value per patch token: "
+                f"{int(np.prod(grid))} for the latent grid {tuple(x.shape[1:])} (patch grid "
+                f"{tuple(grid)}, patch_size {c.patch_size}); received {timestep.shape[0]}."
+            )
+        if not per_token:
+            t, e0 = self._time(timestep)
+        if text_cache is None:
+            context, context_image = self._embed_context(context, context_image, dtype)
+        else:
+            self._check_text_cache(text_cache, context, context_image, dtype)
 
-                tokens = scan_layers(block, tokens, self.blocks, policy)
-            else:  # one layer's keys and values per step, with its block
-                def block(x, layer):
-                    b, kv = layer
-                    return b(x, e0, None, rope, segment_ids, None, mask,
-                             context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
+        rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
+        mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
+        # A timestep per token is laid out, padded and split like the tokens; its
+        # embedding is computed for this device's tokens only.
+        per_token_arrays = (rope, timestep) if per_token else rope
+        if mask is not None:  # tile layout: tiles in raster order, zero padding rows
+            patches, per_token_arrays = jax.tree.map(
+                lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
+                (patches, per_token_arrays),
+            )
+        # Each device embeds only its share of the patches (padding: zero patches,
+        # invisible through segment id -1).
+        patches, per_token_arrays, segment_ids, n = padded_tokens(
+            patches, per_token_arrays, parallel,
+            tile_size=1 if mask is None else mask.tile_size,
+        )
+        if per_token:
+            rope, timestep = per_token_arrays
+            t, e0 = self._time(timestep)
+        else:
+            rope = per_token_arrays
+        tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
-                tokens = scan_layers(block, tokens, (self.blocks, text_cache), policy)
-            out = self.head(tokens, t)
-            out = nn.gather_tokens(out, parallel)[:n]
-            if mask is not None:
-                out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
-            return functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+        if text_cache is None:
+            def block(x, b):
+                return b(x, e0, context, rope, segment_ids, context_image, mask)
+
+            layers = self.blocks
+        else:  # one layer's keys and values per step, with its block
+            def block(x, layer):
+                b, kv = layer
+                return b(x, e0, None, rope, segment_ids, None, mask,
+                         context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
+
+            layers = (self.blocks, text_cache)
+
+        def run(x, start, stop):  # blocks [start, stop)
+            if (start, stop) != (0, c.num_layers):
+                arrays, static = eqx.partition(layers, eqx.is_array)
+                sliced = jax.tree.map(lambda a: a[start:stop], arrays)
+                return scan_layers(block, x, eqx.combine(sliced, static), policy)
+            return scan_layers(block, x, layers, policy)
+
+        if step is None:
+            tokens = run(tokens, 0, c.num_layers)
+        else:
+            cache, may_reuse, threshold, axis_name = step
+            check_step_cache("WanTransformer3D.cached_call", cache, tokens, may_reuse,
+                             threshold)
+            valid = None if segment_ids is None else segment_ids >= 0
+            tokens, cache = cached_blocks(run, tokens, c.num_layers, cache,
+                                          may_reuse=may_reuse, threshold=threshold,
+                                          valid=valid, axis_name=axis_name)
+        out = self.head(tokens, t)
+        out = nn.gather_tokens(out, parallel)[:n]
+        if mask is not None:
+            out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
+        out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+        return out if step is None else (out, cache)
 
     def _embed_context(self, context, context_image, dtype):
         """The text padded to `text_len` (when the config pads) and embedded, and the

@@ -10,6 +10,9 @@ above [`vidax_eqx.models`][].
 - [`CogVideoXDDIM`][], [`CogVideoXDPM`][]: CogVideoX's (diffusers'
     `CogVideoXDDIMScheduler`, CogVideoX-2B's default, and `CogVideoXDPMScheduler`,
     which CogVideoX runs its 5B models with).
+- [`StaticStepCache`][], [`FirstBlockCache`][]: step caching, `sample`'s opt-in
+    reuse of the block stack's residual on steps that change little (a static
+    schedule; a data-dependent rule decided once for every device).
 - [`AbstractScheduler`][]: their contract, `plan` / `init` / `step` / `timestep`;
     [`SchedulerPlan`][] and [`SchedulerState`][] are the arrays a denoising loop
     carries, so that the whole loop is one `lax.fori_loop`.
@@ -23,3 +26,4 @@ from ._schedulers import (
     SchedulerState as SchedulerState,
 )
 from ._sample import sample as sample
+from ._step_cache import FirstBlockCache as FirstBlockCache, StaticStepCache as StaticStepCache

@@ -1,6 +1,7 @@
 """One call that samples: the whole denoising loop of a Wan model, classifier-free
 guidance batched or over a mesh axis, in one compiled `lax.fori_loop`."""
 
+import functools
 import math
 import sys
 
@@ -14,6 +15,7 @@ from .. import models
 from ._cogvideox import CogVideoXDDIM, CogVideoXDPM
 from ._flow_match import FlowMatchEuler, UniPC
 from ._schedulers import AbstractScheduler
+from ._step_cache import FirstBlockCache, StaticStepCache
 
 
 SCHEDULERS = {
@@ -190,21 +192,32 @@ def _progress_wanted(progress) -> bool:
 # -- the loop ----------------------------------------------------------------------------
 
 
-def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched):
-    """The model's batched prediction at one scalar timestep (every example's)."""
+_BATCH = "vidax_eqx.sampling.batch"
+
+
+def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, step=None):
+    """The model's batched prediction at one scalar timestep (every example's); with
+    `step = (cache, may_reuse, threshold)`, through the step cache: `(out, cache)`."""
     B = x.shape[0]
     if mesh is not None:
         t = jnp.broadcast_to(timestep, (B,))
+        cached = {} if step is None else dict(zip(("step_cache", "may_reuse", "threshold"), step))
         return models.run_sharded(model, x, t, context, mesh=mesh, batch_axis=batch_axis,
-                                  **static, **batched)
+                                  **static, **cached, **batched)
+    if step is not None:  # one decision for the batch: summed over the vmapped axis
+        cache, may_reuse, threshold = step
+        return jax.vmap(lambda x, c, k, kw: model.cached_call(
+            x, timestep, c, k, may_reuse=may_reuse, threshold=threshold, axis_name=_BATCH,
+            **static, **kw), axis_name=_BATCH)(x, context, cache, batched)
     # One timestep for the whole batch, kept out of the vmap: an expert model's
     # routing (a lax.cond on the timestep) stays a cond and runs one expert.
     return jax.vmap(lambda x, c, kw: model(x, timestep, c, **static, **kw))(x, context, batched)
 
 
 @eqx.filter_jit
-def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched, *,
-          scheduler, mesh, batch_axis, cfg_axis, static, progress, text_cache):
+def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched,
+          reuse, *, scheduler, mesh, batch_axis, cfg_axis, static, progress, text_cache,
+          threshold):
     guided = negative_context is not None
     boundary = getattr(model, "boundary_timestep", None)
     steps = plan.steps
@@ -225,12 +238,27 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
                                               context_image=image)
         batched = {**batched, "text_cache": cache}
 
+    predict = functools.partial(_predict, mesh=mesh, batch_axis=axis, static=static,
+                                batched=batched)
+    cache = None
+    if reuse is not None:  # step caching: the cache's shapes from an abstract first step
+        x = jnp.concatenate([noise, noise]) if guided else noise
+        t0 = scheduler.timestep(plan, 0)
+        shapes = eqx.filter_eval_shape(
+            lambda: predict(model, x, t0, context, step=(models.StepCache(), False, threshold))[1])
+        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        reused = jnp.zeros(steps, bool)
+
     def body(i, carry):
-        latents, state = carry
+        latents, state, cache_carry = carry
         t = scheduler.timestep(plan, i)
         x = jnp.concatenate([latents, latents]) if guided else latents
-        out = _predict(model, x, t, context, mesh=mesh, batch_axis=axis, static=static,
-                       batched=batched)
+        if cache_carry is None:
+            out = predict(model, x, t, context)
+        else:
+            cache, reused = cache_carry
+            out, cache = predict(model, x, t, context, step=(cache, reuse[i], threshold))
+            cache_carry = cache, reused.at[i].set(cache.reused[0])
         if guided:
             cond, uncond = jnp.split(out, 2)
             scale = scales[0] if boundary is None else jnp.where(t >= boundary, scales[0], scales[1])
@@ -241,16 +269,18 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
         latents, state = scheduler.step(plan, state, i, out, latents, key=step_key)
         if progress:
             jax.debug.callback(_BARS.advance, i, steps)
-        return latents, state
+        return latents, state, cache_carry
 
-    latents, _ = lax.fori_loop(0, steps, body, (noise, scheduler.init(noise)))
-    return latents
+    carry = (noise, scheduler.init(noise), None if cache is None else (cache, reused))
+    latents, _, cache_carry = lax.fori_loop(0, steps, body, carry)
+    return latents if cache is None else (latents, cache_carry[1])
 
 
 def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
            guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
            batch_axis=None, cfg_axis=None, use_dynamic_cfg: bool = False, key=None,
-           progress: bool = False, text_cache: bool = True, **model_kwargs):
+           progress: bool = False, text_cache: bool = True, step_cache=None,
+           return_reused: bool = False, **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
     (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
     compiled program.
@@ -315,13 +345,25 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         models: [`vidax_eqx.models.WanExperts`][] (one cache per expert: not done yet),
         and CogVideoX, whose text goes through joint self-attention with the video
         and changes in every block (its keys and values cannot be cached exactly).
+    - `step_cache`: step caching, off by default: a [`StaticStepCache`][] (a fixed
+        set of steps reuse the residual of the whole block stack from the last step
+        that ran it) or a [`FirstBlockCache`][] (every step runs the first block, and
+        skips the others when their input changed by less than a threshold). An
+        approximation, traded for speed: the steps that run every block are exact.
+        One decision per step for the whole batch (guidance's two halves included),
+        reduced over every device when sharded. For a
+        [`vidax_eqx.models.WanTransformer3D`][] (any sequence mode, TP, FSDP; with
+        the text cache); not for [`vidax_eqx.models.WanExperts`][] or CogVideoX yet.
+    - `return_reused`: with `step_cache`, return `(latents, reused)`: `reused` a
+        `(steps,)` bool array, which steps reused.
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
         (`remat`, `sliding_tile`) is passed as it is.
 
     **Returns:**
 
-    The final latents, the shape and dtype of `noise`.
+    The final latents, the shape and dtype of `noise` (and `reused`, see
+    `return_reused`).
     """
     if not _is_int(steps) or steps < 1:
         raise ValueError(f"sample: `steps` (the number of denoising steps) must be a Python "
@@ -351,6 +393,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     if scheduler.stochastic and key is None:
         raise ValueError(f"sample: `key` (a PRNG key) is required by the stochastic scheduler "
                          f"{type(scheduler).__name__}; received None.")
+    reuse = _check_step_cache(model, step_cache, return_reused, steps)
     batched = {k: v for k, v in model_kwargs.items() if eqx.is_array(v)}
     static = {k: v for k, v in model_kwargs.items() if not eqx.is_array(v)}
     for name, value in batched.items():
@@ -366,7 +409,40 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         dynamic = jnp.asarray([(1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
                                for t in np.asarray(plan.timesteps, np.float64).tolist()],
                               jnp.float32)
-    return _loop(model, noise, context, negative_context if guided else None, scales,
-                 dynamic, plan, key, batched, scheduler=scheduler, mesh=mesh,
-                 batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
-                 progress=_progress_wanted(progress), text_cache=text_cache)
+    out = _loop(model, noise, context, negative_context if guided else None, scales,
+                dynamic, plan, key, batched, reuse, scheduler=scheduler, mesh=mesh,
+                batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
+                progress=_progress_wanted(progress), text_cache=text_cache,
+                threshold=_threshold(step_cache))
+    if step_cache is not None and not return_reused:
+        return out[0]
+    return out
+
+
+def _threshold(step_cache):
+    """The data-dependent rule's threshold as a traced scalar (changing it does not
+    recompile), or `None` (a static schedule, or no step caching)."""
+    threshold = getattr(step_cache, "threshold", None)
+    return None if threshold is None else jnp.asarray(threshold, jnp.float32)
+
+
+def _check_step_cache(model, step_cache, return_reused, steps: int):
+    """The `(steps,)` bool array of the steps that may reuse, or `None` without step
+    caching; raises on a rule or model that cannot."""
+    if not isinstance(return_reused, bool):
+        raise ValueError(f"sample: `return_reused` must be True or False; received "
+                         f"{return_reused!r}.")
+    if step_cache is None:
+        if return_reused:
+            raise ValueError("sample: `return_reused` reports which steps reused the step "
+                             "cache; it needs `step_cache`, which is None.")
+        return None
+    if not isinstance(step_cache, (StaticStepCache, FirstBlockCache)):
+        raise ValueError(
+            "sample: `step_cache` must be None, a sampling.StaticStepCache or a "
+            f"sampling.FirstBlockCache; received {type(step_cache).__name__}.")
+    if not hasattr(model, "cached_call"):
+        raise NotImplementedError(
+            f"sample: step caching runs through the model's cached_call (WanTransformer3D); "
+            f"a {type(model).__name__} has none (WanExperts and CogVideoX: not yet).")
+    return jnp.asarray(step_cache.mask(steps))
