@@ -92,8 +92,9 @@ TEXT = (7, 32)  # (tokens, text_dim)
 # -- model, data and loss ----------------------------------------------------------------
 
 
-def init_model(seed):
-    """A `WanTransformer3D(CONFIG)` with weights drawn by NumPy.
+def init_model(seed, config=CONFIG):
+    """A `WanTransformer3D(config)` with weights drawn by NumPy (`config`: a
+    `models.WanConfig`, by default this example's `CONFIG`).
 
     The model is built abstractly (`eqx.filter_eval_shape`: shapes only; its static
     config and `ParallelConfig` leaves are the constructor's) and each array drawn on
@@ -102,7 +103,7 @@ def init_model(seed):
     initialization compiles a random kernel per weight, which on a 2-core CPU takes
     longer than the training here.)
     """
-    abstract = eqx.filter_eval_shape(models.WanTransformer3D, CONFIG, key=jax.random.PRNGKey(0))
+    abstract = eqx.filter_eval_shape(models.WanTransformer3D, config, key=jax.random.PRNGKey(0))
     rng = np.random.default_rng([seed, 2])
 
     def draw(path, leaf):
