@@ -10,6 +10,8 @@ above [`vidax_eqx.models`][].
 - [`CogVideoXDDIM`][], [`CogVideoXDPM`][]: CogVideoX's (diffusers'
     `CogVideoXDDIMScheduler`, CogVideoX-2B's default, and `CogVideoXDPMScheduler`,
     which CogVideoX runs its 5B models with).
+- [`export_sample`][], [`ExportedSampler`][]: `sample`'s compiled loop exported
+    (`jax.export`) and serialized, for a server that reloads it instead of tracing.
 - [`StaticStepCache`][], [`FirstBlockCache`][]: step caching, `sample`'s opt-in
     reuse of the block stack's residual on steps that change little (a static
     schedule; a data-dependent rule decided once for every device).
@@ -25,5 +27,6 @@ from ._schedulers import (
     SchedulerPlan as SchedulerPlan,
     SchedulerState as SchedulerState,
 )
+from ._export import ExportedSampler as ExportedSampler, export_sample as export_sample
 from ._sample import sample as sample
 from ._step_cache import FirstBlockCache as FirstBlockCache, StaticStepCache as StaticStepCache

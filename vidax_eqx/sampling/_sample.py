@@ -216,11 +216,13 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, 
 
 @eqx.filter_jit
 def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched,
-          reuse, *, scheduler, mesh, batch_axis, cfg_axis, static, progress, text_cache,
-          threshold):
+          reuse, steps, *, scheduler, mesh, batch_axis, cfg_axis, static, progress,
+          text_cache, threshold):
+    """The denoising loop, `steps` of the plan's rows: a Python int (a static trip
+    count: `lax.fori_loop` lowers to a scan) or a traced one (a while loop over a plan
+    padded to its capacity, one program for any number of steps)."""
     guided = negative_context is not None
     boundary = getattr(model, "boundary_timestep", None)
-    steps = plan.steps
     if guided:
         context = jnp.concatenate([context, negative_context])
         batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
@@ -247,7 +249,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
         shapes = eqx.filter_eval_shape(
             lambda: predict(model, x, t0, context, step=(models.StepCache(), False, threshold))[1])
         cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        reused = jnp.zeros(steps, bool)
+        reused = jnp.zeros(plan.steps, bool)
 
     def body(i, carry):
         latents, state, cache_carry = carry
@@ -280,7 +282,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
            guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
            batch_axis=None, cfg_axis=None, use_dynamic_cfg: bool = False, key=None,
            progress: bool = False, text_cache: bool = True, step_cache=None,
-           return_reused: bool = False, **model_kwargs):
+           return_reused: bool = False, max_steps: int | None = None, **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
     (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
     compiled program.
@@ -292,9 +294,10 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
             x = scheduler.step(plan, state, i, v, x)
 
     The loop runs under `eqx.filter_jit` (the model is an argument): it compiles once
-    per number of steps, scheduler, mesh and input shapes, and the guidance scales are
-    traced (changing them does not recompile). `sample` itself works inside a caller's
-    `eqx.filter_jit` too.
+    per number of steps (once for every number up to `max_steps` with it), scheduler,
+    mesh and input shapes, and the guidance scales are traced (changing them does not
+    recompile). `sample` itself works inside a caller's `eqx.filter_jit` too;
+    [`export_sample`][] exports the compiled loop for a server to reload.
 
     **Arguments:**
 
@@ -356,6 +359,11 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         the text cache); not for [`vidax_eqx.models.WanExperts`][] or CogVideoX yet.
     - `return_reused`: with `step_cache`, return `(latents, reused)`: `reused` a
         `(steps,)` bool array, which steps reused.
+    - `max_steps`: `None` (default): the loop's trip count is `steps`, static (the
+        loop lowers to a scan, which can be differentiated). An int >= `steps`: the
+        plan is padded to `max_steps` rows and the trip count is traced, so that one
+        compiled program serves every number of steps up to `max_steps` (a while
+        loop; the same latents).
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
         (`remat`, `sliding_tile`) is passed as it is.
@@ -365,9 +373,32 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     The final latents, the shape and dtype of `noise` (and `reused`, see
     `return_reused`).
     """
+    args, kwargs = _prepare(
+        "sample", model, noise, context, negative_context=negative_context,
+        guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
+        max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
+        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=progress,
+        text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
+        model_kwargs=model_kwargs)
+    out = _loop(*args, **kwargs)
+    if step_cache is not None and not return_reused:
+        return out[0]
+    return out
+
+
+def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
+             guidance_scale_2, steps, max_steps, scheduler, mesh, batch_axis, cfg_axis,
+             use_dynamic_cfg, key, progress, text_cache, step_cache, return_reused,
+             model_kwargs):
+    """`sample`'s arguments checked and turned into `_loop`'s: `(args, kwargs)`, the
+    positional arrays (and the model) and the static keywords."""
     if not _is_int(steps) or steps < 1:
-        raise ValueError(f"sample: `steps` (the number of denoising steps) must be a Python "
+        raise ValueError(f"{owner}: `steps` (the number of denoising steps) must be a Python "
                          f"int >= 1; received {steps!r}.")
+    if max_steps is not None and (not _is_int(max_steps) or max_steps < steps):
+        raise ValueError(
+            f"{owner}: `max_steps` (the most steps the compiled loop serves) must be None or "
+            f"a Python int >= steps ({steps}); received {max_steps!r}.")
     scheduler = _scheduler(scheduler)
     _check_scale("guidance_scale", guidance_scale)
     _check_scale("guidance_scale_2", guidance_scale_2, required=False)
@@ -402,28 +433,37 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
                 f"sample: the model argument `{name}` must be per example, (B, ...) with "
                 f"B = {noise.shape[0]}; received shape {value.shape}.")
     scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-    scales = jnp.asarray([guidance_scale, scale_2], jnp.float32)
+    # Host values go in with device_put (jnp.asarray compiles a small program per shape).
+    scales = jax.device_put(np.asarray([guidance_scale, scale_2], np.float32))
     plan = scheduler.plan(steps)
     dynamic = None
     if use_dynamic_cfg:  # on the host in float64, as diffusers computes it (math.cos)
-        dynamic = jnp.asarray([(1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
-                               for t in np.asarray(plan.timesteps, np.float64).tolist()],
-                              jnp.float32)
-    out = _loop(model, noise, context, negative_context if guided else None, scales,
-                dynamic, plan, key, batched, reuse, scheduler=scheduler, mesh=mesh,
-                batch_axis=batch_axis, cfg_axis=cfg_axis, static=static,
-                progress=_progress_wanted(progress), text_cache=text_cache,
-                threshold=_threshold(step_cache))
-    if step_cache is not None and not return_reused:
-        return out[0]
-    return out
+        dynamic = jax.device_put(np.asarray(
+            [(1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
+             for t in np.asarray(plan.timesteps, np.float64).tolist()], np.float32))
+    count = steps
+    if max_steps is not None:  # one program for any steps <= max_steps: a traced count
+        plan, count = plan.padded(max_steps), jax.device_put(np.int32(steps))
+        if dynamic is not None:
+            dynamic = jax.device_put(np.pad(np.asarray(dynamic), (0, max_steps - steps),
+                                            mode="edge"))
+        if reuse is not None:
+            reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
+    args = (model, noise, context, negative_context if guided else None, scales, dynamic,
+            plan, key, batched, reuse, count)
+    kwargs = dict(scheduler=scheduler, mesh=mesh, batch_axis=batch_axis, cfg_axis=cfg_axis,
+                  static=static, progress=_progress_wanted(progress), text_cache=text_cache,
+                  threshold=_threshold(step_cache))
+    return args, kwargs
+
+
 
 
 def _threshold(step_cache):
     """The data-dependent rule's threshold as a traced scalar (changing it does not
     recompile), or `None` (a static schedule, or no step caching)."""
     threshold = getattr(step_cache, "threshold", None)
-    return None if threshold is None else jnp.asarray(threshold, jnp.float32)
+    return None if threshold is None else jax.device_put(np.float32(threshold))
 
 
 def _check_step_cache(model, step_cache, return_reused, steps: int):
@@ -445,4 +485,4 @@ def _check_step_cache(model, step_cache, return_reused, steps: int):
         raise NotImplementedError(
             f"sample: step caching runs through the model's cached_call (WanTransformer3D); "
             f"a {type(model).__name__} has none (WanExperts and CogVideoX: not yet).")
-    return jnp.asarray(step_cache.mask(steps))
+    return jax.device_put(step_cache.mask(steps))

@@ -40,6 +40,21 @@ class SchedulerPlan(eqx.Module):
         """The number of denoising steps (static: the arrays' length)."""
         return self.timesteps.shape[0]
 
+    def padded(self, capacity: int) -> "SchedulerPlan":
+        """This plan's arrays padded to `capacity >= steps` steps (by repeating their
+        last row), so that one compiled loop of `capacity` rows runs any number of
+        steps up to it, the count passed separately (`sample(max_steps=...)`): step
+        `i < steps` reads exactly this plan's row `i`."""
+        extra = capacity - self.steps
+        if extra < 0:
+            raise ValueError(f"SchedulerPlan.padded: `capacity` ({capacity}) must be at least "
+                             f"the plan's {self.steps} steps.")
+        def pad(a):  # on the host: no program per capacity
+            a = np.asarray(a)
+            return jnp.asarray(np.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1), mode="edge"))
+
+        return SchedulerPlan(pad(self.timesteps), pad(self.sigmas), pad(self.coefficients))
+
 
 class SchedulerState(eqx.Module):
     """What a scheduler carries from one step to the next: `history`, `(n, *shape)`
@@ -130,10 +145,11 @@ def make_plan(timesteps, sigmas, coefficients) -> SchedulerPlan:
     """A plan from host arrays: timesteps and sigmas as float32, coefficients in JAX's
     default float dtype."""
     return SchedulerPlan(
-        timesteps=jnp.asarray(np.asarray(timesteps, np.float32)),
-        sigmas=jnp.asarray(np.asarray(sigmas, np.float32)),
-        coefficients=jnp.asarray(np.asarray(coefficients, np.float64),
-                                 jax.dtypes.canonicalize_dtype(np.float64)),
+        # device_put: jnp.asarray would compile a small program per shape.
+        timesteps=jax.device_put(np.asarray(timesteps, np.float32)),
+        sigmas=jax.device_put(np.asarray(sigmas, np.float32)),
+        coefficients=jax.device_put(np.asarray(np.asarray(coefficients, np.float64),
+                                               jax.dtypes.canonicalize_dtype(np.float64))),
     )
 
 

@@ -1,0 +1,229 @@
+"""`sample` exported with `jax.export`: the denoising loop traced and lowered once,
+serialized, and reloaded by a server that runs it without tracing the model again."""
+
+import dataclasses
+import hashlib
+import json
+
+import equinox as eqx
+import jax
+
+from . import _cogvideox, _flow_match, _step_cache
+from ._sample import _loop, _prepare
+from ._schedulers import AbstractScheduler
+
+_FORMAT = "vidax_eqx.sampling.ExportedSampler/1"
+_CLASSES = {cls.__name__: cls for cls in (
+    _flow_match.FlowMatchEuler, _flow_match.UniPC, _cogvideox.CogVideoXDDIM,
+    _cogvideox.CogVideoXDPM, _step_cache.StaticStepCache, _step_cache.FirstBlockCache)}
+
+
+def _encode(obj):
+    """A scheduler or step-cache rule as JSON: its class and its fields."""
+    if obj is None:
+        return None
+    if type(obj).__name__ not in _CLASSES:
+        raise ValueError(f"export_sample: cannot export a {type(obj).__name__} (only the "
+                         f"schedulers and step-cache rules of vidax_eqx.sampling).")
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return {"class": type(obj).__name__,
+            "fields": {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
+
+
+def _decode(spec):
+    if spec is None:
+        return None
+    cls = _CLASSES[spec["class"]]
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["fields"].items()}
+    return cls(**fields)
+
+
+def _describe(leaf) -> str:
+    """A process-independent description of a non-array leaf (no memory addresses)."""
+    if callable(leaf) and hasattr(leaf, "__qualname__"):
+        return f"{getattr(leaf, '__module__', '')}.{leaf.__qualname__}"
+    return repr(leaf)
+
+
+def _fingerprint(dynamic, static) -> str:
+    """What a program was traced for beyond the shapes `jax.export` checks: the model's
+    structure, its static configuration and non-array leaves (`ParallelConfig`,
+    activations)."""
+    text = str(jax.tree.structure(dynamic)) + "|" + str(jax.tree.structure(static)) + "|" + \
+        ";".join(_describe(leaf) for leaf in jax.tree.leaves(static))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExportedSampler:
+    """A [`sample`][] call exported with `jax.export` ([`export_sample`][]): the
+    denoising loop for one model configuration, input shapes, scheduler, guidance mode
+    and mesh, serializable to bytes. Reloaded ([`deserialize`][ExportedSampler.deserialize])
+    and called, it runs the loop without tracing the model again (XLA still compiles
+    the program once per process, unless JAX's persistent compilation cache holds it:
+    `jax.config.update("jax_compilation_cache_dir", path)`).
+
+    The weights are not in it: the call takes the model (e.g. loaded from its
+    checkpoint), whose arrays must have the exported shapes, dtypes and shardings, and
+    whose configuration (config, `ParallelConfig`, activations) must be the exported
+    one, which is checked. With a `max_steps` export it runs any number of steps up to
+    it; without one, exactly the exported number.
+    """
+
+    def __init__(self, exported: jax.export.Exported, settings: dict):
+        self.exported = exported
+        self.settings = settings
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps a call may run (the exported `steps` without `max_steps`)."""
+        return self.settings["max_steps"] or self.settings["steps"]
+
+    def serialize(self) -> bytes:
+        """The exported program and its settings as bytes (a JSON header, then
+        `jax.export`'s serialization)."""
+        header = json.dumps({"format": _FORMAT, **self.settings}).encode()
+        return len(header).to_bytes(8, "little") + header + bytes(self.exported.serialize())
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> "ExportedSampler":
+        """The sampler that [`serialize`][ExportedSampler.serialize] wrote."""
+        n = int.from_bytes(data[:8], "little")
+        try:
+            settings = json.loads(data[8:8 + n])
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            settings = None
+        if not isinstance(settings, dict) or settings.pop("format", None) != _FORMAT:
+            raise ValueError("ExportedSampler.deserialize: `data` is not an exported sampler "
+                             "(ExportedSampler.serialize's bytes).")
+        return cls(jax.export.deserialize(bytearray(data[8 + n:])), settings)
+
+    def __call__(self, model, noise, context, *, negative_context=None, guidance_scale=None,
+                 guidance_scale_2=None, steps=None, key=None, **model_kwargs):
+        """Runs the exported loop: the arguments of [`sample`][] that vary between
+        requests (the model's weights, the noise, the text embeddings, the guidance
+        scales, the number of steps up to `max_steps`, the key, per-example model
+        arrays); the others are the exported ones.
+
+        **Returns:**
+
+        What `sample` returns with the exported settings.
+        """
+        s = self.settings
+        steps = s["steps"] if steps is None else steps
+        if s["max_steps"] is None and steps != s["steps"]:
+            raise ValueError(
+                f"ExportedSampler: `steps` must be the exported {s['steps']} (it was exported "
+                f"without max_steps); received {steps!r}. Export with max_steps=N to serve "
+                "any number of steps up to N.")
+        if guidance_scale is None:
+            guidance_scale = s["guidance_scale"]
+        if (guidance_scale > 1) != s["guided"]:
+            raise ValueError(
+                f"ExportedSampler: the sampler was exported {'with' if s['guided'] else 'without'}"
+                f" classifier-free guidance (guidance_scale > 1: {s['guided']}); received "
+                f"guidance_scale={guidance_scale!r}.")
+        args, kwargs = self._prepare(model, noise, context, negative_context=negative_context,
+                                     guidance_scale=guidance_scale,
+                                     guidance_scale_2=guidance_scale_2, steps=steps, key=key,
+                                     model_kwargs=model_kwargs)
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        if _fingerprint(dynamic, (static, kwargs["static"])) != s["fingerprint"]:
+            raise ValueError(
+                "ExportedSampler: the model (its structure, config or ParallelConfig), the "
+                "inputs' structure or the non-array model arguments (remat, sliding_tile) "
+                "differ from those the sampler was exported for; export it again for them.")
+        if s["mesh"] is not None:
+            _check_mesh(s["mesh"], args)
+        out = self.exported.call(*jax.tree.leaves(dynamic))
+        if s["step_cache"] is not None and not s["return_reused"]:
+            return out[0]
+        return out
+
+    def _prepare(self, model, noise, context, **kwargs):
+        s = self.settings
+        return _prepare(
+            "ExportedSampler", model, noise, context, max_steps=s["max_steps"],
+            scheduler=_decode(s["scheduler"]), mesh=_mesh_of(model) if s["mesh"] else None,
+            batch_axis=_axes(s["batch_axis"]), cfg_axis=s["cfg_axis"],
+            use_dynamic_cfg=s["use_dynamic_cfg"], progress=False, text_cache=s["text_cache"],
+            step_cache=_decode(s["step_cache"]), return_reused=s["return_reused"], **kwargs)
+
+
+def _axes(batch_axis):
+    return tuple(batch_axis) if isinstance(batch_axis, list) else batch_axis
+
+
+def _mesh_of(model):
+    """The mesh the model's arrays are placed on (`nn.shard_module`), or `None`."""
+    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _check_mesh(expected: dict, args) -> None:
+    mesh = _mesh_of(args[0])
+    got = None if mesh is None else dict(mesh.shape)
+    if got != expected:
+        raise ValueError(
+            f"ExportedSampler: the model must be placed on a mesh of the exported shape "
+            f"{expected} (nn.shard_module(model, mesh)); received a model on {got}.")
+
+
+def export_sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
+                  guidance_scale_2=None, steps: int = 50, max_steps: int | None = None,
+                  scheduler=None, mesh=None, batch_axis=None, cfg_axis=None,
+                  use_dynamic_cfg: bool = False, key=None, text_cache: bool = True,
+                  step_cache=None, return_reused: bool = False,
+                  **model_kwargs) -> ExportedSampler:
+    """[`sample`][]'s denoising loop exported with `jax.export`, for a server that
+    reloads it instead of tracing and lowering the model at start-up:
+
+        exported = sampling.export_sample(model, noise, context, negative_context=neg,
+                                          steps=50, max_steps=100)
+        blob = exported.serialize()                            # bytes, to a file
+        sampler = sampling.ExportedSampler.deserialize(blob)   # in the server
+        latents = sampler(model, noise, context, negative_context=neg, steps=30,
+                          guidance_scale=6.0)
+
+    **Arguments:**
+
+    As for [`sample`][] (without `progress`: a host callback cannot be exported). The
+    inputs fix the exported shapes and dtypes (their values are not kept); `steps`,
+    `guidance_scale` and `key` are defaults of the calls, which may change them (the
+    number of steps up to `max_steps`; `guidance_scale` on the same side of 1). With
+    `mesh`, the model must be placed on it ([`vidax_eqx.nn.shard_module`][]) and the
+    call's model on a mesh of the same shape.
+
+    **Returns:**
+
+    An [`ExportedSampler`][].
+    """
+    args, kwargs = _prepare(
+        "export_sample", model, noise, context, negative_context=negative_context,
+        guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
+        max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
+        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=False,
+        text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
+        model_kwargs=model_kwargs)
+    dynamic, static = eqx.partition(args, eqx.is_array)
+
+    leaves, treedef = jax.tree.flatten(dynamic)
+
+    def run(*leaves):  # flat arrays in: jax.export serializes no module types
+        return _loop(*eqx.combine(jax.tree.unflatten(treedef, leaves), static), **kwargs)
+
+    exported = jax.export.export(jax.jit(run))(*leaves)
+    scheduler = kwargs["scheduler"]
+    assert isinstance(scheduler, AbstractScheduler)
+    settings = dict(
+        steps=steps, max_steps=max_steps, guidance_scale=float(guidance_scale),
+        guided=guidance_scale > 1, scheduler=_encode(scheduler),
+        mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+        batch_axis=list(batch_axis) if isinstance(batch_axis, tuple) else batch_axis,
+        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, text_cache=text_cache,
+        step_cache=_encode(step_cache), return_reused=return_reused,
+        fingerprint=_fingerprint(dynamic, (static, kwargs["static"])),
+    )
+    return ExportedSampler(exported, settings)
