@@ -70,6 +70,11 @@ class ExportedSampler:
     """
 
     def __init__(self, exported: jax.export.Exported, settings: dict):
+        """Made by [`export_sample`][] and [`deserialize`][ExportedSampler.deserialize]:
+        `exported`, the `jax.export.Exported` loop over the flat arrays of its inputs;
+        `settings`, everything else the call needs (JSON: the scheduler, guidance
+        mode, mesh shape, step-cache rule, steps, and a fingerprint of the model's
+        configuration)."""
         self.exported = exported
         self.settings = settings
 
