@@ -38,7 +38,9 @@ transformer's).
 
 **Sampling.** `vidax_eqx.sampling.sample`: `--steps`, `--scheduler` (`unipc`, the
 default of diffusers' Wan pipelines, or `euler`), `--shift` (3.0: Wan at 480p; 5.0 at
-720p), `--guidance-scale` (and `--guidance-scale-2`, A14B's low-noise expert). The
+720p), `--guidance-scale` (and `--guidance-scale-2`, A14B's low-noise expert); step caching
+with `--first-block-cache THRESHOLD` or `--static-step-cache INTERVAL` (after
+`--cache-warmup` steps; the steps that reused are printed). The
 initial latents are `jax.random.normal(jax.random.key(seed), (B, C, F, H, W), float32)`
 (or `--noise FILE` with a `noise` tensor, e.g. diffusers' own draw), where
 `F = (frames - 1) // 4 + 1`, `H = height // s`, `W = width // s` with the VAE's scale
@@ -113,6 +115,16 @@ def parse_args(argv=None):
     s.add_argument("--width", type=int, default=832, help="pixels (default 832)")
     s.add_argument("--latent-shape", type=int, nargs=4, metavar=("C", "F", "H", "W"),
                    help="the latent shape, instead of --frames/--height/--width")
+    cache = s.add_mutually_exclusive_group()
+    cache.add_argument("--first-block-cache", type=float, metavar="THRESHOLD",
+                       help="step caching, the first-block rule: skip the other blocks when "
+                            "the first block's residual changed by less than THRESHOLD "
+                            "(e.g. 0.1) since the last full step (not for A14B)")
+    cache.add_argument("--static-step-cache", type=int, metavar="INTERVAL",
+                       help="step caching, a static schedule: after --cache-warmup steps, "
+                            "run the blocks at one step in INTERVAL, reuse at the others")
+    s.add_argument("--cache-warmup", type=int, default=1,
+                   help="the first steps that always run every block (default 1)")
     s.add_argument("--mesh", type=_mesh_spec, default={},
                    help="sample sharded, e.g. sp=4,tp=2 or sp=2,tp=2,cfg=2 (axes dp, sp, tp, cfg)")
     o = p.add_argument_group("output")
@@ -372,16 +384,29 @@ def main(argv=None):
     scheduler = (sampling.UniPC if args.scheduler == "unipc" else sampling.FlowMatchEuler)(
         shift=args.shift)
 
+    step_cache = None
+    if args.first_block_cache is not None:
+        step_cache = sampling.FirstBlockCache(args.first_block_cache, warmup=args.cache_warmup)
+    elif args.static_step_cache is not None:
+        step_cache = sampling.StaticStepCache(interval=args.static_step_cache,
+                                              warmup=args.cache_warmup)
+
     t0 = time.perf_counter()
-    latents = sampling.sample(
+    out = sampling.sample(
         model, noise, context, negative_context=negative, guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2, steps=args.steps, scheduler=scheduler,
         mesh=mesh, batch_axis="dp" if args.mesh.get("dp", 1) > 1 else None,
-        cfg_axis="cfg" if "cfg" in args.mesh else None, progress=True)
+        cfg_axis="cfg" if "cfg" in args.mesh else None, progress=True,
+        step_cache=step_cache, return_reused=step_cache is not None)
+    latents, reused = out if step_cache is not None else (out, None)
     latents = np.asarray(jax.device_get(latents), np.float32)
     mesh_text = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"
     print(f"sampled     {latents.shape} in {args.steps} {args.scheduler} steps, guidance "
           f"{args.guidance_scale}, {mesh_text}: {time.perf_counter() - t0:.1f} s")
+    if reused is not None:
+        steps_reused = np.flatnonzero(np.asarray(reused)).tolist()
+        print(f"step cache  {len(steps_reused)} of {args.steps} steps reused the block "
+              f"stack's residual: {steps_reused}")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     if args.output.endswith(".npy"):

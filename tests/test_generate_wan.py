@@ -137,6 +137,22 @@ def test_transformer_directory_sharded(tmp_path, example, capsys):
     np.testing.assert_allclose(load_file(str(out))["latents"], expected, rtol=0, atol=1e-5)
 
 
+def test_step_cache(tmp_path, example, capsys):
+    """`--static-step-cache 2` (warmup 1) on 4 steps: step 2 reuses, as in `sample`."""
+    root = os.path.join(FIXTURES, "t2v", "diffusers")
+    embeddings, tensors = _embeddings(tmp_path)
+    out = tmp_path / "latents.npy"
+    example.main(["--checkpoint", root, "--embeddings", str(embeddings), "--steps", "4",
+                  "--scheduler", "euler", *VIDEO, "--static-step-cache", "2",
+                  "--output", str(out)])
+    assert "1 of 4 steps reused the block stack's residual: [2]" in capsys.readouterr().out
+    model = models.WanTransformer3D.from_pretrained(root)
+    rule = sampling.StaticStepCache(interval=2, warmup=1)
+    expected = _expected(model, tensors, (4, 2, 4, 6), steps=4, step_cache=rule,
+                         scheduler=sampling.FlowMatchEuler(shift=3.0))
+    np.testing.assert_array_equal(np.load(out), expected)
+
+
 def test_latent_shape_from_vae_config(example):
     wan21 = type("C", (), {"in_channels": 16})()
     assert example.latent_shape(wan21, None, 81, 480, 832) == (16, 21, 60, 104)
