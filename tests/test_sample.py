@@ -195,12 +195,6 @@ def test_bad_mesh(t2v, io, mesh_axes, changes, match):
         sampling.sample(t2v, **_bad(io, mesh=harness.mesh(**mesh_axes), **changes))
 
 
-def test_unsupported_raise(t2v, io):
-    i2v = models.WanTransformer3D.from_pretrained(os.path.join(FIXTURES, "wan", "i2v", "diffusers"))
-    with pytest.raises(NotImplementedError, match="image-conditioned"):
-        sampling.sample(i2v, **_bad(io))
-
-
 # -- 5. progress -------------------------------------------------------------------------
 
 

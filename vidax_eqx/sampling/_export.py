@@ -103,7 +103,7 @@ class ExportedSampler:
         return cls(jax.export.deserialize(bytearray(data[8 + n:])), settings)
 
     def __call__(self, model, noise, context, *, negative_context=None, guidance_scale=None,
-                 guidance_scale_2=None, steps=None, key=None, **model_kwargs):
+                 guidance_scale_2=None, steps=None, key=None, condition=None, **model_kwargs):
         """Runs the exported loop: the arguments of [`sample`][] that vary between
         requests (the model's weights, the noise, the text embeddings, the guidance
         scales, the number of steps up to `max_steps`, the key, per-example model
@@ -130,7 +130,7 @@ class ExportedSampler:
         args, kwargs = self._prepare(model, noise, context, negative_context=negative_context,
                                      guidance_scale=guidance_scale,
                                      guidance_scale_2=guidance_scale_2, steps=steps, key=key,
-                                     model_kwargs=model_kwargs)
+                                     condition=condition, model_kwargs=model_kwargs)
         dynamic, static = eqx.partition(args, eqx.is_array)
         if _fingerprint(dynamic, (static, kwargs["static"])) != s["fingerprint"]:
             raise ValueError(
@@ -180,7 +180,7 @@ def export_sample(model, noise, context, *, negative_context=None, guidance_scal
                   guidance_scale_2=None, steps: int = 50, max_steps: int | None = None,
                   scheduler=None, mesh=None, batch_axis=None, cfg_axis=None,
                   use_dynamic_cfg: bool = False, key=None, text_cache: bool = True,
-                  step_cache=None, return_reused: bool = False,
+                  step_cache=None, return_reused: bool = False, condition=None,
                   **model_kwargs) -> ExportedSampler:
     """[`sample`][]'s denoising loop exported with `jax.export`, for a server that
     reloads it instead of tracing and lowering the model at start-up:
@@ -211,7 +211,7 @@ def export_sample(model, noise, context, *, negative_context=None, guidance_scal
         max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
         cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=False,
         text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
-        model_kwargs=model_kwargs)
+        condition=condition, model_kwargs=model_kwargs)
     dynamic, static = eqx.partition(args, eqx.is_array)
 
     leaves, treedef = jax.tree.flatten(dynamic)

@@ -90,16 +90,10 @@ def _check_inputs(model, noise, context, negative_context) -> None:
     B, C = noise.shape[0], noise.shape[axis]
     config = getattr(model, "config", None)
     if layout is not None:
-        if config.in_channels != config.out_channels:
-            raise NotImplementedError(
-                f"sample: an image-conditioned model (in_channels {config.in_channels} != "
-                f"out_channels {config.out_channels}: Wan I2V, CogVideoX I2V) needs its "
-                "condition latents concatenated to the latents every step, which sample "
-                "does not do yet.")
-        if C != config.in_channels:
+        if C != config.out_channels:
             raise ValueError(
-                f"sample: `noise` must have the model's {config.in_channels} latent channels "
-                f"(axis {axis} of {names}); received shape {noise.shape}.")
+                f"sample: `noise` must have the model's {config.out_channels} latent channels "
+                f"(out_channels; axis {axis} of {names}); received shape {noise.shape}.")
         grid = [noise.shape[a] for a in range(1, 5) if a != axis]  # F, H, W
         if any(n % p for n, p in zip(grid, patch)):
             raise ValueError(
@@ -118,6 +112,53 @@ def _check_inputs(model, noise, context, negative_context) -> None:
             f"sample: `negative_context` must have the shape of `context` {context.shape} "
             f"(pad or cut both to the same text length); received shape "
             f"{_shape(negative_context)}.")
+
+
+def _conditioning(model, noise, condition):
+    """How `condition` enters the model: `None` (no condition), `("concat", axis)`
+    (concatenated to the latents along the channel axis before every call: Wan I2V /
+    FLF2V, CogVideoX I2V, any model whose `in_channels` exceed its `out_channels`), or
+    `("frames", n)` (the first `n` latent frames replaced by the condition's, their
+    tokens at timestep 0: Wan 2.2 TI2V); raises on a condition that does not fit."""
+    layout = _layout(model)
+    axis, patch, _, names = layout or (1, None, None, "(B, C, F, H, W)")
+    config = getattr(model, "config", None)
+    extra = 0 if layout is None else config.in_channels - config.out_channels
+    if condition is None:
+        if extra:
+            raise ValueError(
+                f"sample: `condition` is required by an image-conditioned model (in_channels "
+                f"{config.in_channels} = the latents' {config.out_channels} + {extra} condition "
+                f"channels: Wan I2V, CogVideoX I2V): the {names} latents concatenated to the "
+                "noisy latents at every step (diffusers' `condition` / `image_latents`).")
+        return None
+    shape = _shape(condition)
+    if extra or layout is None:
+        expected = list(noise.shape)
+        expected[axis] = extra if extra else (shape[axis] if len(shape) == 5 else "C")
+        if list(shape) != expected:
+            raise ValueError(
+                f"sample: `condition` must be the condition latents {names} concatenated to "
+                f"the noisy latents along axis {axis}: shape {tuple(expected)}; received "
+                f"{shape}.")
+        return ("concat", axis)
+    if not isinstance(model, models.WanTransformer3D):
+        raise ValueError(
+            f"sample: `condition` for a model whose in_channels equal its out_channels "
+            f"replaces the first latent frames (Wan 2.2 TI2V), which a {type(model).__name__} "
+            "does not take; received a condition.")
+    B, C, F, H, W = noise.shape
+    if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != (B, C, H, W) or not (
+            1 <= shape[2] <= F):
+        raise ValueError(
+            f"sample: `condition` of Wan 2.2 TI2V must be the clean latents of the first "
+            f"frames, (B, C, F_c, H, W) = ({B}, {C}, F_c, {H}, {W}) with 1 <= F_c <= {F} "
+            f"(the encoded image: F_c = 1); received {shape}.")
+    if shape[2] % patch[0]:
+        raise ValueError(
+            f"sample: the condition's {shape[2]} frames must be whole patches of "
+            f"{patch[0]} frames; received {shape}.")
+    return ("frames", shape[2])
 
 
 def _check_mesh(mesh, batch_axis, cfg_axis, guided: bool, batch: int) -> None:
@@ -200,7 +241,7 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, 
     `step = (cache, may_reuse, threshold)`, through the step cache: `(out, cache)`."""
     B = x.shape[0]
     if mesh is not None:
-        t = jnp.broadcast_to(timestep, (B,))
+        t = jnp.broadcast_to(timestep, (B, *timestep.shape))
         cached = {} if step is None else dict(zip(("step_cache", "may_reuse", "threshold"), step))
         return models.run_sharded(model, x, t, context, mesh=mesh, batch_axis=batch_axis,
                                   **static, **cached, **batched)
@@ -216,8 +257,8 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, 
 
 @eqx.filter_jit
 def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched,
-          reuse, steps, *, scheduler, mesh, batch_axis, cfg_axis, static, progress,
-          text_cache, threshold):
+          reuse, steps, condition, *, scheduler, mesh, batch_axis, cfg_axis, static,
+          progress, text_cache, threshold, conditioning):
     """The denoising loop, `steps` of the plan's rows: a Python int (a static trip
     count: `lax.fori_loop` lowers to a scan) or a traced one (a while loop over a plan
     padded to its capacity, one program for any number of steps)."""
@@ -242,10 +283,25 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
 
     predict = functools.partial(_predict, mesh=mesh, batch_axis=axis, static=static,
                                 batched=batched)
+    mode, arg = conditioning or (None, None)
+    if mode == "frames":  # TI2V: the first `arg` frames are the condition's
+        kept = (jnp.arange(noise.shape[2]) < arg)[None, None, :, None, None]
+        condition = jnp.pad(condition.astype(noise.dtype),
+                            ((0, 0), (0, 0), (0, noise.shape[2] - arg), (0, 0), (0, 0)))
+
+    def model_input(latents, t):
+        """The model's latents and timestep at step timestep `t` (both halves' x)."""
+        if mode == "concat":
+            latents = jnp.concatenate([latents, condition.astype(latents.dtype)], axis=arg)
+        elif mode == "frames":  # diffusers' (1 - mask) * condition + mask * latents
+            latents = jnp.where(kept, condition, latents)
+            t = models.wan_image_timestep(t, noise.shape[2:], patch_size=model.config.patch_size,
+                                          cond_frames=arg)
+        return (jnp.concatenate([latents, latents]) if guided else latents), t
+
     cache = None
     if reuse is not None:  # step caching: the cache's shapes from an abstract first step
-        x = jnp.concatenate([noise, noise]) if guided else noise
-        t0 = scheduler.timestep(plan, 0)
+        x, t0 = model_input(noise, scheduler.timestep(plan, 0))
         shapes = eqx.filter_eval_shape(
             lambda: predict(model, x, t0, context, step=(models.StepCache(), False, threshold))[1])
         cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -254,12 +310,12 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
     def body(i, carry):
         latents, state, cache_carry = carry
         t = scheduler.timestep(plan, i)
-        x = jnp.concatenate([latents, latents]) if guided else latents
+        x, t_in = model_input(latents, t)
         if cache_carry is None:
-            out = predict(model, x, t, context)
+            out = predict(model, x, t_in, context)
         else:
             cache, reused = cache_carry
-            out, cache = predict(model, x, t, context, step=(cache, reuse[i], threshold))
+            out, cache = predict(model, x, t_in, context, step=(cache, reuse[i], threshold))
             cache_carry = cache, reused.at[i].set(cache.reused[0])
         if guided:
             cond, uncond = jnp.split(out, 2)
@@ -275,6 +331,8 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
 
     carry = (noise, scheduler.init(noise), None if cache is None else (cache, reused))
     latents, _, cache_carry = lax.fori_loop(0, steps, body, carry)
+    if mode == "frames":  # the condition's frames, clean, as diffusers returns them
+        latents = jnp.where(kept, condition, latents)
     return latents if cache is None else (latents, cache_carry[1])
 
 
@@ -282,7 +340,8 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
            guidance_scale_2=None, steps: int = 50, scheduler=None, mesh=None,
            batch_axis=None, cfg_axis=None, use_dynamic_cfg: bool = False, key=None,
            progress: bool = False, text_cache: bool = True, step_cache=None,
-           return_reused: bool = False, max_steps: int | None = None, **model_kwargs):
+           return_reused: bool = False, max_steps: int | None = None, condition=None,
+           **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
     (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
     compiled program.
@@ -308,7 +367,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         are not checked against a config).
     - `noise`: the initial latents (standard normal), in the model's layout: Wan's
         `(B, C, F, H, W)`, CogVideoX's `(B, F, C, H, W)` (diffusers'); `C` the model's
-        `in_channels`, `F, H, W` multiples of its patch size.
+        `out_channels`, `F, H, W` multiples of its patch size.
     - `context`: the text embeddings `(B, L, text_dim)`.
     - `negative_context`: the unconditional (negative prompt) embeddings, the shape of
         `context`; required when `guidance_scale > 1` (diffusers' pipeline encodes
@@ -359,6 +418,21 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         the text cache); not for [`vidax_eqx.models.WanExperts`][] or CogVideoX yet.
     - `return_reused`: with `step_cache`, return `(latents, reused)`: `reused` a
         `(steps,)` bool array, which steps reused.
+    - `condition`: image-to-video, the encoded image (the VAE stays outside, like the
+        text encoder), as diffusers' `WanImageToVideoPipeline` and
+        `CogVideoXImageToVideoPipeline` build it:
+        - a model whose `in_channels` exceed its `out_channels` (Wan 2.1 I2V and
+          FLF2V, Wan 2.2 A14B I2V, CogVideoX I2V): the latents concatenated to the
+          noisy latents along the channel axis before every model call, the shape of
+          `noise` with `in_channels - out_channels` channels (Wan: diffusers'
+          `condition`, the 4 mask channels then the image's 16; CogVideoX: its
+          `image_latents`, the image's frame then zeros);
+        - Wan 2.2 TI2V (`in_channels == out_channels`): the clean latents of the first
+          `F_c` frames `(B, C, F_c, H, W)` (the image: `F_c = 1`): every call sees them
+          in place of those frames, with their tokens at timestep 0
+          ([`vidax_eqx.models.wan_image_timestep`][]), and the returned latents hold
+          them (diffusers' `expand_timesteps`).
+        Pass the CLIP features of an I2V model as `context_image=` (a model argument).
     - `max_steps`: `None` (default): the loop's trip count is `steps`, static (the
         loop lowers to a scan, which can be differentiated). An int >= `steps`: the
         plan is padded to `max_steps` rows and the trip count is traced, so that one
@@ -379,7 +453,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
         cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=progress,
         text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
-        model_kwargs=model_kwargs)
+        condition=condition, model_kwargs=model_kwargs)
     out = _loop(*args, **kwargs)
     if step_cache is not None and not return_reused:
         return out[0]
@@ -389,7 +463,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
 def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
              guidance_scale_2, steps, max_steps, scheduler, mesh, batch_axis, cfg_axis,
              use_dynamic_cfg, key, progress, text_cache, step_cache, return_reused,
-             model_kwargs):
+             condition, model_kwargs):
     """`sample`'s arguments checked and turned into `_loop`'s: `(args, kwargs)`, the
     positional arrays (and the model) and the static keywords."""
     if not _is_int(steps) or steps < 1:
@@ -415,6 +489,7 @@ def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
             f"guidance; received guidance_scale={guidance_scale!r}): pass the embeddings of "
             "the negative (or empty) prompt, or guidance_scale=1.0 for none.")
     _check_inputs(model, noise, context, negative_context)
+    conditioning = _conditioning(model, noise, condition)
     _check_mesh(mesh, batch_axis, cfg_axis, guided, noise.shape[0])
     if not isinstance(use_dynamic_cfg, bool):
         raise ValueError(f"sample: `use_dynamic_cfg` must be True or False; received "
@@ -450,10 +525,10 @@ def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
         if reuse is not None:
             reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
     args = (model, noise, context, negative_context if guided else None, scales, dynamic,
-            plan, key, batched, reuse, count)
+            plan, key, batched, reuse, count, condition)
     kwargs = dict(scheduler=scheduler, mesh=mesh, batch_axis=batch_axis, cfg_axis=cfg_axis,
                   static=static, progress=_progress_wanted(progress), text_cache=text_cache,
-                  threshold=_threshold(step_cache))
+                  threshold=_threshold(step_cache), conditioning=conditioning)
     return args, kwargs
 
 
