@@ -290,7 +290,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
                             ((0, 0), (0, 0), (0, noise.shape[2] - arg), (0, 0), (0, 0)))
 
     def model_input(latents, t):
-        """The model's latents and timestep at step timestep `t` (both halves' x)."""
+        """The model's input (both guidance halves) and timestep at the step's `t`."""
         if mode == "concat":
             latents = jnp.concatenate([latents, condition.astype(latents.dtype)], axis=arg)
         elif mode == "frames":  # diffusers' (1 - mask) * condition + mask * latents
