@@ -12,7 +12,8 @@ step that ran it (`WanTransformer3D.cached_call`, `run_sharded(step_cache=...)`,
 3. Sharded (8 simulated devices: Ulysses x TP x data, ring, USP with FSDP, sliding
    tile): the same decisions as one device and outputs within 1e-5.
 4. `sample`: no reuse is the uncached sampler bit for bit; a static schedule reuses
-   exactly its steps; the first-block rule decides alike on one device and sharded.
+   exactly its steps; the first-block rule decides alike on one device and sharded;
+   Wan 2.2 A14B's experts run every block at the first step after their switch.
 5. Bad input.
 
 The speed-up and the latents' difference are measured by `benchmarks/step_cache.py` on
@@ -240,6 +241,25 @@ def test_sample_first_block_sharded(t2v, sample_io):
     assert harness.max_rel_error(got, out) < 1e-5
 
 
+def test_sample_experts(sample_io):
+    """Wan 2.2 A14B: the experts share one cache, and the first step after the switch
+    of experts runs every block (the residual there is the other expert's)."""
+    experts = models.WanExperts.from_pretrained(os.path.join(FIXTURES, "wan", "a14b", "diffusers"))
+    io = dict(sample_io, steps=6, scheduler="euler")
+    high = np.asarray(sampling.FlowMatchEuler(shift=3.0).plan(6).timesteps) >= \
+        experts.boundary_timestep
+    switch = int(np.argmax(high[1:] != high[:-1])) + 1
+    assert 1 < switch < 5  # the fixture's boundary falls inside the schedule
+    everything = sampling.StaticStepCache(reuse=(1, 2, 3, 4, 5))
+    _, reused = sampling.sample(experts, **io, step_cache=everything, return_reused=True)
+    expected = np.ones(6, bool)
+    expected[[0, switch]] = False
+    np.testing.assert_array_equal(reused, expected)
+    # No reuse: the uncached sampler bit for bit.
+    out = sampling.sample(experts, **io, step_cache=sampling.StaticStepCache(interval=1))
+    _identical(out, sampling.sample(experts, **io))
+
+
 # -- 5. bad input ------------------------------------------------------------------------
 
 
@@ -255,9 +275,8 @@ def test_bad_input(t2v, sample_io):
         sampling.FirstBlockCache(0.0)
     with pytest.raises(ValueError, match="warmup"):
         sampling.StaticStepCache(warmup=0)
-    experts = models.WanExperts(model, model, boundary=0.9)
-    with pytest.raises(NotImplementedError, match="WanExperts"):
-        sampling.sample(experts, **sample_io, step_cache=sampling.StaticStepCache())
+    with pytest.raises(NotImplementedError, match="cached_call"):
+        sampling.sample(lambda x, t, c: x, **sample_io, step_cache=sampling.StaticStepCache())
     x, t, c = t2v[1]
     with pytest.raises(ValueError, match="step_cache"):
         model.cached_call(x[0], t[0], c[0], models.StepCache(jnp.zeros((3, 64)),

@@ -189,6 +189,20 @@ class WanExperts(AbstractExperts):
         with jax.named_scope("vidax_eqx.models.WanExperts"):
             return self.route(timestep, lambda m, _: m(x, timestep, context, **kwargs))
 
+    def cached_call(self, x, timestep, context, step_cache, **kwargs):
+        """[`WanTransformer3D.cached_call`][] of the expert `timestep` selects (both
+        experts have the same shapes, so they share one [`StepCache`][]). A residual
+        is one expert's: the caller forces the first step after a switch of experts to
+        run every block (`may_reuse=False`), as `sampling.sample` does.
+
+        **Returns:**
+
+        `(out, step_cache)`, that expert's.
+        """
+        with jax.named_scope("vidax_eqx.models.WanExperts.cached_call"):
+            return self.route(timestep, lambda m, _: m.cached_call(
+                x, timestep, context, step_cache, **kwargs))
+
     # -- checkpoints --------------------------------------------------------------------
 
     @classmethod

@@ -415,7 +415,8 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         One decision per step for the whole batch (guidance's two halves included),
         reduced over every device when sharded. For a
         [`vidax_eqx.models.WanTransformer3D`][] (any sequence mode, TP, FSDP; with
-        the text cache); not for [`vidax_eqx.models.WanExperts`][] or CogVideoX yet.
+        the text cache) and [`vidax_eqx.models.WanExperts`][] (the first step after
+        the switch of experts runs every block); not for CogVideoX yet.
     - `return_reused`: with `step_cache`, return `(latents, reused)`: `reused` a
         `(steps,)` bool array, which steps reused.
     - `condition`: image-to-video, the encoded image (the VAE stays outside, like the
@@ -511,6 +512,9 @@ def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
     # Host values go in with device_put (jnp.asarray compiles a small program per shape).
     scales = jax.device_put(np.asarray([guidance_scale, scale_2], np.float32))
     plan = scheduler.plan(steps)
+    if reuse is not None:  # the mask on the host; a switch of experts runs every block
+        switches = _expert_switches(model, plan)
+        reuse = jax.device_put(reuse if switches is None else reuse & ~switches)
     dynamic = None
     if use_dynamic_cfg:  # on the host in float64, as diffusers computes it (math.cos)
         dynamic = jax.device_put(np.asarray(
@@ -558,6 +562,16 @@ def _check_step_cache(model, step_cache, return_reused, steps: int):
             f"sampling.FirstBlockCache; received {type(step_cache).__name__}.")
     if not hasattr(model, "cached_call"):
         raise NotImplementedError(
-            f"sample: step caching runs through the model's cached_call (WanTransformer3D); "
-            f"a {type(model).__name__} has none (WanExperts and CogVideoX: not yet).")
-    return jax.device_put(step_cache.mask(steps))
+            f"sample: step caching runs through the model's cached_call (WanTransformer3D, "
+            f"WanExperts); a {type(model).__name__} has none (CogVideoX: not yet).")
+    return step_cache.mask(steps)
+
+
+def _expert_switches(model, plan) -> np.ndarray | None:
+    """`(steps,)` bool: the steps whose expert differs from the previous step's (a
+    cached residual is the other expert's there), or `None` for a one-expert model."""
+    boundary = getattr(model, "boundary_timestep", None)
+    if boundary is None:
+        return None
+    high = np.asarray(plan.timesteps) >= boundary
+    return np.concatenate([[False], high[1:] != high[:-1]])
