@@ -10,6 +10,8 @@
 3. `sampling.sample` (which caches by default) gives the latents of `text_cache=False`
    (every step projecting the text) bit for bit, one device and sharded.
 4. A cache of another model or context raises a ValueError naming `text_cache`.
+5. Wan 2.2 A14B: each expert takes its own cache; sampling equals the uncached one
+   bit for bit, one device and sharded.
 
 The per-step time saved is measured by `benchmarks/text_cache.py`, not here.
 """
@@ -259,3 +261,28 @@ def test_cross_attention_context_kv_rules(t2v):
         attn(h, context_kv=(kv[0][:, :4], kv[1][:, :4], None, None))
     with pytest.raises(ValueError, match="`context`"):
         attn(h)
+
+
+# -- 5. Wan 2.2 A14B ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "sp_tp_cfg"])
+def test_experts_sample_equals_uncached(sharded):
+    """Each expert takes its own cache (`WanExpertsTextCache`), on both sides of the
+    boundary: the latents of `text_cache=False` bit for bit."""
+    experts = models.WanExperts.from_pretrained(os.path.join(FIXTURES, "wan", "a14b", "diffusers"))
+    c = experts.config
+    rng = np.random.default_rng(8)
+    io = dict(noise=harness.normal(rng, (1, c.out_channels, 3, 4, 6)),
+              context=harness.normal(rng, (1, 6, c.text_dim)),
+              negative_context=harness.normal(rng, (1, 6, c.text_dim)),
+              steps=4, scheduler="euler", guidance_scale=5.0, guidance_scale_2=3.0)
+    cache = experts.text_cache(jnp.asarray(io["context"][0]))
+    assert isinstance(cache, models.WanExpertsTextCache)
+    assert not np.array_equal(cache.high_noise.k, cache.low_noise.k)  # their own weights
+    if sharded:
+        mesh = harness.mesh(sp=2, tp=2, cfg=2)
+        experts = nn.shard_module(nn.with_parallel(experts, ULYSSES_TP), mesh)
+        io.update(mesh=mesh, cfg_axis="cfg")
+    _assert_identical(sampling.sample(experts, **io), sampling.sample(experts, **io,
+                                                                      text_cache=False))

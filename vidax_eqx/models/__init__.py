@@ -28,7 +28,7 @@ from ._cogvideox import (
     rope_crop_positions as rope_crop_positions,
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
-from ._experts import WanExperts as WanExperts
+from ._experts import WanExperts as WanExperts, WanExpertsTextCache as WanExpertsTextCache
 from ._step_cache import StepCache as StepCache
 from ._training import (
     restore_training_state as restore_training_state,

@@ -181,9 +181,9 @@ class AbstractExperts(eqx.Module):
 
     @abc.abstractmethod
     def route_batch(self, fn, timestep, *, axis_name=None):
-        """`fn(expert)` (a batched call of one expert) for the experts the batch's
-        `timestep` selects; inside `shard_map` the devices along `axis_name` (the batch
-        axis) choose together."""
+        """`fn(expert, index)` (a batched call of one expert) for the experts the
+        batch's `timestep` selects; inside `shard_map` the devices along `axis_name`
+        (the batch axis) choose together."""
 
 
 def batch_axes(batch_axis) -> tuple:
@@ -332,9 +332,12 @@ def run_sharded(model, x, timestep, context, *, mesh,
                 None if threshold is None else jnp.asarray(threshold, jnp.float32))
 
     def per_device(model, x, timestep, context, decision, *extra):
-        def batch(model):
+        def batch(model, index=None):
             def one(x, timestep, context, *extra):
                 kw = dict(zip(names, extra))
+                if index is not None:  # an expert: its own of what holds one per expert
+                    kw = {k: v.for_expert(index) if hasattr(v, "for_expert") else v
+                          for k, v in kw.items()}
                 if not cached:
                     return model(x, timestep, context, remat=remat, **static, **kw)
                 cache = kw.pop("step_cache")

@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Real
 
 from .. import interop, nn
 from ._common import AbstractExperts
-from ._wan import WanTransformer3D
+from ._wan import WanTextCache, WanTransformer3D
 
 
 # The boundaries of Wan 2.2's own configs (`wan/configs/wan_{t2v,i2v}_A14B.py`), for the
@@ -25,6 +25,29 @@ _FOLDERS = {"diffusers": ("transformer", "transformer_2"),
 # Fields both experts must share: they take the same inputs and give the same outputs.
 _SHARED = ("patch_size", "in_channels", "out_channels", "text_dim", "image_dim",
            "pos_embed_seq_len", "text_len")
+
+
+class WanExpertsTextCache(eqx.Module):
+    """The text K/V caches of both experts of a [`WanExperts`][] for one context (each
+    expert has its own cross-attention weights): [`WanExperts.text_cache`][] makes
+    it, `WanExperts.__call__(..., text_cache=...)` gives each expert its own, and
+    [`sharded_text_cache`][] makes it over a mesh.
+
+    **Fields:** `high_noise`, `low_noise`: [`WanTextCache`][]s.
+    """
+
+    high_noise: WanTextCache
+    low_noise: WanTextCache
+
+    def for_expert(self, index: int) -> WanTextCache:
+        """Expert `index`'s cache (0: high noise, 1: low noise)."""
+        return (self.high_noise, self.low_noise)[index]
+
+    def partition_specs(self, parallel: nn.ParallelConfig, batch_axis=None):
+        """The `shard_map` specs of a batched cache: each expert's
+        ([`WanTextCache.partition_specs`][])."""
+        return WanExpertsTextCache(self.high_noise.partition_specs(parallel, batch_axis),
+                                   self.low_noise.partition_specs(parallel, batch_axis))
 
 
 class WanExperts(AbstractExperts):
@@ -55,6 +78,7 @@ class WanExperts(AbstractExperts):
     low_noise: WanTransformer3D
     boundary: float = eqx.field(static=True, converter=lambda b: _real_to_float(b))
     num_train_timesteps: int = eqx.field(static=True, default=1000)
+    text_cache_type = WanExpertsTextCache  # what sharded_text_cache builds for experts
 
     def __check_init__(self):
         for name in ("high_noise", "low_noise"):
@@ -145,12 +169,13 @@ class WanExperts(AbstractExperts):
                      lambda: fn(self.low_noise, 1, *args))
 
     def route_batch(self, fn, timestep, *, axis_name=None):
-        """`fn(expert)` on a batch: one expert when every example selects it, both
-        (each example's output taken from its expert) when the batch mixes them.
+        """`fn(expert, index)` on a batch: one expert when every example selects it,
+        both (each example's output taken from its expert) when the batch mixes them.
 
         **Arguments:**
 
-        - `fn`: a function of one expert returning batched arrays `(B, ...)`.
+        - `fn`: a function of one expert and its index (0: high noise, 1: low noise)
+            returning batched arrays `(B, ...)`.
         - `timestep`: the batch's timesteps, `(B,)` or per token `(B, S)`.
         - `axis_name`: inside `shard_map`, the mesh axis the batch is split over: the
             devices agree on the choice (their collectives must run in the same branch).
@@ -162,12 +187,13 @@ class WanExperts(AbstractExperts):
             count, total = lax.psum(count, axis_name), total * lax.axis_size(axis_name)
 
         def mixed():
-            a, b = fn(self.high_noise), fn(self.low_noise)
+            a, b = fn(self.high_noise, 0), fn(self.low_noise, 1)
             return jax.tree.map(
                 lambda u, v: jnp.where(high.reshape((-1,) + (1,) * (u.ndim - 1)), u, v), a, b)
 
         case = jnp.where(count == total, 0, jnp.where(count == 0, 1, 2))
-        return lax.switch(case, (lambda: fn(self.high_noise), lambda: fn(self.low_noise), mixed))
+        return lax.switch(case, (lambda: fn(self.high_noise, 0), lambda: fn(self.low_noise, 1),
+                                 mixed))
 
     def with_expert(self, index: int, expert: WanTransformer3D) -> "WanExperts":
         """A copy with expert `index` (0: high noise, 1: low noise) replaced."""
@@ -179,15 +205,29 @@ class WanExperts(AbstractExperts):
 
     def __call__(self, x, timestep, context, **kwargs):
         """One example, as [`WanTransformer3D`][] takes it (`x`, `timestep`, `context`,
-        and its keyword arguments: `context_image`, `remat`, `sliding_tile`), run by the
-        expert `timestep` selects.
+        and its keyword arguments: `context_image`, `remat`, `sliding_tile`;
+        `text_cache` a [`WanExpertsTextCache`][], each expert taking its own), run by
+        the expert `timestep` selects.
 
         **Returns:**
 
         That expert's prediction `(out_channels, F, H, W)`.
         """
         with jax.named_scope("vidax_eqx.models.WanExperts"):
-            return self.route(timestep, lambda m, _: m(x, timestep, context, **kwargs))
+            return self.route(timestep, lambda m, i: m(x, timestep, context,
+                                                       **expert_kwargs(kwargs, i)))
+
+    def text_cache(self, context, *, context_image=None) -> WanExpertsTextCache:
+        """Each expert's [`WanTransformer3D.text_cache`][] of `context` (and
+        `context_image`): pass it as `text_cache=` at every denoising step, for bit for
+        bit the output without it.
+
+        **Returns:**
+
+        A [`WanExpertsTextCache`][].
+        """
+        return WanExpertsTextCache(
+            *(e.text_cache(context, context_image=context_image) for e in self.experts))
 
     def cached_call(self, x, timestep, context, step_cache, **kwargs):
         """[`WanTransformer3D.cached_call`][] of the expert `timestep` selects (both
@@ -200,8 +240,8 @@ class WanExperts(AbstractExperts):
         `(out, step_cache)`, that expert's.
         """
         with jax.named_scope("vidax_eqx.models.WanExperts.cached_call"):
-            return self.route(timestep, lambda m, _: m.cached_call(
-                x, timestep, context, step_cache, **kwargs))
+            return self.route(timestep, lambda m, i: m.cached_call(
+                x, timestep, context, step_cache, **expert_kwargs(kwargs, i)))
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -293,6 +333,13 @@ class WanExperts(AbstractExperts):
             for folder in folders[layout]:
                 config_path = os.path.join(root, folder, "config.json")
                 _write_json(config_path, {**_read_json(config_path), "boundary_ratio": self.boundary})
+
+
+def expert_kwargs(kwargs: dict, index: int) -> dict:
+    """Keyword arguments for expert `index`: a value that holds one per expert (a
+    [`WanExpertsTextCache`][]) replaced by that expert's."""
+    return {k: v.for_expert(index) if hasattr(v, "for_expert") else v
+            for k, v in kwargs.items()}
 
 
 def _real_to_float(value):

@@ -23,6 +23,7 @@ from ..nn import functional
 from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ._common import (
+    AbstractExperts,
     batch_axes,
     check_batch_axis,
     check_fsdp_axes,
@@ -1127,8 +1128,8 @@ def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=Non
 
     **Arguments:**
 
-    - `model`: a [`WanTransformer3D`][] configured for the mesh, as for `run_sharded`
-        (a [`WanExperts`][] has one cache per expert: not supported).
+    - `model`: a [`WanTransformer3D`][] configured for the mesh, as for `run_sharded`;
+        or a [`WanExperts`][]: each expert's cache, a [`WanExpertsTextCache`][].
     - `context`: the text embeddings `(B, L, text_dim)`.
     - `mesh`, `batch_axis`: as for `run_sharded`.
     - `context_image`: I2V: the image features `(B, L_img, image_dim)`; else `None`.
@@ -1142,10 +1143,14 @@ def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=Non
     varying over the FSDP axes, one `lax.pmax` over those axes (exact on equal values)
     makes them one array.
     """
+    if isinstance(model, AbstractExperts):  # one cache per expert
+        caches = [sharded_text_cache(e, context, mesh=mesh, batch_axis=batch_axis,
+                                     context_image=context_image) for e in model.experts]
+        return model.text_cache_type(*caches)
     if not isinstance(model, WanTransformer3D):
         raise NotImplementedError(
-            "sharded_text_cache: the text cache is implemented for a WanTransformer3D (one "
-            f"set of cross-attention weights); received a {type(model).__name__}."
+            "sharded_text_cache: the text cache is implemented for a WanTransformer3D and "
+            f"WanExperts; received a {type(model).__name__}."
         )
     batch_axis = check_batch_axis("sharded_text_cache", mesh, batch_axis, context.shape[0])
     check_fsdp_axes("sharded_text_cache", model, mesh, batch_axis)

@@ -271,7 +271,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
     # and each half over batch_axis.
     axis = (cfg_axis, batch_axis) if None not in (cfg_axis, batch_axis) else (
         cfg_axis if cfg_axis is not None else batch_axis)
-    if text_cache and isinstance(model, models.WanTransformer3D):
+    if text_cache and isinstance(model, (models.WanTransformer3D, models.WanExperts)):
         # The cross-attention's keys and values of both contexts, once per generation.
         image = batched.get("context_image")
         if mesh is None:
@@ -398,15 +398,15 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         draws with `jax.random.fold_in(key, i)`.
     - `progress`: a tqdm bar advanced by every step from inside the compiled loop
         (`jax.debug.callback`), when tqdm is installed and stdout is a terminal.
-    - `text_cache`: for a [`vidax_eqx.models.WanTransformer3D`][], compute the
-        blocks' cross-attention keys and values of `context` and `negative_context`
-        (and `context_image`) once, before the loop
-        ([`vidax_eqx.models.WanTransformer3D.text_cache`][]; with `mesh`,
-        [`vidax_eqx.models.sharded_text_cache`][]), instead of in every step: the same
-        latents, bit for bit. `False`: every step projects the text. Ignored for other
-        models: [`vidax_eqx.models.WanExperts`][] (one cache per expert: not done yet),
-        and CogVideoX, whose text goes through joint self-attention with the video
-        and changes in every block (its keys and values cannot be cached exactly).
+    - `text_cache`: for a [`vidax_eqx.models.WanTransformer3D`][] (or each expert of
+        a [`vidax_eqx.models.WanExperts`][]), compute the blocks' cross-attention
+        keys and values of `context` and `negative_context` (and `context_image`)
+        once, before the loop ([`vidax_eqx.models.WanTransformer3D.text_cache`][];
+        with `mesh`, [`vidax_eqx.models.sharded_text_cache`][]), instead of in every
+        step: the same latents, bit for bit. `False`: every step projects the text.
+        Ignored for CogVideoX, whose text goes through joint self-attention with the
+        video and changes in every block (its keys and values cannot be cached
+        exactly).
     - `step_cache`: step caching, off by default: a [`StaticStepCache`][] (a fixed
         set of steps reuse the residual of the whole block stack from the last step
         that ran it) or a [`FirstBlockCache`][] (every step runs the first block, and
