@@ -119,7 +119,7 @@ def parse_args(argv=None):
     cache.add_argument("--first-block-cache", type=float, metavar="THRESHOLD",
                        help="step caching, the first-block rule: skip the other blocks when "
                             "the first block's residual changed by less than THRESHOLD "
-                            "(e.g. 0.1) since the last full step (not for A14B)")
+                            "(e.g. 0.1) since the last full step")
     cache.add_argument("--static-step-cache", type=int, metavar="INTERVAL",
                        help="step caching, a static schedule: after --cache-warmup steps, "
                             "run the blocks at one step in INTERVAL, reuse at the others")
