@@ -20,7 +20,6 @@ The speed-up and the latents' difference are measured by `benchmarks/step_cache.
 a model trained by `examples/train_wan.py`, not here.
 """
 
-import dataclasses
 import os
 
 import equinox as eqx
