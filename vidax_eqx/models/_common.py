@@ -321,9 +321,11 @@ def run_sharded(model, x, timestep, context, *, mesh,
     batch_axis = check_batch_axis("run_sharded", mesh, batch_axis, x.shape[0])
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
-    names = sorted(kwargs)
     static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
     cached = step_cache is not None
+    if cached:
+        kwargs = {**kwargs, "step_cache": step_cache}
+    names = sorted(kwargs)
     if cached and not hasattr(model, "cached_call"):
         raise ValueError(
             f"run_sharded: `step_cache` needs a model with step caching (cached_call: "
@@ -352,9 +354,6 @@ def run_sharded(model, x, timestep, context, *, mesh,
             return model.route_batch(batch, timestep, axis_name=batch_axis)
         return batch(model)
 
-    if cached:
-        kwargs = {**kwargs, "step_cache": step_cache}
-        names = sorted(kwargs)
     parallel = getattr(model, "parallel", nn.ParallelConfig())
     run = nn.filter_shard_map(
         per_device,

@@ -10,7 +10,6 @@ import jax
 
 from . import _cogvideox, _flow_match, _step_cache
 from ._sample import _loop, _prepare
-from ._schedulers import AbstractScheduler
 
 _FORMAT = "vidax_eqx.sampling.ExportedSampler/1"
 _CLASSES = {cls.__name__: cls for cls in (
@@ -139,10 +138,7 @@ class ExportedSampler:
                 "differ from those the sampler was exported for; export it again for them.")
         if s["mesh"] is not None:
             _check_mesh(s["mesh"], args)
-        out = self.exported.call(*jax.tree.leaves(dynamic))
-        if s["step_cache"] is not None and not s["return_reused"]:
-            return out[0]
-        return out
+        return self.exported.call(*jax.tree.leaves(dynamic))
 
     def _prepare(self, model, noise, context, **kwargs):
         s = self.settings
@@ -221,7 +217,6 @@ def export_sample(model, noise, context, *, negative_context=None, guidance_scal
 
     exported = jax.export.export(jax.jit(run))(*leaves)
     scheduler = kwargs["scheduler"]
-    assert isinstance(scheduler, AbstractScheduler)
     settings = dict(
         steps=steps, max_steps=max_steps, guidance_scale=float(guidance_scale),
         guided=guidance_scale > 1, scheduler=_encode(scheduler),

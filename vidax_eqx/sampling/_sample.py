@@ -258,7 +258,7 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, 
 @eqx.filter_jit
 def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched,
           reuse, steps, condition, *, scheduler, mesh, batch_axis, cfg_axis, static,
-          progress, text_cache, threshold, conditioning):
+          progress, text_cache, threshold, conditioning, return_reused):
     """The denoising loop, `steps` of the plan's rows: a Python int (a static trip
     count: `lax.fori_loop` lowers to a scan) or a traced one (a while loop over a plan
     padded to its capacity, one program for any number of steps)."""
@@ -333,7 +333,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
     latents, _, cache_carry = lax.fori_loop(0, steps, body, carry)
     if mode == "frames":  # the condition's frames, clean, as diffusers returns them
         latents = jnp.where(kept, condition, latents)
-    return latents if cache is None else (latents, cache_carry[1])
+    return (latents, cache_carry[1]) if return_reused else latents
 
 
 def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
@@ -455,10 +455,7 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
         cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=progress,
         text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
         condition=condition, model_kwargs=model_kwargs)
-    out = _loop(*args, **kwargs)
-    if step_cache is not None and not return_reused:
-        return out[0]
-    return out
+    return _loop(*args, **kwargs)
 
 
 def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
@@ -532,7 +529,8 @@ def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
             plan, key, batched, reuse, count, condition)
     kwargs = dict(scheduler=scheduler, mesh=mesh, batch_axis=batch_axis, cfg_axis=cfg_axis,
                   static=static, progress=_progress_wanted(progress), text_cache=text_cache,
-                  threshold=_threshold(step_cache), conditioning=conditioning)
+                  threshold=_threshold(step_cache), conditioning=conditioning,
+                  return_reused=return_reused)
     return args, kwargs
 
 
