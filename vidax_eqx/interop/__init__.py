@@ -17,7 +17,17 @@ from ._checkpoint import (
 )
 from ._hub import resolve_checkpoint as resolve_checkpoint
 from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile as SafetensorsFile
+from ._lora import (
+    LORA_FILE as LORA_FILE,
+    LORA_LAYOUTS as LORA_LAYOUTS,
+    LoRAFile as LoRAFile,
+    LoRATensors as LoRATensors,
+    read_lora as read_lora,
+    write_lora as write_lora,
+)
 from ._state_dict import (
+    linear_layers as linear_layers,
+    LinearName as LinearName,
     load_state_dict as load_state_dict,
     NAMINGS as NAMINGS,
     save_safetensors as save_safetensors,

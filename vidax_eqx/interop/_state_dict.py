@@ -58,6 +58,8 @@ def _renames(node) -> dict[str, tuple[str, str]]:
     """Field name -> (wan name, diffusers name) for the children of `node`."""
     if isinstance(node, eqx.nn.Sequential):
         return {"layers": ("", "")}  # torch.nn.Sequential names its children 0, 1, ...
+    if isinstance(node, nn.LoRALinear):
+        return {"base": ("", "")}  # the wrapped layer's weights keep its names
     if isinstance(node, nn.CrossAttention):
         return {**_PROJECTIONS, **_IMAGE_BRANCH}
     if isinstance(node, _ATTENTION_TYPES):
@@ -114,30 +116,10 @@ def _named_parameters(module, stacked=(), rename=None) -> tuple[list, list[_Entr
         leaves.append(leaf)
         if not _is_parameter(leaf):
             continue
-        parts: list[list[str]] = [[], []]
-        fields: list[str] = []
-        node = module
-        layered = False
-        for key in path:
-            if isinstance(key, GetAttrKey):
-                field, child = key.name, getattr(node, key.name, None)
-            elif isinstance(key, SequenceKey):
-                field, child = str(key.idx), node[key.idx]
-            elif isinstance(key, DictKey):
-                field, child = str(key.key), node[key.key]
-            else:  # a pytree without named children: its flat index
-                field, child = str(getattr(key, "key", key)), None
-            renamed = _renames(node).get(field, (field, field))
-            for i in (0, 1):
-                if renamed[i]:
-                    parts[i].append(renamed[i])
-            fields.append(field)
-            if ".".join(fields) in stacked:
-                layered = True
-                for i in (0, 1):
-                    parts[i].append("{layer}")
-            node = child
-        pair = (".".join(parts[0]), ".".join(parts[1]))
+        named = _torch_names(module, path, stacked)
+        if named is None:  # a LoRA adapter's array: not a checkpoint parameter
+            continue
+        pair, layered = named
         layers = [None] if not layered else range(leaf.shape[0] if leaf.ndim else 0)
         for layer in layers:
             names = tuple(p.replace("{layer}", str(layer)) for p in pair)
@@ -154,6 +136,72 @@ def _named_parameters(module, stacked=(), rename=None) -> tuple[list, list[_Entr
                 )
             seen.add(entry.names[i])
     return leaves, entries, treedef
+
+
+def _torch_names(module, path, stacked) -> tuple[tuple[str, str], bool] | None:
+    """The PyTorch names (wan, diffusers) of the node at `path` in `module`, with
+    `{layer}` after a stacked field path, and whether it is under one; `None` under a
+    [`vidax_eqx.nn.LoRALinear`][]'s adapters."""
+    parts: list[list[str]] = [[], []]
+    fields: list[str] = []
+    node = module
+    layered = False
+    for key in path:
+        if isinstance(key, GetAttrKey):
+            field, child = key.name, getattr(node, key.name, None)
+        elif isinstance(key, SequenceKey):
+            field, child = str(key.idx), node[key.idx]
+        elif isinstance(key, DictKey):
+            field, child = str(key.key), node[key.key]
+        else:  # a pytree without named children: its flat index
+            field, child = str(getattr(key, "key", key)), None
+        if isinstance(node, nn.LoRALinear) and field == "adapters":
+            return None
+        renamed = _renames(node).get(field, (field, field))
+        for i in (0, 1):
+            if renamed[i]:
+                parts[i].append(renamed[i])
+        fields.append(field)
+        if ".".join(fields) in stacked:
+            layered = True
+            for i in (0, 1):
+                parts[i].append("{layer}")
+        node = child
+    return (".".join(parts[0]), ".".join(parts[1])), layered
+
+
+class LinearName(NamedTuple):
+    """A linear layer of a module and its PyTorch names (one per layer of a stack)."""
+
+    path: tuple  # the key path of the `eqx.nn.Linear` / `LoRALinear` in the module
+    layer: int | None  # its index in a stacked field, or None
+    names: tuple[str, str]  # (wan, diffusers), without `.weight`
+
+
+def _is_linear(x) -> bool:
+    return isinstance(x, (eqx.nn.Linear, nn.LoRALinear))
+
+
+def linear_layers(module, *, stacked=(), rename=None) -> list[LinearName]:
+    """Every linear layer (`eqx.nn.Linear` or [`vidax_eqx.nn.LoRALinear`][]) of
+    `module` with its names under both namings, as [`state_dict`][] names its
+    weight without the `.weight` (`blocks.3.self_attn.q`, `blocks.3.attn1.to_q`): the
+    targets of LoRA files and name patterns. `stacked`, `rename` as for
+    [`load_state_dict`][]."""
+    stacked = _check_stacked(stacked)
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(module, is_leaf=_is_linear)[0]:
+        if not _is_linear(node):
+            continue
+        pair, layered = _torch_names(module, path, stacked)
+        shape = node.weight.shape
+        for layer in ([None] if not layered else range(shape[0])):
+            names = tuple(p.replace("{layer}", str(layer)) for p in pair)
+            if rename is not None:  # names the weight: the layer is the weight's parent
+                names = tuple(rename(n + ".weight", naming).removesuffix(".weight")
+                              for n, naming in zip(names, NAMINGS))
+            out.append(LinearName(tuple(path), layer, names))
+    return out
 
 
 def _dtype_of(value) -> np.dtype | None:
@@ -542,6 +590,16 @@ def state_dict(module, *, naming: str = "wan", prefix: str = "", stacked=(),
     gives back the same parameters.
     """
     index = _check_naming(naming)
+    active = sorted({n for layer in jax.tree.leaves(module, is_leaf=_is_linear)
+                     if isinstance(layer, nn.LoRALinear) for n in layer.adapters
+                     if n not in layer.merged})
+    if active:
+        raise ValueError(
+            f"state_dict: the module has LoRA adapters {active} that are not merged into its "
+            "weights, and a checkpoint holds the base weights only. Merge them first "
+            "(nn.merge_lora), remove them (nn.remove_lora), or save the adapters on their "
+            "own (models.save_lora)."
+        )
     leaves, entries, _ = _named_parameters(module, stacked, rename)
     out = {}
     for entry in entries:

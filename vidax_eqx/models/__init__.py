@@ -16,6 +16,10 @@ call that runs a model over a mesh.
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
     stack's residual of an earlier step ([`WanTransformer3D.cached_call`][],
     [`run_sharded`][]`(step_cache=...)`).
+- [`add_lora`][], [`load_lora`][], [`save_lora`][]: LoRA adapters on a model's linear
+    layers, by name pattern or from the files people share (diffusers/PEFT,
+    ComfyUI/kohya); merged, switched and trained with the functions of
+    [`vidax_eqx.nn`][] (`merge_lora`, `set_lora_scale`, `lora_filter`).
 - [`save_training_state`][], [`restore_training_state`][]: training checkpoints (the
     model's arrays, the optimizer state, the step) with orbax, restored onto any mesh
     and parallel configuration.
@@ -29,6 +33,7 @@ from ._cogvideox import (
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
 from ._experts import WanExperts as WanExperts, WanExpertsTextCache as WanExpertsTextCache
+from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
 from ._step_cache import StepCache as StepCache
 from ._training import (
     restore_training_state as restore_training_state,

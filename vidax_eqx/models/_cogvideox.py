@@ -620,6 +620,12 @@ class CogVideoXTransformer3D(eqx.Module):
         """The parameters under diffusers' names, one tensor per layer."""
         return interop.state_dict(self, naming="diffusers", stacked=_STACKED)
 
+    def linear_layers(self) -> list[interop.LinearName]:
+        """Every linear layer with its checkpoint name (diffusers', one per layer of the
+        stacked blocks): what [`vidax_eqx.models.add_lora`][] patterns and LoRA files
+        name."""
+        return interop.linear_layers(self, stacked=_STACKED)
+
     def save_pretrained(self, path, *, max_shard_bytes: int | None = None) -> None:
         """Writes `config.json` and the weights as safetensors in diffusers' layout
         (loadable by diffusers' `CogVideoXTransformer3DModel.from_pretrained`).

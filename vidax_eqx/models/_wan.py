@@ -1096,6 +1096,12 @@ class WanTransformer3D(eqx.Module):
         naming = _layout(layout)
         return interop.state_dict(self, naming=naming, stacked=_STACKED, rename=_rename)
 
+    def linear_layers(self) -> list[interop.LinearName]:
+        """Every linear layer with its checkpoint names (Wan's and diffusers', one per
+        layer of the stacked blocks): what [`vidax_eqx.models.add_lora`][] patterns and
+        LoRA files name."""
+        return interop.linear_layers(self, stacked=_STACKED, rename=_rename)
+
     def save_pretrained(self, path, *, layout: str = "diffusers",
                         max_shard_bytes: int | None = None) -> None:
         """Writes `config.json` and the weights as safetensors in `layout`.

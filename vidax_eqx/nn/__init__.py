@@ -19,6 +19,17 @@ from ._attention import (
 )
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
+from ._lora import (
+    LoRA as LoRA,
+    LoRALinear as LoRALinear,
+    lora_filter as lora_filter,
+    lora_names as lora_names,
+    merge_lora as merge_lora,
+    remove_lora as remove_lora,
+    set_lora_scale as set_lora_scale,
+    unmerge_lora as unmerge_lora,
+    with_lora as with_lora,
+)
 from ._fsdp import fsdp_gather as fsdp_gather, FSDPShard as FSDPShard
 from ._placement import (
     partition_specs as partition_specs,

@@ -13,12 +13,14 @@ from jaxtyping import Array
 
 from .._vma import as_varying, varying_axes
 from ..parallel import axis_size
+from ._lora import lora_term
 
 
 def linear(layer: eqx.nn.Linear, x: Array) -> Array:
-    """`x @ W.T + b` on the last axis of `x` (e.g. `(S, in)` tokens); a column-parallel
-    shard gives its own columns."""
+    """`x @ W.T + b` on the last axis of `x` (e.g. `(S, in)` tokens), plus the low-rank
+    term of a `LoRALinear`'s adapters; a column-parallel shard gives its own columns."""
     y = x @ layer.weight.T
+    y = y + lora_term(layer, x, y.dtype)
     return y if layer.bias is None else y + layer.bias
 
 
@@ -31,8 +33,11 @@ def tp_input(x: Array, tp_axis: str | None) -> Array:
 
 
 def row_parallel(layer: eqx.nn.Linear, x: Array, tp_axis: str | None) -> Array:
-    """The output projection: partial products summed over `tp_axis`, bias added once."""
+    """The output projection: partial products (with a `LoRALinear`'s adapter term,
+    whose `A` holds this device's input features) summed over `tp_axis`, bias added
+    once."""
     y = x @ layer.weight.T
+    y = y + lora_term(layer, x, y.dtype)
     if tp_axis is not None:
         y = jax.lax.psum(y, tp_axis)
     return y if layer.bias is None else y + layer.bias

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._attention import Attention, CrossAttention, JointAttention
 from ._feedforward import FeedForward
+from ._lora import is_lora_linear
 from ._parallel import agreed, check_parallel, fsdp_axes_of, ParallelConfig
 
 
@@ -64,17 +65,27 @@ def _module_specs(m):
             continue
         where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
         values += [spec(lin.weight, tp, None), spec(lin.bias, tp)]
+        for a in _adapters(lin):  # B holds the output features: split like them
+            where.append(lambda s, n=name, a=a: getattr(s, n).adapters[a].lora_B)
+            values.append(spec(lin.adapters[a].lora_B, tp, None))
     for name in row:
         lin = getattr(m, name)
         if lin is None:
             continue
         where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
         values += [spec(lin.weight, None, tp), P()]
+        for a in _adapters(lin):  # A takes the input features: split like them
+            where.append(lambda s, n=name, a=a: getattr(s, n).adapters[a].lora_A)
+            values.append(spec(lin.adapters[a].lora_A, None, tp))
     for name in norms:
         if getattr(m, name) is not None:
             where.append(lambda s, n=name: getattr(s, n).weight)
             values.append(spec(getattr(m, name).weight, tp))
     return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
+
+
+def _adapters(lin) -> list[str]:
+    return sorted(lin.adapters) if is_lora_linear(lin) else []
 
 
 def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICATED):
@@ -88,7 +99,10 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     weight `P(None, tp)` (row-parallel) and bias `P()`; Wan's `norm_q` / `norm_k`
     weights, over the inner dim, `P(tp)`; CogVideoX's per-head LayerNorms `P()`; a
     [`FeedForward`][]'s `fc1` column-parallel and `fc2` row-parallel likewise.
-    Sequence parallelism never shards a parameter.
+    Sequence parallelism never shards a parameter. A [`LoRALinear`][]'s adapters
+    follow their layer: column-parallel, `lora_B` `P(tp, None)` (its output
+    features) and `lora_A` whole; row-parallel, `lora_A` `P(None, tp)` (its input
+    features) and `lora_B` whole.
 
     **FSDP.** When the modules' [`ParallelConfig`][] has `fsdp_axes` (all of them must
     agree), *every* parameter of `module`, inside those modules or not (embeddings,
