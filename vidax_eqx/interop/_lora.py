@@ -13,6 +13,7 @@ Names after the prefix are the model's own (Wan's or diffusers'); matching them 
 layers is the model's business (`vidax_eqx.models.load_lora`).
 """
 
+import fnmatch
 import json
 import os
 import re
@@ -105,24 +106,29 @@ def _pattern_alpha(config: dict, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def read_lora(source) -> LoRAFile:
+def read_lora(source, *, ignore=()) -> LoRAFile:
     """The adapters of a LoRA file, by layer name.
 
     **Arguments:**
 
     - `source`: a `.safetensors` path, a directory holding
         `pytorch_lora_weights.safetensors`, or a mapping of names to arrays.
+    - `ignore`: shell-style patterns (`fnmatch`) of keys to skip, e.g. `"*.diff"`.
 
     **Returns:**
 
     A [`LoRAFile`][]: the layers' `lora_A`, `lora_B` (NumPy) and alpha, and the keys
     it did not use.
     """
+    if isinstance(ignore, str):
+        ignore = (ignore,)
     tensors, metadata = _open(source)
     config = _config(metadata)
     parts: dict[str, dict[str, str]] = {}
     unused: dict[str, str] = {}
     for key in tensors:
+        if any(fnmatch.fnmatchcase(key, p) for p in ignore):
+            continue
         name = key
         kohya = name.startswith(_KOHYA)
         if kohya:
@@ -201,6 +207,8 @@ def write_lora(path, layers: Mapping[str, LoRATensors], *, layout: str = "diffus
             "alpha_pattern": {re.escape(n): v for n, v in alphas.items() if v != alpha},
             "use_dora": False, "lora_bias": False,
         }
+        # diffusers' `load_lora_weights` reads the keys of its `transformer.` prefix.
+        config = {f"transformer.{k}": v for k, v in config.items()}
         metadata = {"format": "pt", METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)}
     else:
         for name, t in layers.items():

@@ -196,22 +196,19 @@ def load_lora(model, source, *, scale: float = 1.0, name: str = "default", merge
                 model = model.with_expert(i, expert)
         return model
     _check_name("load_lora", model, name)
-    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
-    found = interop.read_lora(source)
+    found = interop.read_lora(source, ignore=ignore)
     targets = _targets(model)
     by_name = {}
     for t in targets:
         for n in t.names:
             by_name[n] = t
             by_name[n.replace(".", "_")] = t  # kohya's form
-    skipped = lambda key: any(fnmatch.fnmatchcase(key, p) for p in ignore)  # noqa: E731
-    problems = [f"{k}: {why}" for k, why in sorted(found.unused.items()) if not skipped(k)]
+    problems = [f"{k}: {why}" for k, why in sorted(found.unused.items())]
     groups: dict[tuple, dict] = {}
     for layer_name, tensors in sorted(found.layers.items()):
         t = by_name.get(layer_name)
         if t is None:
-            if not skipped(layer_name):
-                problems.append(f"{layer_name}: matches no linear layer of {type(model).__name__}")
+            problems.append(f"{layer_name}: matches no linear layer of {type(model).__name__}")
             continue
         base = _node(model, t.path)
         out_features, in_features = base.weight.shape[-2:]
@@ -256,7 +253,9 @@ def _adapter(layer, per_layer: dict, scale: float) -> nn.LoRA:
     rank = max(t.lora_A.shape[0] for t in per_layer.values())
     a = np.zeros((count, rank, in_features), np.float32)
     b = np.zeros((count, out_features, rank), np.float32)
-    alpha = np.full((count,), rank, np.float32)
+    first = next(iter(per_layer.values()))  # a layer without the adapter: any alpha
+    alpha = np.full((count,), (first.lora_A.shape[0] if first.alpha is None else first.alpha)
+                    * rank / first.lora_A.shape[0], np.float32)
     for i, t in per_layer.items():
         r = t.lora_A.shape[0]
         a[i, :r] = t.lora_A
