@@ -189,8 +189,8 @@ def write_lora(path, layers: Mapping[str, LoRATensors], *, layout: str = "diffus
         raise ValueError(f"write_lora: `layout` must be one of {LORA_LAYOUTS}; received {layout!r}.")
     path = os.fspath(path)
     if not path.endswith(".safetensors"):
-        os.makedirs(path, exist_ok=True)
         path = os.path.join(path, LORA_FILE)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tensors, metadata = {}, None
     if layout == "diffusers":
         for name, t in layers.items():
