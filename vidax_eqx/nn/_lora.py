@@ -252,8 +252,8 @@ def merge_lora(tree, names=None, *, keep_originals: bool = False):
     weight's dtype. The layers stay [`LoRALinear`][] with those names in `merged` (the
     forward pass skips them; [`unmerge_lora`][] takes them out again).
 
-    Stacked layers merge one layer at a time (`lax.map`), so the float32 temporaries
-    are one layer's weight. Under `eqx.filter_jit(merge_lora, donate="all")` the new
+    Stacked layers merge one layer at a time, in place (a loop over the layers), so
+    the float32 temporaries are one layer's weight. Under `eqx.filter_jit(merge_lora, donate="all")` the new
     weights take the old ones' buffers.
 
     **Arguments:**
@@ -352,21 +352,25 @@ def remove_lora(tree, names=None):
 
 
 def _shift(weight, adapters, sign):
-    """`weight +/- sum of the adapters' deltas`, float32 math, the weight's dtype; one
-    layer at a time for stacked weights."""
-    def one(w, *parts):
+    """`weight +/- sum of the adapters' deltas`, float32 math, the weight's dtype; a
+    stacked weight one layer at a time, updated in place (a loop whose carry is the
+    stack), so the temporaries are one layer's."""
+    def one(w, parts):
         total = w.astype(jnp.float32)
         for a in parts:
             total = total + sign * a.delta()
         return total.astype(w.dtype)
 
     if weight.ndim == 2:
-        return one(weight, *adapters)
-    lead = weight.shape[:-2]
-    flat = lambda x: x.reshape((-1, *x.shape[len(lead):]))  # noqa: E731
-    w = flat(weight)
+        return one(weight, adapters)
+    flat = lambda x: x.reshape((-1, *x.shape[weight.ndim - 2:]))  # noqa: E731
     parts = [jax.tree.map(flat, a) for a in adapters]
-    return jax.lax.map(lambda args: one(*args), (w, *parts)).reshape(weight.shape)
+
+    def body(i, w):
+        return w.at[i].set(one(w[i], [jax.tree.map(lambda x: x[i], a) for a in parts]))
+
+    w = weight.reshape((-1, *weight.shape[-2:]))
+    return jax.lax.fori_loop(0, w.shape[0], body, w).reshape(weight.shape)
 
 
 def _restore(weight, original, where: str):
