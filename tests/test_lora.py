@@ -335,6 +335,19 @@ def test_adapters_follow_the_tensor_parallel_split():
     assert specs.q.weight == P("tp", None) and specs.o.weight == P(None, "tp")
 
 
+def test_optimizer_state_placed_like_the_adapters(training):
+    model = training[0]
+    mesh = harness.mesh(sp=4, tp=2)
+    model = nn.with_parallel(model, nn.ParallelConfig(sequence="ulysses", tp_axis="tp"))
+    spec = nn.lora_filter(model)
+    state = optax.adamw(1e-3).init(eqx.filter(model, spec))
+    placed = nn.shard_like(state, model, mesh, filter_spec=spec)
+    mu = placed[0].mu.blocks.self_attn
+    assert mu.q.adapters["default"].lora_B.sharding.spec == P(None, "tp", None)
+    assert mu.o.adapters["default"].lora_A.sharding.spec == P(None, None, "tp")
+    assert placed[0].count.sharding.spec == P()
+
+
 def test_cogvideox_adapters_round_trip(tmp_path):
     model = models.CogVideoXTransformer3D.from_pretrained(FIXTURES / "cogvideox" / "5b" / "diffusers")
     names = {n for t in model.linear_layers() for n in t.names}

@@ -43,3 +43,30 @@ def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
     assert "fsdp over dp x sp" in proc.stdout, output
     assert "all checks passed" in proc.stdout, output
     assert (tmp_path / "step_3").is_dir(), f"no checkpoint in {tmp_path}:\n{output}"
+
+
+LORA_CHECKS = (
+    "loss decreased (1 device)",
+    "sharded == 1 device",
+    "sharded step compiled once",
+    "base weights unchanged",
+    "optimizer state adapter-sized",
+    "LoRA file reads back",
+    "merged == adapters",
+)
+
+
+@pytest.mark.slow  # a training run in a subprocess: ~20 s
+def test_train_wan_lora_trains_only_adapters_and_saves_them(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--lora", "4", "--dp", "2", "--sp", "2", "--tp", "2",
+         "--steps", "3", "--checkpoint-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    output = f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{output}"
+    lines = proc.stdout.splitlines()
+    for name in LORA_CHECKS:
+        assert any(line.strip().startswith(f"check {name}") and " ok " in line
+                   for line in lines), f"check {name!r} did not pass:\n{output}"
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file(), output

@@ -341,7 +341,7 @@ def shard_module(module, mesh):
     return _place(module, partition_specs(module, mesh), mesh)
 
 
-def shard_like(tree, module, mesh):
+def shard_like(tree, module, mesh, *, filter_spec=None):
     """`tree` placed on `mesh` like the parameters of `module`: for optimizer states.
 
     Every part of `tree` with the structure of `module`'s arrays
@@ -363,18 +363,29 @@ def shard_like(tree, module, mesh):
     - `tree`: any PyTree of arrays (e.g. an optax state).
     - `module`: the model whose parameters `tree` follows.
     - `mesh`: the `jax.sharding.Mesh`.
+    - `filter_spec`: for the state of an optimizer that trains part of the model
+        (`optimizer.init(eqx.filter(model, filter_spec))`, e.g.
+        `filter_spec=nn.lora_filter(model)`): the parts of `tree` with the structure
+        of `eqx.filter(module, filter_spec)` are placed like those parameters.
 
     **Returns:**
 
     `tree`, placed.
     """
     specs = partition_specs(module, mesh)
-    params = eqx.filter(module, _is_parameter)
+    is_spec = lambda s: s is None or isinstance(s, P)  # noqa: E731
+    if filter_spec is None:
+        params = eqx.filter(module, _is_parameter)
+        arrays_specs = eqx.filter(specs, lambda s: isinstance(s, P),
+                                  is_leaf=lambda s: isinstance(s, P))
+    else:
+        params = eqx.filter(module, filter_spec)
+        arrays_specs = jax.tree.map(lambda s, keep: s if keep else None, specs, filter_spec,
+                                    is_leaf=is_spec)
     structure = jax.tree.structure(params)
     is_params = lambda node: (  # noqa: E731
         node is not None and not _is_parameter(node) and jax.tree.structure(node) == structure
     )
-    arrays_specs = eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P))
 
     def place(node):
         if is_params(node):
