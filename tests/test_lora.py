@@ -414,3 +414,26 @@ def test_bad_input(wan, tmp_path):
     merged, originals = nn.merge_lora(with_a, keep_originals=True)
     with pytest.raises(ValueError, match=r"`originals` has no weight for the merged layer"):
         nn.unmerge_lora(merged, originals={})
+
+
+def test_peft_config_alpha_rslora_and_dora(tmp_path):
+    import json
+    rng = np.random.default_rng(0)
+    tensors = {f"transformer.blocks.{i}.attn1.to_q.lora_{ab}.weight":
+               harness.normal(rng, (2, 64) if ab == "A" else (64, 2)) for i in (0, 1) for ab in "AB"}
+
+    def write(config):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors"
+        meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+        from vidax_eqx.interop._safetensors import write_safetensors
+        write_safetensors(path, tensors, meta)
+        return path
+
+    found = interop.read_lora(write({"r": 2, "lora_alpha": 4, "alpha_pattern": {
+        r"blocks\.1\.attn1\.to_q": 8}}))
+    assert [found.layers[f"blocks.{i}.attn1.to_q"].alpha for i in (0, 1)] == [4.0, 8.0]
+    found = interop.read_lora(write({"r": 2, "lora_alpha": 4, "use_rslora": True}))
+    assert found.layers["blocks.0.attn1.to_q"].alpha == pytest.approx(4 * 2 ** 0.5)
+    assert interop.read_lora(tensors).layers["blocks.0.attn1.to_q"].alpha is None  # rank
+    with pytest.raises(ValueError, match=r"DoRA adapter .* only plain LoRA is supported"):
+        interop.read_lora(write({"r": 2, "lora_alpha": 4, "use_dora": True}))

@@ -2,8 +2,9 @@
 
 - diffusers/PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` `(rank, in)` and
   `.lora_B.weight` `(out, rank)`; the alpha in the file's metadata
-  (`lora_adapter_metadata`: PEFT's `LoraConfig`, `lora_alpha` and `alpha_pattern`),
-  else the rank (PEFT's default, a factor 1). Prefixes `transformer.`,
+  (`lora_adapter_metadata`: PEFT's `LoraConfig`, `lora_alpha` and `alpha_pattern`,
+  `use_rslora`'s `alpha / sqrt(rank)`), else the rank (PEFT's default, a factor 1);
+  DoRA is refused. Prefixes `transformer.`,
   `base_model.model.` and `diffusion_model.` are accepted.
 - ComfyUI/kohya: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `.lora_up.weight`
   and `.alpha` (the layer's name with `_` for `.`), or `diffusion_model.` and the
@@ -15,6 +16,7 @@ layers is the model's business (`vidax_eqx.models.load_lora`).
 
 import fnmatch
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -124,6 +126,10 @@ def read_lora(source, *, ignore=()) -> LoRAFile:
         ignore = (ignore,)
     tensors, metadata = _open(source)
     config = _config(metadata)
+    if config.get("use_dora"):
+        raise ValueError("read_lora: the file is a DoRA adapter (its PEFT config says use_dora), "
+                         "which adds a learned magnitude per output feature; only plain LoRA "
+                         "is supported.")
     parts: dict[str, dict[str, str]] = {}
     unused: dict[str, str] = {}
     for key in tensors:
@@ -167,6 +173,8 @@ def read_lora(source, *, ignore=()) -> LoRAFile:
             alpha = float(value.reshape(()))
         elif config:
             alpha = _pattern_alpha(config, name)
+            if alpha is not None and config.get("use_rslora"):
+                alpha *= math.sqrt(a.shape[0])  # rsLoRA scales by alpha / sqrt(rank)
         layers[name] = LoRATensors(a, b, alpha)
     return LoRAFile(layers, unused)
 
