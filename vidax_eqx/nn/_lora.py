@@ -109,9 +109,10 @@ class LoRALinear(eqx.Module):
         """`x @ W.T + b` plus the adapters' term, on the last axis of `x` (one vector,
         as `eqx.nn.Linear` takes it, or any leading axes). `key` is ignored."""
         del key
-        y = x @ self.weight.T
-        y = y + lora_term(self, x, y.dtype)
-        return y if self.bias is None else y + self.bias
+        with jax.named_scope("vidax_eqx.nn.LoRALinear"):
+            y = x @ self.weight.T
+            y = y + lora_term(self, x, y.dtype)
+            return y if self.bias is None else y + self.bias
 
 
 def is_lora_linear(x) -> bool:
