@@ -213,6 +213,18 @@ def sharded_setup(sequence, dp, sp, tp, fsdp):
     return mesh, config
 
 
+def sharded_training(args, fsdp, make, optimizer):
+    """The mesh and `ParallelConfig` of the command line, the placement of a batch on
+    it, and the sharded step `make(optimizer, forward)` (`make_step` or
+    `make_lora_step`) running the model through `models.run_sharded`."""
+    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp, fsdp)
+    batch_axis = "dp" if args.dp > 1 else None
+    place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
+    step = make(optimizer, lambda m, x, t, c: models.run_sharded(
+        m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
+    return mesh, pconfig, place, step
+
+
 def fsdp_axes(sequence, dp, fsdp):
     """The mesh axes FSDP splits the weights over: "dp" (with `--dp` > 1) and the
     sequence axes ("sp"; "sp" and "ring" for `usp`); `()` without FSDP."""
@@ -364,11 +376,7 @@ def main(argv=None) -> int:
 
     # 2. The same weights, optimizer state and draws, sharded.
     t0 = time.perf_counter()
-    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp, fsdp)
-    batch_axis = "dp" if args.dp > 1 else None
-    place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
-    sharded_step = make_step(optimizer, lambda m, x, t, c: models.run_sharded(
-        m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
+    mesh, pconfig, place, sharded_step = sharded_training(args, fsdp, make_step, optimizer)
     sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
     sharded_state = nn.shard_like(opt_state, sharded, mesh)
     before = compiled.count
@@ -502,11 +510,7 @@ def lora_main(args, fsdp: bool) -> int:
     single_step = make_lora_step(optimizer, lambda m, x, t, c: jax.vmap(m)(x, t, c))
     single_model, _, single = train(single_step, model, opt_state, data, args.seed, args.steps)
 
-    mesh, pconfig = sharded_setup(args.sequence, args.dp, args.sp, args.tp, fsdp)
-    batch_axis = "dp" if args.dp > 1 else None
-    place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(batch_axis)))  # noqa: E731
-    sharded_step = make_lora_step(optimizer, lambda m, x, t, c: models.run_sharded(
-        m, x, t, c, mesh=mesh, batch_axis=batch_axis, remat=args.remat))
+    mesh, pconfig, place, sharded_step = sharded_training(args, fsdp, make_lora_step, optimizer)
     sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
     sharded_state = nn.shard_like(opt_state, sharded, mesh, filter_spec=nn.lora_filter(sharded))
     before = compiled.count

@@ -18,6 +18,7 @@
 """
 
 import functools
+import json
 import pathlib
 
 import equinox as eqx
@@ -31,6 +32,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 import oracle
 from vidax_eqx import interop, models, nn
+from vidax_eqx.interop._safetensors import write_safetensors
+from vidax_eqx.nn._layers import linear
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -119,7 +122,6 @@ def test_lora_linear_matches_float64_oracle():
     for name, g, r in zip(("x", "A1", "B1", "A2", "B2"), grads, ref_grads):
         assert _rel(g, r) <= RTOL, name
     # A vector, as eqx.nn.Linear takes it; the linear of nn's modules agrees.
-    from vidax_eqx.nn._layers import linear
     np.testing.assert_allclose(layer(x[0]), out[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(linear(layer, x), out, rtol=1e-5, atol=1e-6)
 
@@ -235,7 +237,6 @@ def test_saved_diffusers_file_holds_peft_config(wan, tmp_path):
     f = interop.open_safetensors(tmp_path / interop.LORA_FILE)
     assert sorted(f) == [f"transformer.blocks.{i}.attn1.to_q.lora_{ab}.weight"
                          for i in (0, 1) for ab in "AB"]
-    import json
     config = json.loads(f.metadata["lora_adapter_metadata"])
     assert config["transformer.r"] == 2 and config["transformer.lora_alpha"] == 4.0
     assert config["transformer.target_modules"] == ["blocks.0.attn1.to_q", "blocks.1.attn1.to_q"]
@@ -417,7 +418,6 @@ def test_bad_input(wan, tmp_path):
 
 
 def test_peft_config_alpha_rslora_and_dora(tmp_path):
-    import json
     rng = np.random.default_rng(0)
     tensors = {f"transformer.blocks.{i}.attn1.to_q.lora_{ab}.weight":
                harness.normal(rng, (2, 64) if ab == "A" else (64, 2)) for i in (0, 1) for ab in "AB"}
@@ -425,7 +425,6 @@ def test_peft_config_alpha_rslora_and_dora(tmp_path):
     def write(config):
         path = tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors"
         meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
-        from vidax_eqx.interop._safetensors import write_safetensors
         write_safetensors(path, tensors, meta)
         return path
 

@@ -27,21 +27,26 @@ CHECKS = (
 )
 
 
-@pytest.mark.slow  # a training run in a subprocess: ~35 s
-def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--dp", "2", "--sp", "2", "--tp", "2", "--steps", "3",
-         "--resume-steps", "1", "--checkpoint-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
-    )
+def _run_example(args, checks) -> str:
+    """Runs the example with `args`; asserts it exited 0 and each of `checks` passed;
+    returns its stdout and stderr's tail, for further assertions' messages."""
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=600)
     output = f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{output}"
     lines = proc.stdout.splitlines()
-    for name in CHECKS:
+    for name in checks:
         assert any(line.strip().startswith(f"check {name}") and " ok " in line
                    for line in lines), f"check {name!r} did not pass:\n{output}"
-    assert "fsdp over dp x sp" in proc.stdout, output
-    assert "all checks passed" in proc.stdout, output
+    return output
+
+
+@pytest.mark.slow  # a training run in a subprocess: ~35 s
+def test_train_wan_sharded_matches_and_resumes_bit_exactly(tmp_path):
+    output = _run_example(["--dp", "2", "--sp", "2", "--tp", "2", "--steps", "3",
+                           "--resume-steps", "1", "--checkpoint-dir", str(tmp_path)], CHECKS)
+    assert "fsdp over dp x sp" in output, output
+    assert "all checks passed" in output, output
     assert (tmp_path / "step_3").is_dir(), f"no checkpoint in {tmp_path}:\n{output}"
 
 
@@ -58,15 +63,6 @@ LORA_CHECKS = (
 
 @pytest.mark.slow  # a training run in a subprocess: ~20 s
 def test_train_wan_lora_trains_only_adapters_and_saves_them(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--lora", "4", "--dp", "2", "--sp", "2", "--tp", "2",
-         "--steps", "3", "--checkpoint-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
-    )
-    output = f"{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{output}"
-    lines = proc.stdout.splitlines()
-    for name in LORA_CHECKS:
-        assert any(line.strip().startswith(f"check {name}") and " ok " in line
-                   for line in lines), f"check {name!r} did not pass:\n{output}"
+    output = _run_example(["--lora", "4", "--dp", "2", "--sp", "2", "--tp", "2", "--steps", "3",
+                           "--checkpoint-dir", str(tmp_path)], LORA_CHECKS)
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file(), output

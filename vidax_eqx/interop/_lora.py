@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -207,8 +208,9 @@ def write_lora(path, layers: Mapping[str, LoRATensors], *, layout: str = "diffus
         ranks = {name: int(t.lora_A.shape[0]) for name, t in layers.items()}
         alphas = {name: float(t.lora_A.shape[0] if t.alpha is None else t.alpha)
                   for name, t in layers.items()}
-        r = max(set(ranks.values()), key=list(ranks.values()).count) if ranks else 1
-        alpha = max(set(alphas.values()), key=list(alphas.values()).count) if alphas else 1.0
+        # the most common rank and alpha; the others go in PEFT's patterns
+        r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+        alpha = Counter(alphas.values()).most_common(1)[0][0] if alphas else 1.0
         config = {
             "r": r, "lora_alpha": alpha, "target_modules": sorted(layers),
             "rank_pattern": {re.escape(n): v for n, v in ranks.items() if v != r},

@@ -309,8 +309,7 @@ def unmerge_lora(tree, names=None, *, originals: dict | None = None):
     - `originals`: the dict `merge_lora(..., keep_originals=True)` returned with this
         tree; every layer with a merged adapter named here must be in it.
     """
-    present = lora_names(tree)
-    names = tuple(present) if names is None else _check_names("unmerge_lora", tree, names)
+    names = _check_names("unmerge_lora", tree, names)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_lora_linear)
     out = []
     for path, layer in flat:
