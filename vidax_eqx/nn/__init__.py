@@ -17,6 +17,7 @@ from ._attention import (
     CrossAttention as CrossAttention,
     JointAttention as JointAttention,
 )
+from ._dual_stream import DualStreamAttention as DualStreamAttention
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
 from ._lora import (

@@ -9,6 +9,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._attention import Attention, CrossAttention, JointAttention
+from ._dual_stream import DualStreamAttention
 from ._feedforward import FeedForward
 from ._lora import is_lora_linear
 from ._parallel import agreed, check_parallel, fsdp_axes_of, ParallelConfig
@@ -21,6 +22,8 @@ _MEGATRON = {
     Attention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
     CrossAttention: (("q", "k", "v", "k_img", "v_img"), ("o",), ("norm_q", "norm_k", "norm_k_img")),
     JointAttention: (("to_q", "to_k", "to_v"), ("to_out",), ()),
+    DualStreamAttention: (("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+                          ("to_out", "to_add_out"), ()),
     FeedForward: (("fc1",), ("fc2",), ()),
 }
 _PARALLEL = tuple(_MEGATRON)
@@ -97,7 +100,9 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     q/k/v (`to_q`/`to_k`/`to_v`) weights `P(tp, None)` and biases `P(tp)`
     (column-parallel: each device holds its heads' output features); `o` / `to_out`
     weight `P(None, tp)` (row-parallel) and bias `P()`; Wan's `norm_q` / `norm_k`
-    weights, over the inner dim, `P(tp)`; CogVideoX's per-head LayerNorms `P()`; a
+    weights, over the inner dim, `P(tp)`; CogVideoX's per-head LayerNorms `P()`;
+    [`DualStreamAttention`][]'s six q/k/v projections (video and text) column-parallel,
+    `to_out` and `to_add_out` row-parallel, its per-head RMSNorms `P()`; a
     [`FeedForward`][]'s `fc1` column-parallel and `fc2` row-parallel likewise.
     Sequence parallelism never shards a parameter. A [`LoRALinear`][]'s adapters
     follow their layer: column-parallel, `lora_B` `P(tp, None)` (its output

