@@ -1,6 +1,9 @@
 """Position embeddings of video tokens: 3D rotary tables (Wan, CogVideoX), the
 adjacent-pair rotation, and CogVideoX-2B's 3D sin-cos embedding."""
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +24,32 @@ def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
     """
     c = head_dim // 2
     return (c - 2 * (c // 3), c // 3, c // 3)
+
+
+@functools.partial(jax.jit, static_argnames="axes")
+def _grid_tables(tables, axes):
+    """Per-axis tables expanded over a `(frames, height, width)` token grid, in-program.
+
+    `tables[i]` is `(k, n, c_i)`: `k` tables over the `n` positions of grid axis
+    `axes[i]`; each is broadcast over the other two grid axes and the parts are
+    concatenated on the feature axis in the given order. Returns `k` arrays of shape
+    `(frames * height * width, sum(c_i))`, frame-major. A feature that depends on one
+    coordinate is the same number whether it is expanded before or after its
+    elementwise function, so the result is bitwise the table computed over the whole
+    grid; but the program holds O((f + h + w) * c) constants instead of O(f h w c)
+    (what `jax.export` serializes; `jax.jit` traces the expansion, not a dense table).
+    """
+    sizes = [1, 1, 1]
+    for t, a in zip(tables, axes):
+        sizes[a] = t.shape[1]
+    parts = []
+    for t, a in zip(tables, axes):
+        index = [None, None, None]
+        index[a] = slice(None)
+        expanded = t[(slice(None), *index, slice(None))]
+        parts.append(jnp.broadcast_to(expanded, (t.shape[0], *sizes, t.shape[-1])))
+    out = jnp.concatenate(parts, axis=-1).reshape(tables[0].shape[0], math.prod(sizes), -1)
+    return tuple(out[i] for i in range(out.shape[0]))
 
 
 def _angles(positions: np.ndarray, pairs: int, theta: float) -> np.ndarray:
@@ -44,9 +73,11 @@ def rope_3d(
     `split[1]` on `h`, the last `split[2]` on `w`. A part of `n` pairs uses
     frequencies `1 / theta ** (arange(0, 2n, 2) / (2n))`, as Wan's `rope_params`
     and diffusers' `get_1d_rotary_pos_embed`. Tokens are ordered frame-major, then
-    height, then width, as Wan and CogVideoX flatten them. The tables are computed
-    in float64 with NumPy and returned in float32; `grid` must therefore be
-    concrete Python ints.
+    height, then width, as Wan and CogVideoX flatten them. The cosines and sines
+    of each axis are computed in float64 with NumPy and rounded to float32 (tiny
+    `(n, pairs)` tables); the `(S, head_dim // 2)` tables are these expanded over
+    the grid by the program, so a traced or exported program (`jax.export`) holds
+    no constant that grows with the token count. `grid` must be concrete Python ints.
 
     **Arguments:**
 
@@ -104,16 +135,13 @@ def rope_3d(
             f"rope_3d: `positions` must be three 1-D arrays of lengths grid = {(f, h, w)}; "
             f"received shapes {[np.shape(p) for p in positions]}."
         )
-    parts = [
-        np.broadcast_to(_angles(positions[0], split[0], theta)[:, None, None, :], (f, h, w, split[0])),
-        np.broadcast_to(_angles(positions[1], split[1], theta)[None, :, None, :], (f, h, w, split[1])),
-        np.broadcast_to(_angles(positions[2], split[2], theta)[None, None, :, :], (f, h, w, split[2])),
-    ]
-    angles = np.concatenate(parts, axis=-1).reshape(f * h * w, c)
-    return (
-        jnp.asarray(np.cos(angles).astype(np.float32)),
-        jnp.asarray(np.sin(angles).astype(np.float32)),
+    # cos / sin of each axis's angles (float64 NumPy, tiny), expanded over the grid in
+    # the program: the (S, c) tables are never constants of a traced or exported program.
+    tables = tuple(
+        np.stack([np.cos(a), np.sin(a)]).astype(np.float32)
+        for a in (_angles(p, n, theta) for p, n in zip(positions, split))
     )
+    return _grid_tables(tables, (0, 1, 2))
 
 
 @jaxtyped(typechecker=beartype)
@@ -172,8 +200,9 @@ def sincos_embedding_3d(
     where `sincos_n(p)` is `[sin(p * w), cos(p * w)]` over `n / 2` frequencies
     `w_i = 10000 ** (-i / (n / 2))` (the column coordinate comes first in the
     spatial part, as diffusers' `meshgrid(..., indexing="xy")` puts it). Tokens
-    frame-major, then row, then column. Computed in float64 with NumPy, returned
-    float32; `grid` must be concrete ints.
+    frame-major, then row, then column. Each axis's part is computed in float64 with
+    NumPy and rounded to float32; the program expands them over the grid (no
+    `(S, dim)` constant in a traced or exported program). `grid` must be concrete ints.
 
     **Arguments:**
 
@@ -202,9 +231,6 @@ def sincos_embedding_3d(
     temporal = _sincos(np.arange(f) / temporal_interpolation_scale, dim // 4)  # (f, dim/4)
     cols = _sincos(np.arange(w) / spatial_interpolation_scale, spatial // 2)  # (w, 3dim/8)
     rows = _sincos(np.arange(h) / spatial_interpolation_scale, spatial // 2)  # (h, 3dim/8)
-    parts = [
-        np.broadcast_to(temporal[:, None, None, :], (f, h, w, dim // 4)),
-        np.broadcast_to(cols[None, None, :, :], (f, h, w, spatial // 2)),
-        np.broadcast_to(rows[None, :, None, :], (f, h, w, spatial // 2)),
-    ]
-    return jnp.asarray(np.concatenate(parts, axis=-1).reshape(f * h * w, dim).astype(np.float32))
+    # Per-axis tables expanded over the grid in the program (no (S, dim) constant).
+    tables = tuple(t[None].astype(np.float32) for t in (temporal, cols, rows))
+    return _grid_tables(tables, (0, 2, 1))[0]
