@@ -175,7 +175,6 @@ def test_dual_stream_sharded_equals_single_device(single, case):
     x, c, ct_x, ct_c = inputs(8)
     _, rope = rope_tables(9)
     lengths = jnp.asarray(LENGTHS)
-    seq = (RING, SP) if mode == "usp" else SP
 
     def per_device(m, x, c, cos, sin, lengths):
         cos, sin, x = nn.shard_tokens((cos, sin, x), cfg, axis=0)
@@ -204,3 +203,196 @@ def test_dual_stream_sharded_equals_single_device(single, case):
     oracle.assert_close(xo_s, xo_1, F32, "x_out")
     oracle.assert_close(co_s, co_1, F32, "context_out")
     harness.assert_trees_close(g_s, g_1, F32, "grad")
+
+
+# -- 3. key-only padding in Attention, CrossAttention, JointAttention ---------------------
+
+
+def key_mask(n_q, n_k, length, offset=0):
+    """`(n_q, n_k)`: keys at index `offset + length` and beyond (the first `offset` keys
+    are never padding) hidden from every query."""
+    visible = np.ones(n_k, bool)
+    visible[offset + int(length):] = False
+    return np.broadcast_to(visible, (n_q, n_k))
+
+
+def wan_self_attention_padded(m, x, length):
+    """Wan's self-attention (`oracle.wan_self_attention` without RoPE) with the keys at
+    index >= length masked, every query computed."""
+    S_, Hh, D = x.shape[0], m.num_heads, m.head_dim
+    q = oracle.rms_norm(oracle.linear(x, m.q), m.norm_q.weight, m.eps).reshape(S_, Hh, D)
+    k = oracle.rms_norm(oracle.linear(x, m.k), m.norm_k.weight, m.eps).reshape(S_, Hh, D)
+    v = oracle.linear(x, m.v).reshape(S_, Hh, D)
+    out = oracle.example_attention(q, k, v, mask=key_mask(S_, S_, length))
+    return oracle.linear(out.reshape(S_, Hh * D), m.o)
+
+
+def cogvideox_attention_padded(m, x, context, length):
+    """diffusers' CogVideoX joint attention (`oracle.cogvideox_attention` without RoPE)
+    over `[context; x]` with the text keys at index >= length masked."""
+    T_, Hh, D = context.shape[0], m.num_heads, m.head_dim
+    h = np.concatenate([oracle.f64(context), oracle.f64(x)])
+    n = h.shape[0]
+    q, k, v = (oracle.linear(h, lin).reshape(n, Hh, D) for lin in (m.to_q, m.to_k, m.to_v))
+    q = oracle.layer_norm(q, m.norm_q.weight, m.norm_q.bias, m.eps)
+    k = oracle.layer_norm(k, m.norm_k.weight, m.norm_k.bias, m.eps)
+    visible = np.ones(n, bool)
+    visible[int(length):T_] = False
+    out = oracle.example_attention(q, k, v, mask=np.broadcast_to(visible, (n, n)))
+    out = oracle.linear(out.reshape(n, Hh * D), m.to_out)
+    return out[T_:], out[:T_]
+
+
+def check_module_padding(m, keyword, args, lengths, ref, names, seed):
+    """The batched `m(*args, keyword=length)` against `ref(m, *args_b, length_b)` (one or two
+    outputs): output, and gradients of every parameter and input (random cotangent)
+    against central differences of the reference."""
+    rng = np.random.default_rng(seed)
+    def apply(m, *a):
+        return m(*a[:-1], **{keyword: a[-1]})
+
+    outs = jax.eval_shape(lambda a, n: jax.vmap(lambda *a: apply(m, *a))(*a, n), args, lengths)
+    cts = jax.tree.map(lambda o: rng.standard_normal(o.shape).astype(F32), outs)
+
+    @eqx.filter_jit
+    def run(m, args):
+        def loss(ma):
+            o = jax.vmap(lambda *a: apply(ma[0], *a))(*ma[1], jnp.asarray(lengths))
+            return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(o), jax.tree.leaves(cts))), o
+        return eqx.filter_value_and_grad(loss, has_aux=True)((m, args))
+
+    (_, out), (gm, gargs) = run(m, args)
+
+    def reference(mm, aa):
+        per = [ref(mm, *(a[b] for a in aa), lengths[b]) for b in range(B)]
+        return jax.tree.map(lambda *o: np.stack(o), *per)
+
+    for got, want, name in zip(jax.tree.leaves(out), jax.tree.leaves(reference(m, args)), names):
+        oracle.assert_close(got, want, F32, name)
+
+    def ref_loss(a):
+        n = len(harness.arrays(m))
+        o = reference(harness.with_arrays(m, a[:n]), a[n:])
+        return float(sum(np.sum(x * c) for x, c in zip(jax.tree.leaves(o), jax.tree.leaves(cts))))
+
+    params, grads = [*harness.arrays(m), *args], [*harness.arrays(gm), *gargs]
+    names = [*harness.leaf_names(m), *(f"input {i}" for i in range(len(args)))]
+    # A bias added to every key of a head shifts each softmax row by a constant: its
+    # exact gradient is 0, and the float32 one rounding noise (no relative check).
+    zero = [i for i, n in enumerate(names) if n.endswith("norm_k.bias")]
+    for i in zero:
+        assert np.max(np.abs(np.asarray(grads[i]))) < 1e-4, names[i]
+
+    def kept(a):
+        return [x for i, x in enumerate(a) if i not in zero]
+
+    def ref_loss_kept(a):
+        full = list(params)
+        for i, x in zip([i for i in range(len(params)) if i not in zero], a):
+            full[i] = x
+        return ref_loss(full)
+
+    harness.check_grads_fd(ref_loss_kept, kept(params), kept(grads), kept(names), seed=seed + 1)
+
+
+def test_attention_kv_length():
+    m = harness.perturbed(nn.Attention(32, 4, key=jax.random.key(20)), 21)
+    x = np.random.default_rng(22).standard_normal((B, 11, 32)).astype(F32)
+    check_module_padding(
+        m, "kv_length", (x,), np.array([7, 11], np.int32),
+        lambda mm, x, n: wan_self_attention_padded(mm, x, n), ["out"], 23)
+
+
+def test_attention_kv_length_sharded_zigzag():
+    """`kv_length` counts global indices in the unpermuted sequence, also under a
+    zigzag ring: the sharded module equals the single-device one."""
+    single = harness.perturbed(nn.Attention(32, 4, key=jax.random.key(24)), 25)
+    cfg = nn.ParallelConfig(sequence="ring", layout="zigzag")
+    sharded = nn.with_parallel(single, cfg)
+    x = np.random.default_rng(26).standard_normal((B, 16, 32)).astype(F32)
+    lengths = jnp.asarray(np.array([5, 13], np.int32))
+
+    def call(m, x, n):
+        return jax.vmap(lambda x, n: m(x, kv_length=n))(x, n)
+
+    def per_device(m, x, n):
+        x = jnp.swapaxes(nn.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
+        return nn.gather_tokens(call(m, x, n), cfg, axis=1)
+
+    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
+                            in_specs=(nn.partition_specs(sharded), P(), P()), out_specs=P())
+    got = eqx.filter_jit(f)(sharded, x, lengths)
+    want = eqx.filter_jit(call)(single, x, lengths)
+    oracle.assert_close(got, want, F32, "out")
+    ref = np.stack([wan_self_attention_padded(single, x[b], lengths[b]) for b in range(B)])
+    oracle.assert_close(got, ref, F32, "out vs reference")
+
+
+def test_cross_attention_context_length():
+    m = harness.perturbed(nn.CrossAttention(32, 4, context_dim=24, key=jax.random.key(30)), 31)
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal((B, 9, 32)).astype(F32)
+    c = rng.standard_normal((B, 7, 24)).astype(F32)
+    lengths = np.array([3, 7], np.int32)
+
+    def ref(mm, x, c, n):
+        return oracle.wan_cross_attention(mm, x, c, context_mask=np.arange(7) < n)
+
+    check_module_padding(m, "context_length", (x, c), lengths, ref, ["out"], 33)
+    # NaN in the padded text rows does not reach the output.
+    c_nan = c.copy()
+    c_nan[0, 3:] = np.nan
+    out = eqx.filter_jit(lambda m, x, c: m(x, c, context_length=3))(m, x[0], c_nan[0])
+    oracle.assert_close(out, ref(m, x[0], c[0], 3), F32, "out with NaN padding")
+
+
+def test_joint_attention_context_length():
+    m = harness.perturbed(nn.JointAttention(32, 4, key=jax.random.key(40)), 41)
+    rng = np.random.default_rng(42)
+    x = rng.standard_normal((B, 9, 32)).astype(F32)
+    c = rng.standard_normal((B, 5, 32)).astype(F32)
+    check_module_padding(m, "context_length", (x, c), np.array([2, 5], np.int32),
+                         cogvideox_attention_padded,
+                         ["x_out", "context_out"], 43)
+
+
+# -- 4. bad input ------------------------------------------------------------------------
+
+
+def test_bad_input_raises(single):
+    m = single
+    x = jnp.zeros((S, DIM))
+    c = jnp.zeros((T, CDIM))
+    with pytest.raises(TypeCheckError, match="context"):
+        m(x, jnp.zeros((T, DIM)))  # the text width is context_dim, not dim
+    with pytest.raises(TypeCheckError, match="x"):
+        m(jnp.zeros((S, CDIM)), c)
+    with pytest.raises(ValueError, match="context_length.*shape \\(6,\\)"):
+        m(x, c, context_length=jnp.ones((T,), jnp.int32))  # a mask is not a length
+    with pytest.raises(ValueError, match="context_length.*float32"):
+        m(x, c, context_length=jnp.float32(3))
+    with pytest.raises(ValueError, match="context_length.*\\[0, 6\\].*received 7"):
+        m(x, c, context_length=7)
+    with pytest.raises(ValueError, match="context_length.*received -1"):
+        m(x, c, context_length=-1)
+    with pytest.raises(ValueError, match="qk_norm"):
+        nn.DualStreamAttention(DIM, H, qk_norm="layer_norm", key=jax.random.key(0))
+    a = nn.Attention(32, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="kv_length.*received 13"):
+        a(jnp.zeros((12, 32)), kv_length=13)
+    cross = nn.CrossAttention(32, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="context_length.*shape \\(2,\\)"):
+        cross(jnp.zeros((5, 32)), jnp.zeros((4, 32)), context_length=jnp.array([1, 2]))
+
+
+def test_partition_specs_dual_stream(single):
+    cfg = nn.ParallelConfig(sequence="ulysses", tp_axis=TP)
+    specs = nn.partition_specs(nn.with_parallel(single, cfg))
+    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+        assert getattr(specs, name).weight == P(TP, None), name
+        assert getattr(specs, name).bias == P(TP), name
+    for name in ("to_out", "to_add_out"):
+        assert getattr(specs, name).weight == P(None, TP), name
+        assert getattr(specs, name).bias == P(), name
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        assert getattr(specs, name).weight == P(), name

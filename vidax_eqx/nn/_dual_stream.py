@@ -14,7 +14,6 @@ concatenates), and the two parts of the result leave through `to_out` and
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from beartype import beartype
 from jax import lax
 from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
@@ -30,6 +29,7 @@ from ._checks import check_eps, check_heads, check_positive
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import RMSNorm
+from ._padding import check_length
 from ._parallel import check_context, check_parallel, ParallelConfig
 from ._rope import apply_rope
 
@@ -170,7 +170,7 @@ class DualStreamAttention(eqx.Module):
         context: Float[Array, "T {self.context_dim}"],
         *,
         rope: _Rope | None = None,
-        context_length: Int[Array, ""] | int | None = None,
+        context_length: Array | int | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
 
@@ -196,7 +196,8 @@ class DualStreamAttention(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.DualStreamAttention"):
             T = context.shape[0]
-            context_length = _check_length(context_length, T)
+            context_length = check_length("DualStreamAttention", "context_length",
+                                          context_length, T)
             check_context("DualStreamAttention", self.parallel, x, context=context)
             self, (x, context, rope, context_length) = fsdp_gather(
                 self, (x, context, rope, context_length))
@@ -229,33 +230,6 @@ class DualStreamAttention(eqx.Module):
             x_out = row_parallel(self.to_out, out.reshape(S, H * D), tp_axis)
             context_out = row_parallel(self.to_add_out, out_t.reshape(T, H * D), tp_axis)
             return x_out, _replicated(context_out, self.parallel)
-
-
-def _check_length(context_length, T: int):
-    """`context_length` as an int32 scalar array (or `None`), after the checks that can
-    be made: a 0-d integer; in `[0, T]` when concrete."""
-    if context_length is None:
-        return None
-    if isinstance(context_length, bool):
-        raise ValueError(
-            "DualStreamAttention: `context_length` must be an int scalar (the number of real "
-            f"text tokens); received the bool {context_length!r}."
-        )
-    shape = tuple(getattr(context_length, "shape", ()))
-    dtype = getattr(context_length, "dtype", np.dtype(type(context_length)))
-    if shape != () or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(
-            "DualStreamAttention: `context_length` must be one int scalar per example (a 0-d "
-            f"integer array; jax.vmap it for a batch); received shape {shape}, dtype {dtype}."
-        )
-    if not isinstance(context_length, jax.core.Tracer):
-        value = int(context_length)
-        if not 0 <= value <= T:
-            raise ValueError(
-                f"DualStreamAttention: `context_length` must lie in [0, T] with T={T} text "
-                f"tokens (context.shape[0]); received {value}."
-            )
-    return jnp.asarray(context_length, jnp.int32)
 
 
 def _joint_attend(q, k, v, q_t, k_t, v_t, context_length, parallel: ParallelConfig,
