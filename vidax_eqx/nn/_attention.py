@@ -40,7 +40,8 @@ from ._checks import check_eps, check_heads, check_positive
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
-from ._parallel import check_context, check_parallel, check_text, ParallelConfig
+from ._padding import check_length, key_padding_ids
+from ._parallel import check_context, check_parallel, check_text, ParallelConfig, token_indices
 from ._rope import apply_rope
 
 
@@ -102,8 +103,8 @@ def _attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int 
     of them, or None.
     """
     q, k, v = q[None], k[None], v[None]
-    opts = dict(segment_ids=None if segment_ids is None else segment_ids[None], mask=mask,
-                implementation=implementation)
+    segment_ids = jax.tree.map(lambda a: a[None], segment_ids)  # an array or SegmentIds
+    opts = dict(segment_ids=segment_ids, mask=mask, implementation=implementation)
     text = {} if text_len is None else {"text_len": text_len}
     mode = parallel.sequence
     if mode == "none":
@@ -210,6 +211,7 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, " S"] | None = None,
         mask: kernels.SlidingTileMask | None = None,
     ) -> Float[Array, "S {self.dim}"]:
+        kv_length: Array | int | None = None,
         """**Arguments:**
 
         - `x`: the tokens `(S, dim)` of one example: the whole sequence on one
@@ -227,6 +229,14 @@ class Attention(eqx.Module):
             skipped. Per-head windows follow their heads (under tensor parallelism
             too). `None`: full attention.
 
+        - `kv_length`: key-only padding: an int scalar (a 0-d integer array, one per
+            example under `jax.vmap`, or a Python int), the number of real tokens; the
+            tokens at index `>= kv_length` of the whole sequence (global indices under
+            sequence parallelism, in the unpermuted order under zigzag) are invisible
+            as keys to every query, but every query is still computed (its row is a
+            real attention output). This differs from `segment_ids` padding (-1),
+            where a padded token also sees nothing and its attention output is 0.
+            Combines with `segment_ids`. `None`: no key-only padding.
         **Returns:**
 
         `(S, dim)`, the same tokens as `x`.
@@ -234,6 +244,8 @@ class Attention(eqx.Module):
         with jax.named_scope("vidax_eqx.nn.Attention"):
             check_context("Attention", self.parallel, x)
             self, (x, rope) = fsdp_gather(self, (x, rope))
+            kv_length = check_length("Attention", "kv_length", kv_length,
+                                     x.shape[0] if self.parallel.sequence == "none" else None)
             H = local_heads("Attention", self, self.q)
             S = x.shape[0]
             x = tp_input(x, self.parallel.tp_axis)
@@ -246,6 +258,9 @@ class Attention(eqx.Module):
                 k = apply_rope(k, *rope)
             mask = _tile_mask("Attention", mask, self, H)
             out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
+            if kv_length is not None:
+                segment_ids = key_padding_ids(token_indices(S, self.parallel), kv_length,
+                                              segment_ids)
                           mask=mask)
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
@@ -455,6 +470,7 @@ class CrossAttention(eqx.Module):
         context_copies: bool = False,
         context_kv: tuple | None = None,
     ) -> Float[Array, "S {self.dim}"]:
+        context_length: Array | int | None = None,
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
@@ -478,6 +494,16 @@ class CrossAttention(eqx.Module):
             `context_image` (which must then be `None`): the same result, bit for bit,
             without projecting the context. `k`, `v` are not checked against a context.
 
+        - `context_length`: key-only padding of the text: an int scalar (a 0-d integer
+            array, one per example under `jax.vmap`, or a Python int), the number of
+            real text tokens; the text tokens at index `>= context_length` are hidden
+            from every query (their keys and values zeroed, so nothing they hold
+            reaches the output), and every query is still computed. Cross-attention
+            queries are video tokens, so this is the text padding mask of a model that
+            pads its prompt (`context_mask` with a prefix of `True`, as a length). It
+            differs from `segment_ids` padding (-1) in the self-attention modules,
+            where a padded token also sees nothing. Combines with `context_mask`; the
+            image branch is not affected. `None`: every text token is a key.
         **Returns:**
 
         `(S, dim)`.
@@ -521,6 +547,14 @@ class CrossAttention(eqx.Module):
                 )
             mask = None if context_mask is None else context_mask[None, None, None, :]
             out = kernels.attention(
+            context_length = check_length("CrossAttention", "context_length", context_length,
+                                          k.shape[0])
+            if context_length is not None:
+                valid = jnp.arange(k.shape[0]) < context_length
+                k = jnp.where(valid[:, None, None], k, jnp.zeros((), k.dtype))
+                v = jnp.where(valid[:, None, None], v, jnp.zeros((), v.dtype))
+                valid = valid[None, None, None, :]
+                mask = valid if mask is None else jnp.logical_and(mask, valid)
                 q[None], k[None], v[None], mask=mask, implementation=self.implementation
             )[0]
             if k_img is not None:
@@ -625,6 +659,7 @@ class JointAttention(eqx.Module):
         context_copies: bool = False,
         mask: kernels.SlidingTileMask | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
+        context_length: Array | int | None = None,
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
@@ -648,6 +683,13 @@ class JointAttention(eqx.Module):
             in the tile layout of [`vidax_eqx.kernels.tile_permute`][]. `None`: full
             attention.
 
+        - `context_length`: key-only padding of the text: an int scalar (a 0-d integer
+            array, one per example under `jax.vmap`, or a Python int), the number of
+            real text tokens; the text tokens at index `>= context_length` are
+            invisible as keys to every query (text and video), and every query is still
+            computed. This differs from `segment_ids` padding (-1), where a padded
+            token also sees nothing (its output row is `to_out`'s bias). Combines with
+            `segment_ids`. `None`: every text token is a key.
         **Returns:**
 
         `(x_out, context_out)`, `(S, dim)` and `(T, dim)`: diffusers' processor's
@@ -671,6 +713,12 @@ class JointAttention(eqx.Module):
                 k = jnp.concatenate([k[:T], apply_rope(k[T:], *rope)], axis=0)
             mask = _tile_mask("JointAttention", mask, self, H)
             out = _attend(q, k, v, self.parallel, self.implementation, text_len=T,
+            context_length = check_length("JointAttention", "context_length", context_length, T)
+            if context_length is not None:
+                # The text's indices, and -1 (always below the length) for the video.
+                indices = jnp.concatenate([jnp.arange(T, dtype=jnp.int32),
+                                           jnp.full((S,), -1, jnp.int32)])
+                segment_ids = key_padding_ids(indices, context_length, segment_ids)
                           segment_ids=segment_ids, mask=mask)
             out = row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
