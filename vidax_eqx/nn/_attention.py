@@ -210,8 +210,8 @@ class Attention(eqx.Module):
         rope: _Rope | None = None,
         segment_ids: Int[Array, " S"] | None = None,
         mask: kernels.SlidingTileMask | None = None,
-    ) -> Float[Array, "S {self.dim}"]:
         kv_length: Array | int | None = None,
+    ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
         - `x`: the tokens `(S, dim)` of one example: the whole sequence on one
@@ -228,7 +228,6 @@ class Attention(eqx.Module):
             to the devices as the parallel function asks); the hidden tiles are
             skipped. Per-head windows follow their heads (under tensor parallelism
             too). `None`: full attention.
-
         - `kv_length`: key-only padding: an int scalar (a 0-d integer array, one per
             example under `jax.vmap`, or a Python int), the number of real tokens; the
             tokens at index `>= kv_length` of the whole sequence (global indices under
@@ -237,15 +236,16 @@ class Attention(eqx.Module):
             real attention output). This differs from `segment_ids` padding (-1),
             where a padded token also sees nothing and its attention output is 0.
             Combines with `segment_ids`. `None`: no key-only padding.
+
         **Returns:**
 
         `(S, dim)`, the same tokens as `x`.
         """
         with jax.named_scope("vidax_eqx.nn.Attention"):
             check_context("Attention", self.parallel, x)
-            self, (x, rope) = fsdp_gather(self, (x, rope))
             kv_length = check_length("Attention", "kv_length", kv_length,
                                      x.shape[0] if self.parallel.sequence == "none" else None)
+            self, (x, rope) = fsdp_gather(self, (x, rope))
             H = local_heads("Attention", self, self.q)
             S = x.shape[0]
             x = tp_input(x, self.parallel.tp_axis)
@@ -257,10 +257,10 @@ class Attention(eqx.Module):
                 q = apply_rope(q, *rope)
                 k = apply_rope(k, *rope)
             mask = _tile_mask("Attention", mask, self, H)
-            out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
             if kv_length is not None:
                 segment_ids = key_padding_ids(token_indices(S, self.parallel), kv_length,
                                               segment_ids)
+            out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
                           mask=mask)
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
@@ -469,8 +469,8 @@ class CrossAttention(eqx.Module):
         context_image: Float[Array, "S_img {self.image_context_dim}"] | None = None,
         context_copies: bool = False,
         context_kv: tuple | None = None,
-    ) -> Float[Array, "S {self.dim}"]:
         context_length: Array | int | None = None,
+    ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
@@ -493,7 +493,6 @@ class CrossAttention(eqx.Module):
             [`project_context`][] (this device's heads), used instead of `context` and
             `context_image` (which must then be `None`): the same result, bit for bit,
             without projecting the context. `k`, `v` are not checked against a context.
-
         - `context_length`: key-only padding of the text: an int scalar (a 0-d integer
             array, one per example under `jax.vmap`, or a Python int), the number of
             real text tokens; the text tokens at index `>= context_length` are hidden
@@ -504,6 +503,7 @@ class CrossAttention(eqx.Module):
             differs from `segment_ids` padding (-1) in the self-attention modules,
             where a padded token also sees nothing. Combines with `context_mask`; the
             image branch is not affected. `None`: every text token is a key.
+
         **Returns:**
 
         `(S, dim)`.
@@ -546,7 +546,6 @@ class CrossAttention(eqx.Module):
                     f"received shape {context_mask.shape}."
                 )
             mask = None if context_mask is None else context_mask[None, None, None, :]
-            out = kernels.attention(
             context_length = check_length("CrossAttention", "context_length", context_length,
                                           k.shape[0])
             if context_length is not None:
@@ -555,6 +554,7 @@ class CrossAttention(eqx.Module):
                 v = jnp.where(valid[:, None, None], v, jnp.zeros((), v.dtype))
                 valid = valid[None, None, None, :]
                 mask = valid if mask is None else jnp.logical_and(mask, valid)
+            out = kernels.attention(
                 q[None], k[None], v[None], mask=mask, implementation=self.implementation
             )[0]
             if k_img is not None:
@@ -658,8 +658,8 @@ class JointAttention(eqx.Module):
         segment_ids: Int[Array, " T+S"] | None = None,
         context_copies: bool = False,
         mask: kernels.SlidingTileMask | None = None,
-    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         context_length: Array | int | None = None,
+    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)` of one example (this device's chunk under
@@ -682,7 +682,6 @@ class JointAttention(eqx.Module):
             `text_len` is `T` (`"prefix"`), and `x` (and `rope`) are the video tokens
             in the tile layout of [`vidax_eqx.kernels.tile_permute`][]. `None`: full
             attention.
-
         - `context_length`: key-only padding of the text: an int scalar (a 0-d integer
             array, one per example under `jax.vmap`, or a Python int), the number of
             real text tokens; the text tokens at index `>= context_length` are
@@ -690,6 +689,7 @@ class JointAttention(eqx.Module):
             computed. This differs from `segment_ids` padding (-1), where a padded
             token also sees nothing (its output row is `to_out`'s bias). Combines with
             `segment_ids`. `None`: every text token is a key.
+
         **Returns:**
 
         `(x_out, context_out)`, `(S, dim)` and `(T, dim)`: diffusers' processor's
@@ -712,13 +712,13 @@ class JointAttention(eqx.Module):
                 q = jnp.concatenate([q[:T], apply_rope(q[T:], *rope)], axis=0)
                 k = jnp.concatenate([k[:T], apply_rope(k[T:], *rope)], axis=0)
             mask = _tile_mask("JointAttention", mask, self, H)
-            out = _attend(q, k, v, self.parallel, self.implementation, text_len=T,
             context_length = check_length("JointAttention", "context_length", context_length, T)
             if context_length is not None:
                 # The text's indices, and -1 (always below the length) for the video.
                 indices = jnp.concatenate([jnp.arange(T, dtype=jnp.int32),
                                            jnp.full((S,), -1, jnp.int32)])
                 segment_ids = key_padding_ids(indices, context_length, segment_ids)
+            out = _attend(q, k, v, self.parallel, self.implementation, text_len=T,
                           segment_ids=segment_ids, mask=mask)
             out = row_parallel(self.to_out, out.reshape(T + S, H * self.head_dim),
                                 self.parallel.tp_axis)
