@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
 from .._vma import as_varying, varying_axes
+from ..nn import _init as init
 from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ..nn import functional
@@ -213,10 +214,10 @@ class CogVideoXPatchEmbed(eqx.Module):
 
     def __init__(self, config: CogVideoXConfig, *, dtype, key: PRNGKeyArray):
         c = config
-        k1, k2 = jax.random.split(key)
+        k1, k2 = init.split(key)
         p = c.patch_size
         self.proj = nn.PatchEmbedding(c.in_channels, c.dim, (p, p), dtype=dtype, key=k1)
-        self.text_proj = eqx.nn.Linear(c.text_embed_dim, c.dim, dtype=dtype, key=k2)
+        self.text_proj = init.linear(c.text_embed_dim, c.dim, dtype=dtype, key=k2)
         if c.use_learned_positional_embeddings:  # initialized as diffusers: zeros + sin-cos
             sincos = functional.sincos_embedding_3d(
                 c.sample_grid, c.dim, spatial_interpolation_scale=c.spatial_interpolation_scale,
@@ -239,7 +240,7 @@ class CogVideoXLayerNormZero(eqx.Module):
 
     def __init__(self, config: CogVideoXConfig, *, dtype, key: PRNGKeyArray):
         c = config
-        self.linear = eqx.nn.Linear(c.time_embed_dim, 6 * c.dim, dtype=dtype, key=key)
+        self.linear = init.linear(c.time_embed_dim, 6 * c.dim, dtype=dtype, key=key)
         self.norm = nn.ModulatedLayerNorm(c.dim, c.norm_eps,
                                           elementwise_affine=c.norm_elementwise_affine, dtype=dtype)
 
@@ -286,7 +287,7 @@ class CogVideoXBlock(eqx.Module):
         - `key`: a PRNG key for the initialization.
         """
         c = config
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+        k1, k2, k3, k4 = init.split(key, 4)
         self.norm1 = CogVideoXLayerNormZero(c, dtype=dtype, key=k1)
         self.attn1 = nn.JointAttention(c.dim, c.num_attention_heads, qk_norm="layer_norm",
                                        eps=1e-6, parallel=parallel,
@@ -335,7 +336,7 @@ class CogVideoXAdaLayerNorm(eqx.Module):
 
     def __init__(self, config: CogVideoXConfig, *, dtype, key: PRNGKeyArray):
         c = config
-        self.linear = eqx.nn.Linear(c.time_embed_dim, 2 * c.dim, dtype=dtype, key=key)
+        self.linear = init.linear(c.time_embed_dim, 2 * c.dim, dtype=dtype, key=key)
         self.norm = nn.ModulatedLayerNorm(c.dim, c.norm_eps,
                                           elementwise_affine=c.norm_elementwise_affine, dtype=dtype)
 
@@ -414,24 +415,23 @@ class CogVideoXTransformer3D(eqx.Module):
                 f"CogVideoXTransformer3D: `config` must be a CogVideoXConfig; received {config!r}."
             )
         c = config
-        keys = jax.random.split(key, 5)
+        keys = init.split(key, 5)
         self.patch_embed = CogVideoXPatchEmbed(c, dtype=dtype, key=keys[0])
         self.time_embedding = nn.TimestepEmbedding(
             c.dim, c.time_embed_dim, flip_sin_to_cos=c.flip_sin_to_cos,
             downscale_freq_shift=c.freq_shift, dtype=dtype, key=keys[1],
         )
 
-        @eqx.filter_vmap
-        def make_blocks(k):
+        def make_block(k):
             return CogVideoXBlock(c, parallel=parallel, implementation=implementation,
                                   dtype=dtype, key=k)
 
-        self.transformer_blocks = make_blocks(jax.random.split(keys[2], c.num_layers))
+        self.transformer_blocks = init.stacked(make_block, init.split(keys[2], c.num_layers))
         self.norm_final = nn.LayerNorm(c.dim, c.norm_eps,
                                        elementwise_affine=c.norm_elementwise_affine, dtype=dtype)
         self.norm_out = CogVideoXAdaLayerNorm(c, dtype=dtype, key=keys[3])
-        self.proj_out = eqx.nn.Linear(c.dim, c.patch_size**2 * c.out_channels, dtype=dtype,
-                                      key=keys[4])
+        self.proj_out = init.linear(c.dim, c.patch_size**2 * c.out_channels, dtype=dtype,
+                                    key=keys[4])
         self.config = c
 
     @property

@@ -18,6 +18,7 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
 from .. import interop, nn
+from ..nn import _init as init
 from ..nn._lora import attach
 from ._experts import WanExperts
 
@@ -112,7 +113,7 @@ def add_lora(model, patterns, rank: int, *, alpha: float | None = None, name: st
         trainable, frozen = eqx.partition(model, nn.lora_filter(model))
     """
     if isinstance(model, WanExperts):
-        keys = jax.random.split(key, 2)
+        keys = init.split(key, 2)
         experts = [add_lora(e, patterns, rank, alpha=alpha, name=name, dtype=dtype, key=k)
                    for e, k in zip(model.experts, keys)]
         return model.with_expert(0, experts[0]).with_expert(1, experts[1])
@@ -137,7 +138,7 @@ def add_lora(model, patterns, rank: int, *, alpha: float | None = None, name: st
     for i, (path, layers) in enumerate(chosen.items()):
         layer = _node(model, path)
         wrapped = nn.with_lora(layer, rank, alpha=alpha, name=name, dtype=dtype,
-                               key=jax.random.fold_in(key, i))
+                               key=init.fold_in(key, i))
         if None not in layers:  # stacked: only the selected layers
             mask = np.zeros(layer.weight.shape[0], bool)
             mask[sorted(layers)] = True

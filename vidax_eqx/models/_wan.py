@@ -20,6 +20,7 @@ from .. import interop, kernels, nn
 from .._vma import varying_axes
 from ..parallel import axis_size
 from ..nn import functional
+from ..nn import _init as init
 from ..nn._layers import linear
 from ..nn._parallel import check_text
 from ._common import (
@@ -357,7 +358,7 @@ class WanImageEmbedding(eqx.Module):
         self.ff = nn.FeedForward(image_dim, image_dim, dim, activation="gelu", dtype=dtype, key=key)
         self.norm2 = nn.LayerNorm(dim, 1e-5, dtype=dtype)
         self.pos_embed = (None if pos_embed_seq_len is None
-                          else jnp.zeros((1, pos_embed_seq_len, image_dim), dtype))
+                          else init.zeros((1, pos_embed_seq_len, image_dim), dtype))
 
     def __call__(self, x):
         """**Arguments:**
@@ -414,7 +415,7 @@ class WanBlock(eqx.Module):
         - `key`: a PRNG key for the initialization.
         """
         c = config
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+        k1, k2, k3, k4 = init.split(key, 4)
         qk_norm = "rms" if c.qk_norm else None
         self.norm1 = nn.ModulatedLayerNorm(c.dim, c.eps)
         self.self_attn = nn.Attention(c.dim, c.num_heads, qk_norm=qk_norm, eps=c.eps,
@@ -429,7 +430,7 @@ class WanBlock(eqx.Module):
         self.norm2 = nn.ModulatedLayerNorm(c.dim, c.eps)
         self.ffn = nn.FeedForward(c.dim, c.ffn_dim, activation="gelu_tanh", parallel=parallel,
                                   dtype=dtype, key=k3)
-        self.modulation = (jax.random.normal(k4, (1, 6, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
+        self.modulation = init.normal(k4, (1, 6, c.dim), dtype, std=c.dim**-0.5)
 
     def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None,
                  context_kv=None):
@@ -537,11 +538,11 @@ class WanHead(eqx.Module):
         - `key`: a PRNG key for the initialization.
         """
         c = config
-        k1, k2 = jax.random.split(key)
+        k1, k2 = init.split(key)
         out = c.out_channels * int(np.prod(c.patch_size))
         self.norm = nn.ModulatedLayerNorm(c.dim, c.eps)
-        self.head = eqx.nn.Linear(c.dim, out, use_bias=True, dtype=dtype, key=k1)
-        self.modulation = (jax.random.normal(k2, (1, 2, c.dim), jnp.float32) / c.dim**0.5).astype(dtype)
+        self.head = init.linear(c.dim, out, dtype=dtype, key=k1)
+        self.modulation = init.normal(k2, (1, 2, c.dim), dtype, std=c.dim**-0.5)
 
     def __call__(self, x, e):
         """**Arguments:**
@@ -659,23 +660,22 @@ class WanTransformer3D(eqx.Module):
         if not isinstance(config, WanConfig):
             raise ValueError(f"WanTransformer3D: `config` must be a WanConfig; received {config!r}.")
         c = config
-        keys = jax.random.split(key, 7)
+        keys = init.split(key, 7)
         self.patch_embedding = nn.PatchEmbedding(c.in_channels, c.dim, c.patch_size, dtype=dtype,
                                                  key=keys[0])
         self.text_embedding = nn.FeedForward(c.text_dim, c.dim, c.dim, activation="gelu_tanh",
                                              dtype=dtype, key=keys[1])
         self.time_embedding = nn.TimestepEmbedding(c.freq_dim, c.dim, dtype=dtype, key=keys[2])
-        self.time_projection = eqx.nn.Linear(c.dim, 6 * c.dim, dtype=dtype, key=keys[3])
+        self.time_projection = init.linear(c.dim, 6 * c.dim, dtype=dtype, key=keys[3])
         self.img_emb = (None if c.image_dim is None
                         else WanImageEmbedding(c.image_dim, c.dim,
                                                pos_embed_seq_len=c.pos_embed_seq_len,
                                                dtype=dtype, key=keys[4]))
 
-        @eqx.filter_vmap
-        def make_blocks(k):
+        def make_block(k):
             return WanBlock(c, parallel=parallel, implementation=implementation, dtype=dtype, key=k)
 
-        self.blocks = make_blocks(jax.random.split(keys[5], c.num_layers))
+        self.blocks = init.stacked(make_block, init.split(keys[5], c.num_layers))
         self.head = WanHead(c, dtype=dtype, key=keys[6])
         self.config = c
 

@@ -38,6 +38,7 @@ from ..parallel import (
 )
 from ._checks import check_eps, check_heads, check_positive
 from ._fsdp import fsdp_gather
+from . import _init as init
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
 from ._padding import check_length, key_padding_ids
@@ -192,11 +193,11 @@ class Attention(eqx.Module):
         check_parallel("Attention", parallel)
         if qk_norm not in ("rms", None):
             raise ValueError(f"Attention: `qk_norm` must be 'rms' or None; received {qk_norm!r}.")
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
-        self.k = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kk)
-        self.v = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kv)
-        self.o = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        kq, kk, kv, ko = init.split(key, 4)
+        self.q = init.linear(dim, dim, dtype=dtype, key=kq)
+        self.k = init.linear(dim, dim, dtype=dtype, key=kk)
+        self.v = init.linear(dim, dim, dtype=dtype, key=kv)
+        self.o = init.linear(dim, dim, dtype=dtype, key=ko)
         norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
         self.norm_q, self.norm_k = norm(), norm()
         self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
@@ -352,18 +353,18 @@ class CrossAttention(eqx.Module):
         check_positive("CrossAttention", context_dim=context_dim)
         if image_context_dim is not None:
             check_positive("CrossAttention", image_context_dim=image_context_dim)
-        kq, kk, kv, ko, kki, kvi = jax.random.split(key, 6)
-        self.q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
-        self.k = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kk)
-        self.v = eqx.nn.Linear(context_dim, dim, use_bias=True, dtype=dtype, key=kv)
-        self.o = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        kq, kk, kv, ko, kki, kvi = init.split(key, 6)
+        self.q = init.linear(dim, dim, dtype=dtype, key=kq)
+        self.k = init.linear(context_dim, dim, dtype=dtype, key=kk)
+        self.v = init.linear(context_dim, dim, dtype=dtype, key=kv)
+        self.o = init.linear(dim, dim, dtype=dtype, key=ko)
         norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
         self.norm_q, self.norm_k = norm(), norm()
         if image_context_dim is None:
             self.k_img = self.v_img = self.norm_k_img = None
         else:
-            self.k_img = eqx.nn.Linear(image_context_dim, dim, use_bias=True, dtype=dtype, key=kki)
-            self.v_img = eqx.nn.Linear(image_context_dim, dim, use_bias=True, dtype=dtype, key=kvi)
+            self.k_img = init.linear(image_context_dim, dim, dtype=dtype, key=kki)
+            self.v_img = init.linear(image_context_dim, dim, dtype=dtype, key=kvi)
             self.norm_k_img = norm()
         self.image_context_dim = image_context_dim
         self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
@@ -635,11 +636,11 @@ class JointAttention(eqx.Module):
             raise ValueError(
                 f"JointAttention: `qk_norm` must be 'layer_norm' or None; received {qk_norm!r}."
             )
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.to_q = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kq)
-        self.to_k = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kk)
-        self.to_v = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=kv)
-        self.to_out = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=ko)
+        kq, kk, kv, ko = init.split(key, 4)
+        self.to_q = init.linear(dim, dim, dtype=dtype, key=kq)
+        self.to_k = init.linear(dim, dim, dtype=dtype, key=kk)
+        self.to_v = init.linear(dim, dim, dtype=dtype, key=kv)
+        self.to_out = init.linear(dim, dim, dtype=dtype, key=ko)
         if qk_norm == "layer_norm":
             self.norm_q = LayerNorm(self.head_dim, eps, dtype=dtype)
             self.norm_k = LayerNorm(self.head_dim, eps, dtype=dtype)

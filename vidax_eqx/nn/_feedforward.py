@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 from ..parallel import axis_size
 from ._checks import check_positive
 from ._fsdp import fsdp_gather
+from . import _init as init
 from ._layers import linear, row_parallel
 from ._parallel import check_parallel, ParallelConfig
 
@@ -79,9 +80,9 @@ class FeedForward(eqx.Module):
                 f"{activation!r}."
             )
         check_parallel("FeedForward", parallel)
-        k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(in_dim, hidden_dim, use_bias=True, dtype=dtype, key=k1)
-        self.fc2 = eqx.nn.Linear(hidden_dim, out_dim, use_bias=True, dtype=dtype, key=k2)
+        k1, k2 = init.split(key)
+        self.fc1 = init.linear(in_dim, hidden_dim, dtype=dtype, key=k1)
+        self.fc2 = init.linear(hidden_dim, out_dim, dtype=dtype, key=k2)
         self.in_dim, self.hidden_dim, self.out_dim = in_dim, hidden_dim, out_dim
         self.activation, self.parallel = activation, parallel
 
@@ -185,9 +186,9 @@ class TimestepEmbedding(eqx.Module):
         - `key`: a PRNG key for the initialization.
         """
         check_positive("TimestepEmbedding", freq_dim=freq_dim, dim=dim)
-        k1, k2 = jax.random.split(key)
-        self.linear_1 = eqx.nn.Linear(freq_dim, dim, use_bias=True, dtype=dtype, key=k1)
-        self.linear_2 = eqx.nn.Linear(dim, dim, use_bias=True, dtype=dtype, key=k2)
+        k1, k2 = init.split(key)
+        self.linear_1 = init.linear(freq_dim, dim, dtype=dtype, key=k1)
+        self.linear_2 = init.linear(dim, dim, dtype=dtype, key=k2)
         self.freq_dim, self.dim = freq_dim, dim
         self.flip_sin_to_cos = bool(flip_sin_to_cos)
         self.downscale_freq_shift = float(downscale_freq_shift)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
+from . import _init as init
+
 
 DEFAULT = "default"
 """The name of an adapter when none is given (PEFT's)."""
@@ -168,10 +170,10 @@ def with_lora(layer, rank: int, *, alpha: float | None = None, name: str = DEFAU
     dtype = layer.weight.dtype if dtype is None else dtype
     bound = 1 / math.sqrt(in_features)
     adapter = LoRA(
-        lora_A=jax.random.uniform(key, (*lead, rank, in_features), dtype, -bound, bound),
-        lora_B=jnp.zeros((*lead, out_features, rank), dtype),
-        alpha=jnp.full(lead, float(rank if alpha is None else alpha), jnp.float32),
-        scale=jnp.ones(lead, jnp.float32),
+        lora_A=init.uniform(key, (*lead, rank, in_features), dtype, bound),
+        lora_B=init.zeros((*lead, out_features, rank), dtype),
+        alpha=init.full(lead, float(rank if alpha is None else alpha), jnp.float32),
+        scale=init.ones(lead, jnp.float32),
     )
     return attach(layer, name, adapter)
 

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, jaxtyped
 from ..parallel import axis_size, TP_AXIS
 from ._checks import check_eps, check_positive
 from ._fsdp import fsdp_gather
+from . import _init as init
 
 
 def _out_dtype(x, *params):
@@ -200,7 +201,7 @@ class RMSNorm(eqx.Module):
         check_positive("RMSNorm", dim=dim)
         self.dim = dim
         self.eps = check_eps("RMSNorm", eps)
-        self.weight = jnp.ones((dim,), dtype)
+        self.weight = init.ones((dim,), dtype)
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
@@ -259,7 +260,7 @@ class TPShardedRMSNorm(eqx.Module):
         self.eps = check_eps("TPShardedRMSNorm", eps)
         self.axis_name = axis_name
         check_positive("TPShardedRMSNorm", dim_local=dim_local, global_dim=global_dim)
-        self.weight = jnp.ones((dim_local,), dtype)
+        self.weight = init.ones((dim_local,), dtype)
 
     def __check_init__(self):
         if self.global_dim % self.dim_local:
@@ -319,8 +320,8 @@ class LayerNorm(eqx.Module):
         check_positive("LayerNorm", dim=dim)
         self.dim = dim
         self.eps = check_eps("LayerNorm", eps)
-        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
-        self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
+        self.weight = init.ones((dim,), dtype) if elementwise_affine else None
+        self.bias = init.zeros((dim,), dtype) if elementwise_affine else None
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
@@ -363,8 +364,8 @@ class ModulatedLayerNorm(eqx.Module):
         check_positive("ModulatedLayerNorm", dim=dim)
         self.dim = dim
         self.eps = check_eps("ModulatedLayerNorm", eps)
-        self.weight = jnp.ones((dim,), dtype) if elementwise_affine else None
-        self.bias = jnp.zeros((dim,), dtype) if elementwise_affine else None
+        self.weight = init.ones((dim,), dtype) if elementwise_affine else None
+        self.bias = init.zeros((dim,), dtype) if elementwise_affine else None
 
     @jaxtyped(typechecker=beartype)
     def __call__(

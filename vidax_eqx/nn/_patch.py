@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
 from ._checks import check_positive
 from ._fsdp import fsdp_gather
+from . import _init as init
 
 
 def _check_patch(owner: str, patch_size) -> tuple[int, int, int]:
@@ -80,10 +81,10 @@ class PatchEmbedding(eqx.Module):
             patch_size = _check_patch("PatchEmbedding", patch_size)
         fan_in = in_channels * math.prod(patch_size)
         bound = 1 / fan_in**0.5
-        kw, kb = jax.random.split(key)
+        kw, kb = init.split(key)
         shape = (dim, in_channels, *patch_size)
-        self.weight = jax.random.uniform(kw, shape, dtype, -bound, bound)
-        self.bias = jax.random.uniform(kb, (dim,), dtype, -bound, bound)
+        self.weight = init.uniform(kw, shape, dtype, bound)
+        self.bias = init.uniform(kb, (dim,), dtype, bound)
         self.in_channels, self.dim, self.patch_size = in_channels, dim, patch_size
 
     @jaxtyped(typechecker=beartype)
