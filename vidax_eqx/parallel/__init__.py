@@ -27,6 +27,7 @@ from ._layout import (
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
 )
+from ._replicate import replicated as replicated
 from ._ring import ring_attention as ring_attention
 from ._schedule import ring_work as ring_work
 from ._usp import usp_attention as usp_attention

@@ -7,6 +7,7 @@ over a sharded global sequence. Everything raises `ValueError` (a wrong mask typ
 `TypeError`), stating the rule, what was received and the fix.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -110,4 +111,52 @@ def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, 
             f"{global_len} in all (sp_size x local length). The global {what} must be the "
             f"mask's, padded at the end by fewer than {slack} tokens (pad to whole tiles per "
             "device; padding is invisible)."
+        )
+
+
+TEXT_POSITIONS = ("prefix", "suffix")
+
+
+def check_text_position(fn: str, text_position) -> str:
+    """`text_position`, or a `ValueError` unless it is `"prefix"` or `"suffix"`."""
+    if not isinstance(text_position, str) or text_position not in TEXT_POSITIONS:
+        raise ValueError(
+            f"{fn}: `text_position` must be one of {TEXT_POSITIONS} (where the replicated text "
+            f"sits in each device's arrays: before or after its video chunk); received "
+            f"{text_position!r}."
+        )
+    return text_position
+
+
+def check_lengths(fn: str, name: str, lengths, B: int, upper: int, what: str):
+    """`lengths` as an int32 `(B,)` array (or `None`): integers, and, when concrete, within
+    `[0, upper]`; otherwise a `ValueError` naming `name`. `what` says what `upper` counts."""
+    if lengths is None:
+        return None
+    shape = jnp.shape(lengths)
+    dtype = getattr(lengths, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(lengths).dtype
+    if shape != (B,) or not jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+        raise ValueError(
+            f"{fn}: `{name}` must be an integer array of shape (B,) = ({B},), one count per batch "
+            f"element; received dtype {dtype}, shape {shape}."
+        )
+    if not isinstance(lengths, jax.core.Tracer):
+        values = np.asarray(lengths).astype(np.int64)
+        if values.size and (values.min() < 0 or values.max() > upper):
+            raise ValueError(
+                f"{fn}: `{name}` must lie in [0, {upper}] ({what}); received "
+                f"{values.tolist()}."
+            )
+    return jnp.asarray(lengths).astype(jnp.int32)
+
+
+def check_no_text_lengths(fn: str, text_lengths) -> None:
+    """A `ValueError` when `text_lengths` is given without a joint layout (`text_len=0`)."""
+    if text_lengths is not None:
+        raise ValueError(
+            f"{fn}: `text_lengths` pads the text of the joint layout, which needs text_len > 0; "
+            f"received text_lengths with text_len=0. Use `kv_lengths` (keys at a global index "
+            "at or past it hidden) for key-only padding of a plain sequence."
         )

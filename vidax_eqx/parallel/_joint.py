@@ -49,10 +49,11 @@ from .. import kernels
 from ..kernels._api import check_request  # what `kernels.attention` would raise, once
 from .._order import after
 from .._vma import as_varying, varying_axes
-from ._checks import check_qkv, check_sinks, check_tile_mask
+from ._checks import check_lengths, check_qkv, check_sinks, check_text_position, check_tile_mask
 from ._layout import block_positions, check_layout, check_zigzag_length, layout_parts, ring_positions
 from ._mesh import axis_size, check_sharded
 from ._rank_masks import attention_bwd, attention_fwd, RankMasks, tile_masks
+from ._keys import below, both, hide_keys, kv_ids
 from ._ring_engine import merge, ring_backward, ring_forward, RingConfig, seg_arg, segments
 from ._schedule import may_see
 
@@ -71,6 +72,9 @@ class _Joint:
     # The `SlidingTileMask` over `[text; visual]` (the ring's steps carry its
     # visual part, `text_len=0`), or None.
     tile_mask: object = None
+    # Positions: text `0 .. T-1` before the visual sequence (True), or the visual
+    # sequence `0 .. n L - 1` first and the text after it (False, a text suffix).
+    text_first: bool = True
 
     def kernel_options(self) -> dict:
         """The options of the local (text) blocks' kernel calls."""
@@ -82,20 +86,35 @@ class _Joint:
 
 def _joint_positions(cfg: _Joint, L_v: int, rank):
     T, n = cfg.text_len, cfg.ring.sp_size
-    text = jnp.arange(T, dtype=jnp.int32)
-    visual = T + ring_positions(L_v, n, rank, cfg.ring.layout)
-    return text, visual
+    visual = ring_positions(L_v, n, rank, cfg.ring.layout)
+    if cfg.text_first:
+        return jnp.arange(T, dtype=jnp.int32), T + visual
+    return n * L_v + jnp.arange(T, dtype=jnp.int32), visual
 
 
-def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: str):
+def _joint_visibility(causal, window, text_len: int, L_v: int, n: int, layout: str,
+                      text_first: bool = True):
     """(text sees visual, visual sees text) for some device, decided statically."""
-    text = np.arange(text_len)
+    text = np.arange(text_len) + (0 if text_first else n * L_v)
     sees = seen = False
     for r in range(n):
-        visual = text_len + block_positions(np, L_v, n, r, layout)
+        visual = (text_len if text_first else 0) + block_positions(np, L_v, n, r, layout)
         sees = sees or may_see(causal, window, text, visual)
         seen = seen or may_see(causal, window, visual, text)
     return sees, seen
+
+
+def _seg(sq, skv, q, k):
+    """The kernels' `segment_ids=` of one block: `None` when neither side has ids, a
+    missing side as zeros (key-only padding gives the keys ids and not the queries)."""
+    if sq is None and skv is None:
+        return None
+    axes = varying_axes(q, k, sq, skv)
+    if sq is None:
+        sq = as_varying(jnp.zeros(q.shape[:2], jnp.int32), axes)
+    if skv is None:
+        skv = as_varying(jnp.zeros(k.shape[:2], jnp.int32), axes)
+    return kernels.SegmentIds(q=sq, kv=skv)
 
 
 def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
@@ -104,24 +123,23 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
     rank = lax.axis_index(rc.axis_name)
     t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
     opts = cfg.kernel_options()
-    seg = seg_arg
 
     out_v, lse_v = ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
     if cfg.seen_by_visual:
         o, l = attention_fwd(
-            q_v, k_t, v_t, segment_ids=seg(sq_v, skv_t), q_positions=v_pos,
+            q_v, k_t, v_t, segment_ids=_seg(sq_v, skv_t, q_v, k_t), q_positions=v_pos,
             kv_positions=t_pos, **opts,
         )
         out_v, lse_v = merge(out_v, lse_v, o, l)
 
     out_t, lse_t = attention_fwd(
-        q_t, k_t, v_t, segment_ids=seg(sq_t, skv_t), sinks=sinks, q_positions=t_pos,
+        q_t, k_t, v_t, segment_ids=_seg(sq_t, skv_t, q_t, k_t), sinks=sinks, q_positions=t_pos,
         kv_positions=t_pos, **opts,
     )
     out_t = out_t.astype(F32)
     if cfg.sees_visual:
         o, l = attention_fwd(
-            q_t, k_v, v_v, segment_ids=seg(sq_t, skv_v), q_positions=t_pos,
+            q_t, k_v, v_v, segment_ids=_seg(sq_t, skv_v, q_t, k_v), q_positions=t_pos,
             kv_positions=v_pos, **opts,
         )
         # Every device merges all ring ranks' partials in the same order: the text
@@ -160,7 +178,6 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     first = rank == 0
     t_pos, v_pos = _joint_positions(cfg, q_v.shape[1], rank)
     opts = cfg.kernel_options()
-    seg = seg_arg
     ct_t, ct_v = cotangents
     # Every ring rank's text rows are the same function of the same inputs, so the
     # cotangent of the text rows is the sum of all the copies'.
@@ -175,21 +192,21 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
         dk_t = dv_t = as_varying(jnp.zeros(k_t.shape, F32), axes)
         if cfg.seen_by_visual:
             dq, dk, dv, _, _ = attention_bwd(
-                q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=seg(sq_v, skv_t),
+                q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=_seg(sq_v, skv_t, q_v, k_t),
                 q_positions=v_pos, kv_positions=t_pos, **opts,
             )
             dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
 
         # The text x text block is computed on every ring rank; count it once.
         dq_t, dk, dv, _, ds_t = attention_bwd(
-            q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_t), sinks=sinks,
+            q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=_seg(sq_t, skv_t, q_t, k_t), sinks=sinks,
             q_positions=t_pos, kv_positions=t_pos, **opts,
         )
         once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
         dq_t, dk_t, dv_t = once(dq_t), dk_t + once(dk), dv_t + once(dv)
         if cfg.sees_visual:
             dq, dk, dv, _, _ = attention_bwd(
-                q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=seg(sq_t, skv_v),
+                q_t, k_v, v_v, out_t, lse_t, dout_t, segment_ids=_seg(sq_t, skv_v, q_t, k_v),
                 q_positions=t_pos, kv_positions=v_pos, **opts,
             )
             dq_t, dk_v, dv_v = dq_t + dq.astype(F32), dk_v + dk.astype(F32), dv_v + dv.astype(F32)
@@ -222,9 +239,32 @@ def _visual_mask(tile_mask):
     return dataclasses.replace(tile_mask, text_len=0)
 
 
+def _as_prefix(tile_mask):
+    """A suffix layout's `SlidingTileMask` (or `RankMasks`) as the same mask over
+    `[text; video]`: text sees everything and is seen by everything, video tiles see
+    their windows, whatever side the text is on, so only the positions change."""
+    if tile_mask is None:
+        return None
+    if isinstance(tile_mask, RankMasks):
+        return RankMasks(tuple(map(_as_prefix, tile_mask.masks)), tile_mask.axis_name)
+    return dataclasses.replace(tile_mask, text_position="prefix")
+
+
+def joint_indices(text_len: int, L_v: int, sp_size: int, rank, layout: str, text_position: str):
+    """`(text, visual)` int32: the global indices of the text tokens and of this device's
+    visual share in the single-device sequence (`[text; visual]` for a prefix,
+    `[visual; text]` for a suffix)."""
+    visual = ring_positions(L_v, sp_size, rank, layout)
+    text = jnp.arange(text_len, dtype=jnp.int32)
+    if text_position == "prefix":
+        return text, text_len + visual
+    return sp_size * L_v + text, visual
+
+
 def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, *,
                     text_len: int, axis_name: Hashable, sp_size: int, layout: str, causal,
-                    window, scale, logits_soft_cap, implementation, tile_mask=None):
+                    window, scale, logits_soft_cap, implementation, tile_mask=None,
+                    text_position: str = "prefix", text_lengths=None, kv_lengths=None):
     """`(out_t, out_v)`: the joint core on split inputs, validated like `ring_attention`.
 
     `q_t, k_t, v_t`: the text `(B, text_len, H(_kv), D)`; `q_v, k_v, v_v`: this
@@ -232,10 +272,33 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     devices; segment ids int32 `(B, text_len)` / `(B, L)` or all `None`; `sinks`
     `(H,)` or `None`. The arguments are checked by the caller; this checks that
     the kernel serves the options (with positions, as the text blocks need).
-    `tile_mask`: a `SlidingTileMask` over `[text; visual]` (text prefix of
-    `text_len` tokens), checked by the caller.
+    `tile_mask`: a `SlidingTileMask` over the single-device sequence (text on the
+    side `text_position` says), checked by the caller. `text_position`: the text
+    before (`"prefix"`) or after (`"suffix"`) the global visual sequence.
+    `text_lengths`, `kv_lengths`: int32 `(B,)` or `None`, checked by the caller:
+    key-only padding of the text keys at index `>= text_lengths` within the text, and
+    of the keys at a global index `>= kv_lengths` (`joint_indices`).
     """
     L_v = q_v.shape[1]
+    text_first = text_position == "prefix"
+    if not text_first and tile_mask is not None:
+        if causal or window is not None:
+            raise NotImplementedError(
+                f"the joint layout with text_position='suffix' and a SlidingTileMask does not "
+                f"serve causal or window masks (received causal={bool(causal)}, "
+                f"window={window}); use text_position='prefix' for that combination."
+            )
+        # No positional mask: the suffix is the prefix layout with the text moved.
+        tile_mask, text_first = _as_prefix(tile_mask), True
+
+    if text_lengths is not None or kv_lengths is not None:
+        rank = lax.axis_index(axis_name)
+        t_idx, v_idx = joint_indices(text_len, L_v, sp_size, rank, layout, text_position)
+        skv_t = kv_ids(skv_t, both(below(kv_lengths, t_idx),
+                                   below(text_lengths, jnp.arange(text_len, dtype=jnp.int32))))
+        if kv_lengths is not None:
+            sq_v, skv_v = hide_keys(sq_v, skv_v, below(kv_lengths, v_idx), L_v)
+
     pos = jnp.arange(L_v, dtype=jnp.int32)
     visual_mask = _visual_mask(tile_mask)
     check_request(
@@ -256,8 +319,10 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
         implementation=implementation,
         tile_mask=visual_mask,
     )
-    sees, seen = _joint_visibility(bool(causal), window, text_len, L_v, sp_size, layout)
-    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen, tile_mask=tile_mask)
+    sees, seen = _joint_visibility(bool(causal), window, text_len, L_v, sp_size, layout,
+                                   text_first)
+    cfg = _Joint(ring=rc, text_len=text_len, sees_visual=sees, seen_by_visual=seen,
+                 tile_mask=tile_mask, text_first=text_first)
     args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
     # Everything that meets inside the core varies along the same axes (the
     # replicated text and sinks included), so replicated inputs get summed gradients.
@@ -266,43 +331,69 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
 
 
 def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, heads: int,
-                          unit: int) -> None:
-    """A `SlidingTileMask` for the joint layout: text prefix of `text_len` tokens, and
-    the global visual sequence (`visual_len`) its video, padded by fewer than `unit`
-    tiles."""
+                          unit: int, text_position: str = "prefix") -> None:
+    """A `SlidingTileMask` for the joint layout: text of `text_len` tokens on the side
+    `text_position` says, and the global visual sequence (`visual_len`) its video,
+    padded by fewer than `unit` tiles."""
     if tile_mask is None:
         return
     if isinstance(tile_mask, RankMasks):
         for mask in tile_mask.masks:
-            check_joint_tile_mask(fn, mask, text_len, visual_len, heads, unit)
+            check_joint_tile_mask(fn, mask, text_len, visual_len, heads, unit, text_position)
         return
     check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
-    if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != "prefix"):
+    if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != text_position):
         raise ValueError(
-            f"{fn}: in the joint layout the text is a prefix of text_len={text_len} tokens, so "
-            f"the SlidingTileMask needs text_len={text_len}, text_position='prefix'; received "
-            f"text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
+            f"{fn}: in the joint layout the text is a {text_position} of text_len={text_len} "
+            f"tokens, so the SlidingTileMask needs text_len={text_len}, "
+            f"text_position={text_position!r}; received text_len={tile_mask.text_len}, "
+            f"text_position={tile_mask.text_position!r}."
         )
+
+
+def split_joint(x, text_len: int, text_position: str, axis: int = 1):
+    """`(text, visual)` of a per-device array in the joint layout (`None`: both `None`)."""
+    if x is None:
+        return None, None
+    size = x.shape[axis]
+    cut = text_len if text_position == "prefix" else size - text_len
+    first = lax.slice_in_dim(x, 0, cut, axis=axis)
+    second = lax.slice_in_dim(x, cut, size, axis=axis)
+    return (first, second) if text_position == "prefix" else (second, first)
+
+
+def join_joint(text, visual, text_position: str, axis: int = 1):
+    """The inverse of `split_joint`."""
+    parts = [text, visual] if text_position == "prefix" else [visual, text]
+    return jnp.concatenate(parts, axis=axis)
 
 
 def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale,
-                         logits_soft_cap, layout, text_len: int, implementation, tile_mask=None):
+                         logits_soft_cap, layout, text_len: int, implementation, tile_mask=None,
+                         text_position: str = "prefix", text_lengths=None, kv_lengths=None):
     """`ring_attention` with `text_len != 0` (validated as a Python int by the caller):
-    the per-device `[text; visual share]` arrays, checked and split for the core."""
+    the per-device `[text; visual share]` (or `[visual share; text]`) arrays, checked and
+    split for the core."""
     fn = "ring_attention"
     n = axis_size(axis_name, what="Ring")
     check_layout(layout)
+    check_text_position(fn, text_position)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v, fn)
     B, S_local, H, _ = q.shape
+    side = "text prefix + visual chunk" if text_position == "prefix" else "visual chunk + text suffix"
     if not 0 <= text_len <= S_local:
         raise ValueError(
             f"{fn}: `text_len` must be between 0 and the per-device sequence length "
-            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+            f"{S_local} ({side}, q.shape[1]); received text_len={text_len}."
         )
     T, L = text_len, S_local - text_len
+    text_lengths = check_lengths(fn, "text_lengths", text_lengths, B, T, "text tokens per device")
+    kv_lengths = check_lengths(fn, "kv_lengths", kv_lengths, B, T + n * L,
+                               "keys of the whole sequence: text_len + sp_size * visual local length")
     if L:
-        check_sharded(fn, (axis_name,), q=q[:, T:], k=k[:, T:], v=v[:, T:])
+        vis = lambda x: split_joint(x, T, text_position)[1]  # noqa: E731
+        check_sharded(fn, (axis_name,), q=vis(q), k=vis(k), v=vis(v))
     # The arguments themselves, as given (xla serves every feature): messages name them.
     pos = jnp.arange(S_local, dtype=jnp.int32)
     check_request(
@@ -314,11 +405,11 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
         check_zigzag_length(
             L, "visual local length q.shape[1] - text_len",
             f"Pad the global visual sequence to a multiple of 2 * sp_size = {2 * n} before "
-            "zigzag_permute (pad_to_multiple, padding_segment_ids); the text prefix is "
+            "zigzag_permute (pad_to_multiple, padding_segment_ids); the text is "
             "neither padded nor permuted.",
         )
     sinks = check_sinks(fn, sinks, H)
-    check_joint_tile_mask(fn, tile_mask, T, n * L, H, layout_parts(layout) * n)
+    check_joint_tile_mask(fn, tile_mask, T, n * L, H, layout_parts(layout) * n, text_position)
     seg_q, seg_kv = segments(segment_ids)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)
@@ -326,17 +417,22 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
     with jax.named_scope("vidax_ring_attention"):
         if L == 0:  # text only: every device attends the text to itself, no communication
             axes = varying_axes(q, k, v) | frozenset({axis_name})
+            index = jnp.arange(T, dtype=jnp.int32)
+            seg_kv = kv_ids(seg_kv, both(below(kv_lengths, index), below(text_lengths, index)))
+            if seg_kv is not None and seg_q is None:
+                seg_q = jnp.zeros((B, T), jnp.int32)
             q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
             pos = None if tile_mask is None else jnp.arange(T, dtype=jnp.int32)
             return kernels.attention(q, k, v, segment_ids=seg_arg(seg_q, seg_kv),
                                      sinks=sinks, mask=tile_mask, q_positions=pos,
                                      kv_positions=pos, **opts)
-        text = lambda x: None if x is None else x[:, :T]  # noqa: E731
-        visual = lambda x: None if x is None else x[:, T:]  # noqa: E731
+        split = lambda x: split_joint(x, T, text_position)  # noqa: E731
+        (q_t, q_v), (k_t, k_v), (v_t, v_v) = split(q), split(k), split(v)
+        (sq_t, sq_v), (skv_t, skv_v) = split(seg_q), split(seg_kv)
         out_t, out_v = joint_attention(
-            text(q), text(k), text(v), visual(q), visual(k), visual(v), sinks,
-            text(seg_q), text(seg_kv), visual(seg_q), visual(seg_kv),
+            q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
             text_len=T, axis_name=axis_name, sp_size=n, layout=layout, tile_mask=tile_mask,
+            text_position=text_position, text_lengths=text_lengths, kv_lengths=kv_lengths,
             **opts,
         )
-        return jnp.concatenate([out_t, out_v], axis=1)
+        return join_joint(out_t, out_v, text_position)

@@ -38,7 +38,7 @@ from collections.abc import Hashable
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
-from ._checks import static_int
+from ._checks import check_no_text_lengths, check_text_position, static_int
 from ._joint import ring_joint_attention
 from ._ring_engine import run_ring
 
@@ -59,6 +59,9 @@ def ring_attention(
     text_len: int = 0,
     mask: kernels.SlidingTileMask | None = None,
     implementation: str | kernels.AbstractImplementation = "auto",
+    text_position: str = "prefix",
+    text_lengths: Int[Array, " B"] | None = None,
+    kv_lengths: Int[Array, " B"] | None = None,
 ) -> Float[Array, "B L H D"]:
     """Ring attention over the sequence axis, inside `jax.shard_map`.
 
@@ -153,14 +156,17 @@ def ring_attention(
     self-attention; the kernel's errors for invalid or unsupported options.
     """
     text_len = static_int("text_len", text_len)
+    check_text_position("ring_attention", text_position)
     if text_len:
         return ring_joint_attention(
             q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
             window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
             text_len=text_len, implementation=implementation, tile_mask=mask,
+            text_position=text_position, text_lengths=text_lengths, kv_lengths=kv_lengths,
         )
+    check_no_text_lengths("ring_attention", text_lengths)
     return run_ring(
         q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
         window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
-        implementation=implementation, tile_mask=mask,
+        implementation=implementation, tile_mask=mask, kv_lengths=kv_lengths,
     )

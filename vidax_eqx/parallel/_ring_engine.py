@@ -34,7 +34,8 @@ from .. import kernels
 from ..kernels._api import check_request  # what `kernels.attention` would raise, once
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
-from ._checks import check_sinks, check_tile_mask
+from ._checks import check_lengths, check_sinks, check_tile_mask
+from ._keys import below, hide_keys
 from ._layout import check_layout, check_zigzag_length, layout_parts, ring_positions
 from ._mesh import axis_size, check_sharded
 from ._rank_masks import attention_bwd, attention_fwd, tile_masks
@@ -345,13 +346,15 @@ _ring.defvjp(_ring_fwd_rule, _ring_bwd_rule)
 
 def run_ring(
     q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale, logits_soft_cap, layout,
-    implementation, step_mask=None, tile_mask=None, tile_unit=None,
+    implementation, step_mask=None, tile_mask=None, tile_unit=None, kv_lengths=None,
 ):
     """`ring_attention`, and more: `step_mask(sp_size, L)`, when given, builds the
     step mask of this call (see `_step_plan`) once the arguments are validated;
     `make_ring_attention`'s kernels use it. `tile_mask`: a `SlidingTileMask` over
     the global positions, given to every step's kernel; `tile_unit`: the padding it
-    allows, in tiles (default one per chunk; USP pads to whole tiles per device)."""
+    allows, in tiles (default one per chunk; USP pads to whole tiles per device).
+    `kv_lengths`: int `(B,)`, key-only padding of the keys at a global index (their
+    ring position) `>= kv_lengths[b]`, checked here."""
     n = axis_size(axis_name, what="Ring")
     check_layout(layout)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -367,6 +370,8 @@ def run_ring(
                   v=v if L_k else None)
     # Validate the options once, exactly as every step's kernel call will see them.
     seg_q, seg_kv = segments(segment_ids)
+    kv_lengths = check_lengths("ring_attention", "kv_lengths", kv_lengths, k.shape[0], n * L_k,
+                               "keys of the whole sequence: sp_size * local length of k")
 
     def validate(implementation, positions: bool, as_given: bool = False):
         check_request(
@@ -391,6 +396,9 @@ def run_ring(
                 f"Pad the global sequence to a multiple of 2 * sp_size = {2 * n} before "
                 "zigzag_permute (pad_to_multiple, padding_segment_ids).",
             )
+    if kv_lengths is not None:  # key-only padding: those keys' ids -1 (`_keys.py`)
+        index = ring_positions(L_k, n, lax.axis_index(axis_name), layout)
+        seg_q, seg_kv = hide_keys(seg_q, seg_kv, below(kv_lengths, index), L_q)
     # Steps pass positions to their kernel unless the static plan shows that none
     # needs them (see `relation_plan`): then a kernel without positions serves.
     positions = step_mask is not None or tile_mask is not None or not position_free(

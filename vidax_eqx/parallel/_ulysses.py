@@ -19,12 +19,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds, SlidingTileMask
-from ._checks import check_heads, check_qkv, static_int
+from ._checks import (
+    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_text_position, static_int,
+)
+from ._keys import below, both, hide_keys
 from ._mesh import axis_size, check_sharded
 
 
@@ -64,14 +67,31 @@ def match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
     return as_varying(x, varying_axes(like))
 
 
-def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str, order: Sequence):
-    """A per-token array of this device, `[text; visual chunk]` along `axis`, to
-    the whole sequence `[text; all visual chunks]` (the text prefix once)."""
+def _split(x, axis: int, text_len: int, suffix: bool):
+    """`(text, visual)` of a per-device array along `axis`: `[text; visual chunk]`, or
+    `[visual chunk; text]` for a text suffix."""
     axis = axis % jnp.ndim(x)
-    text = jax.lax.slice_in_dim(x, 0, text_len, axis=axis)
-    visual = jax.lax.slice_in_dim(x, text_len, x.shape[axis], axis=axis)
+    size = x.shape[axis]
+    cut = size - text_len if suffix else text_len
+    first = jax.lax.slice_in_dim(x, 0, cut, axis=axis)
+    second = jax.lax.slice_in_dim(x, cut, size, axis=axis)
+    return (second, first) if suffix else (first, second)
+
+
+def _join(text, visual, axis: int, suffix: bool):
+    if not text.shape[axis % jnp.ndim(text)]:
+        return visual
+    return jnp.concatenate([visual, text] if suffix else [text, visual], axis=axis)
+
+
+def _gather_tokens(x, axis: int, text_len: int, sp_axis_name: str, order: Sequence,
+                   suffix: bool = False):
+    """A per-token array of this device, `[text; visual chunk]` along `axis` (or
+    `[visual chunk; text]`), to the whole sequence `[text; all visual chunks]` (or
+    `[all visual chunks; text]`), the text once."""
+    text, visual = _split(x, axis, text_len, suffix)
     visual = order(jax.lax.all_gather, visual, sp_axis_name, axis=axis, tiled=True)
-    return jnp.concatenate([text, visual], axis=axis) if text_len else visual
+    return _join(text, visual, axis, suffix)
 
 
 def local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
@@ -81,13 +101,16 @@ def local_heads(x, axis: int, heads_local: int, sp_axis_name: str):
 
 def _per_token_options(
     opts: dict[str, Any], *, fn: str, B: int, S_local: int, S: int, H: int, sp: int,
-    text_len: int, sp_axis_name: str, like: jax.Array, order: Sequence,
+    text_len: int, sp_axis_name: str, like: jax.Array, order: Sequence, suffix: bool = False,
+    visible=None,
 ) -> dict[str, Any]:
     """Turns the per-device kernel options into the options of the one kernel call
-    over the whole sequence and this device's `H / sp` heads."""
+    over the whole sequence and this device's `H / sp` heads. `visible`: bool
+    `(B, S)` over the whole sequence, or `None`: key-only padding, the hidden keys'
+    segment ids -1 (`_keys.py`)."""
     opts = dict(opts)
     heads_local = H // sp
-    gather = lambda x: _gather_tokens(x, 1, text_len, sp_axis_name, order)  # noqa: E731
+    gather = lambda x: _gather_tokens(x, 1, text_len, sp_axis_name, order, suffix)  # noqa: E731
 
     seg = opts.get("segment_ids")
     if seg is not None:
@@ -104,6 +127,11 @@ def _per_token_options(
             opts["segment_ids"] = SegmentIds(q=gather(seg.q), kv=gather(seg.kv))
         else:
             opts["segment_ids"] = gather(seg)
+    if visible is not None:
+        seg = opts.get("segment_ids")
+        seg_q, seg_kv = (seg.q, seg.kv) if isinstance(seg, SegmentIds) else (seg, seg)
+        seg_q, seg_kv = hide_keys(seg_q, seg_kv, visible, S)
+        opts["segment_ids"] = SegmentIds(q=seg_q, kv=seg_kv)
 
     for name in ("q_positions", "kv_positions"):
         pos = opts.get(name)
@@ -114,7 +142,7 @@ def _per_token_options(
                     f"({S_local},); received {jnp.shape(pos)}. Omit it for the default "
                     "(the global arange of the whole sequence)."
                 )
-            opts[name] = _gather_tokens(pos, 0, text_len, sp_axis_name, order)
+            opts[name] = _gather_tokens(pos, 0, text_len, sp_axis_name, order, suffix)
 
     sinks = opts.get("sinks")
     if sinks is not None:
@@ -150,15 +178,18 @@ def _per_token_options(
     return opts
 
 
-def _check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: int, text_len: int) -> None:
-    """A `SlidingTileMask` over the whole gathered sequence `[text_len text; visual]` of
-    `S` tokens: the mask's layout, padded at the end by fewer than `sp` tokens."""
+def _check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: int, text_len: int,
+                     position: str = "prefix") -> None:
+    """A `SlidingTileMask` over the whole gathered sequence `[text_len text; visual]` (or
+    `[visual; text]`) of `S` tokens: the mask's layout, the video padded at its end by
+    fewer than `sp` tokens."""
     tile_mask.check_heads(H, fn)
-    if text_len and (tile_mask.text_len != text_len or tile_mask.text_position != "prefix"):
+    if text_len and (tile_mask.text_len != text_len or tile_mask.text_position != position):
         raise ValueError(
-            f"{fn}: the joint layout puts a text prefix of text_len={text_len} tokens before the "
-            f"video, so the SlidingTileMask needs text_len={text_len}, text_position='prefix'; "
-            f"received text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
+            f"{fn}: the joint layout puts a text {position} of text_len={text_len} tokens "
+            f"{'before' if position == 'prefix' else 'after'} the video, so the SlidingTileMask "
+            f"needs text_len={text_len}, text_position={position!r}; received "
+            f"text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
         )
     if not tile_mask.seq_len <= S < tile_mask.seq_len + sp:
         raise ValueError(
@@ -169,32 +200,45 @@ def _check_tile_mask(fn: str, tile_mask: SlidingTileMask, S: int, H: int, sp: in
         )
 
 
-def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: int, sp_axis_name):
+def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: int, sp_axis_name,
+                  suffix: bool = False):
     """The one kernel call over the whole sequence and this device's heads.
 
     With a `SlidingTileMask` (`opts["mask"]`): each device takes its heads' windows
     (a `lax.switch` on the rank when the devices' windows differ), and the padding
     past the mask (the sequence padded to a multiple of sp) is cut off before the
     kernel and its rows' output set to 0, so the kernel sees exactly the mask's
-    layout (and its default positions, with whole-tile blocks).
+    layout (and its default positions, with whole-tile blocks). With a text suffix
+    that padding lies between the video and the text, and is cut from there.
     """
     tile_mask = opts.get("mask")
     if not isinstance(tile_mask, SlidingTileMask):
         return attention(q, k, v, **opts)
     S = q.shape[1]
-    _check_tile_mask(fn, tile_mask, S, H, sp, text_len)
+    _check_tile_mask(fn, tile_mask, S, H, sp, text_len, "suffix" if suffix else "prefix")
     cut = S
     if S > tile_mask.seq_len and opts.get("q_positions") is None and opts.get("kv_positions") is None:
         cut = tile_mask.seq_len
-        q, k, v = q[:, :cut], k[:, :cut], v[:, :cut]
+        # Keep the mask's tokens: [0, cut) for a prefix; the video's [0, video_len) and
+        # the text's [S - text_len, S) for a suffix.
+        lo, hi = (cut, S) if not suffix else (tile_mask.video_len, S - text_len)
+
+        def keep(x, axis):
+            axis = axis % jnp.ndim(x)
+            if x.shape[axis] != S:  # broadcast axis of a bias / mask
+                return x
+            return jnp.concatenate([jax.lax.slice_in_dim(x, 0, lo, axis=axis),
+                                    jax.lax.slice_in_dim(x, hi, S, axis=axis)], axis=axis)
+
+        q, k, v = keep(q, 1), keep(k, 1), keep(v, 1)
         seg = opts.get("segment_ids")
         if isinstance(seg, SegmentIds):
-            opts["segment_ids"] = SegmentIds(q=seg.q[:, :cut], kv=seg.kv[:, :cut])
+            opts["segment_ids"] = SegmentIds(q=keep(seg.q, 1), kv=keep(seg.kv, 1))
         elif seg is not None:
-            opts["segment_ids"] = seg[:, :cut]
+            opts["segment_ids"] = keep(seg, 1)
         bias = opts.get("bias")
         if bias is not None:
-            opts["bias"] = bias[..., : min(cut, bias.shape[-2]), : min(cut, bias.shape[-1])]
+            opts["bias"] = keep(keep(bias, -2), -1)
     heads_local = H // sp
     masks = [tile_mask.select_heads(r * heads_local, heads_local) for r in range(sp)]
     if len(set(masks)) == 1:
@@ -203,12 +247,14 @@ def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: in
         rank = jax.lax.axis_index(sp_axis_name)
         branches = [lambda q, k, v, m=m: attention(q, k, v, **dict(opts, mask=m)) for m in masks]
         out = jax.lax.switch(rank, branches, q, k, v)
-    if cut < S:
-        out = jnp.pad(out, ((0, 0), (0, S - cut), (0, 0), (0, 0)))
+    if cut < S:  # the padding's rows: 0
+        out = jnp.concatenate([out[:, :lo], jnp.zeros((out.shape[0], S - cut, *out.shape[2:]),
+                                                      out.dtype), out[:, lo:]], axis=1)
     return out
 
 
-def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, fn: str):
+def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, fn: str,
+             text_position: str = "prefix", text_lengths=None, kv_lengths=None):
     sp = axis_size(sp_axis_name, what=_WHAT)
     check_qkv(q, k, v, fn)
     B, S_local, H, D = q.shape
@@ -219,6 +265,26 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
         check_sharded(fn, (sp_axis_name,), q=q, k=k, v=v)
     S = text_len + sp * L_local
     heads_local = H // sp
+    suffix = text_position == "suffix"
+    text_lengths = check_lengths(fn, "text_lengths", text_lengths, B, text_len,
+                                 "text tokens per device")
+    kv_lengths = check_lengths(fn, "kv_lengths", kv_lengths, B, S,
+                               "keys of the whole sequence: text_len + sp * visual local length")
+    if (suffix and text_len and isinstance(kernel_options.get("mask"), SlidingTileMask)
+            and (kernel_options.get("causal") or kernel_options.get("window") is not None)):
+        raise NotImplementedError(
+            f"{fn}: the joint layout with text_position='suffix' and a SlidingTileMask does not "
+            f"serve causal or window masks (received causal={kernel_options.get('causal')}, "
+            f"window={kernel_options.get('window')}); use text_position='prefix' for that "
+            "combination."
+        )
+    # Key-only padding over the whole sequence (`[text; visual]` or `[visual; text]`).
+    index = jnp.arange(S, dtype=jnp.int32)
+    visible = below(kv_lengths, index)
+    if text_lengths is not None:
+        start = sp * L_local if suffix else 0  # where the text starts
+        hidden = (index[None, :] >= start + text_lengths[:, None]) & (index[None, :] < start + text_len)
+        visible = both(visible, ~hidden)
 
     r = kv_head_repeats(H, H_kv, sp)
     if r > 1:
@@ -231,9 +297,9 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     order = Sequence(q, k, v, jax.tree.leaves(kernel_options))
 
     def seq_to_heads(x, n_local):
-        """(B, text + L_local, H, D) -> (B, text + L, H / sp, D)."""
-        text = x[:, :text_len]
-        visual = x[:, text_len:]
+        """(B, text + L_local, H, D) -> (B, text + L, H / sp, D) (the text after the
+        visual tokens for a suffix)."""
+        text, visual = _split(x, 1, text_len, suffix)
         if L_local:
             visual = order(
                 jax.lax.all_to_all, visual, sp_axis_name, split_axis=2, concat_axis=1, tiled=True
@@ -242,21 +308,21 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
             visual = visual[:, :, :n_local]
         if not text_len:
             return visual
-        return jnp.concatenate([local_heads(text, 2, n_local, sp_axis_name), visual], axis=1)
+        return _join(local_heads(text, 2, n_local, sp_axis_name), visual, 1, suffix)
 
     opts = _per_token_options(
         kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
-        sp_axis_name=sp_axis_name, like=q, order=order,
+        sp_axis_name=sp_axis_name, like=q, order=order, suffix=suffix, visible=visible,
     )
     out = _attend_heads(
         seq_to_heads(q, heads_local),
         seq_to_heads(k, kv_heads_local),
         seq_to_heads(v, kv_heads_local),
         dict(opts, scale=scale), fn=fn, H=H, sp=sp, text_len=text_len, sp_axis_name=sp_axis_name,
+        suffix=suffix,
     )  # (B, S, H / sp, D)
 
-    text_out = out[:, :text_len]
-    visual_out = out[:, text_len:]
+    text_out, visual_out = _split(out, 1, text_len, suffix)
     if L_local:
         visual_out = order(
             jax.lax.all_to_all, visual_out, sp_axis_name, split_axis=1, concat_axis=2, tiled=True
@@ -268,7 +334,7 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     # Every device computed the text rows for its own heads; gather all heads so
     # the text output is the same, complete, single-device result everywhere.
     text_out = order(jax.lax.all_gather, text_out, sp_axis_name, axis=2, tiled=True)
-    return jnp.concatenate([text_out, visual_out], axis=1)
+    return _join(text_out, visual_out, 1, suffix)
 
 
 def sequence_parallel_self_attention(
@@ -277,6 +343,8 @@ def sequence_parallel_self_attention(
     v: Float[Array, "B L_local H_kv D"],
     sp_axis_name: str,
     scale: float | None = None,
+    *,
+    kv_lengths: Int[Array, " B"] | None = None,
     **kernel_options,
 ) -> Float[Array, "B L_local H D"]:
     """DeepSpeed-Ulysses self-attention over the mesh axis `sp_axis_name`.
@@ -347,7 +415,7 @@ def sequence_parallel_self_attention(
     shapes that do not fit.
     """
     return _ulysses(q, k, v, 0, sp_axis_name, scale, kernel_options,
-                    "sequence_parallel_self_attention")
+                    "sequence_parallel_self_attention", kv_lengths=kv_lengths)
 
 
 def sequence_parallel_joint_self_attention(
@@ -357,6 +425,10 @@ def sequence_parallel_joint_self_attention(
     text_len: int,
     sp_axis_name: str,
     scale: float | None = None,
+    *,
+    text_position: str = "prefix",
+    text_lengths: Int[Array, " B"] | None = None,
+    kv_lengths: Int[Array, " B"] | None = None,
     **kernel_options,
 ) -> Float[Array, "B S_local H D"]:
     """Ulysses joint attention over a replicated text prefix and sharded video tokens.
@@ -410,12 +482,17 @@ def sequence_parallel_joint_self_attention(
     """
     fn = "sequence_parallel_joint_self_attention"
     text_len = static_int("text_len", text_len)
+    check_text_position(fn, text_position)
     axis_size(sp_axis_name, what=_WHAT)
     check_qkv(q, k, v, fn)
     S_local = q.shape[1]
     if not 0 <= text_len <= S_local:
+        side = "text prefix + visual chunk" if text_position == "prefix" else "visual chunk + text suffix"
         raise ValueError(
             f"{fn}: `text_len` must be between 0 and the per-device sequence length "
-            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+            f"{S_local} ({side}, q.shape[1]); received text_len={text_len}."
         )
-    return _ulysses(q, k, v, text_len, sp_axis_name, scale, kernel_options, fn)
+    if not text_len:
+        check_no_text_lengths(fn, text_lengths)
+    return _ulysses(q, k, v, text_len, sp_axis_name, scale, kernel_options, fn,
+                    text_position=text_position, text_lengths=text_lengths, kv_lengths=kv_lengths)

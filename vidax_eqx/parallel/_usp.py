@@ -32,8 +32,12 @@ from jaxtyping import Array, Float, Int
 
 from .. import kernels
 from .._order import Sequence
-from ._checks import check_heads, check_qkv, check_sinks, check_tile_mask, static_int
-from ._joint import check_joint_tile_mask, joint_attention
+from ._checks import (
+    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_sinks,
+    check_text_position, check_tile_mask, static_int,
+)
+from ._joint import check_joint_tile_mask, join_joint, joint_attention, split_joint
+from ._keys import below, both, hide_keys
 from ._layout import check_layout, layout_parts
 from ._mesh import axis_size, check_sharded
 from ._rank_masks import RankMasks
@@ -47,7 +51,8 @@ _FN = "usp_attention"
 # -- the public function -------------------------------------------------------------
 
 
-def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses_axis, order):
+def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses_axis, order,
+                    text_position: str = "prefix"):
     """This device's ids `(B, text_len + L)` -> `(text q, text kv, visual q, visual kv)`,
     the visual parts gathered over the Ulysses group to `(B, U * L)`."""
     if segment_ids is None:
@@ -66,9 +71,9 @@ def _split_segments(segment_ids, *, B: int, S_local: int, text_len: int, ulysses
                 f"{(B, S_local)}, sharded exactly like `q` (text prefix included in the joint "
                 f"layout); received {s.dtype} {s.shape}."
             )
-        s = s.astype(jnp.int32)
-        visual = order(lax.all_gather, s[:, text_len:], ulysses_axis, axis=1, tiled=True)
-        parts.append((s[:, :text_len], visual))
+        text, visual = split_joint(s.astype(jnp.int32), text_len, text_position)
+        visual = order(lax.all_gather, visual, ulysses_axis, axis=1, tiled=True)
+        parts.append((text, visual))
     (tq, vq), (tkv, vkv) = parts[0], parts[-1]
     return tq, tkv, vq, vkv
 
@@ -90,6 +95,9 @@ def usp_attention(
     text_len: int = 0,
     mask: kernels.SlidingTileMask | None = None,
     implementation: str | kernels.AbstractImplementation = "auto",
+    text_position: str = "prefix",
+    text_lengths: Int[Array, " B"] | None = None,
+    kv_lengths: Int[Array, " B"] | None = None,
 ) -> Float[Array, "B S_local H D"]:
     """2D sequence-parallel self-attention: Ulysses over `ulysses_axis`, ring over
     `ring_axis`, inside `jax.shard_map`.
@@ -180,6 +188,9 @@ def usp_attention(
         )
     check_layout(layout)
     text_len = static_int("text_len", text_len)
+    check_text_position(_FN, text_position)
+    if not text_len:
+        check_no_text_lengths(_FN, text_lengths)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_qkv(q, k, v, _FN)
     B, S_local, H, D = q.shape
@@ -188,9 +199,13 @@ def usp_attention(
     if not 0 <= text_len <= S_local:
         raise ValueError(
             f"{_FN}: `text_len` must be between 0 and the per-device sequence length "
-            f"{S_local} (text prefix + visual chunk, q.shape[1]); received text_len={text_len}."
+            f"{S_local} (text + visual chunk, q.shape[1]); received text_len={text_len}."
         )
     L = S_local - text_len  # this device's visual tokens
+    text_lengths = check_lengths(_FN, "text_lengths", text_lengths, B, text_len,
+                                 "text tokens per device")
+    kv_lengths = check_lengths(_FN, "kv_lengths", kv_lengths, B, text_len + U * R * L,
+                               "keys of the whole sequence: text_len + U * R * visual local length")
     if L:
         check_sharded(_FN, (ring_axis, ulysses_axis), q=q, k=k, v=v)
     if layout == "zigzag" and (U * L) % 2:
@@ -208,7 +223,7 @@ def usp_attention(
     if mask is not None:
         unit = layout_parts(layout) * R * U  # at most one tile per device and chunk
         if text_len:
-            check_joint_tile_mask(_FN, mask, text_len, R * U * L, H, unit)
+            check_joint_tile_mask(_FN, mask, text_len, R * U * L, H, unit, text_position)
         else:
             check_tile_mask(_FN, mask, R * U * L, H, unit)
         # Per-head windows follow their heads to the Ulysses ranks.
@@ -219,7 +234,7 @@ def usp_attention(
     kv_heads_local = H_kv * repeats // U
 
     def text_heads(x, n):
-        return local_heads(x[:, :text_len], 2, n, ulysses_axis)
+        return local_heads(split_joint(x, text_len, text_position)[0], 2, n, ulysses_axis)
 
     # Every collective below waits for the one before it (`vidax_eqx._order`); the
     # ring's own permutes wait for its inputs.
@@ -227,12 +242,12 @@ def usp_attention(
 
     def seq_to_heads(x):
         """(B, L, H, D) visual -> (B, U * L, H / U, D): ring rank r's share."""
-        return order(lax.all_to_all, x[:, text_len:], ulysses_axis, split_axis=2,
-                     concat_axis=1, tiled=True)
+        return order(lax.all_to_all, split_joint(x, text_len, text_position)[1], ulysses_axis,
+                     split_axis=2, concat_axis=1, tiled=True)
 
     sq_t, skv_t, sq_v, skv_v = _split_segments(
         segment_ids, B=B, S_local=S_local, text_len=text_len, ulysses_axis=ulysses_axis,
-        order=order,
+        order=order, text_position=text_position,
     )
     if sinks is not None:
         sinks = local_heads(match_vma(sinks, q), 0, heads_local, ulysses_axis)
@@ -245,6 +260,9 @@ def usp_attention(
                 raise ValueError(
                     f"{_FN}: a SlidingTileMask needs video tokens; this call holds text only."
                 )
+            index = jnp.arange(text_len, dtype=jnp.int32)
+            sq_t, skv_t = hide_keys(sq_t, skv_t, both(below(kv_lengths, index),
+                                                      below(text_lengths, index)), text_len)
             out_t = kernels.attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), sinks=sinks,
@@ -257,17 +275,19 @@ def usp_attention(
         if text_len == 0:
             seg = None if sq_v is None else kernels.SegmentIds(q=sq_v, kv=skv_v)
             out_v = run_ring(q_v, k_v, v_v, axis_name=ring_axis, segment_ids=seg, sinks=sinks,
-                             layout=layout, tile_mask=mask, tile_unit=unit, **opts)
+                             layout=layout, tile_mask=mask, tile_unit=unit,
+                             kv_lengths=kv_lengths, **opts)
         else:
             out_t, out_v = joint_attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
                 text_len=text_len, axis_name=ring_axis, sp_size=R, layout=layout,
-                tile_mask=mask, **opts,
+                tile_mask=mask, text_position=text_position, text_lengths=text_lengths,
+                kv_lengths=kv_lengths, **opts,
             )
         out_v = order(lax.all_to_all, out_v, ulysses_axis, split_axis=1, concat_axis=2,
                       tiled=True)
         if text_len == 0:
             return out_v
         out_t = order(lax.all_gather, out_t, ulysses_axis, axis=2, tiled=True)
-        return jnp.concatenate([out_t, out_v], axis=1)
+        return join_joint(out_t, out_v, text_position)
