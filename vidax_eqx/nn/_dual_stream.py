@@ -26,6 +26,7 @@ from ..parallel import (
     usp_attention,
 )
 from ._checks import check_eps, check_heads, check_positive
+from . import _init as init
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import RMSNorm
@@ -145,10 +146,10 @@ class DualStreamAttention(eqx.Module):
             )
         context_dim = dim if context_dim is None else context_dim
         check_positive("DualStreamAttention", context_dim=context_dim)
-        keys = jax.random.split(key, 8)
+        keys = init.split(key, 8)
 
         def lin(i, d_in):
-            return eqx.nn.Linear(d_in, dim, use_bias=True, dtype=dtype, key=keys[i])
+            return init.linear(d_in, dim, dtype=dtype, key=keys[i])
 
         self.to_q, self.to_k, self.to_v, self.to_out = (lin(i, dim) for i in range(4))
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (lin(i, context_dim)
