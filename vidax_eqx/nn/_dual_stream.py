@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jax import lax
-from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from ..parallel import (
