@@ -23,6 +23,10 @@ call that runs a model over a mesh.
 - [`save_training_state`][], [`restore_training_state`][]: training checkpoints (the
     model's arrays, the optimizer state, the step) with orbax, restored onto any mesh
     and parallel configuration.
+- [`export`][], [`ExportedModel`][]: a function of a model (a forward pass, a training
+    step) exported with `jax.export`, the model an argument: serialized without
+    weights, for one or several platforms, reloaded and called with a model of the
+    same configuration.
 """
 
 from ._cogvideox import (
@@ -33,6 +37,7 @@ from ._cogvideox import (
 )
 from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
 from ._experts import WanExperts as WanExperts, WanExpertsTextCache as WanExpertsTextCache
+from ._export import ExportedModel as ExportedModel, export as export
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
 from ._step_cache import StepCache as StepCache
 from ._training import (
