@@ -5,6 +5,8 @@ the same few ways, handled here once:
 
 - they need sequence lengths that are multiples of their tiles: the adapters pad
   and exclude the padded keys with segment ids (padded queries are sliced off);
+  key-only padding (`kv_lengths`) is folded into the keys' segment ids the same
+  way ([`kernel_segment_ids`][]);
 - they mask with a large finite logit, so a row that sees no key comes back as
   an average over masked keys with a hugely negative lse: [`finish`][] turns
   such rows into `out = 0`, `lse = -inf`;
@@ -61,19 +63,23 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 def kernel_segment_ids(ops: Operands, S_q_pad: int, S_k_pad: int):
     """`(seg_q, seg_kv)` int32 `(B, S_q_pad)`, `(B, S_k_pad)` for a kernel, or `None`.
 
-    Padding (negative ids, and padded tokens) maps to ids no real token has;
-    `None` when nothing must be excluded (no segment ids and no padded keys:
-    padded queries are harmless, they are sliced off).
+    Padding (negative ids, padded tokens, and keys at index `>= kv_lengths[b]`)
+    maps to ids no real token has; `None` when nothing must be excluded (no segment
+    ids, no key lengths and no padded keys: padded queries are harmless, they are
+    sliced off).
     """
     B, S_q = ops.q.shape[:2]
     S_k = ops.k.shape[1]
     if ops.seg_q is None:
-        if S_k == S_k_pad:
+        if S_k == S_k_pad and ops.kv_lengths is None:
             return None
         seg_q, seg_kv = jnp.zeros((B, S_q), jnp.int32), jnp.zeros((B, S_k), jnp.int32)
     else:
         seg_q = jnp.where(ops.seg_q < 0, Q_PAD, ops.seg_q)
         seg_kv = jnp.where(ops.seg_kv < 0, KV_PAD, ops.seg_kv)
+    if ops.kv_lengths is not None:
+        index = jnp.arange(S_k, dtype=jnp.int32)[None, :]
+        seg_kv = jnp.where(index < ops.kv_lengths[:, None], seg_kv, KV_PAD)
     return pad_axis(seg_q, 1, S_q_pad, Q_PAD), pad_axis(seg_kv, 1, S_k_pad, KV_PAD)
 
 
@@ -91,10 +97,13 @@ def shared_segment_ids(ops: Operands, S_pad: int):
     return pad_axis(seg, 1, S_pad, Q_PAD)
 
 
-def finish(ops: Operands, out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+def finish(
+    ops: Operands, out: jax.Array, lse: jax.Array, empty_below: float = MASKED_LSE
+) -> tuple[jax.Array, jax.Array]:
     """A kernel's `(out (B, S_q, H, D), lse (B, H, S_q))` -> the contract's: rows that
-    see nothing give 0 and `-inf`, and the sinks join each row's denominator."""
-    hidden = lse < MASKED_LSE
+    see nothing (lse below `empty_below`) give 0 and `-inf`, and the sinks join each
+    row's denominator."""
+    hidden = lse < min(MASKED_LSE, empty_below)
     if ops.seg_q is not None:
         hidden = hidden | (ops.seg_q < 0)[:, None, :]
     lse = jnp.where(hidden, -jnp.inf, lse.astype(F32))
@@ -117,7 +126,7 @@ def backward_stats(ops: Operands, out, lse, dout, dlse):
     finite masked logits of a kernel.
     """
     delta = m.delta(out, dout, dlse)
-    hidden = jnp.isneginf(lse)
+    hidden = m.is_empty_lse(lse)
     if ops.seg_q is not None:
         hidden = hidden | (ops.seg_q < 0)[:, None, :]
     kernel_lse = jnp.where(hidden, jnp.inf, lse.astype(F32))

@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._args import Operands, Options, SegmentIds, normalize
 from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
+from ._math import is_empty_lse, stat_dtype
 from ._dispatch import Plan, canonical_platform, host_platform, lowering_names, run, served
 from ._registry import choices, report
 from ._tile import SlidingTileMask
@@ -66,7 +67,7 @@ def _attention_bwd_rule(plan, opts, residuals, cotangents):
     dout, dlse = cotangents
     dq, dk, dv, dbias, dsinks = run(plan, _bwd(opts), ops, out, lse, dout, dlse)
     # Integer and boolean operands (mask, segment ids, positions) get no cotangent.
-    return (Operands(dq, dk, dv, dbias, None, None, None, dsinks, None, None),)
+    return (Operands(dq, dk, dv, dbias, None, None, None, dsinks, None, None, None),)
 
 
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
@@ -105,6 +106,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
+    kv_lengths: Int[Array, "B"] | None = None,
     implementation: str | AbstractImplementation = "auto",
 ) -> Float[Array, "B S_q H D"]:
     """Scaled dot-product attention with every feature, through one interface.
@@ -125,7 +127,9 @@ def attention(
         [`tile_permute`][]): evaluated on the positions, never materialized outside
         `"xla"`; `"blockwise"` (and `"pallas_tpu"`) skip the tiles it hides.
     - `segment_ids`: [`SegmentIds`][] `(q=(B, S_q), kv=(B, S_k))`, or one `(B, S)` int array
-        when `S_q == S_k`. Tokens attend within equal ids; negative ids are padding.
+        when `S_q == S_k`. Tokens attend within equal ids; negative ids are padding
+        (a padding token attends to nothing and nothing attends to it: its output row
+        is 0).
     - `sinks`: per-head sink logits `(H,)` that join every row's softmax
         denominator (and carry no value); differentiable.
     - `q_positions`, `kv_positions`: int32 `(S_q,)` / `(S_k,)` token positions on which
@@ -135,6 +139,13 @@ def attention(
         side is unbounded.
     - `scale`: logit scale, default `1 / sqrt(D)`.
     - `logits_soft_cap`: `c` applies `c * tanh(s / c)` to the scaled logits.
+    - `kv_lengths`: int `(B,)`, key-only padding: the number of valid keys of each batch
+        row, `0 <= kv_lengths[b] <= S_k`. Keys at index `>= kv_lengths[b]` along `k`'s
+        sequence axis (the index, not `kv_positions`) are invisible to every query;
+        every query row is still computed (a row left with no visible key gives 0).
+        Their values never matter (a NaN there does not reach real rows) and their
+        `dk`, `dv` are 0. Combines with every other feature. Out-of-range values raise
+        a `ValueError` (traced values: a runtime error through `eqx.error_if`).
     - `implementation`: `"auto"` (the fastest implementation that serves the request on
         this platform: see [`select_implementation`][]), `"portable"` (the same among
         the pure-JAX `"xla"` / `"blockwise"`, which XLA can partition over a mesh), a
@@ -147,6 +158,11 @@ def attention(
     **Returns:**
 
     `(B, S_q, H, D)` in `q`'s dtype. A query row that can see no key gives 0.
+
+    Inputs may be float32, bfloat16, float16, or float64 (served by `"xla"` and
+    `"blockwise"`, with float64 statistics). The portable implementations create no
+    inf or NaN (they run clean under `jax.debug_infs` / `jax.debug_nans`), the
+    gradient included.
     """
     ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=False)
     if any(not impl.capabilities.float32_lse for impl in served(plan)):
@@ -169,6 +185,7 @@ def attention_fwd(
     window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
+    kv_lengths: Int[Array, "B"] | None = None,
     implementation: str | AbstractImplementation = "auto",
 ) -> tuple[Float[Array, "B S_q H D"], Float[Array, "B H S_q"]]:
     """Attention that also returns the float32 log-sum-exp of each row.
@@ -177,12 +194,31 @@ def attention_fwd(
 
     **Returns:**
 
-    `(out, lse)`: `out (B, S_q, H, D)` in `q`'s dtype and `lse (B, H, S_q)` float32,
-    including the sink term when `sinks` is given. A row that sees no key (and has
-    no sink) has `out = 0` and `lse = -inf`.
+    `(out, lse)`: `out (B, S_q, H, D)` in `q`'s dtype and `lse (B, H, S_q)` float32
+    (float64 for float64 inputs), including the sink term when `sinks` is given. A row
+    that sees no key (and has no sink) has `out = 0` and `lse = -inf`: that `-inf` is
+    made here, at the boundary (the implementations carry a finite sentinel), so
+    under `jax.debug_infs(True)` a call with such a row raises `FloatingPointError`
+    (as the contract's `-inf` is an inf); every other call runs clean.
     """
     ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=True)
-    return _attention(plan, opts, ops)
+    out, lse = _attention(plan, opts, ops)
+    return out, public_lse(lse)
+
+
+def public_lse(lse: jax.Array) -> jax.Array:
+    """The contract's lse: rows that saw nothing (the implementations' finite sentinel
+    `_math.masked`, or `-inf`) as `-inf`; only such rows ever hold an inf."""
+    empty = is_empty_lse(lse)
+    return jnp.where(empty, -jnp.inf, lse) if _may_hold(empty) else lse
+
+
+def _may_hold(flags: jax.Array) -> bool:
+    """Whether `flags` may be True somewhere: always for tracers, by value otherwise
+    (so a concrete call with no empty row creates no inf even eagerly)."""
+    if isinstance(flags, jax.core.Tracer):
+        return True
+    return bool(jnp.any(flags))
 
 
 def attention_bwd(
@@ -203,6 +239,7 @@ def attention_bwd(
     window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
+    kv_lengths: Int[Array, "B"] | None = None,
     implementation: str | AbstractImplementation = "auto",
     dlse: Float[Array, "B H S_q"] | None = None,
 ):
@@ -238,9 +275,8 @@ def attention_bwd(
                 f"float32); received dtype {jnp.result_type(x)}."
             )
 
-    dq, dk, dv, dbias, dsinks = run(
-        plan, _bwd(opts), ops, jnp.asarray(out), jnp.asarray(lse, jnp.float32), jnp.asarray(dout), dlse
-    )
+    lse = jnp.asarray(lse, stat_dtype(ops.q.dtype))
+    dq, dk, dv, dbias, dsinks = run(plan, _bwd(opts), ops, jnp.asarray(out), lse, jnp.asarray(dout), dlse)
     if dbias is not None:
         dbias = dbias.reshape(jnp.shape(bias))
     return dq, dk, dv, dbias, dsinks

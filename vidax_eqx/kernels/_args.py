@@ -5,7 +5,8 @@ Every public entry point of `vidax_eqx.kernels` funnels its arguments through
 what was received and what was expected, and returns
 
 - `Operands`: the arrays (a PyTree; absent features are `None`), with bias and
-  mask lifted to rank 4 and segment ids split into `(q, kv)`;
+  mask lifted to rank 4, segment ids split into `(q, kv)` and key lengths
+  (`kv_lengths`) as int32 `(B,)`;
 - `Options`: the static configuration (hashable, so it can be a `nondiff`
   argument of a `custom_vjp` and a `jit` static argument).
 
@@ -17,6 +18,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +67,8 @@ class Operands(NamedTuple):
 
     Shapes: `q (B, S_q, H, D)`, `k`/`v (B, S_k, H_kv, D)`; `bias`/`mask` rank 4,
     each axis 1 or full; `seg_q (B, S_q)`, `seg_kv (B, S_k)` int32; `sinks (H,)`;
-    `q_pos (S_q,)`, `kv_pos (S_k,)` int32.
+    `q_pos (S_q,)`, `kv_pos (S_k,)` int32; `kv_lengths (B,)` int32, the number of
+    valid keys of each batch row (keys at index `>= kv_lengths[b]` are invisible).
     """
 
     q: jax.Array
@@ -78,6 +81,7 @@ class Operands(NamedTuple):
     sinks: jax.Array | None = None
     q_pos: jax.Array | None = None
     kv_pos: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -179,6 +183,36 @@ def _static_float(name: str, x) -> float:
     return value
 
 
+def _check_kv_lengths(kv_lengths, batch: int, seq_k: int) -> jax.Array:
+    """`kv_lengths` as int32 `(B,)`, checked: integer dtype, shape `(B,)`, values in
+    `[0, S_k]` (a `ValueError` for concrete arrays; for traced ones a runtime check
+    by `eqx.error_if`, which raises when the program runs)."""
+    x = _as_array("kv_lengths", kv_lengths)
+    dtype = np.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"`kv_lengths` must have an integer dtype (int32: the number of valid keys of "
+            f"each batch row); received dtype {dtype}."
+        )
+    _check_int("kv_lengths", x)
+    if x.shape != (batch,):
+        raise ValueError(
+            f"`kv_lengths` must have shape (B,) = ({batch},), the number of valid keys of "
+            f"each batch row; received shape {x.shape}."
+        )
+    x = x.astype(jnp.int32)
+    bad = (x < 0) | (x > seq_k)
+    message = (
+        f"`kv_lengths` must lie in [0, S_k] = [0, {seq_k}] (the number of valid keys of "
+        "each batch row)"
+    )
+    if isinstance(x, jax.core.Tracer):
+        return eqx.error_if(x, jnp.any(bad), message + "; received a value outside it.")
+    if np.any(np.asarray(bad)):
+        raise ValueError(f"{message}; received {np.asarray(x).tolist()}.")
+    return x
+
+
 def normalize(
     q,
     k,
@@ -194,6 +228,7 @@ def normalize(
     window=None,
     scale=None,
     logits_soft_cap=None,
+    kv_lengths=None,
 ) -> tuple[Operands, Options]:
     """Validates an attention request; see the module docstring."""
     q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
@@ -293,6 +328,15 @@ def normalize(
         k = jnp.where((seg_kv >= 0)[:, :, None, None], k, jnp.zeros((), k.dtype))
         v = jnp.where((seg_kv >= 0)[:, :, None, None], v, jnp.zeros((), v.dtype))
 
+    if kv_lengths is not None:
+        kv_lengths = _check_kv_lengths(kv_lengths, B, S_k)
+        # Padded keys are invisible, so (as for segment-id padding) their values must
+        # not matter: zero them, so a NaN / Inf left there cannot reach a real row
+        # through a `0 * x` product. Their gradient is 0 either way.
+        valid = (jnp.arange(S_k, dtype=jnp.int32)[None, :] < kv_lengths[:, None])[:, :, None, None]
+        k = jnp.where(valid, k, jnp.zeros((), k.dtype))
+        v = jnp.where(valid, v, jnp.zeros((), v.dtype))
+
     if sinks is not None:
         sinks = _as_array("sinks", sinks)
         _check_float("sinks", sinks)
@@ -324,6 +368,6 @@ def normalize(
         if logits_soft_cap <= 0:
             raise ValueError(f"`logits_soft_cap` must be > 0; received {logits_soft_cap}.")
 
-    operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos)
+    operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos, kv_lengths)
     options = Options(bool(causal), window, scale, logits_soft_cap, default_positions, tile_mask)
     return operands, options

@@ -26,6 +26,7 @@ FEATURES: tuple[tuple[str, str], ...] = (
     ("mask", "boolean mask"),
     ("tile_mask", "sliding tile mask (3D, skips hidden tiles)"),
     ("segment_ids", "segment ids"),
+    ("kv_lengths", "key-only padding (kv_lengths)"),
     ("causal", "causal (on positions)"),
     ("window", "sliding window (on positions)"),
     ("positions", "custom positions"),
@@ -64,6 +65,7 @@ class Request:
     needs_lse: bool = False
     shared_segment_ids: bool = False
     tile_mask: bool = False
+    kv_lengths: bool = False
 
     @classmethod
     def of(
@@ -98,6 +100,7 @@ class Request:
             # One `(B, S)` array for queries and keys (some kernels take only that).
             shared_segment_ids=ops.seg_q is not None and ops.seg_q is ops.seg_kv,
             tile_mask=opts.tile_mask is not None,
+            kv_lengths=ops.kv_lengths is not None,
         )
 
     @property
@@ -130,7 +133,8 @@ class Capabilities:
     """Which requests an implementation serves.
 
     Every boolean corresponds to a [`Request`][] field of the same name;
-    `platforms`, `dtypes` and `max_head_dim` bound the rest. `float32_lse`
+    `platforms`, `dtypes` and `max_head_dim` bound the rest. `tile_mask` and
+    `kv_lengths` are off unless declared (an implementation must apply them itself). `float32_lse`
     says the log-sum-exp comes back in float32 with a gradient and that the
     backward takes an external `(out, lse, dlse)` (what `attention_fwd`,
     `attention_bwd` and ring attention need); `portable` marks pure-JAX
@@ -155,6 +159,7 @@ class Capabilities:
     logits_soft_cap: bool = True
     # Off unless declared: an implementation must evaluate the structure itself.
     tile_mask: bool = False
+    kv_lengths: bool = False
     float32_lse: bool = True
     portable: bool = False
     memory: str = "O(S)"

@@ -8,7 +8,8 @@ at any point unless the caller passes a full-size bias or mask.
 
 Sequences of any length are padded up to a multiple of the block size; padded
 keys are invisible (through the segment ids when given, else a validity row)
-and padded query rows are dropped. A tile that the causal / window / segment /
+and padded query rows are dropped. Key-only padding (`kv_lengths`) hides keys by
+index; key blocks beyond every batch row's length are skipped. A tile that the causal / window / segment /
 mask structure hides entirely is skipped by `lax.cond`, not computed and
 discarded.
 """
@@ -47,6 +48,7 @@ class _Blocks(NamedTuple):
     # A sliding tile mask's `_tile.q_features` / `kv_features` per block, or None.
     tile_q: tuple | None = None
     tile_kv: tuple | None = None
+    kv_lengths: jax.Array | None = None  # (B,) int32, key-only padding
 
 
 class _Ranges(NamedTuple):
@@ -105,6 +107,11 @@ def _remove(x: jax.Array, axis: int, at: int, count: int) -> jax.Array:
     return jnp.concatenate([head, tail], axis=axis)
 
 
+def _kv_index(j, bk: int) -> jax.Array:
+    """The sequence indices `(bk,)` of the keys of block `j`."""
+    return j * bk + jnp.arange(bk, dtype=jnp.int32)
+
+
 def _block(x: jax.Array, i) -> jax.Array:
     """Block `i` of blocked operands (leading axis = block index)."""
     return lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
@@ -141,7 +148,12 @@ class Blockwise(AbstractImplementation):
 
     name = "blockwise"
     capabilities = Capabilities(
-        platforms=("cpu", "gpu", "tpu"), portable=True, tile_mask=True, memory="O(S)"
+        platforms=("cpu", "gpu", "tpu"),
+        dtypes=("float32", "bfloat16", "float16", "float64"),
+        portable=True,
+        tile_mask=True,
+        kv_lengths=True,
+        memory="O(S)",
     )
 
     def __post_init__(self):
@@ -194,6 +206,7 @@ class Blockwise(AbstractImplementation):
             kv_valid=kv_valid,
             bias=_pad(_pad(ops.bias, 2, Pq), 3, Pk),
             mask=_pad(_pad(ops.mask, 2, Pq), 3, Pk),
+            kv_lengths=ops.kv_lengths,
         )
         if opts.tile_mask is not None:
             blocks = blocks._replace(
@@ -257,6 +270,9 @@ class Blockwise(AbstractImplementation):
             q_pos=positions,
             kv_pos=positions,
         )
+        if ops.kv_lengths is not None:  # keys after the gap moved `gap` indices on
+            lengths = ops.kv_lengths
+            ops = ops._replace(kv_lengths=jnp.where(lengths > first, lengths + gap, lengths))
         return ops, (first, gap)
 
     @staticmethod
@@ -281,6 +297,8 @@ class Blockwise(AbstractImplementation):
             tests.append(block_may_see(ranges.tile_q, ranges.tile_kv, i, j))
         if blocks.mask is not None and blocks.mask.shape[2] > 1 and blocks.mask.shape[3] > 1:
             tests.append(jnp.any(_tile(blocks.mask, i, j, bq, bk)))
+        if blocks.kv_lengths is not None:  # key block wholly beyond every row's length
+            tests.append(j * bk < jnp.max(blocks.kv_lengths))
         if not tests:
             return None
         return jnp.all(jnp.stack(tests))
@@ -305,7 +323,7 @@ class Blockwise(AbstractImplementation):
             return self._bwd(ops, opts, out, lse, dout, dlse)
         out, dout = _insert(out, 1, first, gap), _insert(dout, 1, first, gap)
         # Filler rows: lse = +inf gives them probability 0, the sink's included.
-        lse = _insert(lse, 2, first, gap, value=jnp.inf)
+        lse = _insert(lse, 2, first, gap, value=m.PAD_LSE)
         dlse = None if dlse is None else _insert(dlse, 2, first, gap)
         dq, dk, dv, dbias, dsinks = self._bwd(ops, opts, out, lse, dout, dlse)
         dq, dk, dv = (_remove(x, 1, first, gap) for x in (dq, dk, dv))
@@ -343,6 +361,7 @@ class Blockwise(AbstractImplementation):
                     vis = m.visibility(
                         opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
                         tile=None if tile_q is None else (tile_q, tile_kv),
+                        kv_lengths=blocks.kv_lengths, kv_index=_kv_index(j, bk),
                     )
                     bias = m.rows_4d(_tile(blocks.bias, i, j, bq, bk), K, H, bq)
                     s, _ = m.logits(opts, qs, kt, bias, rest)
@@ -351,7 +370,8 @@ class Blockwise(AbstractImplementation):
                 may_see = self._may_see(opts, blocks, ranges, i, j, bq, bk)
                 return self._skip_hidden(may_see, compute, stats), None
 
-            stats = m.as_varying(m.init_stats(qs.shape[:-1], D, sinks), axes)
+            stats = m.init_stats(qs.shape[:-1], D, sinks, m.stat_dtype(ops.q.dtype))
+            stats = m.as_varying(stats, axes)
             stats, _ = lax.scan(kv_step, stats, kv_xs)
             return m.finalize(stats, ops.q.dtype)
 
@@ -367,12 +387,13 @@ class Blockwise(AbstractImplementation):
         bq, bk = blocks.q.shape[3] // (H // K), blocks.k.shape[3]
         Pq = nq * bq
         delta = m.delta(out, dout, dlse)
-        # Row quantities in the blocked rows layout. Padded rows get lse = +inf, so
-        # their probabilities are exactly 0 (not exp(s) * 0, which a large bias
-        # turns into inf * 0 = NaN), and do = 0, delta = 0.
+        # Row quantities in the blocked rows layout. Padded rows get the huge finite
+        # lse `PAD_LSE`, so their probabilities are exactly 0 (not exp(s) * 0, which a
+        # large bias turns into inf * 0 = NaN; and no inf under jax_debug_infs), and
+        # do = 0, delta = 0.
         do = m.split_q(_pad(dout.astype(ops.q.dtype), 1, Pq), K, bq)
         qt, dot_ = jnp.swapaxes(blocks.q, -1, -2), jnp.swapaxes(do, -1, -2)
-        lse_b = m.split_rows(_pad(m.safe_lse(lse), 2, Pq, value=jnp.inf), K, bq)
+        lse_b = m.split_rows(_pad(m.safe_lse(lse), 2, Pq, value=m.PAD_LSE), K, bq)
         delta_b = m.split_rows(_pad(delta, 2, Pq), K, bq)
         axes = m.varying_axes(*jax.tree.leaves((blocks, do, lse_b, delta_b)))
         # One set of varying axes for everything the tile-skipping cond touches (`fwd`).
@@ -385,8 +406,9 @@ class Blockwise(AbstractImplementation):
         q_xs = (blocks.q_pos, blocks.seg_q, blocks.tile_q, q_idx)
         kv_xs = (blocks.kt, blocks.k, blocks.vt, blocks.kv_pos, blocks.seg_kv, blocks.kv_valid,
                  blocks.tile_kv, kv_idx)
-        dq0 = jnp.zeros(blocks.q.shape, m.F32)
-        dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, m.F32)
+        acc = m.stat_dtype(ops.q.dtype)
+        dq0 = jnp.zeros(blocks.q.shape, acc)
+        dbias0 = None if blocks.bias is None else jnp.zeros(blocks.bias.shape, acc)
         dq0, dbias0 = m.as_varying((dq0, dbias0), axes)
 
         def kv_block(carry, ys):
@@ -404,6 +426,7 @@ class Blockwise(AbstractImplementation):
                     vis = m.visibility(
                         opts, q_pos, kv_pos, seg_q, seg_kv, mask, kv_valid,
                         tile=None if tile_q is None else (tile_q, tile_kv),
+                        kv_lengths=blocks.kv_lengths, kv_index=_kv_index(j, bk),
                     )
                     bias_tile = _tile(blocks.bias, i, j, bq, bk)
                     bias = m.rows_4d(bias_tile, K, H, bq)
@@ -419,7 +442,7 @@ class Blockwise(AbstractImplementation):
                 may_see = self._may_see(opts, blocks, ranges, i, j, bq, bk)
                 return self._skip_hidden(may_see, compute, inner), None
 
-            zeros = m.as_varying(jnp.zeros(kt.shape, m.F32), axes)  # dK^T, dV^T accumulators
+            zeros = m.as_varying(jnp.zeros(kt.shape, acc), axes)  # dK^T, dV^T accumulators
             (dk, dv, *carry), _ = lax.scan(q_step, (zeros, zeros, *carry), q_xs)
             return tuple(carry), (dk, dv)
 

@@ -31,8 +31,9 @@ def _gpu_host() -> bool:
 class Cudnn(AbstractImplementation):
     """cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`).
 
-    Serves GQA, bias, boolean masks and causal masks in bfloat16 / float16 with
-    `head_dim <= 128`; differentiated by `jax.nn`'s own VJP.
+    Serves GQA, bias, boolean masks, causal masks and key-only padding
+    (`kv_lengths`, as `key_value_seq_lengths`: every query row is computed) in
+    bfloat16 / float16 with `head_dim <= 128`; differentiated by `jax.nn`'s own VJP.
     """
 
     name = "cudnn"
@@ -45,6 +46,7 @@ class Cudnn(AbstractImplementation):
         positions=False,
         sinks=False,
         logits_soft_cap=False,
+        kv_lengths=True,
         float32_lse=False,
         notes=(
             "no float32 lse: `attention` only; `attention_fwd`, `attention_bwd` and ring "
@@ -71,6 +73,7 @@ class Cudnn(AbstractImplementation):
             mask=ops.mask,
             scale=opts.scale,
             is_causal=opts.causal,
+            key_value_seq_lengths=ops.kv_lengths,  # query_seq_lengths: None, all rows computed
             implementation="cudnn",
         )
         return out, None

@@ -30,7 +30,31 @@ from ._tile import features_visibility, rows_visibility
 
 
 F32 = jnp.float32
-NEG_INF = -jnp.inf
+# The log-sum-exp given to the padded query rows of a backward: finite (no inf
+# anywhere, so `jax_debug_infs` stays quiet) and large enough that `exp(s - lse)`
+# is exactly 0 for any real logit, yet small enough that `masked(dtype) - PAD_LSE`
+# does not overflow (it is below half an ulp of the largest float32).
+PAD_LSE = 1e30
+
+
+def stat_dtype(dtype) -> jnp.dtype:
+    """The dtype of softmax statistics and accumulators for inputs of `dtype`: float32,
+    or float64 for float64 inputs ("float32 statistics" means at least float32)."""
+    return jnp.promote_types(dtype, F32)
+
+
+def masked(dtype) -> float:
+    """The logit of a hidden key and the running max before any key, in statistics of
+    `dtype`: the lowest finite value, not `-inf`, so no intermediate is infinite
+    (`jax_debug_infs`). `exp(masked - m)` is exactly 0 for every real `m`, and a row
+    whose max is still `masked` saw nothing (`finalize`)."""
+    return float(jnp.finfo(dtype).min)
+
+
+def is_empty_lse(lse: jax.Array) -> jax.Array:
+    """Rows whose `lse` says they saw nothing: `-inf` (the public contract, and the
+    vendor kernels) or the finite sentinel `masked` of the portable implementations."""
+    return lse <= masked(lse.dtype)
 
 
 # -- layout: (B, S, H, D) <-> blocks of rows --------------------------------------
@@ -126,8 +150,8 @@ def reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`(B, K, M, X) @ (B, K, X, N)` with float32 accumulation."""
-    return jnp.einsum("bkmx,bkxn->bkmn", a, b, preferred_element_type=F32)
+    """`(B, K, M, X) @ (B, K, X, N)` with float32 (float64 inputs: float64) accumulation."""
+    return jnp.einsum("bkmx,bkxn->bkmn", a, b, preferred_element_type=stat_dtype(a.dtype))
 
 
 # -- masks ------------------------------------------------------------------------
@@ -149,6 +173,8 @@ def visibility(
     kv_heads: int = 1,
     heads: int = 1,
     tile=None,
+    kv_lengths: jax.Array | None = None,
+    kv_index: jax.Array | None = None,
 ) -> jax.Array | None:
     """Boolean `(B|1, K|1, M, U)`: may row m see key u. `None`: all visible.
 
@@ -156,7 +182,9 @@ def visibility(
     `mask (B|1, K|1, M|1, U|1)`; `kv_heads`, `heads` (K and H) place the rows'
     heads for a sliding tile mask with per-head windows (`opts.tile_mask`), and
     `tile` is that mask's `(_tile.q_features, _tile.kv_features)` of this tile when
-    computed beforehand.
+    computed beforehand. `kv_lengths (B,)` with `kv_index (U,)`, the keys' indices
+    along the sequence axis: key u is visible only where `kv_index[u] < kv_lengths[b]`
+    (key-only padding).
     """
     vis = None
     qp, kp = q_pos[:, None], kv_pos[None, :]
@@ -173,6 +201,8 @@ def visibility(
         vis = _and(vis, kv_valid[None, :])
     if vis is not None:
         vis = vis[None, None]
+    if kv_lengths is not None:
+        vis = _and(vis, (kv_index[None, :] < kv_lengths[:, None])[:, None, None, :])
     if seg_q is not None:
         sq, sk = seg_q[:, None, :, None], seg_kv[:, None, None, :]
         vis = _and(vis, (sq == sk) & (sq >= 0))
@@ -197,8 +227,8 @@ def fold_scale(opts: Options, q: jax.Array) -> tuple[jax.Array, float]:
     if opts.logits_soft_cap is not None:
         factor = factor / opts.logits_soft_cap
     mantissa, _ = math.frexp(factor)
-    if q.dtype == F32 or mantissa == 0.5:
-        return (q.astype(F32) * factor).astype(q.dtype), 1.0
+    if q.dtype in (F32, jnp.float64) or mantissa == 0.5:
+        return (q.astype(stat_dtype(q.dtype)) * factor).astype(q.dtype), 1.0
     return q, factor
 
 
@@ -209,7 +239,8 @@ def logits(
     bias: jax.Array | None,
     rest: float,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Float32 logits `(B, K, M, U)` and, with a soft cap, `tanh(s / c)`.
+    """Float32 (float64 inputs: float64) logits `(B, K, M, U)` and, with a soft cap,
+    `tanh(s / c)`.
 
     `qs, rest = fold_scale(opts, q)`; `kt` is `k` transposed, `(B, K, D, U)`.
     """
@@ -221,7 +252,7 @@ def logits(
         t = jnp.tanh(s)
         s = opts.logits_soft_cap * t
     if bias is not None:
-        s = s + bias.astype(F32)
+        s = s + bias.astype(s.dtype)
     return s, t
 
 
@@ -229,18 +260,19 @@ def logits(
 
 
 def init_stats(
-    shape: tuple[int, ...], head_dim: int, sinks: jax.Array | None
+    shape: tuple[int, ...], head_dim: int, sinks: jax.Array | None, dtype=F32
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Accumulator `o`, running max `m` and denominator `l` for rows `shape = (B, K, M)`.
+    """Accumulator `o`, running max `m` and denominator `l` for rows `shape = (B, K, M)`,
+    in the statistics dtype `dtype` (`stat_dtype` of the inputs).
 
-    A sink enters as a key of logit `sinks` (per row, `(K, M)`) and value 0:
-    `m = sink`, `l = 1`.
+    The running max starts at the finite `masked` logit. A sink enters as a key of
+    logit `sinks` (per row, `(K, M)`) and value 0: `m = sink`, `l = 1`.
     """
-    o = jnp.zeros((*shape, head_dim), F32)
+    o = jnp.zeros((*shape, head_dim), dtype)
     if sinks is None:
-        return o, jnp.full(shape, NEG_INF, F32), jnp.zeros(shape, F32)
-    m = jnp.broadcast_to(sinks.astype(F32)[None], shape)
-    return o, m, jnp.ones(shape, F32)
+        return o, jnp.full(shape, masked(dtype), dtype), jnp.zeros(shape, dtype)
+    m = jnp.broadcast_to(sinks.astype(dtype)[None], shape)
+    return o, m, jnp.ones(shape, dtype)
 
 
 def softmax_step(
@@ -251,10 +283,12 @@ def softmax_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax update of `(o, m, l)` with the tile logits `s` and values `v`."""
     o, m, l = stats
+    low = masked(m.dtype)
     if vis is not None:
-        s = jnp.where(vis, s, NEG_INF)
+        s = jnp.where(vis, s, low)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # all -inf so far: keep exp finite
+    # Nothing seen so far: subtract 0, so every hidden logit's exp is exactly 0.
+    m_safe = jnp.where(m_new == low, 0.0, m_new)
     p = jnp.exp(s - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
@@ -264,12 +298,13 @@ def softmax_step(
 def finalize(
     stats: tuple[jax.Array, jax.Array, jax.Array], dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """`(o, m, l)` -> `(out, lse)`; a row with `l == 0` gives 0 and `-inf`."""
+    """`(o, m, l)` -> `(out, lse)`; a row with `l == 0` gives 0 and lse `masked`
+    (finite: the public `attention_fwd` turns it into `-inf`)."""
     o, m, l = stats
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     out = (o / l_safe[..., None]).astype(dtype)
-    lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
+    lse = jnp.where(empty, masked(m.dtype), m + jnp.log(l_safe))
     return out, lse
 
 
@@ -277,20 +312,23 @@ def finalize(
 
 
 def delta(out: jax.Array, dout: jax.Array, dlse: jax.Array | None) -> jax.Array:
-    """`rowsum(dout * out) - dlse` as `(B, H, S_q)` float32 (`out`, `dout`: `(B, S_q, H, D)`)."""
-    d = jnp.einsum("bshd,bshd->bhs", dout.astype(F32), out.astype(F32))
-    return d if dlse is None else d - dlse.astype(F32)
+    """`rowsum(dout * out) - dlse` as `(B, H, S_q)` float32 (float64 for float64
+    inputs; `out`, `dout`: `(B, S_q, H, D)`)."""
+    dtype = stat_dtype(out.dtype)
+    d = jnp.einsum("bshd,bshd->bhs", dout.astype(dtype), out.astype(dtype))
+    return d if dlse is None else d - dlse.astype(dtype)
 
 
 def sinks_grad(sinks: jax.Array, lse: jax.Array, delta_: jax.Array) -> jax.Array:
     """Gradient of the sink logits `(H,)`: `-sum_rows p_sink * delta`."""
-    p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)
+    p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
     return (-jnp.sum(p_sink * delta_, axis=(0, 2))).astype(sinks.dtype)
 
 
 def safe_lse(lse: jax.Array) -> jax.Array:
-    """`-inf` rows (nothing visible) -> 0, so `exp(-inf - lse)` stays 0 rather than NaN."""
-    return jnp.where(lse == NEG_INF, 0.0, lse)
+    """Rows that saw nothing (lse `-inf` or `masked`) -> 0, so the `exp(s - lse)` of
+    their hidden logits stays exactly 0 rather than NaN."""
+    return jnp.where(is_empty_lse(lse), jnp.zeros((), lse.dtype), lse)
 
 
 def tile_grads(
@@ -321,7 +359,7 @@ def tile_grads(
     """
     s, t = logits(opts, qs, kt, bias, rest)
     if vis is not None:
-        s = jnp.where(vis, s, NEG_INF)
+        s = jnp.where(vis, s, masked(s.dtype))
     p = jnp.exp(s - lse[..., None])
     dvt = _dot(dot_, p.astype(do.dtype))
     ds = p * (_dot(do, vt) - delta_[..., None])

@@ -12,6 +12,17 @@ The kernel takes one segment-id array for queries and keys alike, so it serves
 segment ids passed as one `(B, S)` array, and a cross-attention (`S_q != S_k`)
 only where the keys need no padding; its causal loop assumes `S_q <= S_k`.
 
+Key-only padding (`kv_lengths`) cannot be said with one segment-id array (a query
+and the key at its own index always share an id), so it enters as a key bias
+through one extra head-dim channel: `q` gets a column of ones, `k` a column that
+is 0 for valid keys and `-_KEY_PAD` (about `-4e36 / scale`) for padded ones, `v`
+a column of zeros. Every valid logit is unchanged (`1 * 0` adds exactly 0) and a
+padded key's probability is exactly 0, forward and backward; a row that sees no
+valid key has an lse near `-4e36`, which `_adapt.finish` reads as empty. The cost:
+the kernel pads the head dim to a power of two, so `D + 1` doubles the work when
+`D` is one (64, 128); `D = 256` is refused (257 > the kernel's 256), and float16
+too (the padding logit does not fit it).
+
 `jax.experimental.pallas.ops` is undocumented: `mha`, `mha_backward_kernel` and
 `BlockSizes` (and `next_power_of_2`, exported by Pallas but absent from its API
 reference) come through `vidax_eqx._jax_private`, where each call we rely on is
@@ -38,6 +49,29 @@ from ._base import AbstractImplementation, Capabilities, Request
 F32 = jnp.float32
 _MIN_TILE = 16  # Triton's smallest dot tile
 _LN2 = math.log(2.0)
+# The natural-log logit that key-only padding gives a padded key (before the
+# kernel's own masks): far below any real logit, above the kernel's mask value.
+_KEY_PAD_LOGIT = 4e36
+
+
+def _key_pad(opts: Options) -> float:
+    """The value of a padded key's extra channel: `-_KEY_PAD_LOGIT / scale`, at most
+    1e38 in magnitude (representable in bfloat16 and float32)."""
+    return -min(_KEY_PAD_LOGIT / opts.scale, 1e38)
+
+
+def _with_key_channel(ops: Operands, opts: Options, q, k, v):
+    """`(q, k, v)` with the extra head-dim channel of key-only padding (see the module
+    docstring), or unchanged without `kv_lengths`. `k`, `v`: `(B, S_k, H, D)`."""
+    if ops.kv_lengths is None:
+        return q, k, v
+    S_k = k.shape[1]
+    valid = jnp.arange(S_k, dtype=jnp.int32)[None, :] < ops.kv_lengths[:, None]  # (B, S_k)
+    column = jnp.where(valid, 0.0, _key_pad(opts)).astype(k.dtype)
+    q = jnp.concatenate([q, jnp.ones((*q.shape[:-1], 1), q.dtype)], axis=-1)
+    k = jnp.concatenate([k, jnp.broadcast_to(column[:, :, None, None], (*k.shape[:-1], 1))], axis=-1)
+    v = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], 1), v.dtype)], axis=-1)
+    return q, k, v
 
 
 def _pow2_divisor(n: int, limit: int) -> int:
@@ -86,8 +120,11 @@ class PallasGpu(AbstractImplementation):
         window=False,
         positions=False,
         logits_soft_cap=False,
+        kv_lengths=True,
         notes=(
             "segment ids only as one (B, S) array for queries and keys (so not in ring attention)",
+            "kv_lengths through an extra head-dim channel (a key bias): D + 1 is padded to a "
+            "power of two, so D = 64 / 128 cost twice; not with D = 256 nor float16",
             "S_q != S_k only with S_k a multiple of 16, and causal only with S_q <= S_k",
         ),
     )
@@ -111,6 +148,13 @@ class PallasGpu(AbstractImplementation):
                 f"S_q != S_k with S_k = {request.seq_k} not a multiple of {_MIN_TILE} "
                 "(its keys could only be padded through shared segment ids)"
             )
+        if request.kv_lengths and request.head_dim + 1 > (self.capabilities.max_head_dim or 0):
+            missing.append(
+                f"kv_lengths with head_dim {request.head_dim} (served through one extra head-dim "
+                f"channel: head_dim + 1 <= {self.capabilities.max_head_dim})"
+            )
+        if request.kv_lengths and request.dtype == "float16":
+            missing.append("kv_lengths in float16 (the padded keys' logit channel does not fit float16)")
         if request.causal and request.seq_q > request.seq_k:
             missing.append(
                 "causal with S_q > S_k (the kernel's causal loop assumes no more queries than keys)"
@@ -129,9 +173,10 @@ class PallasGpu(AbstractImplementation):
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         B, S_q, H, D = ops.q.shape
         S_qp, S_kp, bq, bk, seg = self._layout(ops)
-        q = a.pad_axis(ops.q, 1, S_qp)
-        k = a.pad_axis(a.repeat_kv(ops.k, H), 1, S_kp)
-        v = a.pad_axis(a.repeat_kv(ops.v, H), 1, S_kp)
+        q, k, v = _with_key_channel(ops, opts, ops.q, a.repeat_kv(ops.k, H), a.repeat_kv(ops.v, H))
+        q = a.pad_axis(q, 1, S_qp)
+        k = a.pad_axis(k, 1, S_kp)
+        v = a.pad_axis(v, 1, S_kp)
         mha = functools.partial(
             gpu_mha,
             sm_scale=opts.scale,
@@ -143,7 +188,8 @@ class PallasGpu(AbstractImplementation):
             return_residuals=True,
         )
         out, lse2 = opaque_to_vma(mha, q, k, v, seg)
-        return a.finish(ops, out[:, :S_q], lse2[:, :, :S_q] * _LN2)
+        empty_below = a.MASKED_LSE if ops.kv_lengths is None else 0.5 * _key_pad(opts) * opts.scale
+        return a.finish(ops, out[:, :S_q, :, :D], lse2[:, :, :S_q] * _LN2, empty_below)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
         B, S_q, H, D = ops.q.shape
@@ -160,18 +206,22 @@ class PallasGpu(AbstractImplementation):
             n = S_k // bk
             bq = max(_MIN_TILE, _next_pow2(-(-S_q // n)))
             S_qp, seg = n * bq, None
-        q = a.pad_axis(ops.q, 1, S_qp)
-        k = a.pad_axis(a.repeat_kv(ops.k, H), 1, S_kp)
-        v = a.pad_axis(a.repeat_kv(ops.v, H), 1, S_kp)
-        do = a.pad_axis(dout.astype(ops.q.dtype), 1, S_qp)
+        q, k, v = _with_key_channel(ops, opts, ops.q, a.repeat_kv(ops.k, H), a.repeat_kv(ops.v, H))
+        do = dout.astype(ops.q.dtype)
+        if ops.kv_lengths is not None:
+            do = jnp.concatenate([do, jnp.zeros((*do.shape[:-1], 1), do.dtype)], axis=-1)
+        q = a.pad_axis(q, 1, S_qp)
+        k = a.pad_axis(k, 1, S_kp)
+        v = a.pad_axis(v, 1, S_kp)
+        do = a.pad_axis(do, 1, S_qp)
         lse2 = a.pad_axis(kernel_lse / _LN2, 2, S_qp, jnp.inf)
         delta = a.pad_axis(delta, 2, S_qp)
         call = functools.partial(self._backward_call, opts=opts, bq=bq, bk=bk)
         dq, dk, dv = opaque_to_vma(call, q, k, v, seg, do, lse2, delta)
-        dk = a.reduce_kv(dk[:, :S_k], K)
-        dv = a.reduce_kv(dv[:, :S_k], K)
+        dk = a.reduce_kv(dk[:, :S_k, :, :D], K)
+        dv = a.reduce_kv(dv[:, :S_k, :, :D], K)
         return (
-            dq[:, :S_q].astype(ops.q.dtype),
+            dq[:, :S_q, :, :D].astype(ops.q.dtype),
             dk.astype(ops.k.dtype),
             dv.astype(ops.v.dtype),
             None,

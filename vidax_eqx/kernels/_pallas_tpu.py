@@ -538,10 +538,12 @@ class PallasTpu(AbstractImplementation):
         window=True,
         logits_soft_cap=True,
         tile_mask=True,
+        kv_lengths=True,
         notes=(
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
-            "lengths are padded to multiples of 128, the padding excluded by segment ids",
+            "lengths are padded to multiples of 128, the padding excluded by segment ids "
+            "(as are the keys beyond kv_lengths)",
             "no custom positions, yet ring attention runs on it when causal or unmasked "
             "(its steps then need none)",
             "a sliding tile mask runs the splash kernel over the whole sequence: not with "

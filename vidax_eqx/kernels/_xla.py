@@ -22,7 +22,12 @@ class Xla(AbstractImplementation):
 
     name = "xla"
     capabilities = Capabilities(
-        platforms=("cpu", "gpu", "tpu"), portable=True, tile_mask=True, memory="O(S^2)"
+        platforms=("cpu", "gpu", "tpu"),
+        dtypes=("float32", "bfloat16", "float16", "float64"),
+        portable=True,
+        tile_mask=True,
+        kv_lengths=True,
+        memory="O(S^2)",
     )
 
     @staticmethod
@@ -43,6 +48,8 @@ class Xla(AbstractImplementation):
             m.rows_4d(ops.mask, K, H, S_q),
             kv_heads=K,
             heads=H,
+            kv_lengths=ops.kv_lengths,
+            kv_index=jnp.arange(S_k, dtype=jnp.int32),
         )
         q = m.split_q(ops.q, K, S_q)[0]
         return q, m.split_kv(ops.k, S_k)[0], m.rows_4d(ops.bias, K, H, S_q), vis
@@ -53,7 +60,7 @@ class Xla(AbstractImplementation):
         qs, rest = m.fold_scale(opts, q)
         s, _ = m.logits(opts, qs, jnp.swapaxes(k, -1, -2), bias, rest)
         sinks = m.rows_sinks(ops.sinks, K, ops.q.shape[1])
-        stats = m.init_stats(q.shape[:-1], q.shape[-1], sinks)
+        stats = m.init_stats(q.shape[:-1], q.shape[-1], sinks, m.stat_dtype(ops.q.dtype))
         stats = m.softmax_step(stats, s, vis, m.split_kv(ops.v, ops.k.shape[1])[0])
         out, lse = m.finalize(stats, ops.q.dtype)
         return m.merge_q(out[None], H), m.merge_rows(lse[None], H)
