@@ -196,10 +196,11 @@ def usp_attention(
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
     check_heads(H, U, ulysses_axis, _FN)
+    side = "text prefix + visual chunk" if text_position == "prefix" else "visual chunk + text suffix"
     if not 0 <= text_len <= S_local:
         raise ValueError(
             f"{_FN}: `text_len` must be between 0 and the per-device sequence length "
-            f"{S_local} (text + visual chunk, q.shape[1]); received text_len={text_len}."
+            f"{S_local} ({side}, q.shape[1]); received text_len={text_len}."
         )
     L = S_local - text_len  # this device's visual tokens
     text_lengths = check_lengths(_FN, "text_lengths", text_lengths, B, text_len,
