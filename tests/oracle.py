@@ -10,6 +10,8 @@ score matrix in float64 and implements the documented semantics directly.
 - Visible `(b, h, i, j)`: `mask & seg_q[b, i] == seg_kv[b, j] & seg_q[b, i] >= 0
   & (not causal or kv_pos[j] <= q_pos[i]) & window`, where the window
   `(left, right)` is `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`.
+- Key-only padding `kv_lengths (B,)`: key `j` of batch row `b` is visible only
+  where `j < kv_lengths[b]` (its index along the key axis, whatever its position).
 - Sinks `(H,)`: an extra logit per head in each row's softmax with value 0.
 - `lse (B, H, S_q)` includes the sink; a row with nothing visible and no sink has
   out 0 and lse -inf.
@@ -91,7 +93,7 @@ def f64(x):
 
 
 def visibility(B, H, S_q, S_k, *, mask=None, seg_q=None, seg_kv=None, q_pos=None,
-               kv_pos=None, causal=False, window=None) -> np.ndarray:
+               kv_pos=None, causal=False, window=None, kv_lengths=None) -> np.ndarray:
     """Boolean `(B, H, S_q, S_k)`: may query `i` of head `h` see key `j`."""
     q_pos = np.arange(S_q) if q_pos is None else np.asarray(q_pos, np.int64)
     kv_pos = np.arange(S_k) if kv_pos is None else np.asarray(kv_pos, np.int64)
@@ -113,12 +115,15 @@ def visibility(B, H, S_q, S_k, *, mask=None, seg_q=None, seg_kv=None, q_pos=None
             vis &= kp >= qp - left
         if right is not None:
             vis &= kp <= qp + right
+    if kv_lengths is not None:
+        lengths = np.asarray(kv_lengths, np.int64)
+        vis &= (np.arange(S_k)[None, :] < lengths[:, None])[:, None, None, :]
     return vis
 
 
 def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
               q_positions=None, kv_positions=None, causal=False, window=None,
-              scale=None, logits_soft_cap=None, dout=None, dlse=None) -> Result:
+              scale=None, logits_soft_cap=None, dout=None, dlse=None, kv_lengths=None) -> Result:
     """Forward `(out, lse)` and, when `dout` is given, the gradients of
     `sum(out * dout) + sum(lse * dlse)` with respect to q, k, v, bias and sinks.
 
@@ -139,7 +144,8 @@ def attention(q, k, v, *, bias=None, mask=None, segment_ids=None, sinks=None,
         else:
             seg_q = seg_kv = segment_ids
     vis = visibility(B, H, S_q, S_k, mask=mask, seg_q=seg_q, seg_kv=seg_kv,
-                     q_pos=q_positions, kv_pos=kv_positions, causal=causal, window=window)
+                     q_pos=q_positions, kv_pos=kv_positions, causal=causal, window=window,
+                     kv_lengths=kv_lengths)
 
     raw = np.einsum("bihd,bjhd->bhij", q, kf) * scale
     t = None

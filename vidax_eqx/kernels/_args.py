@@ -200,17 +200,18 @@ def _check_kv_lengths(kv_lengths, batch: int, seq_k: int) -> jax.Array:
             f"`kv_lengths` must have shape (B,) = ({batch},), the number of valid keys of "
             f"each batch row; received shape {x.shape}."
         )
-    x = x.astype(jnp.int32)
-    bad = (x < 0) | (x > seq_k)
     message = (
         f"`kv_lengths` must lie in [0, S_k] = [0, {seq_k}] (the number of valid keys of "
         "each batch row)"
     )
     if isinstance(x, jax.core.Tracer):
-        return eqx.error_if(x, jnp.any(bad), message + "; received a value outside it.")
-    if np.any(np.asarray(bad)):
-        raise ValueError(f"{message}; received {np.asarray(x).tolist()}.")
-    return x
+        x = x.astype(jnp.int32)
+        bad = jnp.any((x < 0) | (x > seq_k))
+        return eqx.error_if(x, bad, message + "; received a value outside it.")
+    values = np.asarray(x)
+    if np.any((values < 0) | (values > seq_k)):
+        raise ValueError(f"{message}; received {values.tolist()}.")
+    return x.astype(jnp.int32)
 
 
 def normalize(
