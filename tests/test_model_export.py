@@ -12,7 +12,8 @@ random Wan and CogVideoX models.
    exported module holds no constant with a token axis, so the serialized size grows
    with the token count only by the per-axis tables (O(f + h + w)).
 3. Multi-platform: cpu + tpu + cuda from this CPU host; the Triton custom-call check
-   disabled for exactly that target; the CPU part runs after a round trip.
+   disabled for exactly that target; the CPU part runs after a round trip. A model
+   sharded over 8 simulated devices (`run_sharded` in the exported function) too.
 4. Bad input: a model of another configuration, another input shape, a model without
    its LoRA adapters, bytes that are not an export, a non-module model, an output that
    cannot be rebuilt.
@@ -29,7 +30,7 @@ import optax
 import pytest
 
 import harness
-from vidax_eqx import models
+from vidax_eqx import models, nn
 from vidax_eqx.nn import functional
 
 
@@ -247,6 +248,28 @@ def test_multi_platform_export(forward):
     cpu_only = models.export(_forward, abstract, *io, platforms="cpu")
     assert cpu_only.exported.disabled_safety_checks == ()
     assert "custom_call" not in cpu_only.exported.mlir_module()
+
+
+def test_sharded_model_round_trip(wan):
+    """A model placed on 8 simulated devices (dp x sp x tp, Ulysses + Megatron), run by
+    `run_sharded` inside `fn`: the exported program is the 8-device one."""
+    mesh = harness.mesh(dp=2, sp=2, tp=2)
+    config = nn.ParallelConfig(sequence="ulysses", tp_axis="tp")
+    sharded = nn.shard_module(nn.with_parallel(wan, config), mesh)
+    rng = np.random.default_rng(9)
+    args = (jax.device_put(harness.normal(rng, (2, *LATENTS))),
+            jax.device_put(np.array([900.0, 100.0], np.float32)),
+            jax.device_put(harness.normal(rng, (2, *TEXT))))
+
+    def run(model, x, t, context):
+        return models.run_sharded(model, x, t, context, mesh=mesh, batch_axis="dp")
+
+    exported = _roundtrip(models.export(run, sharded, *args))
+    assert exported.exported.nr_devices == 8
+    _identical(exported(sharded, *args), eqx.filter_jit(run)(sharded, *args))
+    with pytest.raises(ValueError, match=r"model\.blocks\.self_attn\.parallel: exported "
+                                         r"ParallelConfig\(sequence='ulysses'"):
+        exported(nn.with_parallel(sharded, nn.ParallelConfig()), *args)
 
 
 # -- 4. bad input ---------------------------------------------------------------------------

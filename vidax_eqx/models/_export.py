@@ -322,13 +322,13 @@ def export(fn, model, *args, platforms=None, **kwargs) -> ExportedModel:
         output.update(plan)
         return returned
 
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-                for x in leaves]
+    # Arrays and ShapeDtypeStructs as they are: their shardings (committed or not) are
+    # what `jax.jit` would see; nothing is computed.
     jitted = jax.jit(run)
-    text = jitted.trace(*abstract).lower(lowering_platforms=platforms).as_text()
+    text = jitted.trace(*leaves).lower(lowering_platforms=platforms).as_text()
     targets = sorted({t for t in _CUSTOM_CALL.findall(text) if _KERNEL_TARGETS.fullmatch(t)})
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
-    exported = jax.export.export(jitted, platforms=platforms, disabled_checks=checks)(*abstract)
+    exported = jax.export.export(jitted, platforms=platforms, disabled_checks=checks)(*leaves)
     signature = _signature("model", model) + [
         e for i, a in enumerate(args) for e in _signature(f"args[{i}]", a)
     ] + _signature("kwargs", kwargs)
