@@ -42,7 +42,7 @@ from . import _init as init
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
 from ._padding import check_length, key_padding_ids
-from ._parallel import check_context, check_parallel, check_text, ParallelConfig, token_indices
+from ._parallel import check_context, check_parallel, check_text, ParallelConfig
 from ._rope import apply_rope
 
 
@@ -94,18 +94,21 @@ def _tile_mask(cls: str, mask, m, heads_local: int):
 
 
 def _attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int | None = None,
-            segment_ids=None, mask=None):
+            segment_ids=None, mask=None, kv_length=None):
     """`(S, H, D)` attention of one example with the configured sequence parallelism: the
     one switch over `parallel.sequence`.
 
     `text_len=None`: self-attention over this device's tokens (`Attention`); an int:
     joint attention over `[text; this device's tokens]`, the text a replicated prefix
     of `text_len` tokens (`JointAttention`). `mask`: a `SlidingTileMask`, or `RankMasks`
-    of them, or None.
+    of them, or None. `kv_length`: an int32 scalar, key-only padding at global indices
+    (the kernels' and parallel functions' `kv_lengths`), or None.
     """
     q, k, v = q[None], k[None], v[None]
     segment_ids = jax.tree.map(lambda a: a[None], segment_ids)  # an array or SegmentIds
     opts = dict(segment_ids=segment_ids, mask=mask, implementation=implementation)
+    if kv_length is not None:
+        opts["kv_lengths"] = kv_length[None]
     text = {} if text_len is None else {"text_len": text_len}
     mode = parallel.sequence
     if mode == "none":
@@ -236,7 +239,8 @@ class Attention(eqx.Module):
             as keys to every query, but every query is still computed (its row is a
             real attention output). This differs from `segment_ids` padding (-1),
             where a padded token also sees nothing and its attention output is 0.
-            Combines with `segment_ids`. `None`: no key-only padding.
+            Combines with `segment_ids`. Served by the kernels' and the parallel
+            functions' `kv_lengths`. `None`: no key-only padding.
 
         **Returns:**
 
@@ -258,11 +262,8 @@ class Attention(eqx.Module):
                 q = apply_rope(q, *rope)
                 k = apply_rope(k, *rope)
             mask = _tile_mask("Attention", mask, self, H)
-            if kv_length is not None:
-                segment_ids = key_padding_ids(token_indices(S, self.parallel), kv_length,
-                                              segment_ids)
             out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
-                          mask=mask)
+                          mask=mask, kv_length=kv_length)
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
 
@@ -497,8 +498,9 @@ class CrossAttention(eqx.Module):
         - `context_length`: key-only padding of the text: an int scalar (a 0-d integer
             array, one per example under `jax.vmap`, or a Python int), the number of
             real text tokens; the text tokens at index `>= context_length` are hidden
-            from every query (their keys and values zeroed, so nothing they hold
-            reaches the output), and every query is still computed. Cross-attention
+            from every query (the kernels' `kv_lengths`, which the fast kernels serve;
+            nothing the padded rows hold reaches the output), and every query is still
+            computed. Cross-attention
             queries are video tokens, so this is the text padding mask of a model that
             pads its prompt (`context_mask` with a prefix of `True`, as a length). It
             differs from `segment_ids` padding (-1) in the self-attention modules,
@@ -549,14 +551,9 @@ class CrossAttention(eqx.Module):
             mask = None if context_mask is None else context_mask[None, None, None, :]
             context_length = check_length("CrossAttention", "context_length", context_length,
                                           k.shape[0])
-            if context_length is not None:
-                valid = jnp.arange(k.shape[0]) < context_length
-                k = jnp.where(valid[:, None, None], k, jnp.zeros((), k.dtype))
-                v = jnp.where(valid[:, None, None], v, jnp.zeros((), v.dtype))
-                valid = valid[None, None, None, :]
-                mask = valid if mask is None else jnp.logical_and(mask, valid)
             out = kernels.attention(
-                q[None], k[None], v[None], mask=mask, implementation=self.implementation
+                q[None], k[None], v[None], mask=mask, implementation=self.implementation,
+                kv_lengths=None if context_length is None else context_length[None],
             )[0]
             if k_img is not None:
                 out = out + kernels.attention(

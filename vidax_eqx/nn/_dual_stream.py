@@ -15,12 +15,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax import lax
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from ..parallel import (
-    axis_size,
+    replicated,
     ring_attention,
     sequence_parallel_joint_self_attention,
     usp_attention,
@@ -71,11 +70,14 @@ class DualStreamAttention(eqx.Module):
     (`"ulysses"`, `"ring"`, `"usp"`) `x` is this device's chunk of the video tokens (and
     `rope` its rows, [`shard_tokens`][]) and `context` the whole text on every device
     (in_spec `P()`). The text never travels: the joint functions of
-    [`vidax_eqx.parallel`][] attend over `[video; text]` with the text held on every
-    device. `context_out` is returned *replicated*: the same on every device and
-    typed so (one `psum` of `(T, dim)` over the sequence axes, of device 0's copy), so
-    it leaves `shard_map` with an out_spec that does not name the sequence axes and
-    feeds the next block as its `context`; its cotangent is counted once. Tensor
+    [`vidax_eqx.parallel`][] attend over `[video; text]` with `text_position="suffix"`
+    (each device holds `[its video chunk; the text]`) and the padding as
+    `text_lengths`. `context_out` is returned *replicated*: the same on every device
+    and typed so ([`vidax_eqx.parallel.replicated`][]: device 0's copy, one `psum` of
+    `(T, dim)` over the sequence axes), so it leaves `shard_map` with an out_spec that
+    does not name the sequence axes and feeds the next block as its `context`; its
+    cotangent is counted once. On one device the padded text keys are the tail of
+    `[video; text]`, the kernels' `kv_lengths`, which the fast kernels serve. Tensor
     parallelism splits the heads: the six q/k/v projections column-parallel, `to_out`
     and `to_add_out` row-parallel, the per-head norms replicated. FSDP (`fsdp_axes`)
     gathers the weights at the call ([`fsdp_gather`][]). [`partition_specs`][] places
@@ -200,8 +202,7 @@ class DualStreamAttention(eqx.Module):
             context_length = check_length("DualStreamAttention", "context_length",
                                           context_length, T)
             check_context("DualStreamAttention", self.parallel, x, context=context)
-            self, (x, context, rope, context_length) = fsdp_gather(
-                self, (x, context, rope, context_length))
+            self, (x, context, rope) = fsdp_gather(self, (x, context, rope))
             H = local_heads("DualStreamAttention", self, self.to_q)
             S, D = x.shape[0], self.head_dim
             tp_axis = self.parallel.tp_axis
@@ -236,46 +237,41 @@ class DualStreamAttention(eqx.Module):
 def _joint_attend(q, k, v, q_t, k_t, v_t, context_length, parallel: ParallelConfig,
                   implementation):
     """Joint attention of the video `(S, H, D)` and text `(T, H, D)` tokens of one example,
-    the text whole on every device: `(out (S, H, D), out_t (T, H, D))`.
+    the text whole on every device and after the video: `(out (S, H, D), out_t (T, H,
+    D))`.
 
-    Without causal masks joint attention does not depend on where the text sits in
-    the sequence, so the text goes first here, the layout every parallel joint
-    function takes; key-only padding of the text is the separate q / kv segment ids
-    form (every query id 0, a padded text key -1).
+    One device: one kernel call over `[video; text]`, the padded text keys a tail
+    (`kv_lengths = S + context_length`, served by the fast kernels). Sharded: the joint
+    functions of `vidax_eqx.parallel` with `text_position="suffix"` (each device holds
+    `[its video chunk; the text]`) and `text_lengths`.
     """
     T, S = q_t.shape[0], q.shape[0]
-    qq, kk, vv = (jnp.concatenate([t, x], axis=0)[None] for t, x in
-                  ((q_t, q), (k_t, k), (v_t, v)))
-    opts = dict(implementation=implementation)
-    if context_length is not None:
-        kv_t = jnp.where(jnp.arange(T) < context_length, 0, -1).astype(jnp.int32)
-        kv = jnp.concatenate([kv_t, jnp.zeros((S,), jnp.int32)])
-        opts["segment_ids"] = kernels.SegmentIds(q=jnp.zeros((1, T + S), jnp.int32), kv=kv[None])
+    qq, kk, vv = (jnp.concatenate([x, t], axis=0)[None] for x, t in
+                  ((q, q_t), (k, k_t), (v, v_t)))
+    lengths = None if context_length is None else context_length[None]
     mode = parallel.sequence
     if mode == "none":
-        out = kernels.attention(qq, kk, vv, **opts)
-    elif mode == "ulysses":
-        out = sequence_parallel_joint_self_attention(qq, kk, vv, T, parallel.sp_axis, **opts)
-    elif mode == "ring":
-        out = ring_attention(qq, kk, vv, axis_name=parallel.sp_axis, layout=parallel.layout,
-                             text_len=T, **opts)
+        out = kernels.attention(qq, kk, vv, implementation=implementation,
+                                kv_lengths=None if lengths is None else S + lengths)
     else:
-        out = usp_attention(qq, kk, vv, ulysses_axis=parallel.sp_axis,
-                            ring_axis=parallel.ring_axis, layout=parallel.layout, text_len=T,
-                            **opts)
-    return out[0, T:], out[0, :T]
+        opts = dict(text_position="suffix", text_lengths=lengths, implementation=implementation)
+        if mode == "ulysses":
+            out = sequence_parallel_joint_self_attention(qq, kk, vv, T, parallel.sp_axis, **opts)
+        elif mode == "ring":
+            out = ring_attention(qq, kk, vv, axis_name=parallel.sp_axis, layout=parallel.layout,
+                                 text_len=T, **opts)
+        else:
+            out = usp_attention(qq, kk, vv, ulysses_axis=parallel.sp_axis,
+                                ring_axis=parallel.ring_axis, layout=parallel.layout,
+                                text_len=T, **opts)
+    return out[0, :S], out[0, S:]
 
 
 def _replicated(x, parallel: ParallelConfig):
-    """`x`, the same on every device of the sequence axes, typed as the same (invariant
-    over them): a `psum` of device 0's copy (zeros elsewhere), exact, whose transpose
-    hands the cotangent to device 0's copy alone."""
+    """`x`, the same on every device of the sequence axes, typed as the same there
+    (`vidax_eqx.parallel.replicated`: device 0's copy, one `psum`)."""
     mode = parallel.sequence
     if mode == "none":
         return x
-    axes = (parallel.ring_axis, parallel.sp_axis) if mode == "usp" else (parallel.sp_axis,)
-    first = True
-    for axis in axes:
-        axis_size(axis, what="Sequence-parallel")
-        first = jnp.logical_and(first, lax.axis_index(axis) == 0)
-    return lax.psum(jnp.where(first, x, jnp.zeros((), x.dtype)), axes)
+    return replicated(x, (parallel.ring_axis, parallel.sp_axis) if mode == "usp"
+                      else parallel.sp_axis)

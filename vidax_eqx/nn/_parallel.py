@@ -312,17 +312,6 @@ def shard_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     return jax.tree.map(shard, x)
 
 
-def token_indices(n_local: int, parallel: ParallelConfig):
-    """The indices in the whole (unsharded, unpermuted) sequence of this device's
-    `n_local` tokens, in the layout `parallel` shards `x` in: `arange(n_local)` on one
-    device, [`shard_tokens`][] of `arange(n * n_local)` otherwise (call inside
-    `jax.shard_map`). int32 `(n_local,)`."""
-    split = _split("token_indices", parallel)
-    if split is None:
-        return jnp.arange(n_local, dtype=jnp.int32)
-    return shard_tokens(jnp.arange(split[2] * n_local, dtype=jnp.int32), parallel)
-
-
 def gather_tokens(x, parallel: ParallelConfig, *, axis: int = 0):
     """The inverse of [`shard_tokens`][]: the whole sequence from every device's share.
 
