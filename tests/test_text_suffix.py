@@ -200,7 +200,8 @@ def test_tile_mask_suffix(kind):
 
 def test_tile_mask_suffix_padded_video_ulysses():
     """Ulysses cuts the video's padding (to a multiple of sp) from between the video and
-    the text before the kernel: a 14-token video padded to 16."""
+    the text before the kernel: a 14-token video padded to 16, with padded text (the
+    kernels' `kv_lengths`, shifted by the cut)."""
     mask = kernels.SlidingTileMask(grid=(1, 1, 14), tile=(1, 1, 2), window=(1, 1, 3), text_len=T,
                                    text_position="suffix")  # video_len 14, padded to 16
     assert mask.video_len == 14
@@ -211,15 +212,18 @@ def test_tile_mask_suffix_padded_video_ulysses():
     def attend(q, k, v, seg, sinks, lengths):
         return parallel.sequence_parallel_joint_self_attention(
             q, k, v, T, SP, mask=mask, segment_ids=seg, text_position="suffix",
-            implementation="xla")
+            text_lengths=lengths, implementation="xla")
 
     fn = harness.text_joint_vjp(attend, harness.mesh(sp=4), SP, text_position="suffix",
-                                segments=True, compiler_options=harness.FAST_COMPILE)
-    got = harness.run_text_joint(fn, dict(a, seg=pad), 4, T, text_position="suffix")
+                                segments=True, lengths=True, compiler_options=harness.FAST_COMPILE)
+    got = harness.run_text_joint(fn, dict(a, seg=pad), 4, T, text_position="suffix",
+                                 lengths=TEXT_LENGTHS)
     keep = np.r_[0:14, V:V + T]
     dense = np.zeros((T + V, T + V), bool)
     dense[np.ix_(keep, keep)] = oracle.sliding_tile_of(mask)[0]
-    ref = oracle.attention(a["q"], a["k"], a["v"], mask=dense, dout=a["dout"])
+    seg = harness.key_only_ids(B, T + V, text_len=T, text_position="suffix",
+                               text_lengths=TEXT_LENGTHS)
+    ref = oracle.attention(a["q"], a["k"], a["v"], mask=dense, segment_ids=seg, dout=a["dout"])
     harness.assert_matches(got, ref, np.float32)
 
 

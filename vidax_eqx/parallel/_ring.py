@@ -125,12 +125,36 @@ def ring_attention(
         visual sequence is its video tokens.
     - `implementation`: the kernel implementation of each step, as in
         `vidax_eqx.kernels.attention`.
+    - `text_position`: where the text sits in the joint layout (`text_len > 0`):
+        `"prefix"` (the default, `[text; visual chunk]`, CogVideoX) or `"suffix"`:
+        each device's arrays (and segment ids, and the result) are `[this device's
+        visual chunk; text (text_len tokens, the same on every device)]`, and the result
+        equals single-device attention over `[visual; text]`: the visual tokens at
+        positions `0 .. n L - 1`, the text at `n L .. n L + text_len - 1` (MMDiT
+        models: HunyuanVideo, Flux-style blocks). Causal masks and windows act on those
+        positions (a causal suffix lets every text token see the whole video, and no
+        video token see the text). A `SlidingTileMask` must then say
+        `text_position="suffix"`; it cannot be combined with `causal` / `window` here
+        (`NotImplementedError`).
+    - `text_lengths`: int `(B,)`, the joint layout's key-only text padding: the text
+        keys at an index `>= text_lengths[b]` within the text block are invisible to
+        every query (video and text); every query, the padded text rows included, is
+        still computed. `0 <= text_lengths[b] <= text_len`; replicated
+        (`PartitionSpec()`). Served by key segment ids -1 (the queries keep theirs).
+    - `kv_lengths`: int `(B,)`, key-only padding of the whole sequence: keys at a
+        **global** index `>= kv_lengths[b]` are invisible to every query, every query is
+        computed. The global index is the token's place in the single-device sequence
+        (its ring position; in the joint layout `[text; visual]` or `[visual; text]`),
+        padding to the device count included, so `0 <= kv_lengths[b] <= ` the global key
+        count. Each device turns it into key segment ids -1 for its own keys
+        (contiguous or zigzag), which travel the ring with their block.
 
     **Returns:**
 
     This device's output `(B, L, H, D)` in `q`'s dtype (`(B, text_len + L, H, D)`
     in the joint layout, its first `text_len` rows the text output, bitwise
-    identical on every device). A row that sees nothing gives 0.
+    identical on every device; its last for a suffix). A row that sees nothing gives
+    0. [`replicated`][] returns the text rows from `shard_map` with `out_specs=P()`.
 
     **Joint layout, how it runs and its gradients:** the text K/V never travel
     the ring, only the visual K/V do. Visual queries meet the text keys in one
@@ -153,7 +177,9 @@ def ring_attention(
     unknown `layout`, an odd local length with `layout="zigzag"` (in the joint
     layout: an odd visual length `q.shape[1] - text_len`), a `text_len` that is
     not a Python int in `[0, q.shape[1]]`, or (joint layout) shapes that are not
-    self-attention; the kernel's errors for invalid or unsupported options.
+    self-attention, an unknown `text_position`, `text_lengths` or `kv_lengths` that are
+    not an integer `(B,)` array within their range (`text_lengths` without a joint
+    layout included); the kernel's errors for invalid or unsupported options.
     """
     text_len = static_int("text_len", text_len)
     check_text_position("ring_attention", text_position)

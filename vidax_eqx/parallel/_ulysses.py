@@ -27,7 +27,7 @@ from ..kernels import attention, SegmentIds, SlidingTileMask
 from ._checks import (
     check_heads, check_lengths, check_no_text_lengths, check_qkv, check_text_position, static_int,
 )
-from ._keys import below, both, hide_keys
+from ._keys import hide_keys
 from ._mesh import axis_size, check_sharded
 
 
@@ -239,6 +239,9 @@ def _attend_heads(q, k, v, opts: dict, *, fn: str, H: int, sp: int, text_len: in
         bias = opts.get("bias")
         if bias is not None:
             opts["bias"] = keep(keep(bias, -2), -1)
+        kv_lengths = opts.get("kv_lengths")
+        if kv_lengths is not None:  # global key counts, less the keys cut before them
+            opts["kv_lengths"] = kv_lengths - jnp.clip(kv_lengths - lo, 0, hi - lo)
     heads_local = H // sp
     masks = [tile_mask.select_heads(r * heads_local, heads_local) for r in range(sp)]
     if len(set(masks)) == 1:
@@ -278,13 +281,16 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
             f"window={kernel_options.get('window')}); use text_position='prefix' for that "
             "combination."
         )
-    # Key-only padding over the whole sequence (`[text; visual]` or `[visual; text]`).
-    index = jnp.arange(S, dtype=jnp.int32)
-    visible = below(kv_lengths, index)
-    if text_lengths is not None:
-        start = sp * L_local if suffix else 0  # where the text starts
-        hidden = (index[None, :] >= start + text_lengths[:, None]) & (index[None, :] < start + text_len)
-        visible = both(visible, ~hidden)
+    # Key-only padding over the whole sequence (`[text; visual]` or `[visual; text]`):
+    # the kernels' `kv_lengths` where the hidden keys are a tail (`kv_lengths`, a text
+    # suffix's padding), key segment ids -1 for a text prefix's padding (`_keys.py`).
+    visible = None
+    if text_lengths is not None and suffix:
+        tail = sp * L_local + text_lengths
+        kv_lengths = tail if kv_lengths is None else jnp.minimum(kv_lengths, tail)
+    elif text_lengths is not None:
+        index = jnp.arange(S, dtype=jnp.int32)[None, :]
+        visible = (index < text_lengths[:, None]) | (index >= text_len)
 
     r = kv_head_repeats(H, H_kv, sp)
     if r > 1:
@@ -314,6 +320,8 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
         kernel_options, fn=fn, B=B, S_local=S_local, S=S, H=H, sp=sp, text_len=text_len,
         sp_axis_name=sp_axis_name, like=q, order=order, suffix=suffix, visible=visible,
     )
+    if kv_lengths is not None:
+        opts["kv_lengths"] = kv_lengths
     out = _attend_heads(
         seq_to_heads(q, heads_local),
         seq_to_heads(k, kv_heads_local),
@@ -368,6 +376,12 @@ def sequence_parallel_self_attention(
         [`kv_head_repeats`][]; MQA with `sp = 4` repeats the one head 4 times.
     - `sp_axis_name`: the sequence-parallel mesh axis, e.g. `SP_AXIS`.
     - `scale`: logit scale, default `1 / sqrt(D)`.
+    - `kv_lengths`: int `(B,)`, key-only padding: keys at a global index
+        `>= kv_lengths[b]` (in the whole sequence, padding to the SP size included) are
+        invisible to every query; every query is computed. Replicated
+        (`PartitionSpec()`); after the `all_to_all` every device holds the whole
+        sequence, so it goes to the kernel's `kv_lengths` unchanged (the fast kernels
+        serve it).
     - `**kernel_options`: the keyword options of [`vidax_eqx.kernels.attention`][]:
         `causal`, `window`, `logits_soft_cap`, `implementation` pass through
         unchanged; the rest are adapted to the split:
@@ -411,8 +425,9 @@ def sequence_parallel_self_attention(
     **Raises:**
 
     `ValueError` when `sp_axis_name` is not a bound mesh axis (outside
-    `shard_map`, or a typo), when `H` is not a multiple of the SP size, or for
-    shapes that do not fit.
+    `shard_map`, or a typo), when `H` is not a multiple of the SP size, for
+    `kv_lengths` that is not an integer `(B,)` array in range, or for shapes that do
+    not fit.
     """
     return _ulysses(q, k, v, 0, sp_axis_name, scale, kernel_options,
                     "sequence_parallel_self_attention", kv_lengths=kv_lengths)
@@ -431,13 +446,16 @@ def sequence_parallel_joint_self_attention(
     kv_lengths: Int[Array, " B"] | None = None,
     **kernel_options,
 ) -> Float[Array, "B S_local H D"]:
-    """Ulysses joint attention over a replicated text prefix and sharded video tokens.
+    """Ulysses joint attention over replicated text and sharded video tokens.
 
     The CogVideoX layout: each device's `q`, `k`, `v` are
     `(B, text_len + L_local, H, D)`, a text prefix of `text_len` tokens that is
     the same on every device, followed by this device's contiguous chunk of the
     visual tokens. The result equals single-device attention over
     `[text; visual chunk 0; ...; visual chunk sp-1]`, with the text counted once.
+    With `text_position="suffix"` (MMDiT models: HunyuanVideo, Flux-style blocks)
+    the text comes after: `[visual chunk; text]` per device, the whole sequence
+    `[visual chunk 0; ...; visual chunk sp-1; text]`.
 
     The visual parts go through the Ulysses `all_to_all`; the text part needs no
     communication on the way in (each device takes its own heads of it); one
@@ -449,9 +467,25 @@ def sequence_parallel_joint_self_attention(
 
     - `q`, `k`, `v`: `(B, text_len + L_local, H, D)` and `(B, text_len + L_local, H_kv, D)`,
         as in [`sequence_parallel_self_attention`][].
-    - `text_len`: the length of the replicated text prefix, `0 <= text_len <=
+    - `text_len`: the length of the replicated text, `0 <= text_len <=
         q.shape[1]` (`0` is plain Ulysses).
     - `sp_axis_name`, `scale`: as in [`sequence_parallel_self_attention`][].
+    - `text_position`: `"prefix"` (default: `[text; visual chunk]` per device) or
+        `"suffix"` (`[visual chunk; text]`, and the result laid out the same way).
+        With a suffix the default positions put the video at `0 .. L - 1` and the
+        text at `L .. L + text_len - 1` (`L = sp * L_local`), so `causal=True` lets
+        every text token see the whole video. A `SlidingTileMask` must say the same
+        `text_position`; with a suffix it cannot be combined with `causal` /
+        `window` (`NotImplementedError`).
+    - `text_lengths`: int `(B,)`, key-only padding of the text: text keys at an index
+        `>= text_lengths[b]` within the text are invisible to every query, every query
+        (the padded text rows included) is computed; `0 <= text_lengths[b] <=
+        text_len`, replicated. With a suffix the padded keys are the sequence's tail,
+        served by the kernel's `kv_lengths` (the fast kernels take it); with a prefix,
+        by key segment ids -1.
+    - `kv_lengths`: int `(B,)`, keys at an index `>= kv_lengths[b]` of the whole
+        sequence (`[text; visual]` or `[visual; text]`, visual padding included)
+        invisible to every query, as in [`sequence_parallel_self_attention`][].
     - `**kernel_options`: as in [`sequence_parallel_self_attention`][], with the
         per-token ones (`segment_ids`, `q_positions`, `kv_positions`) given in this
         device's layout, `(B, text_len + L_local)` / `(text_len + L_local,)`, text
@@ -462,7 +496,9 @@ def sequence_parallel_joint_self_attention(
     **Returns:**
 
     `(B, text_len + L_local, H, D)`: the text rows, identical on every device and
-    equal to the single-device text output, then this device's visual rows.
+    equal to the single-device text output, then this device's visual rows (the
+    other way round for a suffix). [`replicated`][] returns the text rows from
+    `shard_map` with `out_specs=P()`.
 
     **Gradients:** the text rows are copies. A copy's output cotangent reaches the
     devices that own its heads, and the gradient with respect to a copy of the text
@@ -477,7 +513,9 @@ def sequence_parallel_joint_self_attention(
 
     **Raises:**
 
-    `ValueError` for a negative `text_len` or one longer than the sequence, and as
+    `ValueError` for a negative `text_len` or one longer than the sequence, an
+    unknown `text_position`, `text_lengths` that is not an integer `(B,)` array in
+    `[0, text_len]` (or given with `text_len=0`), and as
     [`sequence_parallel_self_attention`][].
     """
     fn = "sequence_parallel_joint_self_attention"

@@ -144,12 +144,21 @@ def usp_attention(
         global sequence (in the joint layout its `text_len` is the prefix's), as
         in [`ring_attention`][]; per-head windows follow their heads to the
         Ulysses ranks (each kernel call picks its rank's windows).
+    - `text_position`: `"prefix"` (default) or `"suffix"`, as in [`ring_attention`][]:
+        with `"suffix"` each device's arrays are `[its visual chunk; text]` and the result
+        equals single-device attention over `[visual; text]`.
+    - `text_lengths`: int `(B,)`, key-only padding of the text, as in
+        [`ring_attention`][].
+    - `kv_lengths`: int `(B,)`, keys at a global index `>= kv_lengths[b]` (in the
+        single-device sequence, ring-major order undone) invisible to every query, every
+        query computed, as in [`ring_attention`][].
 
     **Returns:**
 
     This device's output `(B, S_local, H, D)` in `q`'s dtype. In the joint layout
-    its first `text_len` rows are the text output, bitwise identical on every
-    device.
+    its first `text_len` rows (last, for a suffix) are the text output, bitwise
+    identical on every device; [`replicated`][] with `(ring_axis, ulysses_axis)`
+    returns them from `shard_map` with `out_specs=P()`.
 
     **Any token count:** pad the global (visual) sequence to a multiple of `U * R`
     (contiguous) or `lcm(2 * R, U * R)` (zigzag) with `pad_to_multiple`, hide the
@@ -175,8 +184,9 @@ def usp_attention(
 
     `ValueError` when either axis is not bound in the current `shard_map` (naming
     it), when both names are the same axis, when `H` is not a multiple of `U`, for
-    an unknown `layout`, a zigzag share of odd length, a bad `text_len`, or
-    shapes that do not fit; the kernel's errors for invalid options.
+    an unknown `layout`, a zigzag share of odd length, a bad `text_len`, an unknown
+    `text_position`, `text_lengths` / `kv_lengths` that are not integer `(B,)` arrays in
+    range, or shapes that do not fit; the kernel's errors for invalid options.
     """
     U = axis_size(ulysses_axis, what="Ulysses")
     R = axis_size(ring_axis, what="Ring")
