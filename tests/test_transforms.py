@@ -1139,19 +1139,21 @@ def test_module_construction_eval_shape(name):
 
 
 def test_module_construction_jit_and_vmap():
-    """`eqx.filter_jit` construction gives the eager parameters; `eqx.filter_vmap` over
-    keys stacks the modules built from each key. Both keep the `ParallelConfig` leaf."""
+    """`eqx.filter_jit` construction (a traced key: `jax.random`) gives the eager
+    module's structure, shapes and dtypes (a concrete key draws on the host: other
+    values of the same distributions); `eqx.filter_vmap` over keys stacks the modules
+    the jitted construction builds from each key. Both keep the `ParallelConfig` leaf."""
     make = CONSTRUCTORS["Attention"]
     keys = jax.random.split(jax.random.key(0), 2)
-    eager = [make(key) for key in keys]
-    jitted = eqx.filter_jit(make)(keys[0])
+    eager = make(keys[0])
+    jitted = [eqx.filter_jit(make)(key) for key in keys]
     stacked = eqx.filter_vmap(make)(keys)
-    assert jax.tree.structure(jitted) == jax.tree.structure(eager[0])
-    assert jax.tree.structure(stacked) == jax.tree.structure(eager[0])
-    assert jitted.parallel == stacked.parallel == eager[0].parallel
+    assert jax.tree.structure(jitted[0]) == jax.tree.structure(eager)
+    assert jax.tree.structure(stacked) == jax.tree.structure(eager)
+    assert jitted[0].parallel == stacked.parallel == eager.parallel
     arrays = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
-    for j, s, a, b in zip(*(arrays(t) for t in (jitted, stacked, *eager))):
-        np.testing.assert_allclose(j, a, rtol=1e-6, atol=1e-7)
+    for e, s, a, b in zip(*(arrays(t) for t in (eager, stacked, *jitted))):
+        assert (a.shape, a.dtype) == (e.shape, e.dtype)
         np.testing.assert_allclose(s, np.stack([a, b]), rtol=1e-6, atol=1e-7)
 
 
