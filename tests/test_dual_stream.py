@@ -303,11 +303,12 @@ def test_attention_kv_length():
         lambda mm, x, n: wan_self_attention_padded(mm, x, n), ["out"], 23)
 
 
-def test_attention_kv_length_sharded_zigzag():
+@pytest.mark.parametrize("mode,layout", [("ring", "zigzag"), ("ulysses", "contiguous")])
+def test_attention_kv_length_sharded(mode, layout):
     """`kv_length` counts global indices in the unpermuted sequence, also under a
     zigzag ring: the sharded module equals the single-device one."""
     single = harness.perturbed(nn.Attention(32, 4, key=jax.random.key(24)), 25)
-    cfg = nn.ParallelConfig(sequence="ring", layout="zigzag")
+    cfg = nn.ParallelConfig(sequence=mode, layout=layout)
     sharded = nn.with_parallel(single, cfg)
     x = np.random.default_rng(26).standard_normal((B, 16, 32)).astype(F32)
     lengths = jnp.asarray(np.array([5, 13], np.int32))
@@ -396,3 +397,21 @@ def test_partition_specs_dual_stream(single):
         assert getattr(specs, name).bias == P(), name
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
         assert getattr(specs, name).weight == P(), name
+
+
+def test_core_dot_product_attention_kv_lengths():
+    """`vidax_eqx.core.dot_product_attention(kv_lengths=)` (and so `vidax_eqx.flax`'s) on
+    one device and on the Megatron path, against the float64 oracle with the padded
+    keys masked, every query computed."""
+    from vidax_eqx import core
+
+    rng = np.random.default_rng(50)
+    q, k, v = (rng.standard_normal((2, 9, 4, 8)).astype(F32) for _ in range(3))
+    lengths = np.array([3, 9], np.int32)
+    mask = np.arange(9)[None, None, None, :] < lengths[:, None, None, None]
+    ref = oracle.attention(q, k, v, mask=mask).out
+    one = core.dot_product_attention(q, k, v, kv_lengths=jnp.asarray(lengths))
+    oracle.assert_close(one, ref, F32, "one device")
+    tp = core.dot_product_attention(q, k, v, mesh=harness.mesh(tp=4),
+                                    kv_lengths=jnp.asarray(lengths))
+    oracle.assert_close(tp, ref, F32, "mesh")

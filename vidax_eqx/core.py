@@ -11,7 +11,8 @@ needs flax).
 """
 
 import jax
-from jaxtyping import Array, Bool, Float
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 from ._vma import explicit_axes, tracks_vma, varying_axes
 from .kernels import attention, SlidingTileMask
@@ -33,6 +34,8 @@ def dot_product_attention(
     mask: Bool[Array, "#B #H #S_q #S_k"] | SlidingTileMask | None = None,
     scale: float | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    *,
+    kv_lengths: Int[Array, " B"] | None = None,
 ) -> Float[Array, "B S_q H D"]:
     """Scaled dot-product attention, choosing the fastest implementation.
 
@@ -67,12 +70,29 @@ def dot_product_attention(
         `"tp"` axis, batch over its `"dp"` axis, the whole sequence on every
         device ([`vidax_eqx.parallel.tensor_parallel_attention`][]). Call it
         outside `shard_map` with global arrays. `None`: single-device.
+    - `kv_lengths`: optional int `(B,)`, key-only padding (not in the original
+        `vidax.core`; keyword-only): keys at index `>= kv_lengths[b]` are invisible to
+        every query, and every query is still computed (unlike segment-id padding,
+        where a padded token also sees nothing). On one device it goes to
+        [`vidax_eqx.kernels.attention`][]'s `kv_lengths`, which the fast kernels serve;
+        with `mesh` it becomes a boolean key mask `(B, 1, 1, S_k)` ANDed with `mask`
+        (a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] cannot take it there:
+        `NotImplementedError`).
 
     **Returns:**
 
     `(B, S_q, H, D)` in `q`'s dtype.
     """
     if mesh is not None:
+        if kv_lengths is not None:
+            if isinstance(mask, SlidingTileMask):
+                raise NotImplementedError(
+                    "dot_product_attention: with `mesh`, `kv_lengths` is served as a boolean "
+                    "key mask, which a SlidingTileMask `mask` cannot be combined with; pass "
+                    "mesh=None, or no kv_lengths."
+                )
+            keys = (jnp.arange(k.shape[1]) < jnp.asarray(kv_lengths)[:, None])[:, None, None, :]
+            mask = keys if mask is None else jnp.logical_and(mask, keys)
         return tensor_parallel_attention(q, k, v, mesh=mesh, bias=bias, mask=mask, scale=scale)
     explicit = explicit_axes(q, k, v, bias, None if isinstance(mask, SlidingTileMask) else mask)
     if explicit:
@@ -93,7 +113,8 @@ def dot_product_attention(
         )
     portable = mask is not None or jax.device_count() > 1
     implementation = "portable" if portable else "auto"
-    return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation)
+    return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation,
+                     kv_lengths=kv_lengths)
 
 
 def local_attention(
