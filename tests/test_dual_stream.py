@@ -415,3 +415,31 @@ def test_core_dot_product_attention_kv_lengths():
     tp = core.dot_product_attention(q, k, v, mesh=harness.mesh(tp=4),
                                     kv_lengths=jnp.asarray(lengths))
     oracle.assert_close(tp, ref, F32, "mesh")
+
+
+def test_joint_attention_context_length_sharded():
+    """JointAttention's text padding under a zigzag ring equals one device (forward)."""
+    single = harness.perturbed(nn.JointAttention(32, 4, key=jax.random.key(60)), 61)
+    cfg = nn.ParallelConfig(sequence="ring", layout="zigzag")
+    sharded = nn.with_parallel(single, cfg)
+    rng = np.random.default_rng(62)
+    x = rng.standard_normal((B, 16, 32)).astype(F32)
+    c = rng.standard_normal((B, 5, 32)).astype(F32)
+    lengths = jnp.asarray(np.array([2, 5], np.int32))
+
+    def call(m, x, c, n):
+        return jax.vmap(lambda x, c, n: m(x, c, context_length=n))(x, c, n)
+
+    def per_device(m, x, c, n):
+        x = jnp.swapaxes(nn.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
+        xo, co = call(m, x, c, n)
+        return nn.gather_tokens(xo, cfg, axis=1), parallel.replicated(co, SP)
+
+    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
+                            in_specs=(nn.partition_specs(sharded), P(), P(), P()),
+                            out_specs=(P(), P()))
+    got = eqx.filter_jit(f)(sharded, x, c, lengths)
+    want = eqx.filter_jit(call)(single, x, c, lengths)
+    harness.assert_trees_close(got, want, F32, "sharded vs one device: ")
+    ref = [cogvideox_attention_padded(single, x[b], c[b], lengths[b]) for b in range(B)]
+    oracle.assert_close(got[0], np.stack([r[0] for r in ref]), F32, "x_out vs reference")

@@ -500,10 +500,10 @@ class CrossAttention(eqx.Module):
             real text tokens; the text tokens at index `>= context_length` are hidden
             from every query (the kernels' `kv_lengths`, which the fast kernels serve;
             nothing the padded rows hold reaches the output), and every query is still
-            computed. Cross-attention
-            queries are video tokens, so this is the text padding mask of a model that
-            pads its prompt (`context_mask` with a prefix of `True`, as a length). It
-            differs from `segment_ids` padding (-1) in the self-attention modules,
+            computed. Cross-attention queries are video tokens, so this is the text
+            padding mask of a model that pads its prompt (`context_mask` with a prefix
+            of `True`, as a length, without the mask's move to the portable kernels).
+            It differs from `segment_ids` padding (-1) in the self-attention modules,
             where a padded token also sees nothing. Combines with `context_mask`; the
             image branch is not affected. `None`: every text token is a key.
 
