@@ -53,7 +53,7 @@ def _entries(tree, path: str):
     each array's dtype and shape, each node's type, each static field and non-array
     leaf (configuration, `ParallelConfig`, activations)."""
     if _is_dynamic(tree):
-        yield path, f"{jax.numpy.dtype(tree.dtype).name}{list(tree.shape)}"
+        yield path, f"{tree.dtype}{list(tree.shape)}"
         return
     if isinstance(tree, eqx.Module):
         yield path, type(tree).__qualname__
@@ -89,11 +89,15 @@ def _structure(tree) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _signature(name: str, tree) -> list:
+def signature(name: str, tree) -> list:
+    """What a program traced for `tree` depends on beyond what `jax.export` checks, as
+    JSON: `[path, description]` pairs (paths start at `name`), and a digest of the
+    pytree structure. Equal signatures: the same flat arrays, in the same order, for
+    the same configuration."""
     return [[p, d] for p, d in _entries(tree, name)] + [[name + " <structure>", _structure(tree)]]
 
 
-def _differences(exported: list, received: list) -> list[str]:
+def differences(exported: list, received: list) -> list[str]:
     """What differs between two signatures, by path, outermost first (a model's config
     before the fields of its layers that follow from it)."""
     got = dict(map(tuple, received))
@@ -109,6 +113,36 @@ def _differences(exported: list, received: list) -> list[str]:
     # The structure digest last: it only says something when nothing else does.
     return sorted(out, key=lambda d: (" <structure>:" in d,
                                       len(re.findall(r"[.\[]", d.split(":")[0]))))
+
+
+def mismatch(exported: list, received: list) -> str:
+    """The first differences between two signatures, for an error message."""
+    diffs = differences(exported, received)
+    more = f" (and {len(diffs) - _SHOWN} more)" if len(diffs) > _SHOWN else ""
+    return "; ".join(diffs[:_SHOWN]) + more
+
+
+def pack(fmt: str, settings: dict, exported: jax.export.Exported) -> bytes:
+    """An 8-byte header length, the JSON header (`fmt` and `settings`), then
+    `jax.export`'s serialization."""
+    header = json.dumps({"format": fmt, **settings}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(exported.serialize())
+
+
+def unpack(owner: str, what: str, fmt: str, data: bytes) -> tuple[dict, jax.export.Exported]:
+    """`(settings, exported)` from [`pack`][]'s bytes; a `ValueError` naming `what` they
+    should have been if they are not."""
+    data = bytes(data)
+    n = int.from_bytes(data[:8], "little")
+    try:
+        settings = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        settings = None
+    if not isinstance(settings, dict) or settings.pop("format", None) != fmt:
+        raise ValueError(
+            f"{owner}: `data` is not {what} (format {fmt!r}); received {len(data)} bytes "
+            f"starting {data[:16]!r}.")
+    return settings, jax.export.deserialize(bytearray(data[8 + n:]))
 
 
 class ExportedModel:
@@ -138,8 +172,7 @@ class ExportedModel:
     def serialize(self) -> bytes:
         """The program and its settings as bytes: an 8-byte length, a JSON header, then
         `jax.export`'s serialization. Holds no weights."""
-        header = json.dumps({"format": _FORMAT, **self.settings}).encode()
-        return len(header).to_bytes(8, "little") + header + bytes(self.exported.serialize())
+        return pack(_FORMAT, self.settings, self.exported)
 
     @classmethod
     def deserialize(cls, data: bytes) -> "ExportedModel":
@@ -153,18 +186,10 @@ class ExportedModel:
 
         An [`ExportedModel`][].
         """
-        data = bytes(data)
-        n = int.from_bytes(data[:8], "little")
-        try:
-            settings = json.loads(data[8:8 + n])
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            settings = None
-        if not isinstance(settings, dict) or settings.pop("format", None) != _FORMAT:
-            raise ValueError(
-                "ExportedModel.deserialize: `data` is not an exported model function "
-                f"(ExportedModel.serialize's bytes, format {_FORMAT!r}); received "
-                f"{len(data)} bytes starting {data[:16]!r}.")
-        return cls(jax.export.deserialize(bytearray(data[8 + n:])), settings)
+        settings, exported = unpack(
+            "ExportedModel.deserialize",
+            "an exported model function (ExportedModel.serialize's bytes)", _FORMAT, data)
+        return cls(exported, settings)
 
     def __call__(self, model, *args, **kwargs):
         """Runs the exported program: `fn(model, *args, **kwargs)` as it was exported.
@@ -181,19 +206,22 @@ class ExportedModel:
         the argument they were exported like.
         """
         inputs = (model, args, kwargs)
-        signature = _signature("model", model) + [
-            e for i, a in enumerate(args) for e in _signature(f"args[{i}]", a)
-        ] + _signature("kwargs", kwargs)
-        if signature != self.settings["signature"]:
-            diffs = _differences(self.settings["signature"], signature)
-            more = f" (and {len(diffs) - _SHOWN} more)" if len(diffs) > _SHOWN else ""
+        received = _arguments(model, args, kwargs)
+        if received != self.settings["signature"]:
             raise ValueError(
                 "ExportedModel: the arguments must have the exported structure, shapes, "
-                "dtypes and configuration; " + "; ".join(diffs[:_SHOWN]) + more +
-                ". Export the function again for these arguments.")
+                "dtypes and configuration; " + mismatch(self.settings["signature"], received)
+                + ". Export the function again for these arguments.")
         dynamic, _ = _partition(inputs)
         results = self.exported.call(*jax.tree.leaves(dynamic))
         return _rebuild(self.settings["output"], results, inputs)
+
+
+def _arguments(model, args, kwargs) -> list:
+    """The signature of `fn`'s arguments."""
+    return signature("model", model) + [
+        e for i, a in enumerate(args) for e in signature(f"args[{i}]", a)
+    ] + signature("kwargs", kwargs)
 
 
 def _like(inputs):
@@ -329,10 +357,8 @@ def export(fn, model, *args, platforms=None, **kwargs) -> ExportedModel:
     targets = sorted({t for t in _CUSTOM_CALL.findall(text) if _KERNEL_TARGETS.fullmatch(t)})
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
     exported = jax.export.export(jitted, platforms=platforms, disabled_checks=checks)(*leaves)
-    signature = _signature("model", model) + [
-        e for i, a in enumerate(args) for e in _signature(f"args[{i}]", a)
-    ] + _signature("kwargs", kwargs)
-    result = ExportedModel(exported, {"signature": signature, "output": output})
+    result = ExportedModel(exported, {"signature": _arguments(model, args, kwargs),
+                                      "output": output})
     try:
         exported.serialize()
     except ValueError as e:

@@ -2,16 +2,18 @@
 serialized, and reloaded by a server that runs it without tracing the model again."""
 
 import dataclasses
-import hashlib
-import json
 
 import equinox as eqx
 import jax
 
+from ..models._export import mismatch, pack, signature, unpack
 from . import _cogvideox, _flow_match, _step_cache
 from ._sample import _loop, _prepare
 
-_FORMAT = "vidax_eqx.sampling.ExportedSampler/1"
+_FORMAT = "vidax_eqx.sampling.ExportedSampler/2"
+# The positional arguments of the loop (`_prepare`'s `args`), as a signature names them.
+_ARGS = ("model", "noise", "context", "negative_context", "guidance_scales",
+         "model_kwargs", "plan", "key", "batched", "reuse", "count", "condition")
 _CLASSES = {cls.__name__: cls for cls in (
     _flow_match.FlowMatchEuler, _flow_match.UniPC, _cogvideox.CogVideoXDDIM,
     _cogvideox.CogVideoXDPM, _step_cache.StaticStepCache, _step_cache.FirstBlockCache)}
@@ -37,20 +39,13 @@ def _decode(spec):
     return cls(**fields)
 
 
-def _describe(leaf) -> str:
-    """A process-independent description of a non-array leaf (no memory addresses)."""
-    if callable(leaf) and hasattr(leaf, "__qualname__"):
-        return f"{getattr(leaf, '__module__', '')}.{leaf.__qualname__}"
-    return repr(leaf)
-
-
-def _fingerprint(dynamic, static) -> str:
-    """What a program was traced for beyond the shapes `jax.export` checks: the model's
+def _signature(args, kwargs) -> list:
+    """What the loop was traced for beyond the shapes `jax.export` checks: the model's
     structure, its static configuration and non-array leaves (`ParallelConfig`,
-    activations)."""
-    text = str(jax.tree.structure(dynamic)) + "|" + str(jax.tree.structure(static)) + "|" + \
-        ";".join(_describe(leaf) for leaf in jax.tree.leaves(static))
-    return hashlib.sha256(text.encode()).hexdigest()
+    activations), the inputs' structure and the non-array model arguments, by path
+    (`models.export`'s signature)."""
+    return [e for name, a in zip(_ARGS, args, strict=True) for e in signature(name, a)] + \
+        signature("model_kwargs", kwargs["static"])
 
 
 class ExportedSampler:
@@ -72,7 +67,7 @@ class ExportedSampler:
         """Made by [`export_sample`][] and [`deserialize`][ExportedSampler.deserialize]:
         `exported`, the `jax.export.Exported` loop over the flat arrays of its inputs;
         `settings`, everything else the call needs (JSON: the scheduler, guidance
-        mode, mesh shape, step-cache rule, steps, and a fingerprint of the model's
+        mode, mesh shape, step-cache rule, steps, and a signature of the model's
         configuration)."""
         self.exported = exported
         self.settings = settings
@@ -85,21 +80,15 @@ class ExportedSampler:
     def serialize(self) -> bytes:
         """The exported program and its settings as bytes (a JSON header, then
         `jax.export`'s serialization)."""
-        header = json.dumps({"format": _FORMAT, **self.settings}).encode()
-        return len(header).to_bytes(8, "little") + header + bytes(self.exported.serialize())
+        return pack(_FORMAT, self.settings, self.exported)
 
     @classmethod
     def deserialize(cls, data: bytes) -> "ExportedSampler":
         """The sampler that [`serialize`][ExportedSampler.serialize] wrote."""
-        n = int.from_bytes(data[:8], "little")
-        try:
-            settings = json.loads(data[8:8 + n])
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            settings = None
-        if not isinstance(settings, dict) or settings.pop("format", None) != _FORMAT:
-            raise ValueError("ExportedSampler.deserialize: `data` is not an exported sampler "
-                             "(ExportedSampler.serialize's bytes).")
-        return cls(jax.export.deserialize(bytearray(data[8 + n:])), settings)
+        settings, exported = unpack(
+            "ExportedSampler.deserialize",
+            "an exported sampler (ExportedSampler.serialize's bytes)", _FORMAT, data)
+        return cls(exported, settings)
 
     def __call__(self, model, noise, context, *, negative_context=None, guidance_scale=None,
                  guidance_scale_2=None, steps=None, key=None, condition=None, **model_kwargs):
@@ -130,12 +119,14 @@ class ExportedSampler:
                                      guidance_scale=guidance_scale,
                                      guidance_scale_2=guidance_scale_2, steps=steps, key=key,
                                      condition=condition, model_kwargs=model_kwargs)
-        dynamic, static = eqx.partition(args, eqx.is_array)
-        if _fingerprint(dynamic, (static, kwargs["static"])) != s["fingerprint"]:
+        received = _signature(args, kwargs)
+        if received != s["signature"]:
             raise ValueError(
                 "ExportedSampler: the model (its structure, config or ParallelConfig), the "
                 "inputs' structure or the non-array model arguments (remat, sliding_tile) "
-                "differ from those the sampler was exported for; export it again for them.")
+                "differ from those the sampler was exported for: "
+                f"{mismatch(s['signature'], received)}; export it again for them.")
+        dynamic = eqx.filter(args, eqx.is_array)
         if s["mesh"] is not None:
             _check_mesh(s["mesh"], args)
         return self.exported.call(*jax.tree.leaves(dynamic))
@@ -224,6 +215,6 @@ def export_sample(model, noise, context, *, negative_context=None, guidance_scal
         batch_axis=list(batch_axis) if isinstance(batch_axis, tuple) else batch_axis,
         cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, text_cache=text_cache,
         step_cache=_encode(step_cache), return_reused=return_reused,
-        fingerprint=_fingerprint(dynamic, (static, kwargs["static"])),
+        signature=_signature(args, kwargs),
     )
     return ExportedSampler(exported, settings)
