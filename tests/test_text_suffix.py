@@ -169,6 +169,22 @@ def test_padded_text_rows_are_computed():
     np.testing.assert_allclose(other["out"], got["out"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_text_lengths_varying_over_devices(kind):
+    """`text_lengths` typed as varying over the axis (computed inside `shard_map`): served
+    by key segment ids instead of the kernels' `kv_lengths`, with the same numbers."""
+    case = Case(kind)
+    a = _inputs(case, seed=4)
+
+    def attend(q, k, v, seg, sinks, lengths):
+        return _attend(case, q, k, v, seg, sinks, jax.lax.pcast(lengths, SP, to="varying"))
+
+    fn = harness.text_joint_vjp(attend, case.mesh(), SP, text_position="suffix", lengths=True,
+                                compiler_options=harness.FAST_COMPILE)
+    got = harness.run_text_joint(fn, a, case.n, T, text_position="suffix", lengths=TEXT_LENGTHS)
+    harness.assert_matches(got, _reference(case, a), np.float32)
+
+
 # -- a sliding tile mask with the text after the video -----------------------------------
 
 

@@ -53,7 +53,7 @@ from ._checks import check_lengths, check_qkv, check_sinks, check_text_position,
 from ._layout import block_positions, check_layout, check_zigzag_length, layout_parts, ring_positions
 from ._mesh import axis_size, check_sharded
 from ._rank_masks import attention_bwd, attention_fwd, RankMasks, tile_masks
-from ._keys import below, both, hide_keys, kv_ids
+from ._keys import below, hide_keys
 from ._ring_engine import merge, ring_backward, ring_forward, RingConfig, seg_arg, segments
 from ._schedule import may_see
 
@@ -117,7 +117,8 @@ def _seg(sq, skv, q, k):
     return kernels.SegmentIds(q=sq, kv=skv)
 
 
-def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
+def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
+                   tkv_len):
     """`(out_t, out_v)` in `q`'s dtype and their float32 `(lse_t, lse_v)`."""
     rc = cfg.ring
     rank = lax.axis_index(rc.axis_name)
@@ -127,13 +128,14 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
     out_v, lse_v = ring_forward(rc, q_v, k_v, v_v, sinks, sq_v, skv_v)
     if cfg.seen_by_visual:
         o, l = attention_fwd(
-            q_v, k_t, v_t, segment_ids=_seg(sq_v, skv_t, q_v, k_t), q_positions=v_pos,
+            q_v, k_t, v_t, segment_ids=_seg(sq_v, skv_t, q_v, k_t), kv_lengths=tkv_len, q_positions=v_pos,
             kv_positions=t_pos, **opts,
         )
         out_v, lse_v = merge(out_v, lse_v, o, l)
 
     out_t, lse_t = attention_fwd(
-        q_t, k_t, v_t, segment_ids=_seg(sq_t, skv_t, q_t, k_t), sinks=sinks, q_positions=t_pos,
+        q_t, k_t, v_t, segment_ids=_seg(sq_t, skv_t, q_t, k_t), kv_lengths=tkv_len, sinks=sinks,
+        q_positions=t_pos,
         kv_positions=t_pos, **opts,
     )
     out_t = out_t.astype(F32)
@@ -153,8 +155,9 @@ def _joint_forward(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _joint(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v):
-    out, _ = _joint_forward(cfg, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
+def _joint(cfg: _Joint, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, tkv_len):
+    out, _ = _joint_forward(cfg, q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v,
+                            tkv_len)
     return out
 
 
@@ -171,7 +174,7 @@ def _sinks_grad(sinks, lse, out, dout):
 
 def _joint_bwd_rule(cfg, residuals, cotangents):
     args, out_t, out_v, lse_t, lse_v = residuals
-    q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v = args
+    q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v, tkv_len = args
     rc = cfg.ring
     axes = varying_axes(q_v)
     rank = lax.axis_index(rc.axis_name)
@@ -193,6 +196,7 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
         if cfg.seen_by_visual:
             dq, dk, dv, _, _ = attention_bwd(
                 q_v, k_t, v_t, out_v, lse_v, dout_v, segment_ids=_seg(sq_v, skv_t, q_v, k_t),
+                kv_lengths=tkv_len,
                 q_positions=v_pos, kv_positions=t_pos, **opts,
             )
             dq_v, dk_t, dv_t = dq_v + dq.astype(F32), dk_t + dk.astype(F32), dv_t + dv.astype(F32)
@@ -200,6 +204,7 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
         # The text x text block is computed on every ring rank; count it once.
         dq_t, dk, dv, _, ds_t = attention_bwd(
             q_t, k_t, v_t, out_t, lse_t, dout_t, segment_ids=_seg(sq_t, skv_t, q_t, k_t), sinks=sinks,
+            kv_lengths=tkv_len,
             q_positions=t_pos, kv_positions=t_pos, **opts,
         )
         once = lambda x: jnp.where(first, x.astype(F32), 0.0)  # noqa: E731
@@ -220,7 +225,7 @@ def _joint_bwd_rule(cfg, residuals, cotangents):
     return (
         cast(dq_t, q_t), cast(dk_t, k_t), cast(dv_t, v_t),
         cast(dq_v, q_v), cast(dk_v, k_v), cast(dv_v, v_v),
-        dsinks, None, None, None, None,
+        dsinks, None, None, None, None, None,
     )
 
 
@@ -291,13 +296,24 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
         # No positional mask: the suffix is the prefix layout with the text moved.
         tile_mask, text_first = _as_prefix(tile_mask), True
 
-    if text_lengths is not None or kv_lengths is not None:
+    # Key-only padding. The hidden text keys are a tail of the text block (the kv of
+    # the text blocks): the kernels' `kv_lengths` there. The hidden visual keys: key
+    # segment ids -1 (`_keys.py`), which travel the ring with their block.
+    tkv_len = text_lengths
+    if kv_lengths is not None:
         rank = lax.axis_index(axis_name)
         t_idx, v_idx = joint_indices(text_len, L_v, sp_size, rank, layout, text_position)
-        skv_t = kv_ids(skv_t, both(below(kv_lengths, t_idx),
-                                   below(text_lengths, jnp.arange(text_len, dtype=jnp.int32))))
-        if kv_lengths is not None:
-            sq_v, skv_v = hide_keys(sq_v, skv_v, below(kv_lengths, v_idx), L_v)
+        start = 0 if text_position == "prefix" else sp_size * L_v  # the text's first index
+        in_text = jnp.clip(kv_lengths - start, 0, text_len)
+        tkv_len = in_text if tkv_len is None else jnp.minimum(tkv_len, in_text)
+        sq_v, skv_v = hide_keys(sq_v, skv_v, below(kv_lengths, v_idx), L_v)
+    if tkv_len is not None and varying_axes(tkv_len):
+        # Lengths that differ across devices (computed inside `shard_map`): the kernels'
+        # runtime range check of a device-varying `kv_lengths` does not trace under the
+        # varying-axes check, so these go in as key segment ids -1.
+        hidden = jnp.arange(text_len, dtype=jnp.int32)[None, :] >= tkv_len[:, None]
+        skv_t = jnp.where(hidden, -1, 0 if skv_t is None else skv_t).astype(jnp.int32)
+        tkv_len = None
 
     pos = jnp.arange(L_v, dtype=jnp.int32)
     visual_mask = _visual_mask(tile_mask)
@@ -326,8 +342,9 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     args = (q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_v)
     # Everything that meets inside the core varies along the same axes (the
     # replicated text and sinks included), so replicated inputs get summed gradients.
+    # The text's key count stays as it is (replicated): it is no operand of a product.
     axes = varying_axes(*args) | frozenset({axis_name})
-    return _joint(cfg, *as_varying(args, axes))
+    return _joint(cfg, *as_varying(args, axes), tkv_len)
 
 
 def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, heads: int,
@@ -417,15 +434,14 @@ def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, wind
     with jax.named_scope("vidax_ring_attention"):
         if L == 0:  # text only: every device attends the text to itself, no communication
             axes = varying_axes(q, k, v) | frozenset({axis_name})
-            index = jnp.arange(T, dtype=jnp.int32)
-            seg_kv = kv_ids(seg_kv, both(below(kv_lengths, index), below(text_lengths, index)))
-            if seg_kv is not None and seg_q is None:
-                seg_q = jnp.zeros((B, T), jnp.int32)
+            lengths = text_lengths
+            if kv_lengths is not None:
+                lengths = kv_lengths if lengths is None else jnp.minimum(lengths, kv_lengths)
             q, k, v, sinks, seg_q, seg_kv = as_varying((q, k, v, sinks, seg_q, seg_kv), axes)
             pos = None if tile_mask is None else jnp.arange(T, dtype=jnp.int32)
             return kernels.attention(q, k, v, segment_ids=seg_arg(seg_q, seg_kv),
                                      sinks=sinks, mask=tile_mask, q_positions=pos,
-                                     kv_positions=pos, **opts)
+                                     kv_positions=pos, kv_lengths=lengths, **opts)
         split = lambda x: split_joint(x, T, text_position)  # noqa: E731
         (q_t, q_v), (k_t, k_v), (v_t, v_v) = split(q), split(k), split(v)
         (sq_t, sq_v), (skv_t, skv_v) = split(seg_q), split(seg_kv)

@@ -3,27 +3,20 @@
 `kv_lengths` (keys at a global index `>= kv_lengths[b]` invisible) and `text_lengths`
 (text keys at an index `>= text_lengths[b]` within the text block invisible) hide
 keys only: a hidden key is seen by no query, and every query row, its own
-included, is still computed. The parallel layer serves both through separate query
-and key segment ids, which every kernel implementation takes and which travel the
-ring with their K/V block: a hidden key gets the id `-1` (padding), the queries keep
-their ids (`0` when the caller gave none). `-1` never equals a query's id, and a
-query's own id is untouched, so a query row is never emptied by this.
+included, is still computed. Where the hidden keys are the tail of what one kernel
+call sees (the whole sequence after Ulysses' all-to-all with `kv_lengths` or a text
+suffix; the text block of the joint layouts), the kernels' own `kv_lengths` serves
+them. Elsewhere (a ring's blocks, a zigzag layout, a text prefix under Ulysses) the
+parallel layer gives the hidden keys the segment id `-1` and the queries keep theirs
+(`0` when the caller gave none): separate query and key ids, which every kernel
+implementation takes and which travel the ring with their K/V block. `-1` never
+equals a query's id, and a query's own id is untouched, so no query row is emptied
+by this.
 """
 
 import jax.numpy as jnp
 
 from .._vma import as_varying, varying_axes
-
-
-def kv_ids(seg_kv, visible):
-    """Key segment ids int32 with -1 where `visible` (bool `(B, L_k)`, or `None`: the ids
-    unchanged) is False; missing ids (`None`) count as zeros."""
-    if visible is None:
-        return seg_kv
-    axes = varying_axes(visible, seg_kv)
-    if seg_kv is None:
-        seg_kv = jnp.zeros(visible.shape, jnp.int32)
-    return as_varying(jnp.where(visible, seg_kv.astype(jnp.int32), -1), axes)
 
 
 def hide_keys(seg_q, seg_kv, visible, q_len: int):
@@ -48,10 +41,3 @@ def below(lengths, index):
     if lengths is None:
         return None
     return jnp.asarray(index, jnp.int32)[None, :] < lengths[:, None]
-
-
-def both(a, b):
-    """The logical and of two optional bool arrays (`None`: all True)."""
-    if a is None:
-        return b
-    return a if b is None else a & b

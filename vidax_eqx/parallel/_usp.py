@@ -37,7 +37,6 @@ from ._checks import (
     check_text_position, check_tile_mask, static_int,
 )
 from ._joint import check_joint_tile_mask, join_joint, joint_attention, split_joint
-from ._keys import below, both, hide_keys
 from ._layout import check_layout, layout_parts
 from ._mesh import axis_size, check_sharded
 from ._rank_masks import RankMasks
@@ -271,14 +270,14 @@ def usp_attention(
                 raise ValueError(
                     f"{_FN}: a SlidingTileMask needs video tokens; this call holds text only."
                 )
-            index = jnp.arange(text_len, dtype=jnp.int32)
-            sq_t, skv_t = hide_keys(sq_t, skv_t, both(below(kv_lengths, index),
-                                                      below(text_lengths, index)), text_len)
+            lengths = text_lengths
+            if kv_lengths is not None:
+                lengths = kv_lengths if lengths is None else jnp.minimum(lengths, kv_lengths)
             out_t = kernels.attention(
                 text_heads(q, heads_local), text_heads(k, kv_heads_local),
                 text_heads(v, kv_heads_local), sinks=sinks,
                 segment_ids=None if sq_t is None else kernels.SegmentIds(q=sq_t, kv=skv_t),
-                **opts,
+                kv_lengths=lengths, **opts,
             )
             return order(lax.all_gather, out_t, ulysses_axis, axis=2, tiled=True)
 
