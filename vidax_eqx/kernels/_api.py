@@ -203,10 +203,10 @@ def attention_fwd(
     """
     ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=True)
     out, lse = _attention(plan, opts, ops)
-    return out, public_lse(lse)
+    return out, _public_lse(lse)
 
 
-def public_lse(lse: jax.Array) -> jax.Array:
+def _public_lse(lse: jax.Array) -> jax.Array:
     """The contract's lse: rows that saw nothing (the implementations' finite sentinel
     `_math.masked`, or `-inf`) as `-inf`; only such rows ever hold an inf."""
     empty = is_empty_lse(lse)
