@@ -1,7 +1,8 @@
 """A function of a model exported with `jax.export`, the model an argument: its arrays
-go in flat, its configuration is closed over and fingerprinted, and any module type
-(LoRA wrappers, experts, stacked blocks) serializes, because `jax.export` only ever
-sees flat arrays."""
+go in flat, its configuration is closed over and recorded as a signature that every call
+checks, and any module type (LoRA wrappers, experts, stacked blocks) serializes, because
+`jax.export` only ever sees flat arrays. The signature and the byte layout are shared
+with `sampling.export_sample`."""
 
 import dataclasses
 import hashlib
