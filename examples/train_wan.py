@@ -1,7 +1,7 @@
 """Trains a tiny Wan 2.1 DiT by flow matching, on 1 device and sharded, and resumes it from orbax.
 
 The model is `vidax_eqx.models.WanTransformer3D` at a tiny size (dim 64, 8 heads,
-2 blocks, weights drawn with NumPy). The data is a fixed synthetic set: 4 video
+2 blocks, randomly initialized). The data is a fixed synthetic set: 4 video
 latents `(4, 3, 6, 10)` (4 channels, 3 frames, 6 x 10 pixels: 45 tokens of 1 x 2 x 2
 patches) and 4 text contexts `(7, 32)`. Each step takes the whole set, Wan's
 rectified-flow (flow matching) loss, and one AdamW update:
@@ -104,38 +104,6 @@ TEXT = (7, 32)  # (tokens, text_dim)
 
 
 # -- model, data and loss ----------------------------------------------------------------
-
-
-def init_model(seed, config=CONFIG):
-    """A `WanTransformer3D(config)` with weights drawn by NumPy (`config`: a
-    `models.WanConfig`, by default this example's `CONFIG`).
-
-    The model is built abstractly (`eqx.filter_eval_shape`: shapes only; its static
-    config and `ParallelConfig` leaves are the constructor's) and each array drawn on
-    the host: norm scales 1, biases 0, every other array `N(0, 1 / fan_in)`, `fan_in`
-    its size over all axes but the first, per layer. (The constructor's own JAX
-    initialization compiles a random kernel per weight, which on a 2-core CPU takes
-    longer than the training here.)
-    """
-    abstract = eqx.filter_eval_shape(models.WanTransformer3D, config, key=jax.random.PRNGKey(0))
-    rng = np.random.default_rng([seed, 2])
-
-    def draw(path, leaf):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        name = jax.tree_util.keystr(path)
-        # The blocks are stacked: a leading layer axis (lax.scan over it).
-        shape = leaf.shape[1:] if name.startswith(".blocks.") else leaf.shape
-        if name.endswith("bias"):
-            value = np.zeros(leaf.shape)
-        elif "norm" in name:
-            value = np.ones(leaf.shape)
-        else:
-            value = rng.standard_normal(leaf.shape) / np.sqrt(np.prod(shape[1:]))
-        return jnp.asarray(value.astype(leaf.dtype))
-
-    return jax.tree_util.tree_map_with_path(
-        draw, abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def dataset(seed):
@@ -358,7 +326,7 @@ def main(argv=None) -> int:
     if args.lora is not None:
         return lora_main(args, fsdp)
 
-    model = init_model(args.seed)
+    model = models.WanTransformer3D(CONFIG, key=jax.random.PRNGKey(args.seed))
     data = dataset(args.seed)
     optimizer = optax.adamw(args.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
@@ -494,7 +462,7 @@ def make_lora_step(optimizer, forward):
 
 
 def lora_main(args, fsdp: bool) -> int:
-    base = init_model(args.seed)
+    base = models.WanTransformer3D(CONFIG, key=jax.random.PRNGKey(args.seed))
     model = models.add_lora(base, LORA_TARGETS, args.lora, key=jax.random.PRNGKey(args.seed))
     data = dataset(args.seed)
     optimizer = optax.adamw(args.lr)
