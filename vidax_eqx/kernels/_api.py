@@ -145,7 +145,8 @@ def attention(
         every query row is still computed (a row left with no visible key gives 0).
         Their values never matter (a NaN there does not reach real rows) and their
         `dk`, `dv` are 0. Combines with every other feature. Out-of-range values raise
-        a `ValueError` (traced values: a runtime error through `eqx.error_if`).
+        a `ValueError`; traced values (unknown when the program is traced) act as clipped
+        to `[0, S_k]`.
     - `implementation`: `"auto"` (the fastest implementation that serves the request on
         this platform: see [`select_implementation`][]), `"portable"` (the same among
         the pure-JAX `"xla"` / `"blockwise"`, which XLA can partition over a mesh), a
