@@ -177,16 +177,15 @@ def stacked(make, keys):
     if isinstance(keys, np.ndarray) and not tracing() and not _JAX_ONLY.get():
         token = _ON_HOST.set(True)
         try:
-            first = make(keys[0])
-            arrays, static = eqx.partition(first, eqx.is_array)
+            arrays, static = eqx.partition(make(keys[0]), eqx.is_array)
             leaves, treedef = jax.tree.flatten(arrays)
             stacks = [np.empty((len(keys), *np.shape(x)), np.asarray(x).dtype) for x in leaves]
+            del leaves
             for i in range(len(keys)):
                 layer = arrays if i == 0 else eqx.filter(make(keys[i]), eqx.is_array)
                 for stack, x in zip(stacks, jax.tree.leaves(layer)):
                     stack[i] = x
-                del layer, first
-                arrays = first = None
+                arrays = layer = None  # one layer on the host at a time
         finally:
             _ON_HOST.reset(token)
         leaves = [_put(stacks.pop(0)) for _ in range(len(stacks))]
