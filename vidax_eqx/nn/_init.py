@@ -62,8 +62,8 @@ def tracing() -> bool:
 def host_key(key) -> np.ndarray | None:
     """The key's data as a NumPy `uint32` array when the host path serves it (a
     concrete key, no trace being built, `jax_init` off); `None` for the traced path."""
-    if isinstance(key, jax.core.Tracer) or _JAX_ONLY.get():
-        return None
+    if isinstance(key, jax.core.Tracer) or _JAX_ONLY.get() or not hasattr(key, "dtype"):
+        return None  # (not an array: `jax.random` says what a key must be)
     if isinstance(key, np.ndarray):  # a key of the host path
         return key if not tracing() else None
     if tracing():
