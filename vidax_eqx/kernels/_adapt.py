@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _math as m
-from ._args import Operands
+from ._args import Operands, valid_keys
 
 
 F32 = jnp.float32
@@ -78,8 +78,7 @@ def kernel_segment_ids(ops: Operands, S_q_pad: int, S_k_pad: int):
         seg_q = jnp.where(ops.seg_q < 0, Q_PAD, ops.seg_q)
         seg_kv = jnp.where(ops.seg_kv < 0, KV_PAD, ops.seg_kv)
     if ops.kv_lengths is not None:
-        index = jnp.arange(S_k, dtype=jnp.int32)[None, :]
-        seg_kv = jnp.where(index < ops.kv_lengths[:, None], seg_kv, KV_PAD)
+        seg_kv = jnp.where(valid_keys(ops.kv_lengths, S_k), seg_kv, KV_PAD)
     return pad_axis(seg_q, 1, S_q_pad, Q_PAD), pad_axis(seg_kv, 1, S_k_pad, KV_PAD)
 
 

@@ -214,6 +214,14 @@ def _check_kv_lengths(kv_lengths, batch: int, seq_k: int) -> jax.Array:
     return x.astype(jnp.int32)
 
 
+def valid_keys(kv_lengths: jax.Array, index) -> jax.Array:
+    """Key-only padding: bool `(B, U)`, key `u` (at sequence index `index[u]`, `index`
+    int `(U,)`, or `U` for `arange(U)`) visible to row `b`'s queries."""
+    if isinstance(index, int):
+        index = jnp.arange(index, dtype=jnp.int32)
+    return index[None, :] < kv_lengths[:, None]
+
+
 def normalize(
     q,
     k,
@@ -334,7 +342,7 @@ def normalize(
         # Padded keys are invisible, so (as for segment-id padding) their values must
         # not matter: zero them, so a NaN / Inf left there cannot reach a real row
         # through a `0 * x` product. Their gradient is 0 either way.
-        valid = (jnp.arange(S_k, dtype=jnp.int32)[None, :] < kv_lengths[:, None])[:, :, None, None]
+        valid = valid_keys(kv_lengths, S_k)[:, :, None, None]
         k = jnp.where(valid, k, jnp.zeros((), k.dtype))
         v = jnp.where(valid, v, jnp.zeros((), v.dtype))
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .._vma import as_varying as as_varying, varying_axes as varying_axes
-from ._args import Options
+from ._args import Options, valid_keys
 from ._tile import features_visibility, rows_visibility
 
 
@@ -202,7 +202,7 @@ def visibility(
     if vis is not None:
         vis = vis[None, None]
     if kv_lengths is not None:
-        vis = _and(vis, (kv_index[None, :] < kv_lengths[:, None])[:, None, None, :])
+        vis = _and(vis, valid_keys(kv_lengths, kv_index)[:, None, None, :])
     if seg_q is not None:
         sq, sk = seg_q[:, None, :, None], seg_kv[:, None, None, :]
         vis = _and(vis, (sq == sk) & (sq >= 0))

@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from .._jax_private import GpuBlockSizes, gpu_mha, gpu_mha_backward_kernel, next_power_of_2
 from .._vma import opaque_to_vma
 from . import _adapt as a
-from ._args import Operands, Options
+from ._args import Operands, Options, valid_keys
 from ._base import AbstractImplementation, Capabilities, Request
 
 
@@ -66,7 +66,7 @@ def _with_key_channel(ops: Operands, opts: Options, q, k, v):
     if ops.kv_lengths is None:
         return q, k, v
     S_k = k.shape[1]
-    valid = jnp.arange(S_k, dtype=jnp.int32)[None, :] < ops.kv_lengths[:, None]  # (B, S_k)
+    valid = valid_keys(ops.kv_lengths, S_k)  # (B, S_k)
     column = jnp.where(valid, 0.0, _key_pad(opts)).astype(k.dtype)
     q = jnp.concatenate([q, jnp.ones((*q.shape[:-1], 1), q.dtype)], axis=-1)
     k = jnp.concatenate([k, jnp.broadcast_to(column[:, :, None, None], (*k.shape[:-1], 1))], axis=-1)

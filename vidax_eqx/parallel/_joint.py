@@ -307,13 +307,6 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
         in_text = jnp.clip(kv_lengths - start, 0, text_len)
         tkv_len = in_text if tkv_len is None else jnp.minimum(tkv_len, in_text)
         sq_v, skv_v = hide_keys(sq_v, skv_v, below(kv_lengths, v_idx), L_v)
-    if tkv_len is not None and varying_axes(tkv_len):
-        # Lengths that differ across devices (computed inside `shard_map`): the kernels'
-        # runtime range check of a device-varying `kv_lengths` does not trace under the
-        # varying-axes check, so these go in as key segment ids -1.
-        hidden = jnp.arange(text_len, dtype=jnp.int32)[None, :] >= tkv_len[:, None]
-        skv_t = jnp.where(hidden, -1, 0 if skv_t is None else skv_t).astype(jnp.int32)
-        tkv_len = None
 
     pos = jnp.arange(L_v, dtype=jnp.int32)
     visual_mask = _visual_mask(tile_mask)

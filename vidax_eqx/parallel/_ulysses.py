@@ -291,13 +291,6 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     elif text_lengths is not None:
         index = jnp.arange(S, dtype=jnp.int32)[None, :]
         visible = (index < text_lengths[:, None]) | (index >= text_len)
-    if kv_lengths is not None and varying_axes(kv_lengths):
-        # Counts that differ across devices (computed inside `shard_map`): the kernels'
-        # runtime range check of a device-varying `kv_lengths` does not trace under the
-        # varying-axes check, so they go in as key segment ids -1.
-        tail = jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths[:, None]
-        visible = tail if visible is None else visible & tail
-        kv_lengths = None
 
     r = kv_head_repeats(H, H_kv, sp)
     if r > 1:
