@@ -63,8 +63,9 @@ class DualStreamAttention(eqx.Module):
     attention output, unused downstream). This is key-only padding, not the
     segment-id padding of [`Attention`][] (`segment_ids=-1`: a padded token sees
     nothing and nothing sees it, so its row is 0 before the output projection). The
-    padded tokens' keys and values are zeroed before the attention, so whatever they
-    hold (NaN included) never reaches a real token's output.
+    kernels zero the padded tokens' keys and values (as they do every hidden key of
+    `kv_lengths`), so whatever they hold (NaN included) never reaches a real token's
+    output.
 
     **Parallelism** (`parallel=`, a [`ParallelConfig`][]): under sequence parallelism
     (`"ulysses"`, `"ring"`, `"usp"`) `x` is this device's chunk of the video tokens (and
@@ -220,13 +221,6 @@ class DualStreamAttention(eqx.Module):
             q_t = heads(self.add_q_proj, self.norm_added_q, context)
             k_t = heads(self.add_k_proj, self.norm_added_k, context)
             v_t = heads(self.add_v_proj, None, context)
-            if context_length is not None:
-                # Key-only padding: the padded text keys and values are zeroed, so that
-                # nothing they hold (NaN included) reaches a real token; the kernels hide
-                # them from every query.
-                valid = (jnp.arange(T) < context_length)[:, None, None]
-                k_t = jnp.where(valid, k_t, jnp.zeros((), k_t.dtype))
-                v_t = jnp.where(valid, v_t, jnp.zeros((), v_t.dtype))
             out, out_t = _joint_attend(q, k, v, q_t, k_t, v_t, context_length, self.parallel,
                                        self.implementation)
             x_out = row_parallel(self.to_out, out.reshape(S, H * D), tp_axis)
