@@ -9,7 +9,9 @@ and `"cudnn"` (cuDNN through `jax.nn`). The Pallas kernels run on any platform
 in interpret mode (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`).
 `SlidingTileMask` (with `tile_permute` / `tile_unpermute` / `tile_positions`) is
 sliding tile attention: a 3D window mask over a video's tile layout, passed as
-`mask=`, whose hidden tiles the kernels skip.
+`mask=`, whose hidden tiles the kernels skip. `video_sparse_attention` is video sparse
+attention (VSA): a coarse tile-level attention selects, per query tile, the key
+tiles a block-sparse fine attention computes.
 """
 
 from ._api import (
@@ -40,4 +42,5 @@ from ._tile import (
     tile_positions as tile_positions,
     tile_unpermute as tile_unpermute,
 )
+from ._vsa import video_sparse_attention as video_sparse_attention
 from ._xla import Xla as Xla

@@ -27,6 +27,7 @@ FEATURES: tuple[tuple[str, str], ...] = (
     ("tile_mask", "sliding tile mask (3D, skips hidden tiles)"),
     ("segment_ids", "segment ids"),
     ("kv_lengths", "key-only padding (kv_lengths)"),
+    ("video_sparse", "video sparse attention (VSA fine stage)"),
     ("causal", "causal (on positions)"),
     ("window", "sliding window (on positions)"),
     ("positions", "custom positions"),
@@ -66,6 +67,7 @@ class Request:
     shared_segment_ids: bool = False
     tile_mask: bool = False
     kv_lengths: bool = False
+    video_sparse: bool = False
 
     @classmethod
     def of(
@@ -103,6 +105,21 @@ class Request:
             kv_lengths=ops.kv_lengths is not None,
         )
 
+    @classmethod
+    def sparse(cls, q, k, *, platform: str | None = None) -> "Request":
+        """The request of VSA's fine stage (`kernels/_vsa.py`) on q `(B, S_q, H, D)`
+        and k `(B, S_k, H_kv, D)`: block-sparse attention with a float32 lse."""
+        B, S_q, H, D = q.shape
+        _, S_k, H_kv, _ = k.shape
+        return cls(
+            platform=_platform(q) if platform is None else platform,
+            dtype=jnp.dtype(q.dtype).name,
+            batch=B, seq_q=S_q, seq_k=S_k, heads=H, kv_heads=H_kv, head_dim=D,
+            gqa=H != H_kv, cross=S_q != S_k, bias=False, mask=False, segment_ids=False,
+            causal=False, window=False, positions=False, sinks=False, logits_soft_cap=False,
+            needs_lse=True, video_sparse=True,
+        )
+
     @property
     def score_bytes(self) -> int:
         """Bytes of one float32 score matrix `(B, H, S_q, S_k)`."""
@@ -133,9 +150,10 @@ class Capabilities:
     """Which requests an implementation serves.
 
     Every boolean corresponds to a [`Request`][] field of the same name;
-    `platforms`, `dtypes` and `max_head_dim` bound the rest. `tile_mask` and
-    `kv_lengths` are off unless declared (an implementation must apply them itself). `float32_lse`
-    says the log-sum-exp comes back in float32 with a gradient and that the
+    `platforms`, `dtypes` and `max_head_dim` bound the rest. `tile_mask`,
+    `kv_lengths` and `video_sparse` are off unless declared (an implementation must
+    apply them itself; `video_sparse` means it has the `sparse_fwd` / `sparse_bwd`
+    methods of VSA's fine stage, see `kernels/_sparse.py`). `float32_lse` says the log-sum-exp comes back in float32 with a gradient and that the
     backward takes an external `(out, lse, dlse)` (what `attention_fwd`,
     `attention_bwd` and ring attention need); `portable` marks pure-JAX
     implementations that run on every platform and that XLA can partition over
@@ -160,6 +178,8 @@ class Capabilities:
     # Off unless declared: an implementation must evaluate the structure itself.
     tile_mask: bool = False
     kv_lengths: bool = False
+    # VSA's fine stage: the implementation has `sparse_fwd` / `sparse_bwd` (`_vsa.py`).
+    video_sparse: bool = False
     float32_lse: bool = True
     portable: bool = False
     memory: str = "O(S)"

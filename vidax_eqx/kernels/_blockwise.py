@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _math as m
+from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
 from ._tile import block_may_see, kv_block_ranges, kv_features, q_block_ranges, q_features, tile_block
@@ -153,6 +154,7 @@ class Blockwise(AbstractImplementation):
         portable=True,
         tile_mask=True,
         kv_lengths=True,
+        video_sparse=True,
         memory="O(S)",
     )
 
@@ -214,6 +216,20 @@ class Blockwise(AbstractImplementation):
                 tile_kv=kv_features(opts.tile_mask, blocks.kv_pos),
             )
         return blocks, rest
+
+    def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
+        """VSA's fine stage: each step gathers the selected key/value tiles of about
+        `block_q` query positions (`_sparse.gather_fwd`)."""
+        return _sparse.gather_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
+                                  q_tiles=self._sparse_q_tiles(tile_size))
+
+    def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
+        """The gradients of `sparse_fwd` (`_sparse.gather_bwd`)."""
+        return _sparse.gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size,
+                                  scale=scale, q_tiles=self._sparse_q_tiles(tile_size))
+
+    def _sparse_q_tiles(self, tile_size: int) -> int:
+        return max(1, round(min(self.block_q, 128) / tile_size))
 
     def _block_sizes(self, opts: Options) -> tuple[int, int]:
         if opts.tile_mask is None:

@@ -30,12 +30,12 @@ TEXT_POSITIONS = ("prefix", "suffix")
 Triple = tuple[int, int, int]
 
 
-def _triple(name: str, value, *, odd: bool = False) -> Triple:
-    """`value` as three positive Python ints, or a `ValueError` naming `name`."""
+def triple(name: str, value, *, odd: bool = False, owner: str = "SlidingTileMask") -> Triple:
+    """`value` as three positive Python ints, or a `ValueError` naming `owner` and `name`."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"SlidingTileMask: `{name}` must be concrete Python ints (the mask is static "
-            "structure); received a traced value."
+            f"{owner}: `{name}` must be concrete Python ints (static structure); received a "
+            "traced value."
         )
     try:
         items = tuple(value)
@@ -46,13 +46,13 @@ def _triple(name: str, value, *, odd: bool = False) -> Triple:
     )
     if not ok:
         raise ValueError(
-            f"SlidingTileMask: `{name}` must be three positive ints (frames, height, width); "
+            f"{owner}: `{name}` must be three positive ints (frames, height, width); "
             f"received {value!r}."
         )
     items = tuple(int(x) for x in items)
     if odd and any(x % 2 == 0 for x in items):
         raise ValueError(
-            f"SlidingTileMask: window sizes are in tiles and must be odd (a window is centred "
+            f"{owner}: window sizes are in tiles and must be odd (a window is centred "
             f"on its query tile); received {name} = {items}."
         )
     return items
@@ -115,10 +115,10 @@ class SlidingTileMask:
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
-        set_("grid", _triple("grid", self.grid))
-        set_("tile", _triple("tile", self.tile))
+        set_("grid", triple("grid", self.grid))
+        set_("tile", triple("tile", self.tile))
         if _is_triple(self.window):
-            set_("window", _triple("window", self.window, odd=True))
+            set_("window", triple("window", self.window, odd=True))
         else:
             try:
                 windows = tuple(self.window)
@@ -129,7 +129,7 @@ class SlidingTileMask:
                     "SlidingTileMask: `window` must be (wf, wh, ww) in tiles, or a non-empty "
                     f"sequence of one such triple per query head; received {self.window!r}."
                 )
-            set_("window", tuple(_triple(f"window[{h}]", w, odd=True) for h, w in enumerate(windows)))
+            set_("window", tuple(triple(f"window[{h}]", w, odd=True) for h, w in enumerate(windows)))
         text_len = self.text_len
         if isinstance(text_len, bool) or not isinstance(text_len, (int, np.integer)) or text_len < 0:
             raise ValueError(
@@ -299,8 +299,8 @@ class SlidingTileMask:
 
 
 def _layout_args(fn: str, x, grid, tile, axis):
-    grid = _triple("grid", grid)
-    tile = _triple("tile", tile)
+    grid = triple("grid", grid, owner=fn)
+    tile = triple("tile", tile, owner=fn)
     x = jnp.asarray(x)
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{fn}: `axis` must be an axis of `x` (ndim {x.ndim}); received {axis!r}.")
@@ -387,8 +387,8 @@ def tile_positions(grid, tile) -> np.ndarray:
     or index raster-order tables with them; or `tile_permute` a raster-order RoPE
     table directly.
     """
-    grid = _triple("grid", grid)
-    tile = _triple("tile", tile)
+    grid = triple("grid", grid)
+    tile = triple("tile", tile)
     tiles = [-(-g // t) for g, t in zip(grid, tile)]
     axes = [np.arange(n * t, dtype=np.int32) for n, t in zip(tiles, tile)]
     coords = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)  # padded grid, raster

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _math as m
+from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
 
@@ -27,8 +28,17 @@ class Xla(AbstractImplementation):
         portable=True,
         tile_mask=True,
         kv_lengths=True,
+        video_sparse=True,
         memory="O(S^2)",
     )
+
+    def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
+        """VSA's fine stage with its mask materialized (`_sparse.dense_fwd`)."""
+        return _sparse.dense_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale)
+
+    def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
+        """The gradients of `sparse_fwd` (`_sparse.dense_bwd`)."""
+        return _sparse.dense_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale)
 
     @staticmethod
     def _tile(ops: Operands, opts: Options):

@@ -1,0 +1,202 @@
+"""Block-sparse attention over whole tiles: the fine stage of video sparse attention.
+
+Each query tile attends the key tiles listed for it (per query head) in a table
+`tiles (B, H, n_q_tiles, n_sel)` of key-tile indices, `-1` marking an unused
+slot; `kv_valid (S_k,)` hides padding keys. Logits are `scale * q.k`, softmax
+statistics are float32 (float64 for float64 inputs), and a row that sees no key
+gives 0 with the finite empty log-sum-exp `_math.masked`.
+
+Two pure-JAX implementations serve the `sparse_fwd` / `sparse_bwd` contract of
+implementations whose `Capabilities.video_sparse` is set:
+
+- `dense_fwd` / `dense_bwd` (`"xla"`): the token-level mask of the table, one
+  materialized `(B, H, S_q, S_k)` softmax. The reference, and fastest for short
+  sequences.
+- `gather_fwd` / `gather_bwd` (`"blockwise"`): a loop over groups of query
+  tiles; each step gathers its selected key/value tiles and runs one softmax
+  over them, so time and memory scale with `n_sel`, not with `S_k`. The
+  backward recomputes the probabilities from the log-sum-exp and scatter-adds
+  the selected tiles' dK/dV into float32 accumulators.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _math as m
+
+
+def _dims(q, k, tiles, tile_size: int):
+    B, S_q, H, D = q.shape
+    S_k, K = k.shape[1], k.shape[2]
+    return B, S_q, S_k, H, K, D, S_q // tile_size, S_k // tile_size, tiles.shape[-1]
+
+
+def _heads_q(x: jax.Array, tile_size: int) -> jax.Array:
+    """`(B, n*T, H, D)` -> `(B, H, n, T, D)`."""
+    B, S, H, D = x.shape
+    return x.reshape(B, S // tile_size, tile_size, H, D).transpose(0, 3, 1, 2, 4)
+
+
+def _unheads_q(x: jax.Array) -> jax.Array:
+    """Inverse of `_heads_q`."""
+    B, H, n, T, D = x.shape
+    return x.transpose(0, 2, 3, 1, 4).reshape(B, n * T, H, D)
+
+
+def _rows(x: jax.Array, tile_size: int) -> jax.Array:
+    """Row statistic `(B, H, n*T)` -> `(B, H, n, T)`."""
+    B, H, S = x.shape
+    return x.reshape(B, H, S // tile_size, tile_size)
+
+
+def _visibility(tiles: jax.Array, kv_valid: jax.Array, tile_size: int, n_k: int) -> jax.Array:
+    """The token-level mask of a tile table: bool `(B, H, S_q, S_k)`."""
+    hit = jnp.any(tiles[..., None] == jnp.arange(n_k, dtype=tiles.dtype), axis=-2)  # (B, H, nq, nk)
+    vis = jnp.repeat(jnp.repeat(hit, tile_size, axis=2), tile_size, axis=3)
+    return vis & kv_valid[None, None, None, :]
+
+
+def _expand_kv(x: jax.Array, heads: int) -> jax.Array:
+    """`(B, S, K, D)` -> `(B, H, S, D)`, each kv head repeated for its query heads."""
+    return jnp.repeat(x.transpose(0, 2, 1, 3), heads // x.shape[2], axis=1)
+
+
+def dense_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
+    """The fine stage with the whole mask materialized: `(out, lse)`."""
+    B, S_q, S_k, H, K, D, nq, nk, _ = _dims(q, k, tiles, tile_size)
+    acc = m.stat_dtype(q.dtype)
+    vis = _visibility(tiles, kv_valid, tile_size, nk)
+    s = jnp.einsum("bqhd,bhkd->bhqk", q, _expand_kv(k, H), preferred_element_type=acc) * scale
+    stats = m.init_stats((B, H, S_q), D, None, acc)
+    out, lse = m.finalize(m.softmax_step(stats, s, vis, _expand_kv(v, H).astype(acc)), q.dtype)
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def dense_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
+    """The gradients `(dq, dk, dv)` of `dense_fwd` given `(out, lse)` and cotangents."""
+    B, S_q, S_k, H, K, D, nq, nk, _ = _dims(q, k, tiles, tile_size)
+    acc = m.stat_dtype(q.dtype)
+    vis = _visibility(tiles, kv_valid, tile_size, nk)
+    ke, ve = _expand_kv(k, H).astype(acc), _expand_kv(v, H).astype(acc)
+    qh, do = q.transpose(0, 2, 1, 3).astype(acc), dout.transpose(0, 2, 1, 3).astype(acc)
+    s = jnp.einsum("bhqd,bhkd->bhqk", qh, ke) * scale
+    p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - m.safe_lse(lse)[..., None]), 0.0)
+    ds = p * (jnp.einsum("bhqd,bhkd->bhqk", do, ve) - m.delta(out, dout, dlse)[..., None])
+    dq = jnp.einsum("bhqk,bhkd->bqhd", ds, ke) * scale
+    group = lambda x: x.reshape(B, K, H // K, S_k, D).sum(axis=2).transpose(0, 2, 1, 3)
+    dk = group(jnp.einsum("bhqk,bhqd->bhkd", ds, qh) * scale)
+    dv = group(jnp.einsum("bhqk,bhqd->bhkd", p, do))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _gather_plan(q, k, tiles, kv_valid, tile_size: int, q_tiles: int):
+    """What both passes of the gather kernel share: the query-tile groups and, per
+    group, the clamped key-tile indices and the validity of the gathered keys."""
+    B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
+    qg = max(1, min(q_tiles, nq))
+    while nq % qg:
+        qg -= 1
+    groups = nq // qg
+    # (groups, B, H, qg, n_sel): the table of each step.
+    table = tiles.reshape(B, H, groups, qg, n_sel).transpose(2, 0, 1, 3, 4)
+    valid_tiles = kv_valid.reshape(nk, tile_size)
+    return qg, groups, table, valid_tiles
+
+
+def _gather(x_tiles: jax.Array, idx: jax.Array, heads: int) -> jax.Array:
+    """The selected tiles of `x_tiles (B, K, nk, T, D)` for `idx (B, H, qg, n_sel)`
+    (clamped to valid indices): `(B, H, qg, n_sel * T, D)`."""
+    B, K = x_tiles.shape[:2]
+    b = jnp.arange(B)[:, None, None, None]
+    h = (jnp.arange(heads) // (heads // K))[None, :, None, None]
+    sel = x_tiles[b, h, idx]  # (B, H, qg, n_sel, T, D)
+    return sel.reshape(*sel.shape[:3], -1, sel.shape[-1])
+
+
+def _step_mask(idx: jax.Array, valid_tiles: jax.Array) -> jax.Array:
+    """bool `(B, H, qg, n_sel * T)`: the gathered keys that are real and selected."""
+    keys = valid_tiles[jnp.maximum(idx, 0)] & (idx >= 0)[..., None]
+    return keys.reshape(*idx.shape[:3], -1)
+
+
+def _kv_tiles(x: jax.Array, tile_size: int) -> jax.Array:
+    """`(B, n*T, K, D)` -> `(B, K, n, T, D)`."""
+    return _heads_q(x, tile_size)
+
+
+def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tiles: int = 2):
+    """The fine stage by gathering each step's selected key/value tiles: `(out, lse)`.
+
+    `q_tiles`: query tiles per step (they share one loop iteration, not their keys).
+    """
+    B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
+    acc = m.stat_dtype(q.dtype)
+    qg, groups, table, valid_tiles = _gather_plan(q, k, tiles, kv_valid, tile_size, q_tiles)
+    kt, vt = _kv_tiles(k, tile_size), _kv_tiles(v, tile_size)
+    qh = _heads_q(q, tile_size).reshape(B, H, groups, qg, tile_size, D).transpose(2, 0, 1, 3, 4, 5)
+
+    def step(xs):
+        q_i, idx = xs  # (B, H, qg, T, D), (B, H, qg, n_sel)
+        safe = jnp.maximum(idx, 0)
+        k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
+        s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
+        vis = _step_mask(idx, valid_tiles)[:, :, :, None, :]
+        # One softmax over all the selected keys (rank 5: `_math`'s rank-4 tiles
+        # would merge the batch and head axes for nothing).
+        low = m.masked(acc)
+        s = jnp.where(vis, s, low)
+        mx = jnp.max(s, axis=-1)
+        p = jnp.exp(s - jnp.where(mx == low, 0.0, mx)[..., None])
+        l = jnp.sum(p, axis=-1)
+        o = jnp.einsum("bhgtu,bhgud->bhgtd", p.astype(v.dtype), v_sel, preferred_element_type=acc)
+        return m.finalize((o, mx, l), q.dtype)
+
+    out, lse = lax.map(step, (qh, table))  # (groups, B, H, qg, T, ...)
+    out = _unheads_q(out.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, tile_size, D))
+    lse = lse.transpose(1, 2, 0, 3, 4).reshape(B, H, S_q)
+    return out, lse
+
+
+def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
+               q_tiles: int = 2):
+    """The gradients `(dq, dk, dv)` of `gather_fwd`: a scan over the query-tile groups
+    that recomputes each step's probabilities and scatter-adds the selected tiles'
+    dK / dV into accumulators of the key tiles."""
+    B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
+    T = tile_size
+    acc = m.stat_dtype(q.dtype)
+    qg, groups, table, valid_tiles = _gather_plan(q, k, tiles, kv_valid, tile_size, q_tiles)
+    kt, vt = _kv_tiles(k, T), _kv_tiles(v, T)
+    per_step = lambda x: x.reshape(B, H, groups, qg, T, *x.shape[4:]).transpose(2, 0, 1, 3, 4, *range(5, x.ndim + 1))
+    qh = per_step(_heads_q(q, T))
+    do = per_step(_heads_q(dout.astype(q.dtype), T))
+    lse_s = per_step(_rows(m.safe_lse(lse), T)[..., None])[..., 0]
+    delta_s = per_step(_rows(m.delta(out, dout, dlse), T)[..., None])[..., 0]
+    b = jnp.arange(B)[:, None, None, None]
+    h = (jnp.arange(H) // (H // K))[None, :, None, None]
+
+    def step(carry, xs):
+        dk_acc, dv_acc = carry
+        q_i, do_i, lse_i, delta_i, idx = xs
+        safe = jnp.maximum(idx, 0)
+        k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
+        s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
+        vis = _step_mask(idx, valid_tiles)[:, :, :, None, :]
+        p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_i[..., None]), 0.0)
+        dp = jnp.einsum("bhgtd,bhgud->bhgtu", do_i, v_sel, preferred_element_type=acc)
+        ds = p * (dp - delta_i[..., None])
+        dq = jnp.einsum("bhgtu,bhgud->bhgtd", ds.astype(q.dtype), k_sel, preferred_element_type=acc) * scale
+        dk_sel = jnp.einsum("bhgtu,bhgtd->bhgud", ds.astype(q.dtype), q_i, preferred_element_type=acc) * scale
+        dv_sel = jnp.einsum("bhgtu,bhgtd->bhgud", p.astype(q.dtype), do_i, preferred_element_type=acc)
+        # Unused slots have p = 0, so their (clamped) tile receives exactly 0.
+        shape = (B, H, qg, n_sel, T, D)
+        dk_acc = dk_acc.at[b, h, safe].add(dk_sel.reshape(shape))
+        dv_acc = dv_acc.at[b, h, safe].add(dv_sel.reshape(shape))
+        return (dk_acc, dv_acc), dq
+
+    zeros = jnp.zeros((B, K, nk, T, D), acc)
+    zeros = m.as_varying(zeros, m.varying_axes(q, k, v, tiles))
+    (dk, dv), dq = lax.scan(step, (zeros, zeros), (qh, do, lse_s, delta_s, table))
+    dq = _unheads_q(dq.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, T, D))
+    return dq.astype(q.dtype), _unheads_q(dk).astype(k.dtype), _unheads_q(dv).astype(v.dtype)
