@@ -60,6 +60,7 @@ from .._jax_private import (
 from .._vma import opaque_to_vma
 from . import _adapt as a
 from . import _math as m
+from . import _pallas_tpu_sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
 from ._tile import SlidingTileMask
@@ -539,6 +540,7 @@ class PallasTpu(AbstractImplementation):
         logits_soft_cap=True,
         tile_mask=True,
         kv_lengths=True,
+        video_sparse=True,
         notes=(
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
@@ -548,6 +550,9 @@ class PallasTpu(AbstractImplementation):
             "(its steps then need none)",
             "a sliding tile mask runs the splash kernel over the whole sequence: not with "
             "custom positions (a chunk), nor with a bias",
+            "VSA's fine stage is a block-sparse kernel of its own (tile sizes padded to "
+            "multiples of 8), whose tile table of one batch element and key/value head "
+            "must fit SMEM (Wan 480p does)",
         ),
     )
 
@@ -756,6 +761,23 @@ class PallasTpu(AbstractImplementation):
         if ops.bias is not None:
             dbias = m.reduce_to(ds[:, :, :S_q, :S_k].astype(F32), ops.bias.shape).astype(ops.bias.dtype)
         return dq, dk, dv, dbias
+
+    # ------------------------------------------------------------ VSA's fine stage
+
+    def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
+        """VSA's fine stage: a block-sparse kernel driven by the scalar-prefetched tile
+        table (`_pallas_tpu_sparse.sparse_fwd`)."""
+        return _pallas_tpu_sparse.sparse_fwd(
+            q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, interpret=self.interpret
+        )
+
+    def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
+        """The gradients of `sparse_fwd`: a dQ pass over the table and a dK/dV pass over
+        its inversion (`_pallas_tpu_sparse.sparse_bwd`)."""
+        return _pallas_tpu_sparse.sparse_bwd(
+            q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale,
+            interpret=self.interpret,
+        )
 
     # ------------------------------------------------------------------- contract
 

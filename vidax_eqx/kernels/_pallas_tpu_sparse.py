@@ -1,0 +1,473 @@
+"""VSA's fine stage as Pallas TPU (Mosaic) block-sparse flash attention.
+
+The contract is `_sparse.py`'s: each query tile attends the key tiles listed for
+it (per query head) in `tiles (B, H, n_q_tiles, n_sel)` (`-1`: an unused slot),
+`kv_valid (S_k,)` hides padding keys, logits are `scale * q.k`, statistics are
+float32, and a row that sees nothing gives 0 with the finite empty log-sum-exp
+`_math.masked`.
+
+The work is split by *unit*, one batch element and one key/value head with its
+`G = H // H_kv` query heads (GQA without repeating K/V); a `lax.map` runs one
+`pallas_call` per unit, so that a unit's tile table, which is scalar-prefetched
+into SMEM (1 MiB per core from TPU v4 on), stays small: at Wan 480p (624 tiles of
+64 tokens, `n_sel = 63`) about 40,000 int32 entries.
+
+- **forward** and **dQ**: grid `(G, n_q_tiles, n_sel)`, the slot axis
+  `"arbitrary"`. The table drives the K/V (and validity) `BlockSpec` index maps;
+  the forward keeps an online softmax in VMEM scratch, the dQ pass recomputes
+  the probabilities from the log-sum-exp and accumulates `dS K`.
+- **dK/dV**: the table inverted on device. Every `(query head, query tile, slot)`
+  pair of the unit, plus one empty entry per key tile (so that a key tile no
+  query selected still gets its zero gradient written), is sorted by key tile
+  (`lax.sort`, stable): a list of `G * n_q_tiles * n_sel + n_k_tiles` entries,
+  O(n_q * n_sel) rather than an `(n_k, n_q)` padded table. Grid `(entries,)`,
+  `"arbitrary"`: consecutive entries of one key tile keep its dK/dV output block
+  resident in VMEM (as a grouped matmul does), accumulating `dS^T Q` and
+  `P^T dO`; the block is initialized at the first entry of its key tile and
+  written at the last.
+
+An unused slot (and an unused sorted entry) is skipped with `pl.when`; its
+index map points at the block the previous step fetched, so it costs no DMA
+(the table stores `-(block + 1)` for it). Row statistics travel as `(rows, 128)`
+lane-replicated float32 arrays, as splash / flash attention do.
+
+**Tile sizes** that are not a multiple of 8 (Mosaic's sublane tiling) are padded
+per tile with hidden keys and dropped query rows (a copy of q, k, v); head
+dimensions are whole blocks. **Not supported**: float64 (Mosaic has none); a
+unit whose sorted dK/dV table exceeds `_SMEM_ENTRIES` int32 entries (e.g. Wan
+720p at `n_sel = 10 %`) raises `NotImplementedError` (use `"blockwise"`).
+Performance is not measured (no TPU here): every grid step is one `T x T` tile
+pair, so tiles of 64 tokens leave the per-step overhead dominant.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._vma import opaque_to_vma
+from . import _math as m
+
+
+F32 = jnp.float32
+_LANES = 128  # row statistics are lane-replicated, as in splash / flash attention
+_SUBLANES = 8  # tile sizes are padded to a multiple of this
+# int32 entries of scalar-prefetched tables per unit (of TPU v4+'s 1 MiB SMEM, half).
+_SMEM_ENTRIES = 1 << 17
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+# -- layout -------------------------------------------------------------------------
+
+
+def _pad_tiles(x: jax.Array, tile_size: int, padded: int, axis: int = 1, value=0) -> jax.Array:
+    """Pads every tile of `tile_size` entries along `axis` to `padded` entries."""
+    if padded == tile_size:
+        return x
+    shape = x.shape
+    n = shape[axis] // tile_size
+    x = x.reshape(*shape[:axis], n, tile_size, *shape[axis + 1:])
+    widths = [(0, 0)] * x.ndim
+    widths[axis + 1] = (0, padded - tile_size)
+    x = jnp.pad(x, widths, constant_values=value)
+    return x.reshape(*shape[:axis], n * padded, *shape[axis + 1:])
+
+
+def _unpad_tiles(x: jax.Array, tile_size: int, padded: int, axis: int = 1) -> jax.Array:
+    """Inverse of `_pad_tiles`."""
+    if padded == tile_size:
+        return x
+    shape = x.shape
+    n = shape[axis] // padded
+    x = x.reshape(*shape[:axis], n, padded, *shape[axis + 1:])
+    x = lax.slice_in_dim(x, 0, tile_size, axis=axis + 1)
+    return x.reshape(*shape[:axis], n * tile_size, *shape[axis + 1:])
+
+
+def _units_q(x: jax.Array, kv_heads: int) -> jax.Array:
+    """`(B, S, H, D)` -> `(B * K, G, S, D)`: per unit, its query heads."""
+    B, S, H, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * kv_heads, H // kv_heads, S, D)
+
+
+def _from_units_q(x: jax.Array, batch: int) -> jax.Array:
+    """Inverse of `_units_q`."""
+    U, G, S, D = x.shape
+    return x.reshape(batch, (U // batch) * G, S, D).transpose(0, 2, 1, 3)
+
+
+def _units_kv(x: jax.Array) -> jax.Array:
+    """`(B, S, K, D)` -> `(B * K, S, D)`."""
+    B, S, K, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * K, S, D)
+
+
+def _from_units_kv(x: jax.Array, batch: int) -> jax.Array:
+    """Inverse of `_units_kv`."""
+    U, S, D = x.shape
+    return x.reshape(batch, U // batch, S, D).transpose(0, 2, 1, 3)
+
+
+def _lanes(x: jax.Array, kv_heads: int) -> jax.Array:
+    """Row statistic `(B, H, S)` -> `(B * K, G, S, 128)`, lane-replicated."""
+    B, H, S = x.shape
+    x = x.astype(F32).reshape(B * kv_heads, H // kv_heads, S, 1)
+    return jnp.broadcast_to(x, (*x.shape[:3], _LANES))
+
+
+def _with_fetch(run: jax.Array, block: jax.Array) -> jax.Array:
+    """A scalar table: `block` where `run`, else `-(b + 1)` with `b` the block of the
+    last running entry before it along the last axis (0 if none), so that a skipped
+    step fetches nothing new."""
+    n = run.shape[-1]
+    at = jnp.where(run, jnp.arange(n, dtype=jnp.int32), -1)
+    last = lax.cummax(at, axis=at.ndim - 1)
+    prev = jnp.take_along_axis(block, jnp.maximum(last, 0), axis=-1)
+    prev = jnp.where(last >= 0, prev, 0)
+    return jnp.where(run, block, -prev - 1).astype(jnp.int32)
+
+
+def _fetch(e):
+    """The block a table entry fetches (see `_with_fetch`)."""
+    return jnp.where(e >= 0, e, -e - 1)
+
+
+def _sorted_table(tiles: jax.Array, n_q: int, n_k: int):
+    """The dK/dV pass's table of each unit, from `tiles (U, G, n_q, n_sel)`:
+    `(rows, cols)`, int32 `(U, E)` with `E = G * n_q * n_sel + n_k`, sorted by key
+    tile. `cols`: the key tile (`n_k` for an unused slot, sorted last); `rows`: the
+    query block `g * n_q + i` (in the `(G * S_q)` rows of the unit), with
+    `_with_fetch`'s encoding for entries that compute nothing."""
+    U, G, _, n_sel = tiles.shape
+    rows = jnp.arange(G * n_q, dtype=jnp.int32)[:, None]
+    rows = jnp.broadcast_to(rows, (G * n_q, n_sel)).reshape(1, -1)
+    cols = tiles.reshape(U, -1)
+    cols = jnp.where(cols >= 0, cols, n_k).astype(jnp.int32)
+    # One empty entry per key tile, first of its group: every key tile is written.
+    empty_cols = jnp.broadcast_to(jnp.arange(n_k, dtype=jnp.int32), (U, n_k))
+    cols = jnp.concatenate([empty_cols, cols], axis=1)
+    rows = jnp.concatenate(
+        [jnp.full((U, n_k), -1, jnp.int32), jnp.broadcast_to(rows, (U, rows.shape[1]))], axis=1
+    )
+    cols, rows = lax.sort((cols, rows), dimension=1, num_keys=1, is_stable=True)
+    run = (rows >= 0) & (cols < n_k)
+    return _with_fetch(run, jnp.maximum(rows, 0)), cols
+
+
+# -- kernels -------------------------------------------------------------------------
+
+
+def _logits(q_ref, k_ref, valid_ref, scale):
+    """`(T, T)` float32 logits of a tile pair and the bool validity of its keys."""
+    s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=F32) * scale
+    return s, valid_ref[...] > 0.5  # (1, T)
+
+
+def _fwd_kernel(table_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, m_sc, l_sc, o_sc, *,
+                n_q: int, n_sel: int, scale: float):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    low = m.masked(F32)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, low, F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, F32)
+        o_sc[...] = jnp.zeros(o_sc.shape, F32)
+
+    @pl.when(table_ref[(g * n_q + i) * n_sel + j] >= 0)
+    def _step():
+        s, valid = _logits(q_ref, k_ref, valid_ref, scale)
+        s = jnp.where(valid, s, low)
+        m_prev = m_sc[...][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen: every exp is 0
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_new = alpha * l_sc[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[...]
+        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
+        o_sc[...] = alpha * o_sc[...] + pv
+        m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+        l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
+
+    @pl.when(j == n_sel - 1)
+    def _finish():
+        l = l_sc[...][:, :1]
+        empty = l == 0.0
+        l_safe = jnp.where(empty, 1.0, l)
+        o_ref[...] = (o_sc[...] / l_safe).astype(o_ref.dtype)
+        lse = jnp.where(empty, low, m_sc[...][:, :1] + jnp.log(l_safe))
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _probabilities(q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, scale):
+    """`(p, ds)` of a tile pair, recomputed from the log-sum-exp."""
+    s, valid = _logits(q_ref, k_ref, valid_ref, scale)
+    p = jnp.exp(jnp.where(valid, s - lse_ref[...][:, :1], m.masked(F32)))
+    dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=F32)
+    return p, p * (dp - delta_ref[...][:, :1])
+
+
+def _dq_kernel(table_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *,
+               n_q: int, n_sel: int, scale: float):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+
+    @pl.when(table_ref[(g * n_q + i) * n_sel + j] >= 0)
+    def _step():
+        _, ds = _probabilities(q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, scale)
+        k = k_ref[...]
+        dq_sc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32)
+
+    @pl.when(j == n_sel - 1)
+    def _finish():
+        dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(rows_ref, cols_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, dk_sc, dv_sc, *, n_k: int, entries: int, scale: float):
+    e = pl.program_id(0)
+    col = cols_ref[e]
+    real = col < n_k
+    first = real & ((e == 0) | (cols_ref[jnp.maximum(e - 1, 0)] != col))
+    last = real & ((e == entries - 1) | (cols_ref[jnp.minimum(e + 1, entries - 1)] != col))
+
+    @pl.when(first)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
+
+    @pl.when(real & (rows_ref[e] >= 0))
+    def _step():
+        p, ds = _probabilities(q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, scale)
+        q, do = q_ref[...], do_ref[...]
+        # Transposes written out, as JAX's flash attention backward does.
+        dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=F32)
+        dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=F32)
+
+    @pl.when(last)
+    def _finish():
+        dk_ref[...] = (dk_sc[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+# -- the calls -------------------------------------------------------------------------
+
+
+def _check_smem(entries: int, what: str) -> None:
+    if entries > _SMEM_ENTRIES:
+        raise NotImplementedError(
+            f"pallas_tpu: VSA's fine stage scalar-prefetches a tile table of {entries} int32 "
+            f"entries per batch element and key/value head for its {what}, more than the "
+            f"{_SMEM_ENTRIES} that fit its SMEM budget; use implementation='blockwise', "
+            "fewer selected tiles or larger tiles."
+        )
+
+
+def _fwd_call(table, q, k, v, valid, *, T: int, n_sel: int, scale: float):
+    """One unit's forward: `table (G*n_q*n_sel,)`, `q (G, S_q, D)`, `k, v (S_k, D)`,
+    `valid (n_k, 1, T)` -> `out (G, S_q, D)`, `lse (G, S_q, 128)`."""
+    G, S_q, D = q.shape
+    n_q = S_q // T
+
+    def kv_map(g, i, j, tab):
+        return _fetch(tab[(g * n_q + i) * n_sel + j]), 0
+
+    def valid_map(g, i, j, tab):
+        return _fetch(tab[(g * n_q + i) * n_sel + j]), 0, 0
+
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(G, n_q, n_sel),
+        in_specs=[
+            pl.BlockSpec((None, T, D), lambda g, i, j, tab: (g, i, 0)),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((None, 1, T), valid_map),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, T, D), lambda g, i, j, tab: (g, i, 0)),
+            pl.BlockSpec((None, T, _LANES), lambda g, i, j, tab: (g, i, 0)),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((T, _LANES), F32),
+            pltpu.VMEM((T, _LANES), F32),
+            pltpu.VMEM((T, D), F32),
+        ],
+    )
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, n_q=n_q, n_sel=n_sel, scale=scale),
+        grid_spec=spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((G, S_q, D), q.dtype),
+            jax.ShapeDtypeStruct((G, S_q, _LANES), F32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        name="vidax_vsa_fine_fwd",
+    )(table, q, k, v, valid)
+
+
+def _dq_call(table, q, k, v, valid, do, lse, delta, *, T: int, n_sel: int, scale: float):
+    """One unit's dQ (float32 `(G, S_q, D)`)."""
+    G, S_q, D = q.shape
+    n_q = S_q // T
+
+    def kv_map(g, i, j, tab):
+        return _fetch(tab[(g * n_q + i) * n_sel + j]), 0
+
+    def valid_map(g, i, j, tab):
+        return _fetch(tab[(g * n_q + i) * n_sel + j]), 0, 0
+
+    row = lambda g, i, j, tab: (g, i, 0)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(G, n_q, n_sel),
+        in_specs=[
+            pl.BlockSpec((None, T, D), row),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((None, 1, T), valid_map),
+            pl.BlockSpec((None, T, D), row),
+            pl.BlockSpec((None, T, _LANES), row),
+            pl.BlockSpec((None, T, _LANES), row),
+        ],
+        out_specs=pl.BlockSpec((None, T, D), row),
+        scratch_shapes=[pltpu.VMEM((T, D), F32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, n_q=n_q, n_sel=n_sel, scale=scale),
+        grid_spec=spec,
+        out_shape=jax.ShapeDtypeStruct((G, S_q, D), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        name="vidax_vsa_fine_dq",
+    )(table, q, k, v, valid, do, lse, delta)
+
+
+def _dkv_call(rows, cols, q, k, v, valid, do, lse, delta, *, T: int, scale: float):
+    """One unit's dK, dV (float32 `(S_k, D)`) from its sorted table `(rows, cols)`;
+    `q`, `do` `(G * S_q, D)`, `lse`, `delta` `(G * S_q, 128)`."""
+    S_k, D = k.shape
+    n_k = S_k // T
+    entries = rows.shape[0]
+
+    def q_map(e, rows, cols):
+        return _fetch(rows[e]), 0
+
+    def kv_map(e, rows, cols):
+        return jnp.minimum(cols[e], n_k - 1), 0
+
+    def valid_map(e, rows, cols):
+        return jnp.minimum(cols[e], n_k - 1), 0, 0
+
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(entries,),
+        in_specs=[
+            pl.BlockSpec((T, D), q_map),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((T, D), kv_map),
+            pl.BlockSpec((None, 1, T), valid_map),
+            pl.BlockSpec((T, D), q_map),
+            pl.BlockSpec((T, _LANES), q_map),
+            pl.BlockSpec((T, _LANES), q_map),
+        ],
+        out_specs=[pl.BlockSpec((T, D), kv_map), pl.BlockSpec((T, D), kv_map)],
+        scratch_shapes=[pltpu.VMEM((T, D), F32), pltpu.VMEM((T, D), F32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, n_k=n_k, entries=entries, scale=scale),
+        grid_spec=spec,
+        out_shape=[jax.ShapeDtypeStruct((S_k, D), F32)] * 2,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        name="vidax_vsa_fine_dkv",
+    )(rows, cols, q, k, v, valid, do, lse, delta)
+
+
+# -- the contract ------------------------------------------------------------------------
+
+
+def _setup(q, k, v, tiles, kv_valid, tile_size: int):
+    """Padded tiles (see the module docstring) and the units' operands."""
+    B, S_q, H, D = q.shape
+    K = k.shape[2]
+    T = -(-tile_size // _SUBLANES) * _SUBLANES
+    q, k, v = (_pad_tiles(x, tile_size, T) for x in (q, k, v))
+    valid = _pad_tiles(kv_valid.astype(F32), tile_size, T, axis=0)
+    n_q, n_k = q.shape[1] // T, k.shape[1] // T
+    valid = valid.reshape(n_k, 1, T)
+    n_sel = tiles.shape[-1]
+    G = H // K
+    table = tiles.astype(jnp.int32).reshape(B * K, G * n_q * n_sel)
+    return T, n_q, n_k, n_sel, G, valid, table, (_units_q(q, K), _units_kv(k), _units_kv(v))
+
+
+def _scope(interpret: bool):
+    return pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+
+
+def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False):
+    """The fine stage's forward: `(out (B, S_q, H, D), lse (B, H, S_q) float32)`."""
+    B, S_q, H, D = q.shape
+    K = k.shape[2]
+
+    def compute(q, k, v, tiles, kv_valid):
+        T, n_q, n_k, n_sel, G, valid, table, (qu, ku, vu) = _setup(q, k, v, tiles, kv_valid, tile_size)
+        _check_smem(table.shape[1], "forward")
+        table = _with_fetch(table >= 0, jnp.maximum(table, 0))
+
+        def one(xs):
+            tab, qx, kx, vx = xs
+            out, lse = _fwd_call(tab, qx, kx, vx, valid, T=T, n_sel=n_sel, scale=scale)
+            return out, lse[..., 0]
+
+        with _scope(interpret):
+            out, lse = lax.map(one, (table, qu, ku, vu))
+        out = _unpad_tiles(_from_units_q(out, B), tile_size, T)
+        lse = _unpad_tiles(lse.reshape(B, H, n_q * T), tile_size, T, axis=2)
+        return out, lse
+
+    return opaque_to_vma(compute, q, k, v, tiles, kv_valid)
+
+
+def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
+               interpret: bool = False):
+    """The fine stage's backward: `(dq, dk, dv)` in the dtypes of q, k, v; `lse` may be
+    that of a larger computation (a ring), `dlse` may be `None`."""
+    B, S_q, H, D = q.shape
+    K = k.shape[2]
+    delta = m.delta(out, dout, dlse)
+    lse = m.safe_lse(lse)
+
+    def compute(q, k, v, tiles, kv_valid, lse, delta, dout):
+        T, n_q, n_k, n_sel, G, valid, table, (qu, ku, vu) = _setup(q, k, v, tiles, kv_valid, tile_size)
+        entries = G * n_q * n_sel + n_k
+        _check_smem(2 * entries, "dK/dV pass")
+        dou = _units_q(_pad_tiles(dout.astype(q.dtype), tile_size, T), K)
+        lse_u = _lanes(_pad_tiles(lse, tile_size, T, axis=2), K)
+        delta_u = _lanes(_pad_tiles(delta, tile_size, T, axis=2), K)
+        rows, cols = _sorted_table(table.reshape(B * K, G, n_q, n_sel), n_q, n_k)
+        table = _with_fetch(table >= 0, jnp.maximum(table, 0))
+        S_qp = n_q * T
+
+        def one(xs):
+            tab, r, c, qx, kx, vx, dox, lx, dx = xs
+            dq = _dq_call(tab, qx, kx, vx, valid, dox, lx, dx, T=T, n_sel=n_sel, scale=scale)
+            flat = lambda x: x.reshape(G * S_qp, x.shape[-1])
+            dk, dv = _dkv_call(r, c, flat(qx), kx, vx, valid, flat(dox), flat(lx), flat(dx), T=T, scale=scale)
+            return dq, dk, dv
+
+        with _scope(interpret):
+            dq, dk, dv = lax.map(one, (table, rows, cols, qu, ku, vu, dou, lse_u, delta_u))
+        dq = _unpad_tiles(_from_units_q(dq, B), tile_size, T)
+        dk, dv = (_unpad_tiles(_from_units_kv(x, B), tile_size, T) for x in (dk, dv))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    return opaque_to_vma(compute, q, k, v, tiles, kv_valid, lse, delta, dout)
