@@ -44,3 +44,9 @@ from ._ring_kernel import (
     make_ring_attention as make_ring_attention,
     RingAttentionKernel as RingAttentionKernel,
 )
+from ._vsa import (
+    video_sparse_attention as video_sparse_attention,
+    vsa_pad as vsa_pad,
+    vsa_padded_length as vsa_padded_length,
+    vsa_unpad as vsa_unpad,
+)
