@@ -95,7 +95,33 @@ def sliding_tile_mask(owner: str, sliding_tile, grid, text_len: int = 0):
     return kernels.SlidingTileMask(tuple(grid), tile, window, text_len=text_len)
 
 
-def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1):
+def video_sparse_option(owner: str, video_sparse, grid, sliding_tile=None):
+    """The [`vidax_eqx.nn.VideoSparse`][] of a model's `video_sparse=(tile, topk or
+    sparsity)` over its patch `grid` (an int: `topk`, a float: `sparsity`), or `None`."""
+    if video_sparse is None:
+        return None
+    if sliding_tile is not None:
+        raise ValueError(
+            f"{owner}: `video_sparse` and `sliding_tile` are two kinds of sparse attention; "
+            f"pass one of them; received video_sparse={video_sparse!r}, "
+            f"sliding_tile={sliding_tile!r}."
+        )
+    ok = isinstance(video_sparse, (tuple, list)) and len(video_sparse) == 2
+    amount = video_sparse[1] if ok else None
+    if not ok or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+        raise ValueError(
+            f"{owner}: `video_sparse` must be a pair (tile, topk or sparsity): an int "
+            "is the number of key tiles each query tile attends, a float in [0, 1) the "
+            "fraction skipped, e.g. ((4, 4, 4), 0.9) or ((2, 2, 2), 3); received "
+            f"{video_sparse!r}."
+        )
+    tile = video_sparse[0]
+    kind = "topk" if isinstance(amount, int) else "sparsity"
+    return nn.VideoSparse(tuple(grid), tile, **{kind: amount})
+
+
+def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1,
+                  whole_tiles: bool = False):
     """This device's tokens (or patches) and rows of the per-token arrays (RoPE tables,
     position embeddings) under `parallel`, and the padding's segment ids.
 
@@ -105,12 +131,14 @@ def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: 
     `(S, ...)` arrays. Returns `(tokens, per_token, segment_ids, n)`: `segment_ids` is
     `None` when nothing is padded, `n` the real token count. `tile_size`: the tokens
     of a sliding tile mask's tile; ring attention then gets whole tiles per chunk.
+    `whole_tiles`: every mode pads by whole tiles per device (video sparse attention
+    takes the global sequence as whole tiles, the padding ones empty).
     """
     n = tokens.shape[0]
     if parallel.sequence == "none":
         return tokens, per_token, None, n
     multiple = token_multiple(parallel)
-    if parallel.sequence in ("ring", "usp"):
+    if parallel.sequence in ("ring", "usp") or whole_tiles:
         multiple *= tile_size
     total = -(-n // multiple) * multiple
     segment_ids = None
@@ -270,7 +298,8 @@ _BATCH = "vidax_eqx.batch"
 
 def run_sharded(model, x, timestep, context, *, mesh,
                 batch_axis: str | tuple[str, ...] | None = None,
-                remat: str | None = None, sliding_tile=None, step_cache=None,
+                remat: str | None = None, sliding_tile=None, video_sparse=None,
+                step_cache=None,
                 may_reuse=False, threshold=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
@@ -303,6 +332,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
     - `remat`: the model's rematerialization policy (see its `__call__`).
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
+    - `video_sparse`: `(tile, topk or sparsity)`: video sparse attention (see
+        [`WanTransformer3D.__call__`][]); `None`: full attention.
     - `step_cache`: step caching (a [`StepCache`][], batched and global: the
         previous step's, or `StepCache()` for the first step): the model's
         `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
@@ -322,6 +353,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
     static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
+    if video_sparse is not None:
+        static["video_sparse"] = video_sparse
     cached = step_cache is not None
     if cached:
         kwargs = {**kwargs, "step_cache": step_cache}

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import ClassVar
@@ -34,6 +35,7 @@ from ._common import (
     read_config,
     scan_layers,
     sliding_tile_mask,
+    video_sparse_option,
 )
 from ._step_cache import cached_blocks, check_step_cache, StepCache
 
@@ -67,6 +69,10 @@ class WanConfig:
     - `pos_embed_seq_len`: Wan 2.1 FLF2V (first-last-frame to video): the length of
         the learned position embedding added to the image features (514: the CLIP
         tokens of the first frame, then the last frame's), or `None`. Needs `image_dim`.
+    - `gate_compress`: each block's self-attention has the `to_gate_compress`
+        projection of FastVideo's video sparse attention (VSA) Wan models: the gate of
+        VSA's coarse output (`blocks.N.to_gate_compress.*` in a diffusers checkpoint).
+        Not a field of the reference configs: `from_pretrained(gate_compress=True)`.
 
     The released models, as [`WanConfig.preset`][] names them:
 
@@ -102,6 +108,7 @@ class WanConfig:
     text_len: int | None = None
     rope_theta: float = 10000.0
     pos_embed_seq_len: int | None = None
+    gate_compress: bool = False
 
     def __post_init__(self):
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels",
@@ -126,6 +133,10 @@ class WanConfig:
                     f"`image_dim` (the image branch); received pos_embed_seq_len={value}, "
                     "image_dim=None."
                 )
+        if not isinstance(self.gate_compress, bool):
+            raise ValueError(
+                f"WanConfig: `gate_compress` must be a bool; received {self.gate_compress!r}."
+            )
         object.__setattr__(self, "patch_size", tuple(self.patch_size))
 
     @classmethod
@@ -420,7 +431,7 @@ class WanBlock(eqx.Module):
         self.norm1 = nn.ModulatedLayerNorm(c.dim, c.eps)
         self.self_attn = nn.Attention(c.dim, c.num_heads, qk_norm=qk_norm, eps=c.eps,
                                       parallel=parallel, implementation=implementation,
-                                      dtype=dtype, key=k1)
+                                      gate_compress=c.gate_compress, dtype=dtype, key=k1)
         self.norm3 = nn.LayerNorm(c.dim, c.eps, dtype=dtype) if c.cross_attn_norm else None
         self.cross_attn = nn.CrossAttention(
             c.dim, c.num_heads, image_context_dim=None if c.image_dim is None else c.dim,
@@ -433,7 +444,7 @@ class WanBlock(eqx.Module):
         self.modulation = init.normal(k4, (1, 6, c.dim), dtype, std=c.dim**-0.5)
 
     def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None,
-                 context_kv=None):
+                 context_kv=None, video_sparse=None):
         """**Arguments:**
 
         - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
@@ -452,6 +463,9 @@ class WanBlock(eqx.Module):
             (`(k, v, k_img, v_img)`, see [`vidax_eqx.nn.CrossAttention`][]`.project_context`),
             used instead of `context` and `context_image` (then `None`); under FSDP the
             cross-attention's key and value weights are then not gathered.
+        - `video_sparse`: a [`vidax_eqx.nn.VideoSparse`][]: the self-attention is
+            video sparse attention (tokens in its tile layout; `segment_ids` and `mask`
+            are then not used by it), gated by its `to_gate_compress` when it has one.
 
         **Returns:**
 
@@ -465,7 +479,10 @@ class WanBlock(eqx.Module):
             e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
             shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
             h = self.norm1(x, shift1, scale1).astype(dtype)
-            y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
+            if video_sparse is None:
+                y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
+            else:
+                y = self.self_attn(h, rope=rope, video_sparse=video_sparse)
             x = x + y.astype(jnp.float32) * gate1
             h = x if self.norm3 is None else self.norm3(x)
             y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
@@ -577,6 +594,8 @@ _NAMES = (
     (r"^img_emb\.ff\.2\.", "img_emb.proj.3.", None),
     (r"^img_emb\.ff\.", None, "condition_embedder.image_embedder.ff."),
     (r"^img_emb\.norm2\.", "img_emb.proj.4.", "condition_embedder.image_embedder.norm2."),
+    # FastVideo's VSA Wan: the gate of the coarse output, a block-level name.
+    (r"^(blocks\.\d+\.)self_attn\.to_gate_compress\.", None, r"\1to_gate_compress."),
     (r"^(blocks\.\d+\.)self_attn\.", None, r"\1attn1."),
     (r"^(blocks\.\d+\.)cross_attn\.", None, r"\1attn2."),
     (r"^(blocks\.\d+\.)norm3\.", None, r"\1norm2."),
@@ -587,9 +606,9 @@ _NAMES = (
 _STACKED = ("blocks",)
 
 
-def _rename(name: str, naming: str) -> str:
+def _rename(name: str, naming: str, rules=_NAMES) -> str:
     column = 1 if naming == "wan" else 2
-    for rule in _NAMES:
+    for rule in rules:
         if rule[column] is not None and re.match(rule[0], name):
             return re.sub(rule[0], rule[column], name)
     return name
@@ -694,6 +713,7 @@ class WanTransformer3D(eqx.Module):
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
         sliding_tile: tuple | None = None,
+        video_sparse: tuple | None = None,
         text_cache: WanTextCache | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
@@ -721,6 +741,18 @@ class WanTransformer3D(eqx.Module):
             RoPE tables are laid out tile by tile ([`vidax_eqx.kernels.tile_permute`][])
             after the patch embedding and back before the output, and the hidden
             tiles are skipped. `None` (default): full attention, as the reference.
+        - `video_sparse`: `(tile, topk or sparsity)` runs every self-attention as video
+            sparse attention (VSA, [`vidax_eqx.kernels.video_sparse_attention`][]): the
+            tokens and RoPE tables are laid out tile by tile as for `sliding_tile`
+            (exclusive with it), a coarse attention over tile means picks each query
+            tile's key tiles, and the output is `out_c * gate + out_fine` with the
+            blocks' `to_gate_compress` gate (a model built with
+            `WanConfig(gate_compress=True)`, e.g. FastVideo's VSA checkpoints), or
+            `out_c + out_fine` without one. An int is `topk` (key tiles per query
+            tile), a float the `sparsity` (fraction of key tiles skipped, in [0, 1);
+            FastVideo's VSA Wan uses `((4, 4, 4), 0.9)`). Under sequence parallelism
+            the layout is split by whole tiles (padding tiles are empty) and the
+            attention is [`vidax_eqx.parallel.video_sparse_attention`][].
         - `text_cache`: the blocks' cross-attention keys and values of this `context`
             (and `context_image`), a [`WanTextCache`][] computed by
             [`text_cache`][WanTransformer3D.text_cache] (inside `shard_map`: this
@@ -738,7 +770,7 @@ class WanTransformer3D(eqx.Module):
         with jax.named_scope("vidax_eqx.models.WanTransformer3D"):
             return self._forward(x, timestep, context, context_image=context_image,
                                  remat=remat, sliding_tile=sliding_tile,
-                                 text_cache=text_cache)
+                                 video_sparse=video_sparse, text_cache=text_cache)
 
     @jaxtyped(typechecker=beartype)
     def cached_call(
@@ -754,6 +786,7 @@ class WanTransformer3D(eqx.Module):
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
         sliding_tile: tuple | None = None,
+        video_sparse: tuple | None = None,
         text_cache: WanTextCache | None = None,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
         """`__call__` with step caching: a denoising step that may reuse the residual of
@@ -789,11 +822,11 @@ class WanTransformer3D(eqx.Module):
         with jax.named_scope("vidax_eqx.models.WanTransformer3D.cached_call"):
             return self._forward(x, timestep, context, context_image=context_image,
                                  remat=remat, sliding_tile=sliding_tile,
-                                 text_cache=text_cache,
+                                 video_sparse=video_sparse, text_cache=text_cache,
                                  step=(step_cache, may_reuse, threshold, axis_name))
 
     def _forward(self, x, timestep, context, *, context_image, remat, sliding_tile,
-                 text_cache, step=None):
+                 video_sparse, text_cache, step=None):
         """The forward pass; with `step = (cache, may_reuse, threshold, axis_name)`,
         through the step cache, returning `(out, cache)`."""
         c = self.config
@@ -833,20 +866,22 @@ class WanTransformer3D(eqx.Module):
             self._check_text_cache(text_cache, context, context_image, dtype)
 
         rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
+        sparse = video_sparse_option("WanTransformer3D", video_sparse, grid, sliding_tile)
         mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
+        tile = mask.tile if mask is not None else sparse.tile if sparse is not None else None
         # A timestep per token is laid out, padded and split like the tokens; its
         # embedding is computed for this device's tokens only.
         per_token_arrays = (rope, timestep) if per_token else rope
-        if mask is not None:  # tile layout: tiles in raster order, zero padding rows
+        if tile is not None:  # tile layout: tiles in raster order, zero padding rows
             patches, per_token_arrays = jax.tree.map(
-                lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
+                lambda a: kernels.tile_permute(a, grid, tile, axis=0),
                 (patches, per_token_arrays),
             )
         # Each device embeds only its share of the patches (padding: zero patches,
         # invisible through segment id -1).
         patches, per_token_arrays, segment_ids, n = padded_tokens(
             patches, per_token_arrays, parallel,
-            tile_size=1 if mask is None else mask.tile_size,
+            tile_size=1 if tile is None else math.prod(tile), whole_tiles=sparse is not None,
         )
         if per_token:
             rope, timestep = per_token_arrays
@@ -857,14 +892,15 @@ class WanTransformer3D(eqx.Module):
 
         if text_cache is None:
             def block(x, b):
-                return b(x, e0, context, rope, segment_ids, context_image, mask)
+                return b(x, e0, context, rope, segment_ids, context_image, mask,
+                         video_sparse=sparse)
 
             layers = self.blocks
         else:  # one layer's keys and values per step, with its block
             def block(x, layer):
                 b, kv = layer
                 return b(x, e0, None, rope, segment_ids, None, mask,
-                         context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
+                         context_kv=(kv.k, kv.v, kv.k_img, kv.v_img), video_sparse=sparse)
 
             layers = (self.blocks, text_cache)
 
@@ -887,8 +923,8 @@ class WanTransformer3D(eqx.Module):
                                           valid=valid, axis_name=axis_name)
         out = self.head(tokens, t)
         out = nn.gather_tokens(out, parallel)[:n]
-        if mask is not None:
-            out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
+        if tile is not None:
+            out = kernels.tile_unpermute(out, grid, tile, axis=0)
         out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
         return out if step is None else (out, cache)
 
@@ -1023,6 +1059,7 @@ class WanTransformer3D(eqx.Module):
         parallel: nn.ParallelConfig = nn.ParallelConfig(),
         implementation="auto",
         pad_text: bool = False,
+        gate_compress: bool = False,
         mesh=None,
         subfolder: str | None = None,
         revision: str | None = None,
@@ -1060,6 +1097,12 @@ class WanTransformer3D(eqx.Module):
         - `parallel`, `implementation`: as for the constructor.
         - `pad_text`: zero-pad the text context to the config's `text_len` (Wan's
             own forward, 512 tokens) instead of using it as given (diffusers').
+        - `gate_compress`: the checkpoint is a video sparse attention (VSA) Wan, as
+            FastVideo distills them: every block has a `to_gate_compress` projection
+            (`blocks.N.to_gate_compress.weight` / `.bias`; `blocks.N.attn1.
+            to_gate_compress.*` is read too), loaded into its self-attention (run the
+            model with `video_sparse=`). A checkpoint with those tensors loaded without
+            it, or one without them loaded with it, raises `ValueError`.
         - `mesh`: a `jax.sharding.Mesh` with the axes `parallel` names: load sharded
             (above). Default: unsharded.
         - `subfolder`: the folder of `path` holding the checkpoint, e.g.
@@ -1085,10 +1128,12 @@ class WanTransformer3D(eqx.Module):
             )
         if pad_text:
             config = dataclasses.replace(config, text_len=raw.get("text_len", 512))
+        rename = _check_gate_compress(tensors, gate_compress, path)
+        config = dataclasses.replace(config, gate_compress=bool(gate_compress))
         return load_pretrained(cls, config, tensors, dtype=dtype,
                                dtype_from="patch_embedding.weight", parallel=parallel,
                                implementation=implementation, mesh=mesh, stacked=_STACKED,
-                               rename=_rename)
+                               rename=rename)
 
     def state_dict(self, *, layout: str = "diffusers") -> dict[str, np.ndarray]:
         """The parameters under the checkpoint names of `layout` (`"diffusers"` or
@@ -1101,6 +1146,33 @@ class WanTransformer3D(eqx.Module):
         layer of the stacked blocks): what [`vidax_eqx.models.add_lora`][] patterns and
         LoRA files name."""
         return interop.linear_layers(self, stacked=_STACKED, rename=_rename)
+
+    def with_gate_compress(self) -> "WanTransformer3D":
+        """A copy whose blocks have a zero `to_gate_compress` (the gate of video sparse
+        attention's coarse output, as FastVideo's VSA Wan has), e.g. to distill a VSA
+        model from a dense checkpoint: with zero gates, `video_sparse=` runs the fine
+        attention alone, and at full density (`topk` = every tile) the dense model.
+        A model that has the gates is returned as it is.
+
+        **Returns:**
+
+        The model with `config.gate_compress=True`; the new arrays are uncommitted on
+        the default device (place the model again, e.g. with
+        [`vidax_eqx.nn.shard_module`][], if it was placed).
+        """
+        if self.blocks.self_attn.to_gate_compress is not None:
+            return self
+        q = self.blocks.self_attn.q  # stacked: (L, dim, dim), (L, dim)
+        gate = eqx.tree_at(lambda lin: (lin.weight, lin.bias), q,
+                           (jnp.zeros(q.weight.shape, q.weight.dtype),
+                            jnp.zeros(q.bias.shape, q.bias.dtype)))
+        if isinstance(gate, nn.LoRALinear):  # the gate starts without adapters
+            gate = nn.remove_lora(gate)
+        new = eqx.tree_at(lambda m: m.blocks.self_attn.to_gate_compress, self, gate,
+                          is_leaf=lambda x: x is None)
+        # The configuration is static: set on the new copy (tree_at built it).
+        object.__setattr__(new, "config", dataclasses.replace(self.config, gate_compress=True))
+        return new
 
     def save_pretrained(self, path, *, layout: str = "diffusers",
                         max_shard_bytes: int | None = None) -> None:
@@ -1182,6 +1254,43 @@ def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=Non
         out_specs=shape.partition_specs(parallel, batch_axis),
     )
     return run(model, context, context_image)
+
+
+_GATE_COMPRESS = re.compile(r"^blocks\.\d+\.(attn1\.|self_attn\.)?to_gate_compress\.")
+
+
+def _check_gate_compress(tensors, gate_compress, path):
+    """The `rename` of a checkpoint: whether its `to_gate_compress` tensors (FastVideo's
+    VSA Wan) and `gate_compress` agree (else `ValueError`), and where they are named."""
+    if not isinstance(gate_compress, bool):
+        raise ValueError(
+            "WanTransformer3D.from_pretrained: `gate_compress` must be a bool; received "
+            f"{gate_compress!r}."
+        )
+    gates = sorted((k for k in tensors if _GATE_COMPRESS.match(k)),
+                   key=lambda k: [int(t) if t.isdigit() else t for t in k.split(".")])
+    where = f"{os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else repr(path)
+    if gates and not gate_compress:
+        raise ValueError(
+            f"WanTransformer3D.from_pretrained: the checkpoint {where} is a video sparse "
+            f"attention (VSA) Wan: it has {len(gates)} `to_gate_compress` tensors "
+            f"({', '.join(repr(g) for g in gates[:2])}, ...), the gate of VSA's coarse "
+            "output. Load it with from_pretrained(..., gate_compress=True) and run it with "
+            "video_sparse=(tile, topk or sparsity), e.g. ((4, 4, 4), 0.9)."
+        )
+    if gate_compress and not gates:
+        raise ValueError(
+            f"WanTransformer3D.from_pretrained: gate_compress=True expects a video sparse "
+            f"attention Wan checkpoint with `blocks.N.to_gate_compress.weight` / `.bias` "
+            f"tensors; {where} has none. Load it without gate_compress (a dense Wan), "
+            "and run it with video_sparse=... ungated, or add zero gates with "
+            "WanTransformer3D.with_gate_compress() to distill one."
+        )
+    if any(".attn1.to_gate_compress." in g for g in gates):
+        rules = tuple((p, w, r"\1attn1.to_gate_compress.") if "to_gate_compress" in p
+                      else (p, w, d) for p, w, d in _NAMES)
+        return lambda name, naming: _rename(name, naming, rules)
+    return _rename
 
 
 def _layout(layout: str) -> str:

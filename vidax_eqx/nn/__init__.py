@@ -18,6 +18,7 @@ from ._attention import (
     JointAttention as JointAttention,
 )
 from ._dual_stream import DualStreamAttention as DualStreamAttention
+from ._video_sparse import VideoSparse as VideoSparse
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
 from ._lora import (

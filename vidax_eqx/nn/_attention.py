@@ -24,10 +24,11 @@ the single-device numbers. The attention itself is `vidax_eqx.kernels` or
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
-from .. import kernels
+from .. import kernels, parallel as _parallel
 from .._order import after
 from ..parallel._rank_masks import RankMasks, with_rank_mask
 from ..parallel import (
@@ -44,6 +45,7 @@ from ._norm import LayerNorm, RMSNorm, tp_sharded_rms_norm
 from ._padding import check_length, key_padding_ids
 from ._parallel import check_context, check_parallel, check_text, ParallelConfig
 from ._rope import apply_rope
+from ._video_sparse import VideoSparse
 
 
 # (cos, sin), each (S, head_dim // 2): this device's tokens, as `rope_3d` returns them.
@@ -128,6 +130,69 @@ def _attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int 
     return out[0]
 
 
+def _attend_sparse(q, k, v, gate, parallel: ParallelConfig, implementation,
+                   video_sparse: VideoSparse):
+    """`(S, H, D)` video sparse attention of one example (tokens in the tile layout)
+    with the configured sequence parallelism; `gate` `(S, H, D)` or None."""
+    q, k, v = q[None], k[None], v[None]
+    opts = dict(topk=video_sparse.topk, sparsity=video_sparse.sparsity, tile=video_sparse.tile,
+                gate=None if gate is None else gate[None], implementation=implementation)
+    mode = parallel.sequence
+    if mode == "none":
+        out = kernels.video_sparse_attention(q, k, v, video_sparse.grid, **opts)
+    else:
+        axes = {
+            "ulysses": dict(ulysses_axis=parallel.sp_axis),
+            "ring": dict(ring_axis=parallel.sp_axis),
+            "usp": dict(ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis),
+        }[mode]
+        out = _parallel.video_sparse_attention(q, k, v, video_sparse.grid, layout=parallel.layout,
+                                               **axes, **opts)
+    return out[0]
+
+
+def _check_video_sparse(m, x, video_sparse, gate, segment_ids, mask, kv_length) -> None:
+    """The combinations `Attention(video_sparse=...)` refuses."""
+    if video_sparse is None:
+        if gate is not None:
+            raise ValueError(
+                "Attention: `gate` is the coarse output's gate of video sparse attention; "
+                "pass it with `video_sparse=` (received video_sparse=None)."
+            )
+        return
+    if not isinstance(video_sparse, VideoSparse):
+        raise ValueError(
+            f"Attention: `video_sparse` must be a vidax_eqx.nn.VideoSparse or None; received "
+            f"{type(video_sparse).__name__}."
+        )
+    for name, value in (("mask", mask), ("segment_ids", segment_ids), ("kv_length", kv_length)):
+        if value is not None:
+            raise ValueError(
+                f"Attention: `video_sparse` takes the video's padding from its tile layout and "
+                f"cannot be combined with `{name}`; received {name}={type(value).__name__}."
+            )
+    if gate is not None and m.to_gate_compress is not None:
+        raise ValueError(
+            "Attention: the module computes the gate with its `to_gate_compress` projection; "
+            "received a `gate` too. Pass one or the other."
+        )
+    n = video_sparse.layout.video_len
+    if m.parallel.sequence == "none" and x.shape[0] != n:
+        raise ValueError(
+            f"Attention: video_sparse={video_sparse} lays the video out as {n} tokens "
+            f"(tile_permute(x, grid, tile)); received x with {x.shape[0]} tokens."
+        )
+
+
+def _local_gate(gate, m, H: int):
+    """A given `(S, dim)` gate's columns of this device's heads (under TP)."""
+    tp_axis = m.parallel.tp_axis
+    if tp_axis is None:
+        return gate
+    width = H * m.head_dim
+    return lax.dynamic_slice_in_dim(gate, lax.axis_index(tp_axis) * width, width, axis=1)
+
+
 # -- Wan --------------------------------------------------------------------------------
 
 
@@ -148,10 +213,17 @@ class Attention(eqx.Module):
     then [`vidax_eqx.nn.functional.tp_sharded_rms_norm`][] (a `psum` of the local
     sums of squares), so one module class serves both cases.
 
+    **Video sparse attention** (`video_sparse=`, a [`VideoSparse`][], at call time):
+    the tokens are a video in the tile layout and the attention is VSA
+    ([`vidax_eqx.kernels.video_sparse_attention`][]): `out_c * gate + out_fine`, where
+    the per-token, per-head `gate` is `to_gate_compress(x)` (FastVideo's VSA Wan
+    blocks; built with `gate_compress=True`), a `gate` passed in, or ones (ungated).
+
     **Fields:** `q`, `k`, `v`, `o` (`eqx.nn.Linear(dim, dim)`, with bias), `norm_q`,
-    `norm_k` ([`RMSNorm`][]`(dim)`, or `None` without qk-norm), `parallel` (a
-    [`ParallelConfig`][], a non-array leaf), and the static configuration `dim`,
-    `num_heads`, `head_dim`, `qk_norm`, `eps`, `implementation`.
+    `norm_k` ([`RMSNorm`][]`(dim)`, or `None` without qk-norm), `to_gate_compress`
+    (`eqx.nn.Linear(dim, dim)`, with bias, column-parallel like `q`; or `None`),
+    `parallel` (a [`ParallelConfig`][], a non-array leaf), and the static
+    configuration `dim`, `num_heads`, `head_dim`, `qk_norm`, `eps`, `implementation`.
     """
 
     q: eqx.nn.Linear
@@ -160,6 +232,7 @@ class Attention(eqx.Module):
     o: eqx.nn.Linear
     norm_q: RMSNorm | None
     norm_k: RMSNorm | None
+    to_gate_compress: eqx.nn.Linear | None
     dim: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -177,6 +250,7 @@ class Attention(eqx.Module):
         eps: float = 1e-6,
         parallel: ParallelConfig = ParallelConfig(),
         implementation: str | kernels.AbstractImplementation = "auto",
+        gate_compress: bool = False,
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
@@ -188,6 +262,9 @@ class Attention(eqx.Module):
         - `eps`: the RMSNorm epsilon.
         - `parallel`: a [`ParallelConfig`][]; default: one device.
         - `implementation`: the kernel implementation (`vidax_eqx.kernels.attention`).
+        - `gate_compress`: also build `to_gate_compress`, the gate of video sparse
+            attention's coarse output, zero-initialized (the coarse term starts off, so
+            that a dense model's weights give the fine attention alone).
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the linear layers' initialization.
         """
@@ -203,6 +280,11 @@ class Attention(eqx.Module):
         self.o = init.linear(dim, dim, dtype=dtype, key=ko)
         norm = (lambda: RMSNorm(dim, eps, dtype=dtype)) if qk_norm == "rms" else (lambda: None)
         self.norm_q, self.norm_k = norm(), norm()
+        self.to_gate_compress = None
+        if gate_compress:
+            zero = lambda *shape: init.zeros(shape, dtype)  # noqa: E731
+            self.to_gate_compress = eqx.tree_at(
+                lambda lin: (lin.weight, lin.bias), self.q, (zero(dim, dim), zero(dim)))
         self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
 
@@ -215,6 +297,8 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, " S"] | None = None,
         mask: kernels.SlidingTileMask | None = None,
         kv_length: Array | int | None = None,
+        video_sparse: VideoSparse | None = None,
+        gate: Float[Array, "S {self.dim}"] | None = None,
     ) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
@@ -241,6 +325,18 @@ class Attention(eqx.Module):
             where a padded token also sees nothing and its attention output is 0.
             Combines with `segment_ids`. Served by the kernels' and the parallel
             functions' `kv_lengths`. `None`: no key-only padding.
+        - `video_sparse`: a [`VideoSparse`][]`(grid, tile, topk=|sparsity=)`: video
+            sparse attention (VSA). `x` (and `rope`) are the video's tokens in the tile
+            layout of [`vidax_eqx.kernels.tile_permute`][]`(x, grid, tile)`: on one
+            device all `VideoSparse.layout.video_len` of them; under sequence
+            parallelism this device's chunk of that layout padded with whole empty
+            tiles (see [`vidax_eqx.parallel.video_sparse_attention`][], which serves
+            the modes "ulysses", "ring" and "usp"). Not combined with `mask`,
+            `segment_ids` or `kv_length` (the padding is the layout's). `None`: the
+            attention above.
+        - `gate`: `(S, dim)`, the coarse output's gate (per token; heads as in `q`'s
+            columns) for a module without `to_gate_compress`; with it, the module
+            computes `to_gate_compress(x)` itself. `None`: ungated (or the module's).
 
         **Returns:**
 
@@ -248,6 +344,7 @@ class Attention(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.nn.Attention"):
             check_context("Attention", self.parallel, x)
+            _check_video_sparse(self, x, video_sparse, gate, segment_ids, mask, kv_length)
             kv_length = check_length("Attention", "kv_length", kv_length,
                                      x.shape[0] if self.parallel.sequence == "none" else None)
             self, (x, rope) = fsdp_gather(self, (x, rope))
@@ -261,6 +358,17 @@ class Attention(eqx.Module):
             if rope is not None:
                 q = apply_rope(q, *rope)
                 k = apply_rope(k, *rope)
+            if video_sparse is not None:
+                if self.to_gate_compress is not None:
+                    gate = linear(self.to_gate_compress, x)
+                elif gate is not None:
+                    gate = _local_gate(gate, self, H)
+                if gate is not None:
+                    gate = gate.reshape(S, H, self.head_dim)
+                out = _attend_sparse(q, k, v, gate, self.parallel, self.implementation,
+                                     video_sparse)
+                return row_parallel(self.o, out.reshape(S, H * self.head_dim),
+                                    self.parallel.tp_axis)
             mask = _tile_mask("Attention", mask, self, H)
             out = _attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
                           mask=mask, kv_length=kv_length)

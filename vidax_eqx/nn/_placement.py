@@ -19,7 +19,7 @@ from ._parallel import agreed, check_parallel, fsdp_axes_of, ParallelConfig
 # linears, row-parallel linears, norms sharded with the features). A field that is
 # None (an absent qk-norm or image branch) is skipped.
 _MEGATRON = {
-    Attention: (("q", "k", "v"), ("o",), ("norm_q", "norm_k")),
+    Attention: (("q", "k", "v", "to_gate_compress"), ("o",), ("norm_q", "norm_k")),
     CrossAttention: (("q", "k", "v", "k_img", "v_img"), ("o",), ("norm_q", "norm_k", "norm_k_img")),
     JointAttention: (("to_q", "to_k", "to_v"), ("to_out",), ()),
     DualStreamAttention: (("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
