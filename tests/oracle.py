@@ -380,3 +380,120 @@ def cogvideox_attention(m, x, context, rope_tables=None):
         k = np.concatenate([k[:T], rope(k[T:], *rope_tables)])
     out = linear(example_attention(q, k, v).reshape(n, H * D), m.to_out)
     return out[T:], out[:T]
+
+
+# -- video sparse attention (VSA) ---------------------------------------------------------
+
+
+def vsa_layout(grid, tile):
+    """The tile layout of VSA, by enumeration (`video_layout`): `(real (S,), tile_of
+    (S,), counts (n_tiles,))`: whether each slot is a real token, the index of its
+    tile (slots are enumerated tile by tile, so `slot // tile_size`), and the real
+    tokens per tile."""
+    _, real = video_layout(grid, tile)
+    T = int(np.prod(tile))
+    n = len(real) // T
+    tile_of = np.repeat(np.arange(n), T)
+    counts = np.bincount(tile_of, weights=real.astype(np.float64), minlength=n).astype(np.int64)
+    return real, tile_of, counts
+
+
+def vsa_topk(n_tiles: int, topk=None, sparsity=None) -> int:
+    """`topk`, or `ceil((1 - sparsity) * n_tiles)` (FastVideo's rule), at least 1."""
+    if topk is not None:
+        return int(topk)
+    return max(1, min(n_tiles, int(np.ceil((1.0 - float(sparsity)) * n_tiles))))
+
+
+@dataclasses.dataclass
+class VsaResult:
+    out: np.ndarray  # (B, S, H, D), 0 on padding tokens
+    lse: np.ndarray  # (B, H, S): the fine stage's; -inf on padding tokens
+    selected: np.ndarray  # int (B, H, nq, topk): key tiles by descending coarse score
+    out_c: np.ndarray  # (B, nq, H, D): the coarse output per query tile
+    scores: np.ndarray  # (B, H, nq, nk): scale * q_c k_c^T (-inf for an empty key tile)
+    margin: float  # min over rows of (topk-th score - (topk+1)-th score); inf if topk = nk
+    dq: np.ndarray | None = None
+    dk: np.ndarray | None = None
+    dv: np.ndarray | None = None
+    dgate: np.ndarray | None = None
+
+
+def _tile_means(x, real, tile_of, counts):
+    """`(B, S, Hx, D)` -> `(B, n, Hx, D)`: means over each tile's real tokens."""
+    W = (tile_of[None, :] == np.arange(len(counts))[:, None]) * real[None, :]
+    W = W / np.maximum(counts, 1)[:, None]  # (n, S)
+    return np.einsum("ts,bshd->bthd", W, x), W
+
+
+def video_sparse_attention(q, k, v, grid, tile, topk=None, gate=None, scale=None, *,
+                           sparsity=None, tiles=None, dout=None, dlse=None) -> VsaResult:
+    """VSA in float64, by its documented semantics, and (with `dout`) the gradients of
+    `sum(out * dout) + sum(lse * dlse)` with respect to q, k, v and gate.
+
+    `q (B, S, H, D)`, `k`/`v (B, S, K, D)` in the tile layout of `grid`/`tile`
+    (`video_layout`); `gate (B, S, H, D)` or `None`. The selection (`topk`, or
+    `sparsity`) is computed first from the float64 coarse scores, or forced with
+    `tiles` (int `(B, H, nq, n_sel)`, `-1` unused); no gradient flows through it.
+    Coarse: `attention` of the tile means (empty key tiles hidden); fine: `attention`
+    with the dense `(B, H, S, S)` mask "key real and in a selected tile of the
+    query's tile, query real"; out = `(out_c * gate + out_fine)` on real tokens, 0
+    on padding. The coarse stage's gradients flow back through the means.
+    """
+    q, k, v, gate = f64(q), f64(k), f64(v), f64(gate)
+    B, S, H, D = q.shape
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    real, tile_of, counts = vsa_layout(grid, tile)
+    assert len(real) == S, (len(real), S)
+    n = len(counts)
+    n_sel = vsa_topk(n, topk, sparsity)
+
+    # coarse
+    q_c, W = _tile_means(q, real, tile_of, counts)
+    k_c, _ = _tile_means(k, real, tile_of, counts)
+    v_c, _ = _tile_means(v, real, tile_of, counts)
+    seen = counts > 0
+    coarse = attention(q_c, k_c, v_c, mask=seen[None, :], scale=scale)
+    G = H // k.shape[2]
+    scores = np.einsum("bqhd,bkhd->bhqk", q_c, k_c[:, :, np.arange(H) // G]) * scale
+    scores = np.where(seen, scores, -np.inf)
+
+    # selection (descending score; ties to the lower index, as lax.top_k)
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    ranked = np.take_along_axis(scores, order, axis=-1)
+    selected = np.where(np.isfinite(ranked[..., :n_sel]), order[..., :n_sel], -1)
+    margin = np.inf
+    if n_sel < n:
+        gap = ranked[..., n_sel - 1] - ranked[..., n_sel]
+        gap = gap[np.isfinite(gap)]
+        margin = float(gap.min()) if gap.size else np.inf
+    use = selected if tiles is None else np.asarray(tiles, np.int64)
+
+    # fine: dense mask from the selection
+    chosen = np.zeros((B, H, n, n), bool)  # (b, h, query tile, key tile)
+    b_i, h_i, t_i, s_i = np.nonzero(use >= 0)
+    chosen[b_i, h_i, t_i, use[b_i, h_i, t_i, s_i]] = True
+    mask = chosen[:, :, tile_of][:, :, :, tile_of] & real[None, None, None, :] & real[None, None, :, None]
+
+    out_c_tok = coarse.out[:, tile_of]  # (B, S, H, D)
+    keep = real[None, :, None, None]
+    g = np.ones_like(q) if gate is None else gate
+    if dout is None:
+        fine = attention(q, k, v, mask=mask, scale=scale)
+    else:
+        dout = f64(dout) * keep
+        fine = attention(q, k, v, mask=mask, scale=scale, dout=dout, dlse=dlse)
+    out = np.where(keep, out_c_tok * g + fine.out, 0.0)
+    res = VsaResult(out=out, lse=fine.lse, selected=selected, out_c=coarse.out, scores=scores,
+                    margin=margin)
+    if dout is None:
+        return res
+
+    d_outc = np.einsum("ts,bshd->bthd", (tile_of[None, :] == np.arange(n)[:, None]) * 1.0, dout * g)
+    cg = attention(q_c, k_c, v_c, mask=seen[None, :], scale=scale, dout=d_outc)
+    back = lambda d: np.einsum("ts,bthd->bshd", W, d)  # transpose of the tile means
+    res.dq = fine.dq + back(cg.dq)
+    res.dk = fine.dk + back(cg.dk)
+    res.dv = fine.dv + back(cg.dv)
+    res.dgate = None if gate is None else dout * out_c_tok
+    return res
