@@ -415,8 +415,7 @@ def _scope(interpret: bool):
 
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False):
     """The fine stage's forward: `(out (B, S_q, H, D), lse (B, H, S_q) float32)`."""
-    B, S_q, H, D = q.shape
-    K = k.shape[2]
+    B, _, H, _ = q.shape
 
     def compute(q, k, v, tiles, kv_valid):
         T, n_q, n_k, n_sel, G, valid, table, (qu, ku, vu) = _setup(q, k, v, tiles, kv_valid, tile_size)
