@@ -162,58 +162,29 @@ def test_refusals():
 GRID, TILE, TOPK = (3, 5, 6), (2, 2, 3), 4  # 2 x 3 x 2 tiles of 12 tokens, partial along F and H
 
 
-def _vsa_oracle(q, k, v, gate, dout, grid, tile, topk, scale):
-    """Float64 VSA (the documented semantics) and its gradients for the cotangent `dout`
-    of `out`: `(out, dq, dk, dv, dgate)`."""
-    coords, real = oracle.video_layout(grid, tile)
-    T = math.prod(tile)
-    n = real.shape[0] // T
-    Bq, S, Hq, Dq = q.shape
-    Kk = k.shape[2]
-    w = real.reshape(n, T).astype(np.float64)
-    count = w.sum(axis=1)
-
-    def means(x):
-        return np.einsum("bnthd,nt->bnhd", x.reshape(x.shape[0], n, T, *x.shape[2:]), w) / count[None, :, None, None]
-
-    q_c, k_c, v_c = means(q), means(k), means(v)
-    heads = np.arange(Hq) // (Hq // Kk)
-    scores = np.einsum("bihd,bjhd->bhij", q_c, k_c[:, :, heads]) * scale
-    coarse = oracle.attention(q_c, k_c, v_c, scale=scale, mask=(count > 0)[None, None, None, :],
-                              dout=np.zeros_like(q_c))
-    tiles = np.argsort(-scores, axis=-1, kind="stable")[..., :topk]
-    fine_mask = _dense_mask(tiles, real, T)
-    qv = real[None, :, None, None]
-    dout = dout * qv  # padding tokens' outputs are 0
-    fine = oracle.attention(q, k, v, scale=scale, mask=fine_mask, dout=dout)
-    out_c = np.repeat(coarse.out, T, axis=1)
-    out = (out_c * gate + fine.out) * qv
-    dgate = dout * out_c
-    dout_c = (dout * gate).reshape(Bq, n, T, Hq, Dq).sum(axis=2)
-    coarse = oracle.attention(q_c, k_c, v_c, scale=scale, mask=(count > 0)[None, None, None, :], dout=dout_c)
-    spread = lambda d: np.repeat(d / count[None, :, None, None], T, axis=1) * real[None, :, None, None]
-    return out, fine.dq + spread(coarse.dq), fine.dk + spread(coarse.dk), fine.dv + spread(coarse.dv), dgate
-
-
 def test_video_sparse_attention_against_oracle():
-    """The public function with the Pallas TPU fine stage (interpret mode): out and the
-    gradients of q, k, v and gate, GQA, partial tiles (12-token tiles: padded to 16
-    in the kernel), against the float64 VSA oracle."""
-    layout = _vsa.VsaLayout(GRID, TILE)
-    S = layout.video_len
-    rng = np.random.default_rng(7)
+    """The public function with the Pallas TPU fine stage (interpret mode): out, the
+    fine stage's lse and the gradients of q, k, v and gate (random cotangents on out
+    and lse), GQA, partial tiles (12-token tiles: padded to 16 in the kernel), against
+    the float64 VSA oracle (`oracle.video_sparse_attention`)."""
+    S = _vsa.VsaLayout(GRID, TILE).video_len
+    rng = np.random.default_rng(1)  # a seed whose top-k margin is clear (1.2e-3)
     q, q64 = harness.rounded(rng, (1, S, 4, 8))
     k, k64 = harness.rounded(rng, (1, S, 2, 8))
     v, v64 = harness.rounded(rng, (1, S, 2, 8))
     gate, gate64 = harness.rounded(rng, (1, S, 4, 8))
     dout, dout64 = harness.rounded(rng, (1, S, 4, 8))
-    scale = 1.0 / math.sqrt(8)
+    dlse = harness.normal(rng, (1, 4, S))
+    ref = oracle.video_sparse_attention(q64, k64, v64, GRID, TILE, TOPK, gate64, dout=dout64, dlse=dlse)
+    assert ref.margin > 1e-4  # float32 scores cannot select differently from float64
 
     def f(q, k, v, gate):
-        return kernels.video_sparse_attention(q, k, v, GRID, topk=TOPK, tile=TILE, gate=gate, implementation=TPU)
+        return kernels.video_sparse_attention(q, k, v, GRID, topk=TOPK, tile=TILE, gate=gate,
+                                              return_lse=True, implementation=TPU)
 
-    out, vjp = jax.vjp(jax.jit(f), q, k, v, gate)
-    grads = jax.jit(vjp)(dout)
-    ref = _vsa_oracle(q64, k64, v64, gate64, dout64, GRID, TILE, TOPK, scale)
-    for name, got, want in zip(("out", "dq", "dk", "dv", "dgate"), (out, *grads), ref):
-        oracle.assert_close(got, want, np.float32, name)
+    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, gate)
+    grads = jax.jit(vjp)((dout, jnp.where(jnp.isfinite(lse), jax.device_put(dlse), 0.0)))
+    oracle.assert_close(out, ref.out, np.float32, "out")
+    oracle.assert_close(lse, ref.lse, np.float32, "lse")
+    for name, got in zip(("dq", "dk", "dv", "dgate"), grads):
+        oracle.assert_close(got, getattr(ref, name), np.float32, name)
