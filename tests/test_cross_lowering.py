@@ -402,3 +402,28 @@ def test_wan_attention_layer(platform, direction):
     text = _lower_sharded(f, (params, x, rope, rope), platform, direction, argnums=(0, 1))
     _check_target(text, TARGETS[platform], direction)
     _check_arrays(text, _qkv_elements(S // sp, H // tp, H // tp, D), _qkv_elements(S, H, H, D))
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_video_sparse_attention(direction):
+    """VSA (`video_sparse_attention`, issue 26) with its Pallas TPU block-sparse fine
+    stage, Wan 1.3B at 480p: the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624 tiles,
+    39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9). The
+    scalar-prefetched tile table drives the kernel (forward; dQ and dK/dV in the
+    backward); no array of the module reaches S x S elements, nor |q| + |k| + |v|;
+    "auto" picks the kernel for TPU."""
+    grid, tile = (21, 30, 52), (4, 4, 4)
+    H, D = MODELS["wan1.3b"]
+    S = 39_936
+    q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
+    for implementation in ("pallas_tpu", "auto"):
+        f = lambda q, k, v: kernels.video_sparse_attention(
+            q, k, v, grid, sparsity=0.9, tile=tile, implementation=implementation
+        )
+        text = _lower(f if direction == "fwd" else _grad(f), (q, q, q), "tpu")
+        _check_target(text, MOSAIC, direction)
+        names = ("fwd", "dq", "dkv") if direction == "bwd" else ("fwd",)
+        for name in names:  # the kernels: forward; dQ and dK/dV in the backward
+            assert f'kernel_name = "vidax_vsa_fine_{name}"' in text, name
+        assert max(math.prod(shape) for shape, _ in _arrays(text)) < S * S
+        _check_arrays(text, _qkv_elements(S, H, H, D))
