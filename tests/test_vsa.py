@@ -169,6 +169,18 @@ def test_filter_jit_default_call():
     _assert_padding_zero("out", out)
 
 
+def test_layout_and_topk_rule():
+    """The package's layout (`_vsa.VsaLayout`) is the oracle's enumeration; `sparsity`
+    gives `ceil((1 - sparsity) * n_tiles)` key tiles (at least one)."""
+    layout = _vsa.VsaLayout(GRID, TILE)
+    assert (layout.n_tiles, layout.tile_size, layout.video_len) == (N_TILES, T, S)
+    assert np.array_equal(layout.token_valid(), REAL)
+    assert np.array_equal(layout.tile_counts(), COUNTS)
+    for sparsity, expected in [(0.0, 12), (0.5, 6), (0.6, 5), (0.75, 3), (0.95, 1), (0.999, 1)]:
+        assert layout.topk(None, sparsity) == oracle.vsa_topk(N_TILES, sparsity=sparsity) == expected
+    assert layout.topk(N_TILES, None) == N_TILES
+
+
 # -- the oracle itself --------------------------------------------------------------------
 
 
