@@ -62,7 +62,8 @@ def vsa_padded_length(
     ring_size: int = 1,
     layout: str = "contiguous",
 ) -> int:
-    """The global sequence length of [`video_sparse_attention`][] for a mesh.
+    """The global sequence length of
+    [`video_sparse_attention`][vidax_eqx.parallel.video_sparse_attention] for a mesh.
 
     The video's tile layout (`VsaLayout(grid, tile).video_len` tokens) padded at its
     end with whole empty tiles, up to a multiple of the device count
@@ -135,7 +136,8 @@ def vsa_unpad(x: Array, grid: tuple[int, int, int], tile: tuple[int, int, int] =
 
     **Arguments:**
 
-    - `x`: a padded array (e.g. the gathered output of [`video_sparse_attention`][]).
+    - `x`: a padded array (e.g. the gathered output of
+        [`video_sparse_attention`][vidax_eqx.parallel.video_sparse_attention]).
     - `grid`, `tile`: the video's grid and tile.
     - `axis`: the sequence axis.
 

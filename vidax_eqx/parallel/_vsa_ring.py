@@ -15,7 +15,7 @@ padded at its end with empty tiles. Per call:
 2. **fine, on the ring**: K/V blocks travel by ordered `ppermute`; at each step
     the selection is converted to the visiting block's local tile indices (`-1`
     elsewhere) and the fine stage (`kernels._vsa.sparse_fwd`) runs on it, its
-    `(out, lse)` merged in float32 ([`_ring_engine.merge`]). A step that no local
+    `(out, lse)` merged in float32 (`_ring_engine.merge`). A step that no local
     query tile selected is skipped at run time (`lax.cond`); its K/V still travel.
 3. The custom VJP's backward is a second ring: `sparse_bwd` per step with the
     merged `out` and `lse`, the dK/dV accumulators travelling with their block and
@@ -41,7 +41,9 @@ from jax import lax
 from .._order import after, ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ..kernels import _math as km
-from ..kernels._vsa import coarse_attention, select_tiles, sparse_bwd, sparse_fwd, tile_means, VsaLayout
+from ..kernels._vsa import (
+    coarse_attention, select_tiles, sparse_bwd, sparse_fwd, tile_means, VsaLayout,
+)
 from ._layout import block_positions
 from ._ring_engine import merge
 
