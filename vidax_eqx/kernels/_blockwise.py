@@ -20,13 +20,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _math as m
 from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
-from ._tile import block_may_see, kv_block_ranges, kv_features, q_block_ranges, q_features, tile_block
+from ._tile import (
+    block_may_see, kv_block_ranges, kv_features, q_block_ranges, q_features, tile_block, video_token_valid,
+    window_table,
+)
 
 
 class _Blocks(NamedTuple):
@@ -50,6 +54,19 @@ class _Blocks(NamedTuple):
     tile_q: tuple | None = None
     tile_kv: tuple | None = None
     kv_lengths: jax.Array | None = None  # (B,) int32, key-only padding
+
+
+class _TablePlan(NamedTuple):
+    """A sliding tile mask on default positions, served by `_sparse`'s gathering kernel
+    from a static table of each video query tile's visible key tiles (its window,
+    then the text, padded to whole tiles, as extra key tiles)."""
+
+    video: slice  # the video tokens along the sequence
+    text: slice  # the text tokens (empty without text)
+    text_pad: int  # invisible keys completing the last text tile
+    tiles: np.ndarray  # int32 (1|H, n_video_tiles, n_sel)
+    kv_valid: np.ndarray  # bool (video_len + text_len + text_pad,)
+    q_valid: np.ndarray | None  # bool (video_len,); None when every video token is real
 
 
 class _Ranges(NamedTuple):
@@ -133,6 +150,14 @@ class Blockwise(AbstractImplementation):
     - `block_q`: query positions per tile (each tile holds `block_q * H // H_kv`
         rows, the query heads that share a kv head).
     - `block_kv`: key/value positions per tile.
+    - `sta_table`: serve a sliding tile mask on default positions (the whole
+        sequence, no segment ids, key-only padding, bias, dense mask, sinks,
+        causal / window mask or soft cap) from a static table of each video query
+        tile's visible key tiles: every step gathers all of its window's key tiles
+        (and the text's) and runs one softmax over them, the path of video sparse
+        attention's fine stage, which keeps the cores busier than a loop over tile
+        pairs. Text queries, and every request the table does not serve, run the
+        tile-skipping loop. `False`: always the loop (for comparison).
 
     Sequences shorter than a block use one block of their own length. The
     defaults were chosen by `benchmarks/attention.py` on a 2-core CPU
@@ -146,6 +171,7 @@ class Blockwise(AbstractImplementation):
 
     block_q: int = 256
     block_kv: int = 512
+    sta_table: bool = True
 
     name = "blockwise"
     capabilities = Capabilities(
@@ -163,6 +189,8 @@ class Blockwise(AbstractImplementation):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{field}` must be a positive int; received {value!r}.")
+        if not isinstance(self.sta_table, bool):
+            raise ValueError(f"`sta_table` must be a bool; received {self.sta_table!r}.")
 
     def _blocks(self, ops: Operands, opts: Options) -> tuple[_Blocks, float]:
         """The blocked operands and the logit factor `fold_scale` left over.
@@ -291,6 +319,102 @@ class Blockwise(AbstractImplementation):
             ops = ops._replace(kv_lengths=jnp.where(lengths > first, lengths + gap, lengths))
         return ops, (first, gap)
 
+    # -- sliding tile attention from a static table of key tiles ----------------------
+
+    def _table_plan(self, ops: Operands, opts: Options) -> _TablePlan | None:
+        """The table path's plan, or None when the request has anything it does not
+        serve (positions of a chunk, segment ids, key-only padding, bias, a dense mask,
+        sinks, causal / window masks, a soft cap): those run the tile-skipping loop."""
+        tm = opts.tile_mask
+        if (
+            tm is None or not self.sta_table or ops.q_pos is not None or opts.causal
+            or opts.window is not None or opts.logits_soft_cap is not None
+            or any(x is not None for x in (ops.bias, ops.mask, ops.seg_q, ops.sinks, ops.kv_lengths))
+            or ops.q.shape[1] != tm.seq_len or ops.k.shape[1] != tm.seq_len
+        ):
+            return None
+        T = tm.tile_size
+        video = slice(tm.video_start, tm.video_start + tm.video_len)
+        text = slice(tm.text_start, tm.text_start + tm.text_len)
+        text_pad = (-tm.text_len) % T
+        n_video = tm.video_len // T
+        table = window_table(tm)
+        if tm.text_len:  # every video query sees every text key: whole extra key tiles
+            n_text = (tm.text_len + text_pad) // T
+            text_tiles = np.broadcast_to(np.arange(n_video, n_video + n_text, dtype=np.int32),
+                                         (*table.shape[:2], n_text))
+            table = np.concatenate([table, text_tiles], axis=-1)
+        real = video_token_valid(tm)
+        kv_valid = np.concatenate([real, np.ones(tm.text_len, bool), np.zeros(text_pad, bool)])
+        return _TablePlan(video, text, text_pad, table, kv_valid, None if real.all() else real)
+
+    def _table_operands(self, ops: Operands, plan: _TablePlan):
+        """The gathering kernel's keys and values (video, then the padded text) and
+        its `(B, H, n_video_tiles, n_sel)` table."""
+        B, _, H, _ = ops.q.shape
+        pad = lambda x: jnp.pad(x[:, plan.text], ((0, 0), (0, plan.text_pad), (0, 0), (0, 0)))
+        k, v = ops.k[:, plan.video], ops.v[:, plan.video]
+        if plan.text.stop > plan.text.start:
+            k, v = jnp.concatenate([k, pad(ops.k)], axis=1), jnp.concatenate([v, pad(ops.v)], axis=1)
+        tiles = jnp.broadcast_to(jnp.asarray(plan.tiles), (B, H, *plan.tiles.shape[1:]))
+        tiles = m.as_varying(tiles, m.varying_axes(ops.q, ops.k, ops.v))
+        q_valid = None if plan.q_valid is None else jnp.asarray(plan.q_valid)
+        return k, v, tiles, jnp.asarray(plan.kv_valid), q_valid
+
+    @staticmethod
+    def _text_rows(ops: Operands, plan: _TablePlan) -> Operands:
+        """The text queries over every key: the tile-skipping loop on their positions
+        (text queries see every real token, so it skips nothing and needs no table)."""
+        S = ops.k.shape[1]
+        t = plan.text
+        return ops._replace(q=ops.q[:, t], q_pos=jnp.arange(t.start, t.stop, dtype=jnp.int32),
+                            kv_pos=jnp.arange(S, dtype=jnp.int32))
+
+    def _table_q_tiles(self, opts: Options) -> int:
+        return self._sparse_q_tiles(opts.tile_mask.tile_size)
+
+    def _table_fwd(self, ops: Operands, opts: Options, plan: _TablePlan):
+        k, v, tiles, kv_valid, q_valid = self._table_operands(ops, plan)
+        out, lse = _sparse.gather_fwd(
+            ops.q[:, plan.video], k, v, tiles, kv_valid, tile_size=opts.tile_mask.tile_size,
+            scale=opts.scale, q_tiles=self._table_q_tiles(opts), q_valid=q_valid,
+        )
+        if plan.text.stop == plan.text.start:
+            return out, lse
+        out_t, lse_t = self._fwd(self._text_rows(ops, plan), opts)
+        parts = [(out_t, lse_t), (out, lse)]
+        if plan.text.start > plan.video.start:
+            parts.reverse()
+        return (jnp.concatenate([p[0] for p in parts], axis=1),
+                jnp.concatenate([p[1] for p in parts], axis=2))
+
+    def _table_bwd(self, ops, opts, plan: _TablePlan, out, lse, dout, dlse):
+        k, v, tiles, kv_valid, q_valid = self._table_operands(ops, plan)
+        vid, txt = plan.video, plan.text
+        dq, dk, dv = _sparse.gather_bwd(
+            ops.q[:, vid], k, v, tiles, kv_valid, out[:, vid], lse[:, :, vid], dout[:, vid],
+            None if dlse is None else dlse[:, :, vid], tile_size=opts.tile_mask.tile_size,
+            scale=opts.scale, q_tiles=self._table_q_tiles(opts), q_valid=q_valid, stat_grads=True,
+        )
+        if txt.stop == txt.start:
+            return dq, dk.astype(ops.k.dtype), dv.astype(ops.v.dtype), None, None
+        n_video = vid.stop - vid.start
+        n_text = txt.stop - txt.start
+        dq_t, dk_t, dv_t, _, _ = self._bwd(
+            self._text_rows(ops, plan), opts, out[:, txt], lse[:, :, txt], dout[:, txt],
+            None if dlse is None else dlse[:, :, txt],
+        )
+
+        def keys(d, d_t, like):  # the gathered layout (video, text, pad) back to the sequence's
+            parts = [d[:, :n_video], d[:, n_video : n_video + n_text]]
+            if txt.start < vid.start:
+                parts.reverse()
+            return (jnp.concatenate(parts, axis=1) + d_t.astype(d.dtype)).astype(like.dtype)
+
+        parts = [dq_t, dq] if txt.start < vid.start else [dq, dq_t]
+        return (jnp.concatenate(parts, axis=1), keys(dk, dk_t, ops.k), keys(dv, dv_t, ops.v),
+                None, None)
+
     @staticmethod
     def _may_see(opts: Options, blocks: _Blocks, ranges: _Ranges, i, j, bq: int, bk: int):
         """Whether tile `(i, j)` can hold a visible pair (a conservative test), or
@@ -327,6 +451,9 @@ class Blockwise(AbstractImplementation):
         return lax.cond(may_see, compute, lambda c: c, carry)
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        plan = self._table_plan(ops, opts)
+        if plan is not None:
+            return self._table_fwd(ops, opts, plan)
         ops, (first, gap) = self._aligned(ops, opts)
         out, lse = self._fwd(ops, opts)
         if gap:
@@ -334,6 +461,9 @@ class Blockwise(AbstractImplementation):
         return out, lse
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
+        plan = self._table_plan(ops, opts)
+        if plan is not None:
+            return self._table_bwd(ops, opts, plan, out, lse, dout, dlse)
         ops, (first, gap) = self._aligned(ops, opts)
         if not gap:
             return self._bwd(ops, opts, out, lse, dout, dlse)

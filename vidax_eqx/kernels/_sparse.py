@@ -114,10 +114,17 @@ def _gather(x_tiles: jax.Array, idx: jax.Array, heads: int) -> jax.Array:
     return sel.reshape(*sel.shape[:3], -1, sel.shape[-1])
 
 
-def _step_mask(idx: jax.Array, valid_tiles: jax.Array) -> jax.Array:
-    """bool `(B, H, qg, n_sel * T)`: the gathered keys that are real and selected."""
+def _step_mask(idx: jax.Array, valid_tiles: jax.Array, q_ok: jax.Array | None = None) -> jax.Array:
+    """bool `(B, H, qg, 1|T, n_sel * T)`: the gathered keys that are real and selected
+    (and, with `q_ok (qg, T)`, only for the real query rows)."""
     keys = valid_tiles[jnp.maximum(idx, 0)] & (idx >= 0)[..., None]
-    return keys.reshape(*idx.shape[:3], -1)
+    keys = keys.reshape(*idx.shape[:3], 1, -1)
+    return keys if q_ok is None else keys & q_ok[None, None, :, :, None]
+
+
+def _q_rows(q_valid: jax.Array | None, groups: int, qg: int, tile_size: int) -> jax.Array | None:
+    """`q_valid (S_q,)` per step: `(groups, qg, T)`, or None."""
+    return None if q_valid is None else q_valid.reshape(groups, qg, tile_size)
 
 
 def _kv_tiles(x: jax.Array, tile_size: int) -> jax.Array:
@@ -125,23 +132,27 @@ def _kv_tiles(x: jax.Array, tile_size: int) -> jax.Array:
     return _heads_q(x, tile_size)
 
 
-def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tiles: int = 2):
+def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tiles: int = 2,
+               q_valid=None):
     """The fine stage by gathering each step's selected key/value tiles: `(out, lse)`.
 
     `q_tiles`: query tiles per step (they share one loop iteration, not their keys).
+    `q_valid`: optional bool `(S_q,)`; a query row where it is False sees nothing
+    (out 0, the empty lse), as sliding tile attention's padding rows.
     """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
     acc = m.stat_dtype(q.dtype)
     qg, groups, table, valid_tiles = _gather_plan(q, k, tiles, kv_valid, tile_size, q_tiles)
     kt, vt = _kv_tiles(k, tile_size), _kv_tiles(v, tile_size)
     qh = _heads_q(q, tile_size).reshape(B, H, groups, qg, tile_size, D).transpose(2, 0, 1, 3, 4, 5)
+    q_ok = _q_rows(q_valid, groups, qg, tile_size)
 
     def step(xs):
-        q_i, idx = xs  # (B, H, qg, T, D), (B, H, qg, n_sel)
+        q_i, idx, ok = xs  # (B, H, qg, T, D), (B, H, qg, n_sel), (qg, T) | None
         safe = jnp.maximum(idx, 0)
         k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
         s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
-        vis = _step_mask(idx, valid_tiles)[:, :, :, None, :]
+        vis = _step_mask(idx, valid_tiles, ok)
         # One softmax over all the selected keys (rank 5: `_math`'s rank-4 tiles
         # would merge the batch and head axes for nothing).
         low = m.masked(acc)
@@ -152,17 +163,21 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
         o = jnp.einsum("bhgtu,bhgud->bhgtd", p.astype(v.dtype), v_sel, preferred_element_type=acc)
         return m.finalize((o, mx, l), q.dtype)
 
-    out, lse = lax.map(step, (qh, table))  # (groups, B, H, qg, T, ...)
+    out, lse = lax.map(step, (qh, table, q_ok))  # (groups, B, H, qg, T, ...)
     out = _unheads_q(out.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, tile_size, D))
     lse = lse.transpose(1, 2, 0, 3, 4).reshape(B, H, S_q)
     return out, lse
 
 
 def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
-               q_tiles: int = 2):
+               q_tiles: int = 2, q_valid=None, stat_grads: bool = False):
     """The gradients `(dq, dk, dv)` of `gather_fwd`: a scan over the query-tile groups
     that recomputes each step's probabilities and scatter-adds the selected tiles'
-    dK / dV into accumulators of the key tiles."""
+    dK / dV into accumulators of the key tiles.
+
+    `q_valid`: as in `gather_fwd`. `stat_grads`: return dK / dV in the statistics
+    dtype (float32; for a caller that adds another part before rounding).
+    """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
     T = tile_size
     acc = m.stat_dtype(q.dtype)
@@ -173,16 +188,17 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
     do = per_step(_heads_q(dout.astype(q.dtype), T))
     lse_s = per_step(_rows(m.safe_lse(lse), T)[..., None])[..., 0]
     delta_s = per_step(_rows(m.delta(out, dout, dlse), T)[..., None])[..., 0]
+    q_ok = _q_rows(q_valid, groups, qg, T)
     b = jnp.arange(B)[:, None, None, None]
     h = (jnp.arange(H) // (H // K))[None, :, None, None]
 
     def step(carry, xs):
         dk_acc, dv_acc = carry
-        q_i, do_i, lse_i, delta_i, idx = xs
+        q_i, do_i, lse_i, delta_i, idx, ok = xs
         safe = jnp.maximum(idx, 0)
         k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
         s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
-        vis = _step_mask(idx, valid_tiles)[:, :, :, None, :]
+        vis = _step_mask(idx, valid_tiles, ok)
         p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_i[..., None]), 0.0)
         dp = jnp.einsum("bhgtd,bhgud->bhgtu", do_i, v_sel, preferred_element_type=acc)
         ds = p * (dp - delta_i[..., None])
@@ -197,6 +213,9 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
 
     zeros = jnp.zeros((B, K, nk, T, D), acc)
     zeros = m.as_varying(zeros, m.varying_axes(q, k, v, tiles))
-    (dk, dv), dq = lax.scan(step, (zeros, zeros), (qh, do, lse_s, delta_s, table))
+    (dk, dv), dq = lax.scan(step, (zeros, zeros), (qh, do, lse_s, delta_s, table, q_ok))
     dq = _unheads_q(dq.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, T, D))
-    return dq.astype(q.dtype), _unheads_q(dk).astype(k.dtype), _unheads_q(dv).astype(v.dtype)
+    dk, dv = _unheads_q(dk), _unheads_q(dv)
+    if not stat_grads:
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk, dv

@@ -551,3 +551,33 @@ def chunk_table(tm: SlidingTileMask, q_starts, q_size: int, kv_starts, kv_size: 
     table = np.zeros((len(q_starts), len(kv_starts)), bool)
     np.logical_or.at(table, (q_owner[:, None], kv_owner[None, :]), seen)
     return table
+
+
+def window_table(tm: SlidingTileMask) -> np.ndarray:
+    """Each video tile's visible video key tiles, in NumPy: int32 `(n_windows,
+    n_tiles, n_sel)`, one row per entry of [`windows`][vidax_eqx.kernels.SlidingTileMask.windows],
+    the key tiles (indices in the tile layout's raster order) of each query tile's
+    window in increasing order, `-1` filling the rows of windows smaller than the
+    largest (`n_sel` = the largest window's tile count).
+
+    The static table a gathering kernel reads its key tiles from (STA's window
+    count is fixed, so the table is regular).
+    """
+    tiles = tm.tiles
+    coords = np.stack(np.meshgrid(*(np.arange(n) for n in tiles), indexing="ij"), -1).reshape(-1, 3)
+    n_sel = max(math.prod(w) for w in tm.windows)
+    table = np.full((len(tm.windows), len(coords), n_sel), -1, np.int32)
+    for h, window in enumerate(tm.windows):
+        starts = np.clip(coords - np.asarray(window) // 2, 0, np.asarray(tiles) - np.asarray(window))
+        # Offsets inside the window, raster order: the key tiles come out sorted.
+        offs = np.stack(np.meshgrid(*(np.arange(w) for w in window), indexing="ij"), -1).reshape(-1, 3)
+        key = starts[:, None, :] + offs[None, :, :]  # (n_tiles, prod(window), 3)
+        flat = (key[..., 0] * tiles[1] + key[..., 1]) * tiles[2] + key[..., 2]
+        table[h, :, : flat.shape[1]] = flat
+    return table
+
+
+def video_token_valid(tm: SlidingTileMask) -> np.ndarray:
+    """bool NumPy `(video_len,)`: the real (unpadded) tokens of the tile layout."""
+    _, real, _ = tm.decode(np.arange(tm.video_len) + tm.video_start, np)
+    return np.asarray(real)
