@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import interop, kernels, nn
 from ..nn._fsdp import has_shards, regather_policy
-from ..parallel import axis_size
+from ..parallel import axis_size, vsa_padded_length
 from ._step_cache import step_cache_specs
 
 
@@ -121,7 +121,7 @@ def video_sparse_option(owner: str, video_sparse, grid, sliding_tile=None):
 
 
 def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1,
-                  whole_tiles: bool = False):
+                  video_sparse: nn.VideoSparse | None = None):
     """This device's tokens (or patches) and rows of the per-token arrays (RoPE tables,
     position embeddings) under `parallel`, and the padding's segment ids.
 
@@ -131,16 +131,19 @@ def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: 
     `(S, ...)` arrays. Returns `(tokens, per_token, segment_ids, n)`: `segment_ids` is
     `None` when nothing is padded, `n` the real token count. `tile_size`: the tokens
     of a sliding tile mask's tile; ring attention then gets whole tiles per chunk.
-    `whole_tiles`: every mode pads by whole tiles per device (video sparse attention
-    takes the global sequence as whole tiles, the padding ones empty).
+    `video_sparse`: the tokens are its tile layout, padded with whole (empty) tiles to
+    [`vidax_eqx.parallel.vsa_padded_length`][], what video sparse attention takes.
     """
     n = tokens.shape[0]
     if parallel.sequence == "none":
         return tokens, per_token, None, n
-    multiple = token_multiple(parallel)
-    if parallel.sequence in ("ring", "usp") or whole_tiles:
-        multiple *= tile_size
-    total = -(-n // multiple) * multiple
+    if video_sparse is not None:
+        total = _vsa_length(video_sparse, parallel)
+    else:
+        multiple = token_multiple(parallel)
+        if parallel.sequence in ("ring", "usp"):
+            multiple *= tile_size
+        total = -(-n // multiple) * multiple
     segment_ids = None
     if total != n:
         pad = lambda a: jnp.pad(a, ((0, total - n),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
@@ -148,6 +151,15 @@ def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: 
         segment_ids = jnp.where(jnp.arange(total) < n, 0, -1).astype(jnp.int32)
     tokens, per_token, segment_ids = nn.shard_tokens((tokens, per_token, segment_ids), parallel)
     return tokens, per_token, segment_ids, n
+
+
+def _vsa_length(video_sparse: nn.VideoSparse, parallel: nn.ParallelConfig) -> int:
+    """The global length video sparse attention takes under `parallel`."""
+    size = axis_size(parallel.sp_axis, what="Sequence-parallel")
+    ring = axis_size(parallel.ring_axis, what="Ring") if parallel.sequence == "usp" else 1
+    ulysses, ring = {"ulysses": (size, 1), "ring": (1, size), "usp": (size, ring)}[parallel.sequence]
+    return vsa_padded_length(video_sparse.grid, video_sparse.tile, ulysses_size=ulysses,
+                             ring_size=ring, layout=parallel.layout)
 
 
 def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):

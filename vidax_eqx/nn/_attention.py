@@ -28,7 +28,7 @@ from jax import lax
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped, PRNGKeyArray
 
-from .. import kernels, parallel as _parallel
+from .. import kernels
 from .._order import after
 from ..parallel._rank_masks import RankMasks, with_rank_mask
 from ..parallel import (
@@ -36,6 +36,7 @@ from ..parallel import (
     sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention,
     usp_attention,
+    video_sparse_attention as parallel_video_sparse_attention,
 )
 from ._checks import check_eps, check_heads, check_positive
 from ._fsdp import fsdp_gather
@@ -146,8 +147,8 @@ def _attend_sparse(q, k, v, gate, parallel: ParallelConfig, implementation,
             "ring": dict(ring_axis=parallel.sp_axis),
             "usp": dict(ulysses_axis=parallel.sp_axis, ring_axis=parallel.ring_axis),
         }[mode]
-        out = _parallel.video_sparse_attention(q, k, v, video_sparse.grid, layout=parallel.layout,
-                                               **axes, **opts)
+        out = parallel_video_sparse_attention(q, k, v, video_sparse.grid, layout=parallel.layout,
+                                              **axes, **opts)
     return out[0]
 
 
