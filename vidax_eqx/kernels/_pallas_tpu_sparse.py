@@ -24,12 +24,15 @@ into SMEM (1 MiB per core from TPU v4 on), stays small: at Wan 480p (624 tiles o
   `"arbitrary"`: consecutive entries of one key tile keep its dK/dV output block
   resident in VMEM (as a grouped matmul does), accumulating `dS^T Q` and
   `P^T dO`; the block is initialized at the first entry of its key tile and
-  written at the last.
+  written at the last. As in splash's dK/dV kernel, keys run along sublanes and
+  queries along lanes (`P^T` from `K Q^T` and the query rows' statistics as a lane
+  row), so no tile is transposed in the kernel.
 
 An unused slot (and an unused sorted entry) is skipped with `pl.when`; its
 index map points at the block the previous step fetched, so it costs no DMA
 (the table stores `-(block + 1)` for it). Row statistics travel as `(rows, 128)`
-lane-replicated float32 arrays, as splash / flash attention do.
+lane-replicated float32 arrays to the forward and dQ kernels, as splash / flash
+attention do, and as `(1, T)` rows to the dK/dV kernel.
 
 **Tile sizes** that are not a multiple of 8 (Mosaic's sublane tiling) are padded
 per tile with hidden keys and dropped query rows (a copy of q, k, v); head
@@ -234,6 +237,9 @@ def _dq_kernel(table_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta
 
 def _dkv_kernel(rows_ref, cols_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, dk_sc, dv_sc, *, n_k: int, entries: int, scale: float):
+    """Keys along sublanes, queries along lanes (as splash's dK/dV kernel): the
+    transposed tile `p^T (T_k, T_q)` comes from `k q^T` and the query tile's row
+    statistics `(1, T_q)`, and both products are plain matmuls (no transpose)."""
     e = pl.program_id(0)
     col = cols_ref[e]
     real = col < n_k
@@ -247,11 +253,14 @@ def _dkv_kernel(rows_ref, cols_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_
 
     @pl.when(real & (rows_ref[e] >= 0))
     def _step():
-        p, ds = _probabilities(q_ref, k_ref, v_ref, valid_ref, do_ref, lse_ref, delta_ref, scale)
-        q, do = q_ref[...], do_ref[...]
-        # Transposes written out, as JAX's flash attention backward does.
-        dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=F32)
-        dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=F32)
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s_t = lax.dot_general(k, q, _NT, preferred_element_type=F32) * scale  # (T_k, T_q)
+        valid = valid_ref[...] > 0.5  # (T_k, 1)
+        p_t = jnp.exp(jnp.where(valid, s_t - lse_ref[...], m.masked(F32)))
+        dp_t = lax.dot_general(v, do, _NT, preferred_element_type=F32)
+        ds_t = p_t * (dp_t - delta_ref[...])
+        dk_sc[...] += lax.dot_general(ds_t.astype(q.dtype), q, _NN, preferred_element_type=F32)
+        dv_sc[...] += lax.dot_general(p_t.astype(do.dtype), do, _NN, preferred_element_type=F32)
 
     @pl.when(last)
     def _finish():
@@ -353,13 +362,17 @@ def _dq_call(table, q, k, v, valid, do, lse, delta, *, T: int, n_sel: int, scale
 
 def _dkv_call(rows, cols, q, k, v, valid, do, lse, delta, *, T: int, scale: float):
     """One unit's dK, dV (float32 `(S_k, D)`) from its sorted table `(rows, cols)`;
-    `q`, `do` `(G * S_q, D)`, `lse`, `delta` `(G * S_q, 128)`."""
+    `q`, `do` `(G * S_q, D)`; `valid (n_k, T, 1)`, a column per key tile; `lse`,
+    `delta` `(G * n_q, 1, T)`, a row per query tile."""
     S_k, D = k.shape
     n_k = S_k // T
     entries = rows.shape[0]
 
     def q_map(e, rows, cols):
         return _fetch(rows[e]), 0
+
+    def row_map(e, rows, cols):
+        return _fetch(rows[e]), 0, 0
 
     def kv_map(e, rows, cols):
         return jnp.minimum(cols[e], n_k - 1), 0
@@ -374,10 +387,10 @@ def _dkv_call(rows, cols, q, k, v, valid, do, lse, delta, *, T: int, scale: floa
             pl.BlockSpec((T, D), q_map),
             pl.BlockSpec((T, D), kv_map),
             pl.BlockSpec((T, D), kv_map),
-            pl.BlockSpec((None, 1, T), valid_map),
+            pl.BlockSpec((None, T, 1), valid_map),
             pl.BlockSpec((T, D), q_map),
-            pl.BlockSpec((T, _LANES), q_map),
-            pl.BlockSpec((T, _LANES), q_map),
+            pl.BlockSpec((None, 1, T), row_map),
+            pl.BlockSpec((None, 1, T), row_map),
         ],
         out_specs=[pl.BlockSpec((T, D), kv_map), pl.BlockSpec((T, D), kv_map)],
         scratch_shapes=[pltpu.VMEM((T, D), F32), pltpu.VMEM((T, D), F32)],
@@ -450,21 +463,24 @@ def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
         entries = G * n_q * n_sel + n_k
         _check_smem(2 * entries, "dK/dV pass")
         dou = _units_q(_pad_tiles(dout.astype(q.dtype), tile_size, T), K)
-        lse_u = _lanes(_pad_tiles(lse, tile_size, T, axis=2), K)
-        delta_u = _lanes(_pad_tiles(delta, tile_size, T, axis=2), K)
+        lse_p, delta_p = (_pad_tiles(x.astype(F32), tile_size, T, axis=2) for x in (lse, delta))
+        # Row statistics as columns (dQ: lane-replicated) and as rows (dK/dV).
+        lse_u, delta_u = _lanes(lse_p, K), _lanes(delta_p, K)
+        lse_r, delta_r = (x.reshape(B * K, G * n_q, 1, T) for x in (lse_p, delta_p))
         rows, cols = _sorted_table(table.reshape(B * K, G, n_q, n_sel), n_q, n_k)
         table = _with_fetch(table >= 0, jnp.maximum(table, 0))
-        S_qp = n_q * T
+        valid_col = valid.reshape(n_k, T, 1)
 
         def one(xs):
-            tab, r, c, qx, kx, vx, dox, lx, dx = xs
+            tab, r, c, qx, kx, vx, dox, lx, dx, lr, dr = xs
             dq = _dq_call(tab, qx, kx, vx, valid, dox, lx, dx, T=T, n_sel=n_sel, scale=scale)
-            flat = lambda x: x.reshape(G * S_qp, x.shape[-1])
-            dk, dv = _dkv_call(r, c, flat(qx), kx, vx, valid, flat(dox), flat(lx), flat(dx), T=T, scale=scale)
+            flat = lambda x: x.reshape(G * n_q * T, D)
+            dk, dv = _dkv_call(r, c, flat(qx), kx, vx, valid_col, flat(dox), lr, dr, T=T, scale=scale)
             return dq, dk, dv
 
+        xs = (table, rows, cols, qu, ku, vu, dou, lse_u, delta_u, lse_r, delta_r)
         with _scope(interpret):
-            dq, dk, dv = lax.map(one, (table, rows, cols, qu, ku, vu, dou, lse_u, delta_u))
+            dq, dk, dv = lax.map(one, xs)
         dq = _unpad_tiles(_from_units_q(dq, B), tile_size, T)
         dk, dv = (_unpad_tiles(_from_units_kv(x, B), tile_size, T) for x in (dk, dv))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
