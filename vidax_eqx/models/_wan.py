@@ -750,7 +750,7 @@ class WanTransformer3D(eqx.Module):
             `WanConfig(gate_compress=True)`, e.g. FastVideo's VSA checkpoints), or
             `out_c + out_fine` without one. An int is `topk` (key tiles per query
             tile), a float the `sparsity` (fraction of key tiles skipped, in [0, 1);
-            FastVideo's VSA Wan uses `((4, 4, 4), 0.9)`). Under sequence parallelism
+            e.g. `((4, 4, 4), 0.9)`, FastVideo's tiles). Under sequence parallelism
             the layout is split by whole tiles (padding tiles are empty) and the
             attention is [`vidax_eqx.parallel.video_sparse_attention`][].
         - `text_cache`: the blocks' cross-attention keys and values of this `context`
@@ -881,7 +881,7 @@ class WanTransformer3D(eqx.Module):
         # invisible through segment id -1).
         patches, per_token_arrays, segment_ids, n = padded_tokens(
             patches, per_token_arrays, parallel,
-            tile_size=1 if tile is None else math.prod(tile), whole_tiles=sparse is not None,
+            tile_size=1 if tile is None else math.prod(tile), video_sparse=sparse,
         )
         if per_token:
             rope, timestep = per_token_arrays
