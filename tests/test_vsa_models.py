@@ -11,8 +11,8 @@ projection per block. Here:
    below from the checkpoint's tensors (Wan's block forward with `tests/oracle.py`'s
    pieces and its VSA oracle), and so do the gradients of a loss with respect to
    `to_gate_compress` and `to_q` (central differences of the float64 model);
-2. sharded runs (Ulysses with tensor parallelism, a zigzag ring with padding tiles)
-   equal the single-device run;
+2. sharded runs (Ulysses with tensor parallelism, a zigzag ring with padding tiles,
+   USP with a zigzag ring) equal the single-device run;
 3. loading: the tensors' names both ways (FastVideo's block-level name and an
    `attn1.` one), the errors without the option and with it on a dense checkpoint,
    save -> load;
@@ -242,6 +242,7 @@ def test_vsa_gradients_match_the_oracle_model(checkpoint, single, inputs):
 SHARDED = {
     "ulysses-sp2-tp2": (dict(sp=2, tp=2), dict(sequence="ulysses", tp_axis="tp")),
     "ring-zigzag-sp4": (dict(sp=4), dict(sequence="ring", layout="zigzag")),
+    "usp-zigzag-2x2": (dict(sp=2, ring=2), dict(sequence="usp", ring_axis="ring", layout="zigzag")),
 }
 
 

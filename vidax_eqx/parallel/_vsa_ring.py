@@ -117,7 +117,9 @@ def fine_forward(cfg: VsaRing, q, k, v, sel):
     def step(t, kv, acc):
         src = (rank - t) % n
         tiles = _step_tiles(cfg, sel, src)
-        kv_valid = cfg.local_valid(src)
+        # Varying like the operands before the cond: under vmap a batched predicate
+        # turns the cond into a select, and a cast inside it would be stale.
+        kv_valid = as_varying(cfg.local_valid(src), axes)
 
         def compute(acc):
             o, l = sparse_fwd(q, kv[0], kv[1], tiles, kv_valid, tile_size=T, scale=cfg.scale,
@@ -150,7 +152,9 @@ def fine_backward(cfg: VsaRing, q, k, v, sel, out, lse, dout):
     def grads(t, kv, dq):
         src = (rank - t) % n
         tiles = _step_tiles(cfg, sel, src)
-        kv_valid = cfg.local_valid(src)
+        # Varying like the operands before the cond: under vmap a batched predicate
+        # turns the cond into a select, and a cast inside it would be stale.
+        kv_valid = as_varying(cfg.local_valid(src), axes)
 
         def compute(dq):
             gq, gk, gv = sparse_bwd(q, kv[0], kv[1], tiles, kv_valid, out, lse, dout, None,
