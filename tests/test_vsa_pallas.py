@@ -88,21 +88,30 @@ def _fine_case(T: int, dtype, seed: int):
     return arrays, scale, ref
 
 
-@functools.partial(jax.jit, static_argnames=("T", "scale"))
-def _fine(q, k, v, tiles, kv_valid, dout, dlse, *, T, scale):
+@functools.partial(jax.jit, static_argnames=("T", "scale", "smem"))
+def _fine(q, k, v, tiles, kv_valid, dout, dlse, *, T, scale, smem):
+    del smem  # a static argument only: a program per SMEM budget
     out, lse = TPU.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=T, scale=scale)
     grads = TPU.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=T, scale=scale)
     return out, lse, grads
 
 
+# An SMEM budget that splits the 5 query tiles into 3 chunks of 2 (the last padded):
+# room for (36 / 2 - 6 key tiles) // (2 heads x 3 slots) = 2 query tiles per call.
+SMALL_SMEM = 2 * (NK + 2 * (H // K) * NSEL)
+
+
 @pytest.mark.parametrize(
-    "T, dtype",
-    [(8, jnp.float32), (8, jnp.bfloat16)],
-    ids=["float32", "bfloat16"],
+    "T, dtype, smem",
+    [(8, jnp.float32, None), (8, jnp.bfloat16, SMALL_SMEM)],
+    ids=["float32", "bfloat16-chunked"],
 )
-def test_fine_stage_against_oracle(T, dtype):
+def test_fine_stage_against_oracle(T, dtype, smem, monkeypatch):
+    if smem is not None:
+        monkeypatch.setattr(_pallas_tpu_sparse, "_SMEM_ENTRIES", smem)
+        assert _pallas_tpu_sparse._chunks(NQ, NK, (H // K) * NSEL) == (3, 2)
     a, scale, ref = _fine_case(T, dtype, seed=T)
-    out, lse, (dq, dk, dv) = _fine(**a, T=T, scale=scale)
+    out, lse, (dq, dk, dv) = _fine(**a, T=T, scale=scale, smem=smem)
     assert out.dtype == dtype and lse.dtype == jnp.float32
     assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
     oracle.assert_close(out, ref.out, dtype, "out")
@@ -138,8 +147,8 @@ def test_sorted_table():
 
 
 def test_refusals():
-    """float64 is not served (Mosaic has none); a unit's table over the SMEM budget
-    raises naming it and the way out."""
+    """float64 is not served (Mosaic has none); a query tile whose tables alone exceed
+    the SMEM budget raises naming it and the way out."""
     q = jax.ShapeDtypeStruct((1, 16, 1, 8), jnp.float32)
     tiles = jax.ShapeDtypeStruct((1, 1, 2, 1), jnp.int32)
     valid = jax.ShapeDtypeStruct((16,), jnp.bool_)
@@ -147,9 +156,9 @@ def test_refusals():
     assert TPU.unsupported(request) == []
     f64_request = Request.sparse(jax.ShapeDtypeStruct((1, 16, 1, 8), np.float64), q, platform="tpu")
     assert any("float64" in m for m in TPU.unsupported(f64_request))
-    n_q, n_sel = 4096, 64  # 262,144 entries per unit
+    n_q = 1 << 16  # key tiles alone fill the dK/dV tables' budget
     big_q = jax.ShapeDtypeStruct((1, n_q * 8, 1, 8), jnp.float32)
-    big_tiles = jax.ShapeDtypeStruct((1, 1, n_q, n_sel), jnp.int32)
+    big_tiles = jax.ShapeDtypeStruct((1, 1, n_q, 1), jnp.int32)
     big_valid = jax.ShapeDtypeStruct((n_q * 8,), jnp.bool_)
     with pytest.raises(NotImplementedError, match="pallas_tpu.*SMEM.*blockwise"):
         jax.eval_shape(lambda q, t, m: TPU.sparse_fwd(q, q, q, t, m, tile_size=8, scale=1.0),
@@ -162,11 +171,14 @@ def test_refusals():
 GRID, TILE, TOPK = (3, 5, 6), (2, 2, 3), 4  # 2 x 3 x 2 tiles of 12 tokens, partial along F and H
 
 
-def test_video_sparse_attention_against_oracle():
+def test_video_sparse_attention_against_oracle(monkeypatch):
     """The public function with the Pallas TPU fine stage (interpret mode): out, the
     fine stage's lse and the gradients of q, k, v and gate (random cotangents on out
-    and lse), GQA, partial tiles (12-token tiles: padded to 16 in the kernel), against
-    the float64 VSA oracle (`oracle.video_sparse_attention`)."""
+    and lse), GQA, partial tiles (12-token tiles: padded to 16 in the kernel), the 12
+    query tiles in 3 calls of 4 (a small SMEM budget), against the float64 VSA oracle
+    (`oracle.video_sparse_attention`)."""
+    monkeypatch.setattr(_pallas_tpu_sparse, "_SMEM_ENTRIES", 2 * (12 + 2 * TOPK * 5))
+    assert _pallas_tpu_sparse._chunks(12, 12, 2 * TOPK) == (3, 4)
     S = _vsa.VsaLayout(GRID, TILE).video_len
     rng = np.random.default_rng(1)  # a seed whose top-k margin is clear (1.2e-3)
     q, q64 = harness.rounded(rng, (1, S, 4, 8))

@@ -551,8 +551,8 @@ class PallasTpu(AbstractImplementation):
             "a sliding tile mask runs the splash kernel over the whole sequence: not with "
             "custom positions (a chunk), nor with a bias",
             "VSA's fine stage is a block-sparse kernel of its own (tile sizes padded to "
-            "multiples of 8), whose tile table of one batch element and key/value head "
-            "must fit SMEM (Wan 480p does)",
+            "multiples of 8), called per chunk of query tiles whose tile tables fit SMEM "
+            "(Wan 480p: one chunk; 720p: four)",
         ),
     )
 

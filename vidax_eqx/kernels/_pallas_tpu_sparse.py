@@ -7,19 +7,23 @@ float32, and a row that sees nothing gives 0 with the finite empty log-sum-exp
 `_math.masked`.
 
 The work is split by *unit*, one batch element and one key/value head with its
-`G = H // H_kv` query heads (GQA without repeating K/V); a `lax.map` runs one
-`pallas_call` per unit, so that a unit's tile table, which is scalar-prefetched
-into SMEM (1 MiB per core from TPU v4 on), stays small: at Wan 480p (624 tiles of
-64 tokens, `n_sel = 63`) about 40,000 int32 entries.
+`G = H // H_kv` query heads (GQA without repeating K/V), and each unit's query
+tiles into `C` chunks: a `lax.map` over the units and, inside, over the chunks
+runs one `pallas_call` per chunk, so that the tile tables, which are
+scalar-prefetched into SMEM (1 MiB per core from TPU v4 on), stay within
+`_SMEM_ENTRIES` int32 entries (`_chunks`). Wan 480p (624 tiles of 64 tokens,
+`n_sel = 63`) is one chunk of about 40,000 entries per table; Wan 720p (1,440
+tiles, `n_sel = 144`) four chunks of 360 query tiles, whose dK/dV partial sums
+are added (a float32 `(S_k, D)` per chunk).
 
-- **forward** and **dQ**: grid `(G, n_q_tiles, n_sel)`, the slot axis
+- **forward** and **dQ**: grid `(G, chunk's query tiles, n_sel)`, the slot axis
   `"arbitrary"`. The table drives the K/V (and validity) `BlockSpec` index maps;
   the forward keeps an online softmax in VMEM scratch, the dQ pass recomputes
   the probabilities from the log-sum-exp and accumulates `dS K`.
 - **dK/dV**: the table inverted on device. Every `(query head, query tile, slot)`
-  pair of the unit, plus one empty entry per key tile (so that a key tile no
+  pair of the chunk, plus one empty entry per key tile (so that a key tile no
   query selected still gets its zero gradient written), is sorted by key tile
-  (`lax.sort`, stable): a list of `G * n_q_tiles * n_sel + n_k_tiles` entries,
+  (`lax.sort`, stable): a list of `G * n_q_chunk * n_sel + n_k_tiles` entries,
   O(n_q * n_sel) rather than an `(n_k, n_q)` padded table. Grid `(entries,)`,
   `"arbitrary"`: consecutive entries of one key tile keep its dK/dV output block
   resident in VMEM (as a grouped matmul does), accumulating `dS^T Q` and
@@ -36,9 +40,9 @@ attention do, and as `(1, T)` rows to the dK/dV kernel.
 
 **Tile sizes** that are not a multiple of 8 (Mosaic's sublane tiling) are padded
 per tile with hidden keys and dropped query rows (a copy of q, k, v); head
-dimensions are whole blocks. **Not supported**: float64 (Mosaic has none); a
-unit whose sorted dK/dV table exceeds `_SMEM_ENTRIES` int32 entries (e.g. Wan
-720p at `n_sel = 10 %`) raises `NotImplementedError` (use `"blockwise"`).
+dimensions are whole blocks. **Not supported**: float64 (Mosaic has none); so many
+key tiles and selected tiles that the tables of one query tile exceed
+`_SMEM_ENTRIES` (`NotImplementedError`: use `"blockwise"`).
 Performance is not measured (no TPU here): every grid step is one `T x T` tile
 pair, so tiles of 64 tokens leave the per-step overhead dominant.
 """
@@ -59,7 +63,7 @@ from . import _math as m
 F32 = jnp.float32
 _LANES = 128  # row statistics are lane-replicated, as in splash / flash attention
 _SUBLANES = 8  # tile sizes are padded to a multiple of this
-# int32 entries of scalar-prefetched tables per unit (of TPU v4+'s 1 MiB SMEM, half).
+# int32 entries of the scalar-prefetched tables of one call (half of TPU v4+'s 1 MiB SMEM).
 _SMEM_ENTRIES = 1 << 17
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -92,18 +96,6 @@ def _unpad_tiles(x: jax.Array, tile_size: int, padded: int, axis: int = 1) -> ja
     return x.reshape(*shape[:axis], n * tile_size, *shape[axis + 1:])
 
 
-def _units_q(x: jax.Array, kv_heads: int) -> jax.Array:
-    """`(B, S, H, D)` -> `(B * K, G, S, D)`: per unit, its query heads."""
-    B, S, H, D = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(B * kv_heads, H // kv_heads, S, D)
-
-
-def _from_units_q(x: jax.Array, batch: int) -> jax.Array:
-    """Inverse of `_units_q`."""
-    U, G, S, D = x.shape
-    return x.reshape(batch, (U // batch) * G, S, D).transpose(0, 2, 1, 3)
-
-
 def _units_kv(x: jax.Array) -> jax.Array:
     """`(B, S, K, D)` -> `(B * K, S, D)`."""
     B, S, K, D = x.shape
@@ -114,13 +106,6 @@ def _from_units_kv(x: jax.Array, batch: int) -> jax.Array:
     """Inverse of `_units_kv`."""
     U, S, D = x.shape
     return x.reshape(batch, U // batch, S, D).transpose(0, 2, 1, 3)
-
-
-def _lanes(x: jax.Array, kv_heads: int) -> jax.Array:
-    """Row statistic `(B, H, S)` -> `(B * K, G, S, 128)`, lane-replicated."""
-    B, H, S = x.shape
-    x = x.astype(F32).reshape(B * kv_heads, H // kv_heads, S, 1)
-    return jnp.broadcast_to(x, (*x.shape[:3], _LANES))
 
 
 def _with_fetch(run: jax.Array, block: jax.Array) -> jax.Array:
@@ -271,14 +256,22 @@ def _dkv_kernel(rows_ref, cols_ref, q_ref, k_ref, v_ref, valid_ref, do_ref, lse_
 # -- the calls -------------------------------------------------------------------------
 
 
-def _check_smem(entries: int, what: str) -> None:
-    if entries > _SMEM_ENTRIES:
+def _chunks(n_q: int, n_k: int, per_tile: int) -> tuple[int, int]:
+    """`(C, n_qc)`: the query tiles split into `C` chunks of `n_qc` (the last padded
+    with empty tiles) so that one call's scalar tables fit `_SMEM_ENTRIES`: the dK/dV
+    pass's two sorted tables of `per_tile * n_qc + n_k` entries each (`per_tile =
+    G * n_sel`), the larger of the passes."""
+    room = _SMEM_ENTRIES // 2 - n_k
+    if room < per_tile:
         raise NotImplementedError(
-            f"pallas_tpu: VSA's fine stage scalar-prefetches a tile table of {entries} int32 "
-            f"entries per batch element and key/value head for its {what}, more than the "
-            f"{_SMEM_ENTRIES} that fit its SMEM budget; use implementation='blockwise', "
-            "fewer selected tiles or larger tiles."
+            f"pallas_tpu: VSA's fine stage scalar-prefetches tile tables into SMEM; with "
+            f"{n_k} key tiles and {per_tile} selected tiles per query tile (over the query "
+            f"heads of a key/value head) not even one query tile fits its budget of "
+            f"{_SMEM_ENTRIES} int32 entries; use implementation='blockwise', fewer "
+            "selected tiles or larger tiles."
         )
+    C = -(-n_q // min(n_q, room // per_tile))
+    return C, -(-n_q // C)
 
 
 def _fwd_call(table, q, k, v, valid, *, T: int, n_sel: int, scale: float):
@@ -407,19 +400,71 @@ def _dkv_call(rows, cols, q, k, v, valid, do, lse, delta, *, T: int, scale: floa
 # -- the contract ------------------------------------------------------------------------
 
 
-def _setup(q, k, v, tiles, kv_valid, tile_size: int):
-    """Padded tiles (see the module docstring) and the units' operands."""
-    B, S_q, H, D = q.shape
-    K = k.shape[2]
-    T = -(-tile_size // _SUBLANES) * _SUBLANES
-    q, k, v = (_pad_tiles(x, tile_size, T) for x in (q, k, v))
-    valid = _pad_tiles(kv_valid.astype(F32), tile_size, T, axis=0)
-    n_q, n_k = q.shape[1] // T, k.shape[1] // T
-    valid = valid.reshape(n_k, 1, T)
-    n_sel = tiles.shape[-1]
-    G = H // K
-    table = tiles.astype(jnp.int32).reshape(B * K, G * n_q * n_sel)
-    return T, n_q, n_k, n_sel, G, valid, table, (_units_q(q, K), _units_kv(k), _units_kv(v))
+class _Layout:
+    """The units' layout of one call: tiles padded to `T` tokens (a multiple of 8),
+    units of one batch element and key/value head, their query tiles in `C` chunks of
+    `n_qc` (padded with empty tiles)."""
+
+    def __init__(self, q, k, tiles, tile_size: int):
+        self.B, self.S_q, self.H, self.D = q.shape
+        self.K = k.shape[2]
+        self.G = self.H // self.K
+        self.size = tile_size
+        self.T = -(-tile_size // _SUBLANES) * _SUBLANES
+        self.n_q, self.n_k = self.S_q // tile_size, k.shape[1] // tile_size
+        self.n_sel = tiles.shape[-1]
+        self.C, self.n_qc = _chunks(self.n_q, self.n_k, self.G * self.n_sel)
+        self.L = self.n_qc * self.T  # query rows of a chunk
+
+    def _pad_q(self, x, axis: int, value=0):
+        """Tiles padded to `T`, query tiles to `C * n_qc` along `axis`."""
+        x = _pad_tiles(x, self.size, self.T, axis=axis, value=value)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, self.C * self.L - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=value)
+
+    def queries(self, x):
+        """`(B, S_q, H, D)` -> `(B*K, C, G, L, D)`."""
+        B, K, G, C, D = self.B, self.K, self.G, self.C, self.D
+        x = self._pad_q(x, 1).reshape(B, C, self.L, K, G, D)
+        return x.transpose(0, 3, 1, 4, 2, 5).reshape(B * K, C, G, self.L, D)
+
+    def from_queries(self, x):
+        """Inverse of `queries`."""
+        B, K, G, C, D = self.B, self.K, self.G, self.C, self.D
+        x = x.reshape(B, K, C, G, self.L, D).transpose(0, 2, 4, 1, 3, 5).reshape(B, C * self.L, self.H, D)
+        return _unpad_tiles(x[:, : self.n_q * self.T], self.size, self.T)
+
+    def rows(self, x):
+        """Row statistic `(B, H, S_q)` -> float32 `(B*K, C, G, L)`."""
+        B, K, G, C = self.B, self.K, self.G, self.C
+        x = self._pad_q(x.astype(F32), 2).reshape(B, K, G, C, self.L)
+        return x.transpose(0, 1, 3, 2, 4).reshape(B * K, C, G, self.L)
+
+    def from_rows(self, x):
+        """Inverse of `rows`."""
+        B, K, G, C = self.B, self.K, self.G, self.C
+        x = x.reshape(B, K, C, G, self.L).transpose(0, 1, 3, 2, 4).reshape(B, self.H, C * self.L)
+        return _unpad_tiles(x[:, :, : self.n_q * self.T], self.size, self.T, axis=2)
+
+    def table(self, tiles):
+        """`(B, H, n_q, n_sel)` -> int32 `(B*K, C, G, n_qc, n_sel)`; padding rows -1."""
+        B, K, G, C = self.B, self.K, self.G, self.C
+        t = jnp.pad(tiles.astype(jnp.int32), ((0, 0), (0, 0), (0, C * self.n_qc - self.n_q), (0, 0)),
+                    constant_values=-1)
+        t = t.reshape(B, K, G, C, self.n_qc, self.n_sel).transpose(0, 1, 3, 2, 4, 5)
+        return t.reshape(B * K, C, G, self.n_qc, self.n_sel)
+
+    def keys(self, x):
+        """`(B, S_k, K, D)` -> `(B*K, S_k', D)`, tiles padded to `T`."""
+        return _units_kv(_pad_tiles(x, self.size, self.T))
+
+    def from_keys(self, x):
+        return _unpad_tiles(_from_units_kv(x, self.B), self.size, self.T)
+
+    def valid(self, kv_valid):
+        """float32 `(n_k, T)`: 1 for a real key (padding of the tiles: 0)."""
+        return _pad_tiles(kv_valid.astype(F32), self.size, self.T, axis=0).reshape(self.n_k, self.T)
 
 
 def _scope(interpret: bool):
@@ -428,23 +473,27 @@ def _scope(interpret: bool):
 
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False):
     """The fine stage's forward: `(out (B, S_q, H, D), lse (B, H, S_q) float32)`."""
-    B, _, H, _ = q.shape
 
     def compute(q, k, v, tiles, kv_valid):
-        T, n_q, n_k, n_sel, G, valid, table, (qu, ku, vu) = _setup(q, k, v, tiles, kv_valid, tile_size)
-        _check_smem(table.shape[1], "forward")
+        lay = _Layout(q, k, tiles, tile_size)
+        T, n_sel = lay.T, lay.n_sel
+        table = lay.table(tiles).reshape(lay.B * lay.K, lay.C, -1)
         table = _with_fetch(table >= 0, jnp.maximum(table, 0))
+        valid = lay.valid(kv_valid)[:, None, :]
 
-        def one(xs):
-            tab, qx, kx, vx = xs
-            out, lse = _fwd_call(tab, qx, kx, vx, valid, T=T, n_sel=n_sel, scale=scale)
-            return out, lse[..., 0]
+        def unit(xs):  # one batch element and key/value head
+            tables, qs, kx, vx = xs
+
+            def chunk(ys):  # one chunk of its query tiles
+                tab, qx = ys
+                out, lse = _fwd_call(tab, qx, kx, vx, valid, T=T, n_sel=n_sel, scale=scale)
+                return out, lse[..., 0]
+
+            return lax.map(chunk, (tables, qs))
 
         with _scope(interpret):
-            out, lse = lax.map(one, (table, qu, ku, vu))
-        out = _unpad_tiles(_from_units_q(out, B), tile_size, T)
-        lse = _unpad_tiles(lse.reshape(B, H, n_q * T), tile_size, T, axis=2)
-        return out, lse
+            out, lse = lax.map(unit, (table, lay.queries(q), lay.keys(k), lay.keys(v)))
+        return lay.from_queries(out), lay.from_rows(lse)
 
     return opaque_to_vma(compute, q, k, v, tiles, kv_valid)
 
@@ -453,36 +502,47 @@ def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
                interpret: bool = False):
     """The fine stage's backward: `(dq, dk, dv)` in the dtypes of q, k, v; `lse` may be
     that of a larger computation (a ring), `dlse` may be `None`."""
-    B, S_q, H, D = q.shape
-    K = k.shape[2]
     delta = m.delta(out, dout, dlse)
     lse = m.safe_lse(lse)
 
     def compute(q, k, v, tiles, kv_valid, lse, delta, dout):
-        T, n_q, n_k, n_sel, G, valid, table, (qu, ku, vu) = _setup(q, k, v, tiles, kv_valid, tile_size)
-        entries = G * n_q * n_sel + n_k
-        _check_smem(2 * entries, "dK/dV pass")
-        dou = _units_q(_pad_tiles(dout.astype(q.dtype), tile_size, T), K)
-        lse_p, delta_p = (_pad_tiles(x.astype(F32), tile_size, T, axis=2) for x in (lse, delta))
-        # Row statistics as columns (dQ: lane-replicated) and as rows (dK/dV).
-        lse_u, delta_u = _lanes(lse_p, K), _lanes(delta_p, K)
-        lse_r, delta_r = (x.reshape(B * K, G * n_q, 1, T) for x in (lse_p, delta_p))
-        rows, cols = _sorted_table(table.reshape(B * K, G, n_q, n_sel), n_q, n_k)
+        lay = _Layout(q, k, tiles, tile_size)
+        T, G, D, n_qc, n_k, n_sel = lay.T, lay.G, lay.D, lay.n_qc, lay.n_k, lay.n_sel
+        U, C = lay.B * lay.K, lay.C
+        tiles_u = lay.table(tiles)
+        rows, cols = _sorted_table(tiles_u.reshape(U * C, G, n_qc, n_sel), n_qc, n_k)
+        rows, cols = rows.reshape(U, C, -1), cols.reshape(U, C, -1)
+        table = tiles_u.reshape(U, C, -1)
         table = _with_fetch(table >= 0, jnp.maximum(table, 0))
-        valid_col = valid.reshape(n_k, T, 1)
+        valid = lay.valid(kv_valid)
+        lse_r, delta_r = lay.rows(lse), lay.rows(delta)  # (U, C, G, L)
+        # Row statistics as lane-replicated columns (forward-like dQ pass) and as
+        # rows of a query tile (dK/dV pass).
+        lanes = lambda x: jnp.broadcast_to(x[..., None], (*x.shape, _LANES))
+        tile_rows = lambda x: x.reshape(U, C, G * n_qc, 1, T)
+        xs = (table, rows, cols, lay.queries(q), lay.keys(k), lay.keys(v),
+              lay.queries(dout.astype(q.dtype)), lanes(lse_r), lanes(delta_r),
+              tile_rows(lse_r), tile_rows(delta_r))
 
-        def one(xs):
-            tab, r, c, qx, kx, vx, dox, lx, dx, lr, dr = xs
-            dq = _dq_call(tab, qx, kx, vx, valid, dox, lx, dx, T=T, n_sel=n_sel, scale=scale)
-            flat = lambda x: x.reshape(G * n_q * T, D)
-            dk, dv = _dkv_call(r, c, flat(qx), kx, vx, valid_col, flat(dox), lr, dr, T=T, scale=scale)
+        def unit(xs):  # one batch element and key/value head
+            tab, r, c, qs, kx, vx, dos, lx, dx, lr, dr = xs
+
+            def chunk(carry, ys):  # one chunk of its query tiles
+                tab, r, c, qx, dox, lx, dx, lr, dr = ys
+                dq = _dq_call(tab, qx, kx, vx, valid[:, None, :], dox, lx, dx, T=T, n_sel=n_sel,
+                              scale=scale)
+                flat = lambda x: x.reshape(G * n_qc * T, D)
+                dk, dv = _dkv_call(r, c, flat(qx), kx, vx, valid[:, :, None], flat(dox), lr, dr,
+                                   T=T, scale=scale)
+                return (carry[0] + dk, carry[1] + dv), dq
+
+            zeros = jnp.zeros(kx.shape, F32)
+            (dk, dv), dq = lax.scan(chunk, (zeros, zeros), (tab, r, c, qs, dos, lx, dx, lr, dr))
             return dq, dk, dv
 
-        xs = (table, rows, cols, qu, ku, vu, dou, lse_u, delta_u, lse_r, delta_r)
         with _scope(interpret):
-            dq, dk, dv = lax.map(one, xs)
-        dq = _unpad_tiles(_from_units_q(dq, B), tile_size, T)
-        dk, dv = (_unpad_tiles(_from_units_kv(x, B), tile_size, T) for x in (dk, dv))
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+            dq, dk, dv = lax.map(unit, xs)
+        return (lay.from_queries(dq).astype(q.dtype), lay.from_keys(dk).astype(k.dtype),
+                lay.from_keys(dv).astype(v.dtype))
 
     return opaque_to_vma(compute, q, k, v, tiles, kv_valid, lse, delta, dout)
