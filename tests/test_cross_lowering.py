@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 from vidax_eqx import kernels, nn, parallel
+from vidax_eqx.kernels import _pallas_tpu_sparse
 
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -404,17 +405,26 @@ def test_wan_attention_layer(platform, direction):
     _check_arrays(text, _qkv_elements(S // sp, H // tp, H // tp, D), _qkv_elements(S, H, H, D))
 
 
+# VSA's token grids: (grid, tokens with padding to 4 x 4 x 4 tiles).
+VSA_GRIDS = {"480p": ((21, 30, 52), 39_936), "720p": ((21, 45, 80), 92_160)}
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_video_sparse_attention(direction):
+@pytest.mark.parametrize("resolution", list(VSA_GRIDS))
+def test_video_sparse_attention(resolution, direction):
     """VSA (`video_sparse_attention`, issue 26) with its Pallas TPU block-sparse fine
-    stage, Wan 1.3B at 480p: the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624 tiles,
-    39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9). The
-    scalar-prefetched tile table drives the kernel (forward; dQ and dK/dV in the
-    backward); no array of the module reaches S x S elements, nor |q| + |k| + |v|;
-    "auto" picks the kernel for TPU."""
-    grid, tile = (21, 30, 52), (4, 4, 4)
+    stage, Wan 1.3B: at 480p the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624
+    tiles, 39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9); at
+    720p 1,440 tiles, 144 per query tile (the query tiles in chunks whose tile tables
+    fit SMEM). The scalar-prefetched tile table drives the kernels (forward; dQ and
+    dK/dV in the backward); no array of the module reaches S x S elements, nor
+    |q| + |k| + |v|; "auto" picks the kernel for TPU."""
+    grid, S = VSA_GRIDS[resolution]
+    tile = (4, 4, 4)
     H, D = MODELS["wan1.3b"]
-    S = 39_936
+    n = S // 64
+    chunks = _pallas_tpu_sparse._chunks(n, n, math.ceil(0.1 * n))[0]
+    assert chunks == {"480p": 1, "720p": 4}[resolution]
     q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
     for implementation in ("pallas_tpu", "auto"):
         f = lambda q, k, v: kernels.video_sparse_attention(
