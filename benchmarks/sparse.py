@@ -91,6 +91,17 @@ QUICK_WINDOWS = ((3, 1, 1), (7, 1, 1), (7, 3, 1))  # densities 0.107, 0.250, 0.5
 DEFAULT_MD = os.path.join(RESULTS, "sparse.md")
 DEFAULT_JSON = os.path.join(RESULTS, "sparse.json")
 
+# Video sparse attention (`--kind vsa`).
+KINDS = ("sta", "vsa")
+VSA_CONFIGS = ("single", "ring-contiguous")
+VSA_GRIDS = ((12, 32, 32), (21, 30, 52))  # 12,288 and 32,760 tokens
+VSA_TILE = (4, 4, 4)
+VSA_DENSITIES = (0.1, 0.25)
+QUICK_VSA_GRIDS = ((8, 16, 16),)  # 2,048 tokens, 32 tiles
+VSA_MD = os.path.join(RESULTS, "sparse_vsa.md")
+VSA_JSON = os.path.join(RESULTS, "sparse_vsa.json")
+COARSE = "coarse"  # a VSA row's prefix: the coarse stage and the selection alone
+
 
 def target(density: float) -> float:
     return 1.25 * density + 0.05
@@ -107,11 +118,36 @@ def tile_mask(args, window):
     return SlidingTileMask(tuple(args.grid), tuple(args.tile), tuple(window))
 
 
+def vsa_topk(args, density: float) -> int:
+    """The key tiles per query tile that make density `density` (at least one)."""
+    return max(1, round(density * vsa_layout(args).n_tiles))
+
+
+def vsa_layout(args):
+    from vidax_eqx.kernels._vsa import VsaLayout
+
+    return VsaLayout(tuple(args.grid), tuple(args.tile))
+
+
+def vsa_window(window) -> tuple[str, int] | None:
+    """`("topk" | "coarse", topk)` for a VSA row's window name, None otherwise."""
+    if isinstance(window, str) and ":" in window:
+        what, n = window.split(":")
+        return what, int(n)
+    return None
+
+
 def global_len(args, config: str, window) -> int:
     """The global sequence length a row runs on."""
     real = math.prod(args.grid)
     if window == FULL:
         return real
+    if vsa_window(window) is not None:
+        if config == "single":
+            return vsa_layout(args).video_len
+        from vidax_eqx.parallel import vsa_padded_length
+
+        return vsa_padded_length(tuple(args.grid), tuple(args.tile), ring_size=args.devices)
     tm = tile_mask(args, window)
     if config == "single":
         return tm.seq_len
@@ -152,6 +188,8 @@ def attention_fn(args, config: str, window):
 
     from vidax_eqx import kernels, parallel
 
+    if vsa_window(window) is not None:
+        return vsa_fn(args, config, window)
     tm = None if window == FULL else tile_mask(args, window)
     if config == "single":
 
@@ -176,6 +214,84 @@ def attention_fn(args, config: str, window):
 
     attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
     return attend, NamedSharding(mesh, spec), layout
+
+
+def vsa_fn(args, config: str, window):
+    """`attention_fn` for VSA rows: `kernels.video_sparse_attention` (single), the
+    coarse stage and the selection alone (`coarse:`), or
+    `parallel.video_sparse_attention` over a ring of `--devices`."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from vidax_eqx import kernels, parallel
+    from vidax_eqx.kernels import _vsa
+
+    what, topk = vsa_window(window)
+    grid, tile = tuple(args.grid), tuple(args.tile)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if what == COARSE:
+        layout = vsa_layout(args)
+        valid, T = layout.token_valid(), layout.tile_size
+
+        def coarse(q, k, v):
+            # What `kernels.video_sparse_attention` runs before the fine stage, and its
+            # broadcast of out_c; the selection is kept alive through a 0.0 * sum.
+            q_c, k_c, v_c = (_vsa.tile_means(x, valid, T) for x in (q, k, v))
+            out_c, scores = _vsa.coarse_attention(q_c, k_c, v_c, layout.tile_counts(), q.shape[-1] ** -0.5)
+            tiles = _vsa.select_tiles(scores, topk)
+            out = _vsa.combine(out_c, jnp.zeros_like(q), None, valid, T)
+            return out + lax.stop_gradient(jnp.sum(tiles).astype(out.dtype)) * 0.0
+
+        return coarse, one, None
+    if config == "single":
+
+        def attend(q, k, v):
+            return kernels.video_sparse_attention(q, k, v, grid, topk=topk, tile=tile, implementation=KERNEL)
+
+        return attend, one, None
+    if len(jax.devices()) < args.devices:
+        raise NotAvailable(f"needs {args.devices} devices, found {len(jax.devices())}")
+    mesh = parallel.make_mesh(sp=args.devices)
+    spec = P(None, parallel.SP_AXIS)
+
+    def local(q, k, v):
+        return parallel.video_sparse_attention(
+            q, k, v, grid, ring_axis=parallel.SP_AXIS, topk=topk, tile=tile, implementation=KERNEL
+        )
+
+    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    return attend, NamedSharding(mesh, spec), "contiguous"
+
+
+def vsa_check_error(args, config: str, window, host_xs, outputs) -> float:
+    """VSA rows: largest |difference| over the largest |reference|, against the
+    materializing `"xla"` fine stage (single) or the single-device `"blockwise"` call
+    on the video's tokens (ring; the ring's padding outputs must be 0)."""
+    import numpy as np
+
+    from vidax_eqx import kernels
+
+    what, topk = vsa_window(window)
+    layout = vsa_layout(args)
+    S = layout.video_len
+    outputs = [np.asarray(o, np.float32) for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
+    pad = max(float(np.max(np.abs(o[:, S:]), initial=0.0)) for o in outputs) if config != "single" else 0.0
+    impl = KERNEL if config != "single" else "xla"
+
+    def attend(q, k, v):
+        return kernels.video_sparse_attention(q, k, v, tuple(args.grid), topk=topk, tile=tuple(args.tile),
+                                              implementation=impl)
+
+    fn, _ = attention_pass(attend, args.child_pass)
+    ref = fn(*[x[:, :S] for x in host_xs])
+    ref = [np.asarray(r, np.float32) for r in (ref if isinstance(ref, tuple) else (ref,))]
+    err = max(
+        float(np.max(np.abs(o[:, :S] - r)) / max(float(np.max(np.abs(r))), 1e-30))
+        for o, r in zip(outputs, ref, strict=True)
+    )
+    return max(err, pad)
 
 
 def make_inputs(args, seq: int, n: int):
@@ -228,7 +344,10 @@ def child_main(args) -> dict:
     import jax
 
     config, pass_ = args.child_config, args.child_pass
-    window = FULL if args.child_window == FULL else tuple(map(int, args.child_window.split(",")))
+    if args.child_window == FULL or vsa_window(args.child_window) is not None:
+        window = args.child_window
+    else:
+        window = tuple(map(int, args.child_window.split(",")))
     result = {"status": "ok", "devices": len(jax.devices())}
     try:
         attend, sharding, layout = attention_fn(args, config, window)
@@ -255,12 +374,15 @@ def child_main(args) -> dict:
     result.update(best_time(run, args.repeats, target_seconds=args.target_seconds,
                             single_run_seconds=args.single_run_seconds, first=first).fields())
     if window != FULL and seq <= args.check_max_seq:
-        result["max_rel_err"] = check_error(args, window, layout, host_xs, outputs)
+        if vsa_window(window) is None:
+            result["max_rel_err"] = check_error(args, window, layout, host_xs, outputs)
+        elif vsa_window(window)[0] != COARSE:
+            result["max_rel_err"] = vsa_check_error(args, config, window, host_xs, outputs)
     return result
 
 
 def child_cmd(args, config: str, window, pass_: str) -> list[str]:
-    window_arg = FULL if window == FULL else ",".join(map(str, window))
+    window_arg = window if isinstance(window, str) else ",".join(map(str, window))
     return [
         "--child",
         "--child-config", config, "--child-window", window_arg, "--child-pass", pass_,
@@ -307,6 +429,13 @@ class Row:
     compile_s: float | None = None
     max_rel_err: float | None = None
     note: str = ""
+    # VSA rows
+    grid: list | None = None
+    topk: int | None = None
+    n_tiles: int | None = None
+    coarse_s: float | None = None  # the coarse stage + selection alone, same pass
+    coarse_share: float | None = None  # coarse_s / this row's time
+    coarse_of_full: float | None = None  # coarse_s / full attention's time
 
 
 def _mb(x) -> float | None:
@@ -359,7 +488,7 @@ def run(args) -> tuple[list[Row], dict]:
                 row = Row(config if window != FULL else ("single" if config == "single" else "ring"),
                           _window_name(window), pass_)
                 if window == FULL:
-                    key = (base_config, pass_)
+                    key = (base_config, pass_, tuple(args.grid))
                     if key in args._baselines:  # measured for the other ring layout
                         base = args._baselines[key]
                         continue
@@ -383,10 +512,10 @@ def run(args) -> tuple[list[Row], dict]:
                     row.note = "; ".join(filter(None, (row.note, "peak not measured")))
                 if window == FULL:
                     base = row if row.time_s is not None else None
-                    args._baselines[(base_config, pass_)] = base
+                    args._baselines[(base_config, pass_, tuple(args.grid))] = base
                     if base is not None:
                         row.ratio = row.cpu_ratio = 1.0
-                        single = args._baselines.get(("single", pass_))
+                        single = args._baselines.get(("single", pass_, tuple(args.grid)))
                         if config != "single" and single is not None:
                             row.note = "; ".join(filter(None, (
                                 row.note, f"{row.time_s / single.time_s:.2f}x single full")))
@@ -413,6 +542,146 @@ def run(args) -> tuple[list[Row], dict]:
     if git_end != info["git"]:
         info["git"] += f" at the start, {git_end} at the end"
     return rows, info
+
+
+def _fill(row: Row, r: dict) -> None:
+    row.status = r["status"]
+    row.seq = r.get("seq")
+    row.time_s, row.runs, row.cpu_s = r.get("time_s"), r.get("runs"), r.get("cpu_s")
+    row.peak_above_inputs_mb = _mb(r.get("peak_above_inputs_bytes"))
+    row.xla_temp_mb = _mb(r.get("xla_temp_bytes"))
+    row.compile_s = r.get("compile_s")
+    row.max_rel_err = r.get("max_rel_err")
+    row.note = r.get("note", "")
+    if r.get("peak_reset") is False:
+        row.note = "; ".join(filter(None, (row.note, "peak not measured")))
+
+
+def _log_row(row: Row, t_start: float) -> None:
+    elapsed = time.perf_counter() - t_start
+    if row.time_s is not None:
+        summary = (
+            f"{row.time_s:.3f} s ({_runs(row)}), ratio {fmt(row.ratio, '.3f')} "
+            f"(target {fmt(row.target, '.3f')}), cpu ratio {fmt(row.cpu_ratio, '.3f')}, "
+            f"peak {fmt(row.peak_above_inputs_mb, '.0f')} MB, temp {fmt(row.xla_temp_mb, '.0f')} MB"
+            + ("" if row.max_rel_err is None else f", err {row.max_rel_err:.1e}")
+        )
+    else:
+        summary = f"{row.status} {row.note}"
+    log(f"{row.config} {row.grid} {row.window} {row.pass_} S={row.seq}: {summary}  [{elapsed:.0f} s]")
+
+
+def run_vsa(args) -> tuple[list[Row], dict]:
+    """VSA rows: per grid, configuration and pass, full attention (the baseline),
+    then per density the coarse stage alone (single device) and VSA."""
+    import jax
+
+    info = {
+        "date": now(), "command": command_line(__file__), "git": git_state(), "jax": jax.__version__,
+        "backend": jax.default_backend(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "mem_gb": _gb(meminfo("MemTotal")), "grids": [list(g) for g in args.vsa_grids],
+        "tile": list(args.tile), "B": args.batch, "H": args.heads, "D": args.head_dim,
+        "dtype": args.dtype, "devices": args.devices, "densities": list(args.densities),
+    }
+    log(f"# {info}")
+    t_start = time.perf_counter()
+    rows: list[Row] = []
+    for grid in args.vsa_grids:
+        args.grid = list(grid)
+        n_tiles = vsa_layout(args).n_tiles
+        for config in args.vsa_configs:
+            for pass_ in args.passes:
+                key = (config, pass_, tuple(grid))
+                base = args._baselines.get(key)
+                if key not in args._baselines:
+                    row = Row("single" if config == "single" else "ring", FULL, pass_, grid=list(grid),
+                              density=1.0, n_tiles=n_tiles)
+                    _fill(row, spawn_child(args, config, FULL, pass_))
+                    base = row if row.time_s is not None else None
+                    args._baselines[key] = base
+                    if base is not None:
+                        row.ratio = row.cpu_ratio = 1.0
+                    rows.append(row)
+                    _log_row(row, t_start)
+                for d in args.densities:
+                    topk = vsa_topk(args, d)
+                    coarse = None
+                    if config == "single":
+                        coarse = Row("single", f"{COARSE}:{topk}", pass_, grid=list(grid), topk=topk,
+                                     n_tiles=n_tiles, density=topk / n_tiles)
+                        _fill(coarse, spawn_child(args, config, coarse.window, pass_))
+                        if coarse.time_s is not None and base is not None:
+                            coarse.ratio = coarse.time_s / base.time_s
+                            coarse.cpu_ratio = coarse.cpu_s / base.cpu_s
+                        rows.append(coarse)
+                        _log_row(coarse, t_start)
+                    row = Row(config, f"topk:{topk}", pass_, grid=list(grid), topk=topk, n_tiles=n_tiles,
+                              density=topk / n_tiles)
+                    _fill(row, spawn_child(args, config, row.window, pass_))
+                    if row.time_s is not None and base is not None:
+                        row.ratio = row.time_s / base.time_s
+                        row.cpu_ratio = row.cpu_s / base.cpu_s
+                        row.target = target(row.density)
+                        if coarse is not None and coarse.time_s is not None:
+                            row.coarse_s = coarse.time_s
+                            row.coarse_share = coarse.time_s / row.time_s
+                            row.coarse_of_full = coarse.time_s / base.time_s
+                            row.target += row.coarse_of_full
+                        row.passed = row.ratio <= row.target
+                        row.cpu_passed = row.cpu_ratio <= row.target
+                    rows.append(row)
+                    _log_row(row, t_start)
+    info["seconds"] = round(time.perf_counter() - t_start, 1)
+    git_end = git_state()
+    if git_end != info["git"]:
+        info["git"] += f" at the start, {git_end} at the end"
+    return rows, info
+
+
+def markdown_vsa(rows: list[Row], info: dict) -> str:
+    mem = "" if info["mem_gb"] is None else f", {info['mem_gb']:.0f} GiB"
+    judged = [r for r in rows if r.passed is not None]
+    t = info["tile"]
+    lines = [
+        f"Video sparse attention, tile {t[0]} x {t[1]} x {t[2]}; B={info['B']}, H={info['H']}, "
+        f"D={info['D']}, {info['dtype']}; fine stage `\"{KERNEL}\"` (gathers the selected key tiles).",
+        "",
+        f"Machine: {info['cpu']}, {info['cpus']} CPUs{mem} (shared: wall times are noisy); jax "
+        f"{info['jax']} ({info['backend']}); {info['date']}; total run time {info['seconds']:.0f} s; "
+        f"vidax_eqx at {info['git']}.",
+        "",
+        f"Command: `{info['command']}`",
+        "",
+        "Baselines (`full`): `kernels.attention(implementation=\"blockwise\")` without a mask on the "
+        "grid's real tokens (ring: the unmasked contiguous ring on the same devices). VSA runs on the "
+        "tile layout (partial tiles padded; ring: padded with empty tiles to whole tiles per device), "
+        "its ratio is to the baseline over the real tokens. `density` = topk / tiles. `coarse` rows: "
+        "the tile means, the coarse attention, the top-k selection and out_c's broadcast alone (same "
+        "pass); `coarse / full` is added to the target: `time / full <= 1.25 x density + 0.05 + "
+        "coarse / full` (ring rows: without the coarse term, not measured on the ring).",
+        "",
+        f"Verdict: {sum(r.passed for r in judged)} of {len(judged)} VSA rows meet the target on wall "
+        f"time, {sum(bool(r.cpu_passed) for r in judged)} of {len(judged)} on CPU time.",
+        "",
+        "| config | grid | S | tiles | row | density | pass | time (s) | timed runs | time / full | "
+        "CPU time / full | coarse / VSA | coarse / full | target | verdict (wall) | verdict (CPU) | "
+        "cores busy | peak RSS above inputs (MB) | XLA temp (MB) | max rel err | note |",
+        "|---|---|---:|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        time_cell = fmt(r.time_s, ".3f") if r.status == "ok" else r.status
+        busy = None if r.time_s is None or r.cpu_s is None else r.cpu_s / r.time_s
+        g = "x".join(map(str, r.grid)) if r.grid else "–"
+        lines.append(
+            f"| {r.config} | {g} | {fmt(r.seq, ',')} | {fmt(r.n_tiles, ',')} | {r.window} | "
+            f"{fmt(r.density, '.3f')} | {r.pass_} | {time_cell} | "
+            f"{_runs(r) if r.time_s is not None else '–'} | {fmt(r.ratio, '.3f')} | "
+            f"{fmt(r.cpu_ratio, '.3f')} | {fmt(r.coarse_share, '.3f')} | {fmt(r.coarse_of_full, '.3f')} | "
+            f"{fmt(r.target, '.3f')} | {_verdict(r.passed)} | {_verdict(r.cpu_passed)} | {fmt(busy, '.2f')} | "
+            f"{fmt(r.peak_above_inputs_mb, '.0f')} | {fmt(r.xla_temp_mb, '.0f')} | "
+            f"{fmt(r.max_rel_err, '.1e')} | {r.note} |"
+        )
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- #
@@ -495,8 +764,9 @@ def load_json(path: str) -> tuple[list[Row], dict]:
 
 
 def write_outputs(args, rows: list[Row], info: dict, table: str) -> None:
+    title = "Video sparse attention" if "grids" in info else "Sliding tile attention"
     if args.md:
-        write_text(args.md, "# Sliding tile attention: time against density\n\n" + table + "\n")
+        write_text(args.md, f"# {title}: time against density\n\n" + table + "\n")
         log(f"# wrote {os.path.relpath(args.md)}")
     if args.json:
         write_json(args.json, {"info": info, "rows": [dataclasses.asdict(r) for r in rows]})
@@ -522,6 +792,16 @@ def parse_args(argv=None):
         "per window density, single device and ring; each row in a fresh process. Prints a "
         "Markdown table and writes it (and JSON) under benchmarks/results."
     )
+    p.add_argument("--kind", choices=KINDS, default="sta",
+                   help="sta: sliding tile attention rows (default); vsa: video sparse attention rows "
+                   f"(grids {' '.join(','.join(map(str, g)) for g in VSA_GRIDS)}, tile {VSA_TILE}, "
+                   f"densities {VSA_DENSITIES}; output {rel(VSA_MD)})")
+    p.add_argument("--vsa-grids", type=_window, nargs="+", default=None, metavar="F,H,W",
+                   help="VSA: token grids")
+    p.add_argument("--densities", type=float, nargs="+", default=list(VSA_DENSITIES),
+                   help="VSA: densities topk / tiles (default %(default)s)")
+    p.add_argument("--vsa-configs", nargs="+", default=list(VSA_CONFIGS), choices=VSA_CONFIGS,
+                   help="VSA: configurations (default: all)")
     p.add_argument("--grid", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
                    help=f"token grid (default {DEFAULT_GRID})")
     p.add_argument("--tile", type=int, nargs=3, default=None, metavar=("TF", "TH", "TW"),
@@ -567,6 +847,12 @@ def parse_args(argv=None):
     p.add_argument("--child-pass", choices=PASSES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    vsa = args.kind == "vsa" and not args.child
+    if vsa:
+        args.vsa_grids = args.vsa_grids or list(QUICK_VSA_GRIDS if args.quick else VSA_GRIDS)
+        args.tile = args.tile or list(VSA_TILE)
+        args.md = (VSA_MD if not args.quick else "") if args.md is None else args.md
+        args.json = (VSA_JSON if not args.quick else "") if args.json is None else args.json
     if args.quick:
         args.grid = args.grid or list(QUICK_GRID)
         args.tile = args.tile or list(QUICK_TILE)
@@ -594,11 +880,18 @@ def main(argv=None) -> int:
         return 0
     if args.render:
         rows, info = load_json(args.render)
-        table = markdown(rows, info)
+        table = markdown_vsa(rows, info) if "grids" in info else markdown(rows, info)
         print(table)
         args.json = ""  # the JSON is the source, left as it is
         write_outputs(args, rows, info, table)
         return 0
+    if args.kind == "vsa":
+        rows, info = run_vsa(args)
+        table = markdown_vsa(rows, info)
+        print(table)
+        write_outputs(args, rows, info, table)
+        log(f"# done after {info['seconds']:.0f} s")
+        return 1 if any(r.status.startswith("error") for r in rows) else 0
     for w in args.windows:  # fail early on a bad window
         tile_mask(args, w)
     rows, info = run(args)
