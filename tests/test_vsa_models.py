@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import harness
 import oracle
@@ -392,3 +393,19 @@ def test_attention_bad_inputs():
         nn.VideoSparse(GRID, TILE, topk=0)
     with pytest.raises(ValueError, match="exactly one of `topk`"):
         nn.VideoSparse(GRID, TILE)
+
+
+def test_attention_gate_passed_in_under_tensor_parallelism():
+    # A gate given as (S, dim) is split by heads like q's columns on each TP rank.
+    m, x, rope = _attention_case()
+    bare = eqx.tree_at(lambda a: a.to_gate_compress, m, None)
+    gate = jax.device_put(np.random.default_rng(9).standard_normal(x.shape).astype(np.float32))
+    x, rope = jax.device_put(x), tuple(jax.device_put(a) for a in rope)
+    ref = eqx.filter_jit(lambda m, x, r, g: m(x, rope=r, video_sparse=VS, gate=g))(bare, x, rope, gate)
+    mesh = harness.mesh(tp=2)
+    tp = nn.shard_module(nn.with_parallel(bare, nn.ParallelConfig(tp_axis="tp")), mesh)
+    run = nn.filter_shard_map(lambda m, x, r, g: m(x, rope=r, video_sparse=VS, gate=g), mesh=mesh,
+                              in_specs=(nn.partition_specs(tp, mesh), P(), P(), P()),
+                              out_specs=P())
+    out = eqx.filter_jit(run)(tp, x, rope, gate)
+    assert harness.max_rel_error(out, np.asarray(ref, np.float64)) < RTOL

@@ -205,7 +205,8 @@ class WanExperts(AbstractExperts):
 
     def __call__(self, x, timestep, context, **kwargs):
         """One example, as [`WanTransformer3D`][] takes it (`x`, `timestep`, `context`,
-        and its keyword arguments: `context_image`, `remat`, `sliding_tile`;
+        and its keyword arguments: `context_image`, `remat`, `sliding_tile`,
+        `video_sparse`;
         `text_cache` a [`WanExpertsTextCache`][], each expert taking its own), run by
         the expert `timestep` selects.
 
