@@ -298,6 +298,18 @@ def test_names_save_and_attn1_alias(model, checkpoint, tmp_path):
     assert harness.same_arrays(models.WanTransformer3D.from_pretrained(alias, gate_compress=True), model)
 
 
+def test_gate_follows_the_block_linears(model):
+    # Megatron: column-parallel like q (stacked layers: the leading axis whole).
+    mesh = harness.mesh(tp=2)
+    specs = nn.partition_specs(nn.with_parallel(model, nn.ParallelConfig(tp_axis="tp")), mesh)
+    gate, q = specs.blocks.self_attn.to_gate_compress, specs.blocks.self_attn.q
+    assert gate.weight == q.weight == P(None, "tp", None) and gate.bias == q.bias == P(None, "tp")
+    # LoRA by name pattern, in FastVideo's naming.
+    lora = models.add_lora(model, "blocks.*.to_gate_compress", 2, key=jax.random.key(0))
+    assert isinstance(lora.blocks.self_attn.to_gate_compress, nn.LoRALinear)
+    assert not isinstance(lora.blocks.self_attn.q, nn.LoRALinear)
+
+
 def test_with_gate_compress_starts_from_a_dense_model():
     dense = models.WanTransformer3D.from_pretrained(DENSE)
     assert dense.blocks.self_attn.to_gate_compress is None and not dense.config.gate_compress
