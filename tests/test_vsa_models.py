@@ -261,6 +261,18 @@ def test_sharded_equals_one_device(model, single, inputs, name):
     assert harness.max_rel_error(out, single[0]) < RTOL
 
 
+def test_ring_keeps_its_run_time_skip(model):
+    # The ring skips unselected steps with a lax.cond; run_sharded runs the examples of
+    # a device one by one so that jax.vmap does not turn it into a select.
+    mesh = harness.mesh(sp=2)
+    sharded = nn.with_parallel(model, nn.ParallelConfig(sequence="ring"))
+    arrays, static = eqx.partition(sharded, eqx.is_array)
+    x, t, context = jnp.zeros((2, *LATENT)), jnp.zeros((2,)), jnp.zeros((2, 5, 16))
+    jaxpr = jax.make_jaxpr(lambda a: models.run_sharded(
+        eqx.combine(a, static), x, t, context, mesh=mesh, video_sparse=(TILE, TOPK)))(arrays)
+    assert " cond[" in str(jaxpr)
+
+
 # -- 3. loading ------------------------------------------------------------------------------
 
 

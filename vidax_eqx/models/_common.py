@@ -345,7 +345,11 @@ def run_sharded(model, x, timestep, context, *, mesh,
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
     - `video_sparse`: `(tile, topk or sparsity)`: video sparse attention (see
-        [`WanTransformer3D.__call__`][]); `None`: full attention.
+        [`WanTransformer3D.__call__`][]); `None`: full attention. Over a ring
+        (sequence `"ring"` or `"usp"`) the examples of a device run one after the
+        other (`lax.map`, not `jax.vmap`), so that the ring skips at run time the
+        steps none of an example's query tiles selected (under `jax.vmap` the skip
+        would become a select that computes both branches).
     - `step_cache`: step caching (a [`StepCache`][], batched and global: the
         previous step's, or `StepCache()` for the first step): the model's
         `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
@@ -393,6 +397,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
                     threshold=decision[1], axis_name=(_BATCH, *mesh.axis_names),
                     remat=remat, **static, **kw)
 
+            if ring_skips:  # one example at a time: each ring step's skip stays a cond
+                return lax.map(lambda args: one(*args), (x, timestep, context, *extra))
             return jax.vmap(one, axis_name=_BATCH)(x, timestep, context, *extra)
 
         if isinstance(model, AbstractExperts):  # one expert per batch that agrees
@@ -400,6 +406,11 @@ def run_sharded(model, x, timestep, context, *, mesh,
         return batch(model)
 
     parallel = getattr(model, "parallel", nn.ParallelConfig())
+    # Video sparse attention over a ring skips, at run time, the steps no local query
+    # tile selected (a `lax.cond` on the selection); under `jax.vmap` that cond would
+    # become a select computing both branches, so the examples run one by one.
+    ring_skips = (video_sparse is not None and not cached
+                  and parallel.sequence in ("ring", "usp"))
     run = nn.filter_shard_map(
         per_device,
         mesh=mesh,
