@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import oracle
-from vidax_eqx import interop, kernels, models, nn
+from vidax_eqx import interop, kernels, models, nn, parallel
 
 
 HERE = os.path.dirname(__file__)
@@ -271,6 +271,28 @@ def test_ring_keeps_its_run_time_skip(model):
     jaxpr = jax.make_jaxpr(lambda a: models.run_sharded(
         eqx.combine(a, static), x, t, context, mesh=mesh, video_sparse=(TILE, TOPK)))(arrays)
     assert " cond[" in str(jaxpr)
+
+
+def test_usp_under_vmap_equals_the_kernel():
+    # What a user's jax.vmap over examples inside shard_map does (a regression: the ring's
+    # key validity met a stale varying-axes type under vmap).
+    mesh = harness.mesh(sp=2, ring=2)
+    S = parallel.vsa_padded_length(GRID, TILE, ulysses_size=2, ring_size=2)
+    rng = np.random.default_rng(3)
+    q, k, v = (jax.device_put(rng.standard_normal((2, VS.layout.video_len, 4, 8)).astype(np.float32))
+               for _ in range(3))
+    ref = kernels.video_sparse_attention(q, k, v, GRID, topk=TOPK, tile=TILE)
+
+    def one(q, k, v):
+        return parallel.video_sparse_attention(q[None], k[None], v[None], GRID, ulysses_axis="sp",
+                                               ring_axis="ring", topk=TOPK, tile=TILE)[0]
+
+    spec = P(None, ("ring", "sp"))
+    run = jax.jit(jax.shard_map(jax.vmap(one), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    padded = [jax.device_put(jnp.pad(a, ((0, 0), (0, S - a.shape[1]), (0, 0), (0, 0))),
+                             jax.NamedSharding(mesh, spec)) for a in (q, k, v)]
+    out = run(*padded)[:, :VS.layout.video_len]
+    assert harness.max_rel_error(out, np.asarray(ref, np.float64)) < RTOL
 
 
 # -- 3. loading ------------------------------------------------------------------------------
