@@ -246,18 +246,21 @@ class Blockwise(AbstractImplementation):
         return blocks, rest
 
     def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
-        """VSA's fine stage: each step gathers the selected key/value tiles of about
-        `block_q` query positions (`_sparse.gather_fwd`)."""
+        """VSA's fine stage: each step gathers the selected key/value tiles of at least
+        two query tiles (about `block_q` query positions, at most 128), in two
+        independent lanes (`_sparse.gather_fwd`)."""
         return _sparse.gather_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
-                                  q_tiles=self._sparse_q_tiles(tile_size))
+                                  **self._gather_args(tile_size))
 
     def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
         """The gradients of `sparse_fwd` (`_sparse.gather_bwd`)."""
         return _sparse.gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size,
-                                  scale=scale, q_tiles=self._sparse_q_tiles(tile_size))
+                                  scale=scale, **self._gather_args(tile_size))
 
-    def _sparse_q_tiles(self, tile_size: int) -> int:
-        return max(1, round(min(self.block_q, 128) / tile_size))
+    def _gather_args(self, tile_size: int) -> dict:
+        # Measured on 2 CPU cores (benchmarks/NOTES.md): two query tiles per step in two
+        # independent lanes beat one tile per step and one batched lane of two.
+        return {"q_tiles": max(2, round(min(self.block_q, 128) / tile_size)), "lanes": 2}
 
     def _block_sizes(self, opts: Options) -> tuple[int, int]:
         if opts.tile_mask is None:
@@ -370,14 +373,11 @@ class Blockwise(AbstractImplementation):
         return ops._replace(q=ops.q[:, t], q_pos=jnp.arange(t.start, t.stop, dtype=jnp.int32),
                             kv_pos=jnp.arange(S, dtype=jnp.int32))
 
-    def _table_q_tiles(self, opts: Options) -> int:
-        return self._sparse_q_tiles(opts.tile_mask.tile_size)
-
     def _table_fwd(self, ops: Operands, opts: Options, plan: _TablePlan):
         k, v, tiles, kv_valid, q_valid = self._table_operands(ops, plan)
         out, lse = _sparse.gather_fwd(
             ops.q[:, plan.video], k, v, tiles, kv_valid, tile_size=opts.tile_mask.tile_size,
-            scale=opts.scale, q_tiles=self._table_q_tiles(opts), q_valid=q_valid,
+            scale=opts.scale, q_valid=q_valid, **self._gather_args(opts.tile_mask.tile_size),
         )
         if plan.text.stop == plan.text.start:
             return out, lse
@@ -394,7 +394,7 @@ class Blockwise(AbstractImplementation):
         dq, dk, dv = _sparse.gather_bwd(
             ops.q[:, vid], k, v, tiles, kv_valid, out[:, vid], lse[:, :, vid], dout[:, vid],
             None if dlse is None else dlse[:, :, vid], tile_size=opts.tile_mask.tile_size,
-            scale=opts.scale, q_tiles=self._table_q_tiles(opts), q_valid=q_valid, stat_grads=True,
+            scale=opts.scale, q_valid=q_valid, stat_grads=True, **self._gather_args(opts.tile_mask.tile_size),
         )
         if txt.stop == txt.start:
             return dq, dk.astype(ops.k.dtype), dv.astype(ops.v.dtype), None, None

@@ -127,18 +127,26 @@ def _q_rows(q_valid: jax.Array | None, groups: int, qg: int, tile_size: int) -> 
     return None if q_valid is None else q_valid.reshape(groups, qg, tile_size)
 
 
+def _lanes(qg: int, lanes: int) -> list[slice]:
+    """`qg` query tiles cut into `lanes` (at most; as even as possible) slices."""
+    n = max(1, min(lanes, qg))
+    edges = [round(i * qg / n) for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
 def _kv_tiles(x: jax.Array, tile_size: int) -> jax.Array:
     """`(B, n*T, K, D)` -> `(B, K, n, T, D)`."""
     return _heads_q(x, tile_size)
 
 
 def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tiles: int = 2,
-               q_valid=None):
+               q_valid=None, lanes: int = 1):
     """The fine stage by gathering each step's selected key/value tiles: `(out, lse)`.
 
     `q_tiles`: query tiles per step (they share one loop iteration, not their keys).
     `q_valid`: optional bool `(S_q,)`; a query row where it is False sees nothing
-    (out 0, the empty lse), as sliding tile attention's padding rows.
+    (out 0, the empty lse), as sliding tile attention's padding rows. `lanes`: the
+    step's query tiles split into that many independent computations.
     """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
     acc = m.stat_dtype(q.dtype)
@@ -147,8 +155,7 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
     qh = _heads_q(q, tile_size).reshape(B, H, groups, qg, tile_size, D).transpose(2, 0, 1, 3, 4, 5)
     q_ok = _q_rows(q_valid, groups, qg, tile_size)
 
-    def step(xs):
-        q_i, idx, ok = xs  # (B, H, qg, T, D), (B, H, qg, n_sel), (qg, T) | None
+    def one(q_i, idx, ok):
         safe = jnp.maximum(idx, 0)
         k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
         s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
@@ -163,6 +170,13 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
         o = jnp.einsum("bhgtu,bhgud->bhgtd", p.astype(v.dtype), v_sel, preferred_element_type=acc)
         return m.finalize((o, mx, l), q.dtype)
 
+    def step(xs):
+        q_i, idx, ok = xs  # (B, H, qg, T, D), (B, H, qg, n_sel), (qg, T) | None
+        # `lanes` independent chains per step (not one batched op): XLA's CPU runtime
+        # runs independent operations concurrently, one batched chain on one core.
+        parts = [one(q_i[:, :, sl], idx[:, :, sl], None if ok is None else ok[sl]) for sl in _lanes(qg, lanes)]
+        return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
+
     out, lse = lax.map(step, (qh, table, q_ok))  # (groups, B, H, qg, T, ...)
     out = _unheads_q(out.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, tile_size, D))
     lse = lse.transpose(1, 2, 0, 3, 4).reshape(B, H, S_q)
@@ -170,12 +184,12 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
 
 
 def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
-               q_tiles: int = 2, q_valid=None, stat_grads: bool = False):
+               q_tiles: int = 2, q_valid=None, stat_grads: bool = False, lanes: int = 1):
     """The gradients `(dq, dk, dv)` of `gather_fwd`: a scan over the query-tile groups
     that recomputes each step's probabilities and scatter-adds the selected tiles'
     dK / dV into accumulators of the key tiles.
 
-    `q_valid`: as in `gather_fwd`. `stat_grads`: return dK / dV in the statistics
+    `q_valid`, `lanes`: as in `gather_fwd`. `stat_grads`: return dK / dV in the statistics
     dtype (float32; for a caller that adds another part before rounding).
     """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
@@ -192,9 +206,7 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
     b = jnp.arange(B)[:, None, None, None]
     h = (jnp.arange(H) // (H // K))[None, :, None, None]
 
-    def step(carry, xs):
-        dk_acc, dv_acc = carry
-        q_i, do_i, lse_i, delta_i, idx, ok = xs
+    def grads(q_i, do_i, lse_i, delta_i, idx, ok):
         safe = jnp.maximum(idx, 0)
         k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
         s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
@@ -205,7 +217,20 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
         dq = jnp.einsum("bhgtu,bhgud->bhgtd", ds.astype(q.dtype), k_sel, preferred_element_type=acc) * scale
         dk_sel = jnp.einsum("bhgtu,bhgtd->bhgud", ds.astype(q.dtype), q_i, preferred_element_type=acc) * scale
         dv_sel = jnp.einsum("bhgtu,bhgtd->bhgud", p.astype(q.dtype), do_i, preferred_element_type=acc)
+        return dq, dk_sel, dv_sel
+
+    def step(carry, xs):
+        dk_acc, dv_acc = carry
+        q_i, do_i, lse_i, delta_i, idx, ok = xs
+        # Independent lanes, as in `gather_fwd`; one scatter-add for all of them.
+        parts = [
+            grads(q_i[:, :, sl], do_i[:, :, sl], lse_i[:, :, sl], delta_i[:, :, sl], idx[:, :, sl],
+                  None if ok is None else ok[sl])
+            for sl in _lanes(qg, lanes)
+        ]
+        dq, dk_sel, dv_sel = (jnp.concatenate(x, axis=2) for x in zip(*parts))
         # Unused slots have p = 0, so their (clamped) tile receives exactly 0.
+        safe = jnp.maximum(idx, 0)
         shape = (B, H, qg, n_sel, T, D)
         dk_acc = dk_acc.at[b, h, safe].add(dk_sel.reshape(shape))
         dv_acc = dv_acc.at[b, h, safe].add(dv_sel.reshape(shape))
