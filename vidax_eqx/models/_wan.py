@@ -1163,11 +1163,11 @@ class WanTransformer3D(eqx.Module):
         if self.blocks.self_attn.to_gate_compress is not None:
             return self
         q = self.blocks.self_attn.q  # stacked: (L, dim, dim), (L, dim)
-        gate = eqx.tree_at(lambda lin: (lin.weight, lin.bias), q,
-                           (jnp.zeros(q.weight.shape, q.weight.dtype),
-                            jnp.zeros(q.bias.shape, q.bias.dtype)))
-        if isinstance(gate, nn.LoRALinear):  # the gate starts without adapters
-            gate = nn.remove_lora(gate)
+        dim, dtype = self.config.dim, q.weight.dtype
+        template = eqx.filter_eval_shape(eqx.nn.Linear, dim, dim, dtype=dtype,
+                                         key=jax.random.key(0))  # no adapters, no arrays
+        gate = eqx.tree_at(lambda lin: (lin.weight, lin.bias), template,
+                           (jnp.zeros(q.weight.shape, dtype), jnp.zeros(q.bias.shape, dtype)))
         new = eqx.tree_at(lambda m: m.blocks.self_attn.to_gate_compress, self, gate,
                           is_leaf=lambda x: x is None)
         # The configuration is static: set on the new copy (tree_at built it).

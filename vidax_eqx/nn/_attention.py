@@ -283,9 +283,8 @@ class Attention(eqx.Module):
         self.norm_q, self.norm_k = norm(), norm()
         self.to_gate_compress = None
         if gate_compress:
-            zero = lambda *shape: init.zeros(shape, dtype)  # noqa: E731
-            self.to_gate_compress = eqx.tree_at(
-                lambda lin: (lin.weight, lin.bias), self.q, (zero(dim, dim), zero(dim)))
+            zeros = (init.zeros((dim, dim), dtype), init.zeros((dim,), dtype))
+            self.to_gate_compress = eqx.tree_at(lambda lin: (lin.weight, lin.bias), self.q, zeros)
         self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
 
