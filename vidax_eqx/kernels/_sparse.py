@@ -127,6 +127,24 @@ def _q_rows(q_valid: jax.Array | None, groups: int, qg: int, tile_size: int) -> 
     return None if q_valid is None else q_valid.reshape(groups, qg, tile_size)
 
 
+def kv_chunk(n_sel: int, tile_size: int, target: int = 512) -> int:
+    """Key tiles per inner step: about `target` keys (at least two tiles), the count
+    in `[max // 2, max]` that pads `n_sel` least (ties: the larger)."""
+    hi = max(2, round(target / tile_size))
+    if n_sel <= hi:
+        return max(1, n_sel)
+    return min(range(max(1, hi // 2), hi + 1), key=lambda c: (-(-n_sel // c) * c, -c))
+
+
+def _chunks(idx: jax.Array, c: int) -> jax.Array:
+    """`idx (B, H, g, n_sel)` -> `(n_chunks, B, H, g, c)`, padded with -1."""
+    n_sel = idx.shape[-1]
+    pad = (-n_sel) % c
+    if pad:
+        idx = jnp.concatenate([idx, jnp.full((*idx.shape[:-1], pad), -1, idx.dtype)], axis=-1)
+    return jnp.moveaxis(idx.reshape(*idx.shape[:-1], -1, c), -2, 0)
+
+
 def _lanes(qg: int, lanes: int) -> list[slice]:
     """`qg` query tiles cut into `lanes` (at most; as even as possible) slices."""
     n = max(1, min(lanes, qg))
@@ -140,13 +158,14 @@ def _kv_tiles(x: jax.Array, tile_size: int) -> jax.Array:
 
 
 def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tiles: int = 2,
-               q_valid=None, lanes: int = 1):
+               q_valid=None, lanes: int = 1, kv_tiles: int | None = None):
     """The fine stage by gathering each step's selected key/value tiles: `(out, lse)`.
 
     `q_tiles`: query tiles per step (they share one loop iteration, not their keys).
     `q_valid`: optional bool `(S_q,)`; a query row where it is False sees nothing
     (out 0, the empty lse), as sliding tile attention's padding rows. `lanes`: the
-    step's query tiles split into that many independent computations.
+    step's query tiles split into that many independent computations. `kv_tiles`:
+    selected key tiles per inner step (default `kv_chunk`: about 512 keys).
     """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
     acc = m.stat_dtype(q.dtype)
@@ -155,20 +174,30 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
     qh = _heads_q(q, tile_size).reshape(B, H, groups, qg, tile_size, D).transpose(2, 0, 1, 3, 4, 5)
     q_ok = _q_rows(q_valid, groups, qg, tile_size)
 
+    low = m.masked(acc)
+    c = kv_chunk(n_sel, tile_size) if kv_tiles is None else max(1, min(kv_tiles, n_sel))
+
     def one(q_i, idx, ok):
-        safe = jnp.maximum(idx, 0)
-        k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
-        s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
-        vis = _step_mask(idx, valid_tiles, ok)
-        # One softmax over all the selected keys (rank 5: `_math`'s rank-4 tiles
-        # would merge the batch and head axes for nothing).
-        low = m.masked(acc)
-        s = jnp.where(vis, s, low)
-        mx = jnp.max(s, axis=-1)
-        p = jnp.exp(s - jnp.where(mx == low, 0.0, mx)[..., None])
-        l = jnp.sum(p, axis=-1)
-        o = jnp.einsum("bhgtu,bhgud->bhgtd", p.astype(v.dtype), v_sel, preferred_element_type=acc)
-        return m.finalize((o, mx, l), q.dtype)
+        # An online softmax over chunks of `c` selected key tiles: each chunk's logits
+        # stay small (cache-sized), whatever the selection's size.
+        def chunk(stats, ic):
+            o, mx, l = stats
+            safe = jnp.maximum(ic, 0)
+            k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
+            s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
+            s = jnp.where(_step_mask(ic, valid_tiles, ok), s, low)
+            mx_new = jnp.maximum(mx, jnp.max(s, axis=-1))
+            m_safe = jnp.where(mx_new == low, 0.0, mx_new)  # hidden logits: exp(low) = 0
+            corr = jnp.exp(mx - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            pv = jnp.einsum("bhgtu,bhgud->bhgtd", p.astype(v.dtype), v_sel, preferred_element_type=acc)
+            return (o * corr[..., None] + pv, mx_new, l * corr + jnp.sum(p, axis=-1)), None
+
+        rows = q_i.shape[:-1]
+        stats = (jnp.zeros((*rows, D), acc), jnp.full(rows, low, acc), jnp.zeros(rows, acc))
+        stats = m.as_varying(stats, m.varying_axes(q_i, idx))
+        stats, _ = lax.scan(chunk, stats, _chunks(idx, c))
+        return m.finalize(stats, q.dtype)
 
     def step(xs):
         q_i, idx, ok = xs  # (B, H, qg, T, D), (B, H, qg, n_sel), (qg, T) | None
@@ -184,12 +213,13 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
 
 
 def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
-               q_tiles: int = 2, q_valid=None, stat_grads: bool = False, lanes: int = 1):
+               q_tiles: int = 2, q_valid=None, stat_grads: bool = False, lanes: int = 1,
+               kv_tiles: int | None = None):
     """The gradients `(dq, dk, dv)` of `gather_fwd`: a scan over the query-tile groups
     that recomputes each step's probabilities and scatter-adds the selected tiles'
     dK / dV into accumulators of the key tiles.
 
-    `q_valid`, `lanes`: as in `gather_fwd`. `stat_grads`: return dK / dV in the statistics
+    `q_valid`, `lanes`, `kv_tiles`: as in `gather_fwd`. `stat_grads`: return dK / dV in the statistics
     dtype (float32; for a caller that adds another part before rounding).
     """
     B, S_q, S_k, H, K, D, nq, nk, n_sel = _dims(q, k, tiles, tile_size)
@@ -206,39 +236,52 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
     b = jnp.arange(B)[:, None, None, None]
     h = (jnp.arange(H) // (H // K))[None, :, None, None]
 
-    def grads(q_i, do_i, lse_i, delta_i, idx, ok):
-        safe = jnp.maximum(idx, 0)
-        k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
-        s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
-        vis = _step_mask(idx, valid_tiles, ok)
-        p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_i[..., None]), 0.0)
-        dp = jnp.einsum("bhgtd,bhgud->bhgtu", do_i, v_sel, preferred_element_type=acc)
-        ds = p * (dp - delta_i[..., None])
-        dq = jnp.einsum("bhgtu,bhgud->bhgtd", ds.astype(q.dtype), k_sel, preferred_element_type=acc) * scale
-        dk_sel = jnp.einsum("bhgtu,bhgtd->bhgud", ds.astype(q.dtype), q_i, preferred_element_type=acc) * scale
-        dv_sel = jnp.einsum("bhgtu,bhgtd->bhgud", p.astype(q.dtype), do_i, preferred_element_type=acc)
-        return dq, dk_sel, dv_sel
+    c = kv_chunk(n_sel, T) if kv_tiles is None else max(1, min(kv_tiles, n_sel))
+
+    def grads(acc_kv, q_i, do_i, lse_i, delta_i, idx, ok):
+        # Chunks of `c` key tiles, as in `gather_fwd`: dQ accumulates over them, each
+        # chunk's dK / dV are scatter-added at once.
+        def chunk(carry, ic):
+            dq, (dk_acc, dv_acc) = carry
+            safe = jnp.maximum(ic, 0)
+            k_sel, v_sel = _gather(kt, safe, H), _gather(vt, safe, H)
+            s = jnp.einsum("bhgtd,bhgud->bhgtu", q_i, k_sel, preferred_element_type=acc) * scale
+            vis = _step_mask(ic, valid_tiles, ok)
+            p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_i[..., None]), 0.0)
+            dp = jnp.einsum("bhgtd,bhgud->bhgtu", do_i, v_sel, preferred_element_type=acc)
+            ds = p * (dp - delta_i[..., None])
+            dq = dq + jnp.einsum("bhgtu,bhgud->bhgtd", ds.astype(q.dtype), k_sel, preferred_element_type=acc)
+            dk_sel = jnp.einsum("bhgtu,bhgtd->bhgud", ds.astype(q.dtype), q_i, preferred_element_type=acc) * scale
+            dv_sel = jnp.einsum("bhgtu,bhgtd->bhgud", p.astype(q.dtype), do_i, preferred_element_type=acc)
+            # Unused slots have p = 0, so their (clamped) tile receives exactly 0.
+            shape = (*ic.shape, T, D)
+            dk_acc = dk_acc.at[b, h, safe].add(dk_sel.reshape(shape))
+            dv_acc = dv_acc.at[b, h, safe].add(dv_sel.reshape(shape))
+            return (dq, (dk_acc, dv_acc)), None
+
+        dq0 = m.as_varying(jnp.zeros(q_i.shape, acc), m.varying_axes(q_i, idx, *acc_kv))
+        (dq, acc_kv), _ = lax.scan(chunk, (dq0, acc_kv), _chunks(idx, c))
+        return dq * scale, acc_kv
+
+    lane_slices = _lanes(qg, lanes)
 
     def step(carry, xs):
-        dk_acc, dv_acc = carry
         q_i, do_i, lse_i, delta_i, idx, ok = xs
-        # Independent lanes, as in `gather_fwd`; one scatter-add for all of them.
-        parts = [
-            grads(q_i[:, :, sl], do_i[:, :, sl], lse_i[:, :, sl], delta_i[:, :, sl], idx[:, :, sl],
-                  None if ok is None else ok[sl])
-            for sl in _lanes(qg, lanes)
-        ]
-        dq, dk_sel, dv_sel = (jnp.concatenate(x, axis=2) for x in zip(*parts))
-        # Unused slots have p = 0, so their (clamped) tile receives exactly 0.
-        safe = jnp.maximum(idx, 0)
-        shape = (B, H, qg, n_sel, T, D)
-        dk_acc = dk_acc.at[b, h, safe].add(dk_sel.reshape(shape))
-        dv_acc = dv_acc.at[b, h, safe].add(dv_sel.reshape(shape))
-        return (dk_acc, dv_acc), dq
+        # Independent lanes, as in `gather_fwd`, each with dK / dV accumulators of its
+        # own (summed at the end), so that nothing orders one lane after another.
+        dqs, out = [], []
+        for sl, acc_kv in zip(lane_slices, carry):
+            dq, acc_kv = grads(acc_kv, q_i[:, :, sl], do_i[:, :, sl], lse_i[:, :, sl], delta_i[:, :, sl],
+                               idx[:, :, sl], None if ok is None else ok[sl])
+            dqs.append(dq)
+            out.append(acc_kv)
+        return tuple(out), jnp.concatenate(dqs, axis=2)
 
     zeros = jnp.zeros((B, K, nk, T, D), acc)
     zeros = m.as_varying(zeros, m.varying_axes(q, k, v, tiles))
-    (dk, dv), dq = lax.scan(step, (zeros, zeros), (qh, do, lse_s, delta_s, table, q_ok))
+    carry, dq = lax.scan(step, tuple((zeros, zeros) for _ in lane_slices),
+                         (qh, do, lse_s, delta_s, table, q_ok))
+    dk, dv = (sum(x[i] for x in carry[1:]) + carry[0][i] for i in range(2))
     dq = _unheads_q(dq.transpose(1, 2, 0, 3, 4, 5).reshape(B, H, nq, T, D))
     dk, dv = _unheads_q(dk), _unheads_q(dv)
     if not stat_grads:
