@@ -1,4 +1,5 @@
-"""Sliding tile attention: time against the mask's density, single device and ring.
+"""Sliding tile attention (STA) and video sparse attention (VSA): time against
+density, single device and ring.
 
 The issue's question: with a [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask]
 whose windows cover about 1/8, 1/4 and 1/2 of the tiles, does the time scale
@@ -12,7 +13,9 @@ tiles, no padding). Configurations, each forward (`fwd`) and forward+backward
 - `single`: `vidax_eqx.kernels.attention(implementation="blockwise")` on one
   device. Baseline (`full`): no mask, the 32,760 real tokens (default blocks).
   Masked rows: `mask=tm` on the tile layout (`tm.seq_len` tokens: the 32,760
-  plus any padding of partial tiles).
+  plus any padding of partial tiles), served from the static table of each query
+  tile's window tiles (`Blockwise(sta_table=True)`, the default; `--sta-path loop`
+  times the tile-pair loop instead).
 - `ring-contiguous`, `ring-zigzag`: `vidax_eqx.parallel.ring_attention(mask=tm,
   layout=..., implementation="blockwise")` inside `jax.shard_map` over
   `parallel.make_mesh(sp=8)` on 8 simulated CPU devices
@@ -56,9 +59,33 @@ from a reference: the materializing `"xla"` kernel (single) or the
 single-device `"blockwise"` kernel on the global sequence (ring).
 `--render JSON` re-renders the table of an earlier run without measuring.
 
+`--kind vsa` measures video sparse attention instead (`--kind vsa sta`: both, VSA
+first, the baselines of equal size measured once), written to
+`results/sparse_vsa.{md,json}`: per grid (default 12 x 32 x 32 = 12,288 and
+21 x 30 x 52 = 32,760 tokens, tile 4 x 4 x 4: 192 and 624 tiles, the second
+with partial tiles, 39,936 tokens in the tile layout) and density d = topk /
+tiles (default 0.1 and 0.25), forward and forward+backward:
+
+- `single`: `kernels.video_sparse_attention(topk=..., implementation="blockwise")`
+  on the tile layout; and a `coarse:` row, the coarse stage and the selection
+  alone (tile means, coarse attention, top-k, out_c's broadcast), whose time over
+  full attention's is added to the target: `time / full <= 1.25 x d + 0.05 +
+  coarse / full`.
+- `ring-contiguous`: `parallel.video_sparse_attention(ring_axis=...)` inside
+  `jax.shard_map` over 8 simulated devices, on the tile layout padded with empty
+  tiles to `parallel.vsa_padded_length` (`--vsa-ring-max-tokens` limits it to the
+  smaller grids); target without the coarse term.
+
+Baselines as for STA: the unmasked `"blockwise"` kernel (single) and the unmasked
+contiguous ring, on the grid's real tokens. `jax.nn.dot_product_attention` does
+not fit: its (B, H, S, S) float32 logits are 4.8 GB at 12,288 tokens and H=8
+(forward+backward holds several such arrays), on a 24 GiB machine.
+
     python benchmarks/sparse.py --quick                    # smoke run, stdout only
     python benchmarks/sparse.py --configs single           # the issue's table, one device
     python benchmarks/sparse.py                            # ... and the ring rows
+    python benchmarks/sparse.py --kind vsa --quick         # VSA smoke run
+    python benchmarks/sparse.py --kind vsa sta --configs single   # VSA, then STA on one device
 """
 
 import argparse
@@ -192,9 +219,10 @@ def attention_fn(args, config: str, window):
         return vsa_fn(args, config, window)
     tm = None if window == FULL else tile_mask(args, window)
     if config == "single":
+        impl = kernels.Blockwise(sta_table=args.sta_path == "table") if tm is not None else KERNEL
 
         def attend(q, k, v):
-            return kernels.attention(q, k, v, mask=tm, implementation=KERNEL)
+            return kernels.attention(q, k, v, mask=tm, implementation=impl)
 
         return attend, jax.sharding.SingleDeviceSharding(jax.devices()[0]), None
 
@@ -391,7 +419,7 @@ def child_cmd(args, config: str, window, pass_: str) -> list[str]:
         "--head-dim", str(args.head_dim), "--dtype", args.dtype, "--devices", str(args.devices),
         "--repeats", str(args.repeats), "--target-seconds", str(args.target_seconds),
         "--single-run-seconds", str(args.single_run_seconds),
-        "--check-max-seq", str(args.check_max_seq),
+        "--check-max-seq", str(args.check_max_seq), "--sta-path", args.sta_path,
     ]  # fmt: skip
 
 
@@ -489,8 +517,11 @@ def run(args) -> tuple[list[Row], dict]:
                           _window_name(window), pass_)
                 if window == FULL:
                     key = (base_config, pass_, tuple(args.grid))
-                    if key in args._baselines:  # measured for the other ring layout
+                    if key in args._baselines:  # measured for the other ring layout (or VSA)
                         base = args._baselines[key]
+                        if base is not None and base.grid is not None:  # VSA's: shown here too
+                            rows.append(dataclasses.replace(base, grid=None, n_tiles=None, note="; ".join(
+                                filter(None, (base.note, "measured for the VSA rows of this run")))))
                         continue
                     r = spawn_child(args, base_config, FULL, pass_)
                     row.density = 1.0
@@ -590,6 +621,8 @@ def run_vsa(args) -> tuple[list[Row], dict]:
         args.grid = list(grid)
         n_tiles = vsa_layout(args).n_tiles
         for config in args.vsa_configs:
+            if config != "single" and args.vsa_ring_max_tokens and math.prod(grid) > args.vsa_ring_max_tokens:
+                continue
             for pass_ in args.passes:
                 key = (config, pass_, tuple(grid))
                 base = args._baselines.get(key)
@@ -792,8 +825,9 @@ def parse_args(argv=None):
         "per window density, single device and ring; each row in a fresh process. Prints a "
         "Markdown table and writes it (and JSON) under benchmarks/results."
     )
-    p.add_argument("--kind", choices=KINDS, default="sta",
-                   help="sta: sliding tile attention rows (default); vsa: video sparse attention rows "
+    p.add_argument("--kind", choices=KINDS, nargs="+", default=["sta"],
+                   help="sta: sliding tile attention rows (default); vsa: video sparse attention rows; "
+                   "both: VSA first, then STA, sharing the baselines of equal size "
                    f"(grids {' '.join(','.join(map(str, g)) for g in VSA_GRIDS)}, tile {VSA_TILE}, "
                    f"densities {VSA_DENSITIES}; output {rel(VSA_MD)})")
     p.add_argument("--vsa-grids", type=_window, nargs="+", default=None, metavar="F,H,W",
@@ -802,6 +836,11 @@ def parse_args(argv=None):
                    help="VSA: densities topk / tiles (default %(default)s)")
     p.add_argument("--vsa-configs", nargs="+", default=list(VSA_CONFIGS), choices=VSA_CONFIGS,
                    help="VSA: configurations (default: all)")
+    p.add_argument("--vsa-ring-max-tokens", type=int, default=None,
+                   help="VSA: ring rows only for grids of at most this many tokens (default: all)")
+    p.add_argument("--sta-path", choices=("table", "loop"), default="table",
+                   help="STA single-device rows: the static-table path (default) or the "
+                   "tile-pair loop (`Blockwise(sta_table=False)`, for comparison)")
     p.add_argument("--grid", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
                    help=f"token grid (default {DEFAULT_GRID})")
     p.add_argument("--tile", type=int, nargs=3, default=None, metavar=("TF", "TH", "TW"),
@@ -847,12 +886,17 @@ def parse_args(argv=None):
     p.add_argument("--child-pass", choices=PASSES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    vsa = args.kind == "vsa" and not args.child
+    vsa = "vsa" in args.kind and not args.child
     if vsa:
         args.vsa_grids = args.vsa_grids or list(QUICK_VSA_GRIDS if args.quick else VSA_GRIDS)
         args.tile = args.tile or list(VSA_TILE)
-        args.md = (VSA_MD if not args.quick else "") if args.md is None else args.md
-        args.json = (VSA_JSON if not args.quick else "") if args.json is None else args.json
+        args.vsa_md = (VSA_MD if not args.quick else "") if args.md is None else args.md
+        args.vsa_json = (VSA_JSON if not args.quick else "") if args.json is None else args.json
+        if "sta" in args.kind:  # --md / --json name the VSA files; STA's keep their defaults
+            args.md = args.json = None
+        else:
+            args.md, args.json = args.vsa_md, args.vsa_json
+    sta_tile = args.tile if not vsa else None
     if args.quick:
         args.grid = args.grid or list(QUICK_GRID)
         args.tile = args.tile or list(QUICK_TILE)
@@ -863,6 +907,8 @@ def parse_args(argv=None):
         if args.check_max_seq is None:
             args.check_max_seq = 4160
     args.grid = args.grid or list(DEFAULT_GRID)
+    args.sta_grid = list(args.grid)
+    args.sta_tile = sta_tile or (list(QUICK_TILE) if args.quick else list(DEFAULT_TILE))
     args.tile = args.tile or list(DEFAULT_TILE)
     args.windows = args.windows or list(DEFAULT_WINDOWS)
     args.md = DEFAULT_MD if args.md is None else args.md
@@ -885,13 +931,22 @@ def main(argv=None) -> int:
         args.json = ""  # the JSON is the source, left as it is
         write_outputs(args, rows, info, table)
         return 0
-    if args.kind == "vsa":
+    failed_vsa = False
+    if "vsa" in args.kind:
         rows, info = run_vsa(args)
         table = markdown_vsa(rows, info)
         print(table)
+        md, js = args.md, args.json
+        args.md, args.json = args.vsa_md, args.vsa_json
         write_outputs(args, rows, info, table)
+        args.md, args.json = md, js
         log(f"# done after {info['seconds']:.0f} s")
-        return 1 if any(r.status.startswith("error") for r in rows) else 0
+        failed_vsa = any(r.status.startswith("error") for r in rows)
+        if "sta" not in args.kind:
+            return int(failed_vsa)
+        args.grid, args.tile = list(args.sta_grid), list(args.sta_tile)
+        args.md = DEFAULT_MD if args.md is None else args.md
+        args.json = DEFAULT_JSON if args.json is None else args.json
     for w in args.windows:  # fail early on a bad window
         tile_mask(args, w)
     rows, info = run(args)
@@ -902,7 +957,7 @@ def main(argv=None) -> int:
     failed = [r for r in rows if r.status.startswith("error")]
     for r in failed:
         log(f"# {r.config} {r.window} {r.pass_}: {r.status}: {r.note}")
-    return 1 if failed else 0
+    return 1 if failed or failed_vsa else 0
 
 
 if __name__ == "__main__":
