@@ -381,3 +381,89 @@ def test_property_blockwise(tm, grads):
     impl = kernels.Blockwise(block_q=8)
     got = run_kernel(impl, tm, a, grads=grads, compiler_options=harness.FAST_COMPILE)
     check(got, run_oracle(a, dense_of(tm)), sinks=False)
+
+
+# ------------------------------------------------- the static-table path (Blockwise.sta_table)
+
+
+TABLE_CONFIGS = [
+    # Ragged grid (padding query and key rows), a text prefix that is not whole
+    # tiles, per-head windows with GQA: the table's -1 slots and its text tiles.
+    Config("table-ragged-prefix-perhead-gqa", (3, 5, 3), (1, 2, 2),
+           ((1, 1, 1), (3, 1, 1), (1, 3, 1), (3, 3, 5)), text_len=5, H=4, H_kv=2),
+    # Dividing grid, a text suffix, one window, two batch rows.
+    Config("table-divides-suffix", (4, 6, 4), (2, 2, 2), (3, 1, 3), text_len=3,
+           text_position="suffix", B=2),
+]
+LOOP = kernels.Blockwise(block_q=16, sta_table=False)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(BLOCKWISE, id="table"), pytest.param(LOOP, id="loop")])
+@pytest.mark.parametrize("cfg", TABLE_CONFIGS, ids=lambda c: c.name)
+def test_table_path_matches_oracle(impl, cfg):
+    """A sliding tile mask on default positions without other features runs from the
+    static table of window tiles (text queries by the loop); `sta_table=False` keeps
+    the tile-pair loop: both equal the oracle (out, lse, dq, dk, dv)."""
+    from vidax_eqx.kernels._args import normalize
+
+    tm = cfg.mask()
+    rng = np.random.default_rng(_seed(cfg))
+    a = harness.attention_inputs(cfg.B, tm.seq_len, cfg.H, cfg.D, H_kv=cfg.H_kv, rng=rng, dlse=True)
+    ops, opts = normalize(jnp.asarray(a["q"]), jnp.asarray(a["k"]), jnp.asarray(a["v"]), mask=tm)
+    assert (impl._table_plan(ops, opts) is not None) == impl.sta_table
+    seg = jnp.zeros((cfg.B, tm.seq_len), jnp.int32)
+    ops_seg, opts_seg = normalize(ops.q, ops.k, ops.v, mask=tm, segment_ids=seg)
+    assert impl._table_plan(ops_seg, opts_seg) is None  # segment ids: the loop
+    got = run_kernel(impl, tm, a)
+    check(got, run_oracle(a, dense_of(tm)), sinks=False)
+    _, real = oracle.video_layout(tm.grid, tm.tile)
+    pad = np.flatnonzero(~real) + tm.video_start
+    assert np.all(got[0][:, pad] == 0) and np.all(got[1][:, :, pad] == -np.inf)
+
+
+@pytest.mark.parametrize("kw", [dict(q_tiles=2, lanes=2, kv_tiles=2), dict(q_tiles=3, lanes=2, kv_tiles=3)],
+                         ids=["2x2x2", "3x2x3"])
+def test_gather_chunks_and_lanes(kw):
+    """`_sparse.gather_fwd/bwd` with several lanes per step and several key-tile chunks
+    (an online softmax across them), -1 slots, an empty row of tiles, padding keys and
+    padding query rows (`q_valid`), against the oracle with the table's dense mask."""
+    from vidax_eqx.kernels import _sparse
+
+    B, H, K, D, T, n = 2, 4, 2, 8, 4, 6
+    S = n * T
+    rng = np.random.default_rng(7)
+    a = harness.attention_inputs(B, S, H, D, H_kv=K, rng=rng, dlse=True)
+    tiles = np.argsort(rng.random((B, H, n, n)), -1)[..., :5].astype(np.int32)
+    tiles[0, 0, 0, 2:] = -1
+    tiles[1, 2, 3, :] = -1
+    kv_valid = rng.random(S) > 0.2
+    q_valid = rng.random(S) > 0.2
+    hit = np.zeros((B, H, n, n), bool)
+    bi, hi, qi, si = np.nonzero(tiles >= 0)
+    hit[bi, hi, qi, tiles[bi, hi, qi, si]] = True
+    dense = np.repeat(np.repeat(hit, T, 2), T, 3) & kv_valid & q_valid[:, None]
+    a["dout"] = a["dout"] * q_valid[:, None, None]
+    a["dlse"] = a["dlse"] * q_valid
+    ref = oracle.attention(a["q"], a["k"], a["v"], mask=dense, dout=a["dout"], dlse=a["dlse"])
+    q, k, v, dout, dlse = (jnp.asarray(a[x]) for x in ("q", "k", "v", "dout", "dlse"))
+    args = dict(tile_size=T, scale=D**-0.5, q_valid=jnp.asarray(q_valid), **kw)
+
+    @jax.jit
+    def run(q, k, v, dout, dlse):
+        out, lse = _sparse.gather_fwd(q, k, v, jnp.asarray(tiles), jnp.asarray(kv_valid), **args)
+        grads = _sparse.gather_bwd(q, k, v, jnp.asarray(tiles), jnp.asarray(kv_valid), out, lse, dout, dlse,
+                                   **args)
+        return out, lse, grads
+
+    out, lse, (dq, dk, dv) = jax.tree.map(np.asarray, run(q, k, v, dout, dlse))
+    seen = dense.any(-1)
+    oracle.assert_close(out, ref.out, F32, "out")
+    oracle.assert_close(np.where(seen, lse, 0), np.where(seen, ref.lse, 0), F32, "lse")
+    assert np.all(np.where(seen, True, lse <= np.finfo(F32).min))  # the empty lse sentinel
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        oracle.assert_close(g, getattr(ref, name), F32, name)
+
+
+def test_sta_table_flag_checked():
+    with pytest.raises(ValueError, match="sta_table"):
+        kernels.Blockwise(sta_table="yes")
