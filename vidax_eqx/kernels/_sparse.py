@@ -127,10 +127,13 @@ def _q_rows(q_valid: jax.Array | None, groups: int, qg: int, tile_size: int) -> 
     return None if q_valid is None else q_valid.reshape(groups, qg, tile_size)
 
 
-def kv_chunk(n_sel: int, tile_size: int, target: int = 512) -> int:
-    """Key tiles per inner step: about `target` keys (at least two tiles), the count
-    in `[max // 2, max]` that pads `n_sel` least (ties: the larger)."""
-    hi = max(2, round(target / tile_size))
+KV_TARGET = 512  # keys per inner step of the gathering kernel (benchmarks/NOTES.md)
+
+
+def kv_chunk(n_sel: int, tile_size: int, target: int | None = None) -> int:
+    """Key tiles per inner step: about `target` keys (default `KV_TARGET`; at least two
+    tiles), the count in `[max // 2, max]` that pads `n_sel` least (ties: the larger)."""
+    hi = max(2, round((KV_TARGET if target is None else target) / tile_size))
     if n_sel <= hi:
         return max(1, n_sel)
     return min(range(max(1, hi // 2), hi + 1), key=lambda c: (-(-n_sel // c) * c, -c))
