@@ -13,10 +13,11 @@ implementations whose `Capabilities.video_sparse` is set:
   materialized `(B, H, S_q, S_k)` softmax. The reference, and fastest for short
   sequences.
 - `gather_fwd` / `gather_bwd` (`"blockwise"`): a loop over groups of query
-  tiles; each step gathers its selected key/value tiles and runs one softmax
-  over them, so time and memory scale with `n_sel`, not with `S_k`. The
-  backward recomputes the probabilities from the log-sum-exp and scatter-adds
-  the selected tiles' dK/dV into float32 accumulators.
+  tiles; each step gathers its selected key/value tiles, a chunk of about
+  `KV_TARGET` keys at a time under an online softmax, so time and memory scale
+  with `n_sel`, not with `S_k` (a chunk of unused slots is skipped at run time).
+  The backward recomputes the probabilities from the log-sum-exp and
+  scatter-adds the selected tiles' dK/dV into float32 accumulators.
 """
 
 import jax
@@ -148,6 +149,17 @@ def _chunks(idx: jax.Array, c: int) -> jax.Array:
     return jnp.moveaxis(idx.reshape(*idx.shape[:-1], -1, c), -2, 0)
 
 
+def _skip_unused(chunk):
+    """`chunk`, skipped at run time (`lax.cond`) when every slot of the chunk is unused
+    (`-1`): a table whose rows list their used slots first (a ring step's share of a
+    selection, `parallel/_vsa_ring.py`) then costs what it uses, not its width."""
+
+    def run(carry, ic):
+        return lax.cond(jnp.any(ic >= 0), lambda c: chunk(c, ic)[0], lambda c: c, carry), None
+
+    return run
+
+
 def _lanes(qg: int, lanes: int) -> list[slice]:
     """`qg` query tiles cut into `lanes` (at most; as even as possible) slices."""
     n = max(1, min(lanes, qg))
@@ -199,7 +211,7 @@ def gather_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, q_tile
         rows = q_i.shape[:-1]
         stats = (jnp.zeros((*rows, D), acc), jnp.full(rows, low, acc), jnp.zeros(rows, acc))
         stats = m.as_varying(stats, m.varying_axes(q_i, idx))
-        stats, _ = lax.scan(chunk, stats, _chunks(idx, c))
+        stats, _ = lax.scan(_skip_unused(chunk), stats, _chunks(idx, c))
         return m.finalize(stats, q.dtype)
 
     def step(xs):
@@ -263,7 +275,7 @@ def gather_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
             return (dq, (dk_acc, dv_acc)), None
 
         dq0 = m.as_varying(jnp.zeros(q_i.shape, acc), m.varying_axes(q_i, idx, *acc_kv))
-        (dq, acc_kv), _ = lax.scan(chunk, (dq0, acc_kv), _chunks(idx, c))
+        (dq, acc_kv), _ = lax.scan(_skip_unused(chunk), (dq0, acc_kv), _chunks(idx, c))
         return dq * scale, acc_kv
 
     lane_slices = _lanes(qg, lanes)

@@ -100,9 +100,14 @@ def _hop(xs: tuple, cfg: VsaRing, deps) -> tuple:
 
 
 def _step_tiles(cfg: VsaRing, sel, src):
-    """The selection as the local tile indices of `src`'s block (`-1` elsewhere)."""
+    """The selection as the local tile indices of `src`'s block: per row its tiles in
+    that block first, then `-1`, `min(topk, n_local)` slots. The fine stage skips
+    chunks of unused slots at run time, so a step costs the tiles it holds of the
+    selection, not the selection's width."""
     nl = cfg.n_local
-    return jnp.where((sel >= 0) & (sel // nl == src), sel % nl, -1).astype(jnp.int32)
+    local = jnp.where((sel >= 0) & (sel // nl == src), sel % nl, -1).astype(jnp.int32)
+    local = -jnp.sort(-local, axis=-1)  # used slots (>= 0) first
+    return local[..., : min(cfg.topk, nl)]
 
 
 def fine_forward(cfg: VsaRing, q, k, v, sel):
