@@ -28,7 +28,7 @@ from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
 from ._tile import (
-    block_may_see, kv_block_ranges, kv_features, q_block_ranges, q_features, tile_block, video_token_valid,
+    block_may_see, kv_block_ranges, kv_features, q_block_ranges, layout_valid, q_features, tile_block,
     window_table,
 )
 
@@ -347,7 +347,7 @@ class Blockwise(AbstractImplementation):
             text_tiles = np.broadcast_to(np.arange(n_video, n_video + n_text, dtype=np.int32),
                                          (*table.shape[:2], n_text))
             table = np.concatenate([table, text_tiles], axis=-1)
-        real = video_token_valid(tm)
+        real = layout_valid(tm.grid, tm.tile)
         kv_valid = np.concatenate([real, np.ones(tm.text_len, bool), np.zeros(text_pad, bool)])
         return _TablePlan(video, text, text_pad, table, kv_valid, None if real.all() else real)
 

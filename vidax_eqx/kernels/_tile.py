@@ -577,7 +577,11 @@ def window_table(tm: SlidingTileMask) -> np.ndarray:
     return table
 
 
-def video_token_valid(tm: SlidingTileMask) -> np.ndarray:
-    """bool NumPy `(video_len,)`: the real (unpadded) tokens of the tile layout."""
-    _, real, _ = tm.decode(np.arange(tm.video_len) + tm.video_start, np)
-    return np.asarray(real)
+def layout_valid(grid: Triple, tile: Triple) -> np.ndarray:
+    """bool NumPy `(video_len,)`: the real (unpadded) tokens of the tile layout of
+    [`tile_permute`][]`(x, grid, tile)` (sliding tile attention's and VSA's)."""
+    tiles = [-(-g // t) for g, t in zip(grid, tile)]
+    f, h, w = ((np.arange(n)[:, None] * t + np.arange(t)[None, :]) < g
+               for n, t, g in zip(tiles, tile, grid))  # (n_d, t_d): real along each dimension
+    valid = f[:, None, None, :, None, None] & h[None, :, None, None, :, None] & w[None, None, :, None, None, :]
+    return valid.reshape(-1)

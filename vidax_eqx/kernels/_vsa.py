@@ -35,7 +35,7 @@ from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
 from ._dispatch import Plan, run
 from ._registry import choices
-from ._tile import Triple, triple
+from ._tile import layout_valid, Triple, triple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +70,7 @@ class VsaLayout:
 
     def token_valid(self) -> np.ndarray:
         """bool `(video_len,)`: the real (unpadded) tokens of the tile layout."""
-        per_dim = [
-            (np.arange(n)[:, None] * t + np.arange(t)[None, :]) < g
-            for n, t, g in zip(self.tiles, self.tile, self.grid)
-        ]  # (n_d, t_d) each
-        f, h, w = per_dim
-        valid = (
-            f[:, None, None, :, None, None]
-            & h[None, :, None, None, :, None]
-            & w[None, None, :, None, None, :]
-        )
-        return valid.reshape(-1)
+        return layout_valid(self.grid, self.tile)
 
     def tile_counts(self) -> np.ndarray:
         """int `(n_tiles,)`: real tokens per tile."""
