@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from .._checks import is_int
 from ._slices import normalize_index, read_blocks
 
 
@@ -83,10 +84,6 @@ def _clip(value, limit=80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _parse_entry(path, name, raw, data_bytes) -> _Entry:
     where = f"tensor {_clip(name)}"
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
@@ -96,9 +93,9 @@ def _parse_entry(path, name, raw, data_bytes) -> _Entry:
     code, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(code, str) or code not in _DTYPES:
         raise _bad(path, f"{where} has unknown dtype {_clip(code)}; known: {', '.join(_DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise _bad(path, f"{where} has shape {_clip(shape)}; expected a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
         raise _bad(path, f"{where} has data_offsets {_clip(offsets)}; expected [begin, end] ints")
     begin, end = offsets
     if not 0 <= begin <= end <= data_bytes:

@@ -38,7 +38,8 @@ from ..parallel import (
     usp_attention,
     video_sparse_attention as parallel_video_sparse_attention,
 )
-from ._checks import check_eps, check_heads, check_positive
+from .._checks import check_positive
+from ._checks import check_eps, check_heads
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, local_heads, row_parallel, tp_input

@@ -6,13 +6,7 @@ received. The check of a `ParallelConfig` argument, `check_parallel`, lives besi
 in `_parallel.py`, which uses it too.
 """
 
-
-def check_positive(owner: str, **sizes) -> None:
-    """Raises unless every value of `sizes` (argument name -> value) is an int >= 1 (not
-    a bool), checked in the order given."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}: `{name}` must be a positive int; received {value!r}.")
+from .._checks import check_positive
 
 
 def check_heads(owner: str, dim: int, num_heads: int) -> int:

@@ -24,7 +24,8 @@ from ..parallel import (
     sequence_parallel_joint_self_attention,
     usp_attention,
 )
-from ._checks import check_eps, check_heads, check_positive
+from .._checks import check_positive
+from ._checks import check_eps, check_heads
 from . import _init as init
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input

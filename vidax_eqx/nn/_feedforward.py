@@ -8,7 +8,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from ..parallel import axis_size
-from ._checks import check_positive
+from .._checks import check_positive
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, row_parallel

@@ -12,7 +12,8 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
 from ..parallel import axis_size, TP_AXIS
-from ._checks import check_eps, check_positive
+from .._checks import check_positive
+from ._checks import check_eps
 from ._fsdp import fsdp_gather
 from . import _init as init
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
-from ._checks import check_positive
+from .._checks import check_positive
 from ._fsdp import fsdp_gather
 from . import _init as init
 

@@ -10,9 +10,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+from .._checks import is_int
 
 
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -106,12 +104,12 @@ def rope_3d(
     if (
         not isinstance(grid, (tuple, list))
         or len(grid) != 3
-        or not all(_is_int(g) and g >= 1 for g in grid)
+        or not all(is_int(g) and g >= 1 for g in grid)
     ):
         raise ValueError(
             f"rope_3d: `grid` must be three positive ints (frames, height, width); received {grid!r}."
         )
-    if not _is_int(head_dim) or head_dim < 2 or head_dim % 2:
+    if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"rope_3d: `head_dim` must be a positive even int; received {head_dim!r}.")
     c = head_dim // 2
     if split is None:
@@ -119,7 +117,7 @@ def rope_3d(
     if (
         not isinstance(split, (tuple, list))
         or len(split) != 3
-        or not all(_is_int(s) and s >= 0 for s in split)
+        or not all(is_int(s) and s >= 0 for s in split)
         or sum(split) != c
     ):
         raise ValueError(
@@ -218,13 +216,13 @@ def sincos_embedding_3d(
     if (
         not isinstance(grid, (tuple, list))
         or len(grid) != 3
-        or not all(_is_int(g) and g >= 1 for g in grid)
+        or not all(is_int(g) and g >= 1 for g in grid)
     ):
         raise ValueError(
             "sincos_embedding_3d: `grid` must be three positive Python ints (frames, height, "
             f"width), concrete when traced; received {grid!r}."
         )
-    if not _is_int(dim) or dim < 16 or dim % 16:
+    if not is_int(dim) or dim < 16 or dim % 16:
         raise ValueError(f"sincos_embedding_3d: `dim` must be a positive multiple of 16; received {dim!r}.")
     f, h, w = (int(g) for g in grid)
     spatial = 3 * dim // 4

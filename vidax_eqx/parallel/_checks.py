@@ -1,7 +1,7 @@
 """Argument validators shared by the sequence-parallel entry points.
 
 Ulysses, the ring, its joint layout and USP check their common arguments here, so
-that each rule has one implementation and one message: static ints, the rank and
+that each rule has one implementation and one message: the rank and
 head counts of `q, k, v`, sink logits, ring sizes, and sliding tile masks laid
 over a sharded global sequence. Everything raises `ValueError` (a wrong mask type
 `TypeError`), stating the rule, what was received and the fix.
@@ -13,17 +13,6 @@ import numpy as np
 
 from .. import kernels
 from ._rank_masks import RankMasks
-
-
-def static_int(name: str, x) -> int:
-    """`x` as an int, or a `ValueError` unless it is a Python (or NumPy) int: it sets shapes."""
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        got = (f"a {type(x).__name__} of shape {jnp.shape(x)}" if hasattr(x, "shape")
-               else f"{type(x).__name__} {x!r}")
-        raise ValueError(
-            f"`{name}` must be a Python int (static: it sets shapes); received {got}."
-        )
-    return int(x)
 
 
 def check_qkv(q, k, v, fn: str) -> None:

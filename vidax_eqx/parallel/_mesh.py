@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from .._checks import positive_int
 from .._vma import replicated_axes
 
 
@@ -101,12 +102,6 @@ def _check_axis(x, axis, fn: str) -> int:
     return int(axis) % ndim
 
 
-def _check_positive(fn: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{fn}: `{name}` must be a positive int; received {value!r}.")
-    return int(value)
-
-
 def chunk_by_rank(x: jax.Array, axis: int, sp_size: int, rank) -> jax.Array:
     """This rank's contiguous share of `x` along `axis`.
 
@@ -150,7 +145,7 @@ def gather_chunks(x: jax.Array, axis: int, axis_name: str) -> jax.Array:
 
 def pad_to_multiple(x: jax.Array, multiple: int, axis: int = 1, value=0) -> jax.Array:
     """Pads `x` at the end of `axis` up to a multiple of `multiple`."""
-    multiple = _check_positive("pad_to_multiple", "multiple", multiple)
+    multiple = positive_int("pad_to_multiple", "multiple", multiple)
     axis = _check_axis(x, axis, "pad_to_multiple")
     extra = -x.shape[axis] % multiple
     if extra == 0:
@@ -182,9 +177,9 @@ def padding_segment_ids(
     nothing, so any token count can be split over any number of devices.
     """
     fn = "padding_segment_ids"
-    length = _check_positive(fn, "length", length)
-    multiple = _check_positive(fn, "multiple", multiple)
-    batch = _check_positive(fn, "batch", batch)
+    length = positive_int(fn, "length", length)
+    multiple = positive_int(fn, "multiple", multiple)
+    batch = positive_int(fn, "batch", batch)
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, length), jnp.int32)
     segment_ids = jnp.asarray(segment_ids)

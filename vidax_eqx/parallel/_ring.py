@@ -38,7 +38,8 @@ from collections.abc import Hashable
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
-from ._checks import check_no_text_lengths, check_text_position, static_int
+from .._checks import static_int
+from ._checks import check_no_text_lengths, check_text_position
 from ._joint import ring_joint_attention
 from ._ring_engine import run_ring
 

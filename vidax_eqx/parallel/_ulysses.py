@@ -25,8 +25,9 @@ from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds, SlidingTileMask
 from ._checks import (
-    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_text_position, static_int,
+    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_text_position,
 )
+from .._checks import static_int
 from ._keys import hide_keys
 from ._mesh import axis_size, check_sharded
 

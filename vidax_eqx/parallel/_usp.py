@@ -34,8 +34,9 @@ from .. import kernels
 from .._order import Sequence
 from ._checks import (
     check_heads, check_lengths, check_no_text_lengths, check_qkv, check_sinks,
-    check_text_position, check_tile_mask, static_int,
+    check_text_position, check_tile_mask,
 )
+from .._checks import static_int
 from ._joint import check_joint_tile_mask, join_joint, joint_attention, split_joint
 from ._layout import check_layout, layout_parts
 from ._mesh import axis_size, check_sharded
