@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (FSDP / ZeRO-3, `nn.ParallelConfig(fsdp_axes=...)`):
+"""Fully sharded data parallelism (FSDP / ZeRO-3, `nn.sharding.ParallelConfig(fsdp_axes=...)`):
 what a training step holds per device, what it communicates, and what it costs.
 
 Every case runs in a fresh process (this script with a hidden `--child-*` flag) with
@@ -9,7 +9,7 @@ set before JAX is imported; one process per device count). Three parts:
 (`WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)`, text 512 x 4096,
 14,288,491,584 parameters) is built abstractly (`eqx.filter_eval_shape`: no weight is
 ever allocated) in float32, its parameters, and the AdamW moments of
-`optax.adamw`, placed as `nn.partition_specs(model, mesh)` places them
+`optax.adamw`, placed as `nn.sharding.partition_specs(model, mesh)` places them
 (`jax.ShapeDtypeStruct`s with `NamedSharding`s), and the step
 
     params, opt_state, loss = step(params, opt_state, x, t, context, target)
@@ -87,7 +87,7 @@ it leaves `shard_map` as the weights' in_specs say) and AdamW's two moments afte
 step, summed per device from each array's `addressable_shards`, against the
 placement's expectation: the bytes of the parameters split over both FSDP and tensor
 parallelism / (fsdp x tp), + over FSDP only / fsdp, + the replicated remainder, the
-parameters FSDP leaves whole (`nn.replicated_parameters`: under tp, the vectors whose
+parameters FSDP leaves whole (`nn.sharding.replicated_parameters`: under tp, the vectors whose
 one dimension tp already splits) / tp or in full; and against the one-line estimate
 `(total - replicated) / (fsdp x tp) + replicated remainder`, which assumes that every
 parameter FSDP splits is also split by tp (the embeddings, norms and modulations are
@@ -253,7 +253,7 @@ def train_step(static, optimizer, mesh, batch_axis):
 def parallel_config(case: Case):
     from vidax_eqx import nn
 
-    return nn.ParallelConfig(sequence="ulysses", tp_axis="tp" if case.tp > 1 else None,
+    return nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp" if case.tp > 1 else None,
                              fsdp_axes=case.fsdp_axes, fsdp_regather=case.regather)
 
 
@@ -288,7 +288,7 @@ def abstract_state(case: Case):
     model = eqx.filter_eval_shape(models.WanTransformer3D, cfg, parallel=parallel_config(case),
                                   dtype=jnp.float32, key=jax.random.PRNGKey(0))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    specs = eqx.filter(nn.partition_specs(model, mesh), _is_spec)
+    specs = eqx.filter(nn.sharding.partition_specs(model, mesh), _is_spec)
     params, static = eqx.partition(model, is_struct)
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
@@ -426,9 +426,9 @@ def small_child(args, options: dict | None) -> None:
     for name, fsdp in (("fsdp", True), ("no fsdp", False)):
         case = Case(dp=2, sp=2, tp=2, fsdp=fsdp, layers=layers, model="small",
                     tokens=args.small_tokens)
-        model = nn.shard_module(nn.with_parallel(base, parallel_config(case)), mesh)
+        model = nn.sharding.shard_module(nn.sharding.with_parallel(base, parallel_config(case)), mesh)
         params, static = eqx.partition(model, eqx.is_array)
-        opt_state = nn.shard_like(optimizer.init(params), model, mesh)
+        opt_state = nn.sharding.shard_like(optimizer.init(params), model, mesh)
         step, loss_fn = train_step(static, optimizer, mesh, "dp")
         shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
         fn = jax.jit(step, donate_argnums=(0, 1), out_shardings=(
@@ -460,7 +460,7 @@ def small_child(args, options: dict | None) -> None:
         emit({"kind": "bytes", "variant": name, "case": dataclasses.asdict(v["case"]),
               "measured": {k: device_bytes(tree) for k, tree in trees.items()},
               "expected": expected_bytes(v["model"], mesh, v["case"]),
-              "replicated": [list(r[:2]) for r in nn.replicated_parameters(v["model"], mesh)]
+              "replicated": [list(r[:2]) for r in nn.sharding.replicated_parameters(v["model"], mesh)]
               if v["case"].fsdp else []})
 
     timings = {name: [] for name in variants}
@@ -496,7 +496,7 @@ def expected_bytes(model, mesh, case: Case) -> dict:
     from vidax_eqx import nn
 
     params = eqx.filter(model, eqx.is_array)
-    specs = jax.tree.leaves(eqx.filter(nn.partition_specs(model, mesh), _is_spec), is_leaf=_is_spec)
+    specs = jax.tree.leaves(eqx.filter(nn.sharding.partition_specs(model, mesh), _is_spec), is_leaf=_is_spec)
     fsdp, tp = set(case.fsdp_axes), case.tp
     n_fsdp = math.prod(mesh.shape[a] for a in fsdp)
     parts = {"tp_and_fsdp": 0, "fsdp_only": 0, "tp_only": 0, "whole": 0}

@@ -89,7 +89,7 @@ def _sharded_child(path: str, process: int, processes: int, port: int, plain: bo
         model = models.WanTransformer3D.from_pretrained(path)
     else:
         model = models.WanTransformer3D.from_pretrained(
-            path, parallel=nn.ParallelConfig(fsdp_axes=("dp",)), mesh=mesh)
+            path, parallel=nn.sharding.ParallelConfig(fsdp_axes=("dp",)), mesh=mesh)
     jax.block_until_ready(jax.tree.leaves(model))
     result["seconds"] = time.perf_counter() - t0
     result["peak_rss_bytes"] = peak_rss()

@@ -37,7 +37,7 @@ Ulysses where it fits, ring otherwise; a single mode that cannot serve a case gi
 Reported per (model, tokens, mesh), per device (each device runs its own SPMD
 program: every number below is one device's):
 
-- parameter bytes: from the shapes and `nn.partition_specs` (bf16; TP shards the
+- parameter bytes: from the shapes and `nn.sharding.partition_specs` (bf16; TP shards the
   attention and FFN weights, everything else is replicated).
 - XLA temp bytes (`compiled.memory_analysis().temp_size_in_bytes`) of a forward and
   of a training step: `jax.value_and_grad` of an MSE loss (float32) against a target
@@ -422,17 +422,17 @@ def abstract_model(case: Case):
     mesh = parallel.make_mesh(sp=case.sp, tp=case.tp)
     fam = family(case.model)
     cfg = getattr(models, fam.config)(**config(case.model))
-    pc = nn.ParallelConfig(sequence=case.sequence, tp_axis="tp" if case.tp > 1 else None)
+    pc = nn.sharding.ParallelConfig(sequence=case.sequence, tp_axis="tp" if case.tp > 1 else None)
     model = eqx.filter_eval_shape(getattr(models, fam.cls), cfg, parallel=pc,
                                   dtype=jnp.bfloat16, key=jax.random.PRNGKey(0))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     arrays, static = eqx.partition(model, is_struct)
-    # `nn.partition_specs` recognizes arrays with `eqx.is_array`, which a
+    # `nn.sharding.partition_specs` recognizes arrays with `eqx.is_array`, which a
     # ShapeDtypeStruct is not: take the specs of the traced model instead.
     box = []
 
     def take_specs(a):
-        specs = nn.partition_specs(eqx.combine(a, static))
+        specs = nn.sharding.partition_specs(eqx.combine(a, static))
         box.append(eqx.partition(specs, lambda s: isinstance(s, P))[0])
         return 0
 

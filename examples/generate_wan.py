@@ -170,7 +170,7 @@ def load_model(checkpoint: str, *, dtype=None, parallel=None, mesh=None):
     `find(part)`, the pipeline's folder `part` (`"vae"`, ...) or `None`."""
     from vidax_eqx import interop, models, nn
 
-    kwargs = dict(dtype=dtype, parallel=parallel or nn.ParallelConfig(), mesh=mesh)
+    kwargs = dict(dtype=dtype, parallel=parallel or nn.sharding.ParallelConfig(), mesh=mesh)
     if not os.path.isdir(checkpoint):  # a Hub id: its model_index.json says what it holds
         index = _read_json(os.path.join(interop.resolve_checkpoint(checkpoint),
                                         "model_index.json")) or {}
@@ -331,7 +331,7 @@ def main(argv=None):
         extra = {"cfg": 2} if "cfg" in sizes else None
         mesh = parallel.make_mesh(sizes.get("dp", 1), sizes.get("sp", 1), sizes.get("tp", 1),
                                   extra_axes=extra)
-        parallel_config = nn.ParallelConfig(
+        parallel_config = nn.sharding.ParallelConfig(
             sequence="ulysses" if sizes.get("sp", 1) > 1 else "none",
             tp_axis="tp" if sizes.get("tp", 1) > 1 else None)
 

@@ -21,8 +21,8 @@ sees the same ones.
    or `usp`: Ulysses over sp/2 x a ring of 2), the heads and MLP features over "tp"
    (Megatron), the batch over "dp" (`--dp`), every weight fully sharded (FSDP,
    `--fsdp`: on by default when `--dp` > 1) over "dp" and "sp" (and "ring" with
-   `usp`; the sequence axes alone with `--dp 1`), the weights placed by `nn.shard_module`, the AdamW state by
-   `nn.shard_like`, and each block rematerialized in the backward pass (`--remat`,
+   `usp`; the sequence axes alone with `--dp 1`), the weights placed by `nn.sharding.shard_module`, the AdamW state by
+   `nn.sharding.shard_like`, and each block rematerialized in the backward pass (`--remat`,
    default `"full"`). The model's `ParallelConfig` is a non-array leaf, not tree
    structure, so the one AdamW state serves both. Checks: the loss went down, the
    sharded losses equal the 1-device ones to `--tol` (relative), and the sharded
@@ -50,7 +50,7 @@ go on every attention projection and FFN layer of the blocks (`models.add_lora` 
 name pattern; `lora_B` starts at zero, so the model starts as it was), the model is
 split by `eqx.partition(model, nn.lora_filter(model))`, and AdamW holds state for the
 adapters only. Steps 1 (one device vs sharded, the adapters following their layers'
-tensor-parallel split; the AdamW state placed by `nn.shard_like(..., filter_spec=)`)
+tensor-parallel split; the AdamW state placed by `nn.sharding.shard_like(..., filter_spec=)`)
 run as above; then the adapters are saved as a diffusers/PEFT LoRA file
 (`models.save_lora`, into `--checkpoint-dir/lora` when given), loaded back into the base model (`models.load_lora`)
 and merged into its weights (`nn.merge_lora`). Checks: the loss went down, sharded ==
@@ -172,11 +172,11 @@ def sharded_setup(sequence, dp, sp, tp, fsdp):
     """
     if sequence == "usp":
         mesh = parallel.make_mesh(dp=dp, sp=sp // 2, tp=tp, extra_axes={"ring": 2})
-        config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp",
+        config = nn.sharding.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp",
                                    fsdp_axes=fsdp_axes(sequence, dp, fsdp))
     else:
         mesh = parallel.make_mesh(dp=dp, sp=sp, tp=tp)
-        config = nn.ParallelConfig(sequence=sequence, tp_axis="tp",
+        config = nn.sharding.ParallelConfig(sequence=sequence, tp_axis="tp",
                                    fsdp_axes=fsdp_axes(sequence, dp, fsdp))
     return mesh, config
 
@@ -268,7 +268,7 @@ def templates(optimizer, config):
     and the non-array parts, no arrays (`eqx.filter_eval_shape`), for a restore."""
     def init():
         model = models.WanTransformer3D(CONFIG, key=jax.random.PRNGKey(0))
-        model = nn.with_parallel(model, config)
+        model = nn.sharding.with_parallel(model, config)
         return model, optimizer.init(eqx.filter(model, eqx.is_array))
 
     return eqx.filter_eval_shape(init)
@@ -345,8 +345,8 @@ def main(argv=None) -> int:
     # 2. The same weights, optimizer state and draws, sharded.
     t0 = time.perf_counter()
     mesh, pconfig, place, sharded_step = sharded_training(args, fsdp, make_step, optimizer)
-    sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
-    sharded_state = nn.shard_like(opt_state, sharded, mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, pconfig), mesh)
+    sharded_state = nn.sharding.shard_like(opt_state, sharded, mesh)
     before = compiled.count
     sharded, sharded_state, losses = train(sharded_step, sharded, sharded_state, data, args.seed,
                                            args.steps, place=place)
@@ -479,8 +479,8 @@ def lora_main(args, fsdp: bool) -> int:
     single_model, _, single = train(single_step, model, opt_state, data, args.seed, args.steps)
 
     mesh, pconfig, place, sharded_step = sharded_training(args, fsdp, make_lora_step, optimizer)
-    sharded = nn.shard_module(nn.with_parallel(model, pconfig), mesh)
-    sharded_state = nn.shard_like(opt_state, sharded, mesh, filter_spec=nn.lora_filter(sharded))
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, pconfig), mesh)
+    sharded_state = nn.sharding.shard_like(opt_state, sharded, mesh, filter_spec=nn.lora_filter(sharded))
     before = compiled.count
     sharded, _, losses = train(sharded_step, sharded, sharded_state, data, args.seed, args.steps,
                                place=place)

@@ -20,7 +20,7 @@ built abstractly (`eqx.filter_eval_shape`: no random initialization).
 The same block then runs on 8 simulated CPU devices as sp=4 x tp=2: the video
 tokens split over "sp" (Ulysses all_to_all, or ring attention), the heads and
 the MLP's hidden features split over "tp" (Megatron: column-parallel then
-row-parallel, one psum each), the weights placed by `nn.partition_specs`.
+row-parallel, one psum each), the weights placed by `nn.sharding.partition_specs`.
 Each mode is compared with the single-device result.
 
     python examples/wan_block.py
@@ -105,7 +105,7 @@ class WanBlock(eqx.Module):
     `cross_attn`, `norm2`, `ffn.0`, `ffn.2`, `modulation`). The attention
     modules' `parallel` configuration decides how the block runs: with a
     tensor-parallel axis the MLP is split over it too (`ffn.0` column-parallel,
-    `ffn.2` row-parallel, placed by `nn.partition_specs`).
+    `ffn.2` row-parallel, placed by `nn.sharding.partition_specs`).
     """
 
     norm1: nn.LayerNorm
@@ -116,7 +116,7 @@ class WanBlock(eqx.Module):
     ffn: nn.FeedForward
     modulation: jax.Array
 
-    def __init__(self, dim, ffn_dim, num_heads, *, eps=1e-6, parallel=nn.ParallelConfig(), key):
+    def __init__(self, dim, ffn_dim, num_heads, *, eps=1e-6, parallel=nn.sharding.ParallelConfig(), key):
         k1, k2, k3, k5 = jax.random.split(key, 4)
         self.norm1 = nn.LayerNorm(dim, eps, elementwise_affine=False)
         self.self_attn = nn.Attention(dim, num_heads, eps=eps, parallel=parallel, key=k1)
@@ -206,21 +206,21 @@ def sharded_forward(block, mode, sp, tp):
     if mode == "usp":  # Ulysses over "sp", a ring over "ring"
         sp_u, ring = 2, sp // 2
         mesh = parallel.make_mesh(sp=sp_u, tp=tp, extra_axes={"ring": ring})
-        config = nn.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp")
+        config = nn.sharding.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp")
         seq = ("ring", "sp")
     else:
         mesh = parallel.make_mesh(sp=sp, tp=tp)
-        config = nn.ParallelConfig(sequence=mode, tp_axis="tp")
+        config = nn.sharding.ParallelConfig(sequence=mode, tp_axis="tp")
         seq = "sp"
-    block = nn.with_parallel(block, config)  # the same arrays, another ParallelConfig leaf
-    specs = nn.partition_specs(block)  # Megatron attention and FFN
+    block = nn.sharding.with_parallel(block, config)  # the same arrays, another ParallelConfig leaf
+    specs = nn.sharding.partition_specs(block)  # Megatron attention and FFN
 
     def body(block, x, e, context, cos, sin):
         return jax.vmap(lambda x, e, c: block(x, e, c, (cos, sin)))(x, e, context)
 
     # Modules hold their ParallelConfig as a (non-array) leaf: Equinox's filtered
-    # transformations, and `nn.filter_shard_map` for the shard_map, take them whole.
-    run = eqx.filter_jit(nn.filter_shard_map(
+    # transformations, and `nn.sharding.filter_shard_map` for the shard_map, take them whole.
+    run = eqx.filter_jit(nn.sharding.filter_shard_map(
         body,
         mesh=mesh,
         in_specs=(specs, P(None, seq), P(), P(), P(seq), P(seq)),

@@ -14,7 +14,7 @@ The step is Wan's flow matching sampler, one Euler step: the model predicts the
 velocity `v` of the noisy latents at noise level `sigma` (timestep `1000 * sigma`) and
 `x <- x + (sigma_next - sigma) * v`. It runs once on one device and then with
 `models.run_sharded` on 8 simulated CPU devices in each `--modes` configuration
-(sequence parallelism x tensor parallelism, weights placed by `nn.partition_specs`,
+(sequence parallelism x tensor parallelism, weights placed by `nn.sharding.partition_specs`,
 the batch over a data-parallel axis where the mode says so); every result is compared
 with the single-device one. Exits non-zero if a difference exceeds `--tol`.
 """
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     for mode in args.modes:
         mesh_axes, config, batch_axis = MODES[mode]
         mesh = parallel.make_mesh(**mesh_axes)
-        sharded = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
+        sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
 
         @eqx.filter_jit
         def step(model, x, context):

@@ -23,10 +23,10 @@ gradient in q of `<(dq, dk, dv), w>` (`second`: docs/transformations.md lists
 Ulysses and USP, joint layouts included; ring attention's is the program that aborted).
 
 FSDP draws (`fsdp-attention`, `fsdp-wan`) add a data-parallel and a tensor-parallel axis
-and weights fully sharded over some of the axes that carry data (`nn.ParallelConfig(
+and weights fully sharded over some of the axes that carry data (`nn.sharding.ParallelConfig(
 fsdp_axes=...)`): a Wan self-attention (`nn.Attention`) or a tiny whole Wan
-(`models.run_sharded`), placed by `nn.partition_specs` and run through
-`nn.filter_shard_map`, where every module all-gathers its own weights (and the
+(`models.run_sharded`), placed by `nn.sharding.partition_specs` and run through
+`nn.sharding.filter_shard_map`, where every module all-gathers its own weights (and the
 backward reduce-scatters their gradients) among its sequence and tensor-parallel
 collectives. They check the output (`forward`), or the gradients of `<out, cotangent>`
 in every weight and in the tokens (`grad`), against the same module on one device.
@@ -296,7 +296,7 @@ def _relative_errors(got, want) -> list[tuple[str, float]]:
 
 def _run_fsdp_child(cfg: Config) -> dict:
     """An FSDP configuration: the module (or whole model) sharded by
-    `nn.partition_specs`, run through `nn.filter_shard_map` twice, against one device."""
+    `nn.sharding.partition_specs`, run through `nn.sharding.filter_shard_map` twice, against one device."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -309,7 +309,7 @@ def _run_fsdp_child(cfg: Config) -> dict:
     extra = {"ring": cfg.ring} if cfg.sequence == "usp" else {}
     sp = cfg.ulysses if cfg.sequence in ("ulysses", "usp") else cfg.ring
     mesh = parallel.make_mesh(dp=cfg.dp, sp=sp, tp=cfg.tp, extra_axes=extra)
-    config = nn.ParallelConfig(
+    config = nn.sharding.ParallelConfig(
         sequence=cfg.sequence, ring_axis="ring" if extra else None, layout=cfg.layout,
         tp_axis="tp" if cfg.tp > 1 else None, fsdp_axes=cfg.fsdp, fsdp_regather=cfg.regather)
     batch_axis = "dp" if cfg.dp > 1 else None
@@ -339,13 +339,13 @@ def _run_fsdp_child(cfg: Config) -> dict:
 
         def per_device(m, x):  # the whole sequence in, each device its share
             def one(x):
-                return nn.gather_tokens(m(nn.shard_tokens(x, m.parallel)), m.parallel)
+                return nn.sharding.gather_tokens(m(nn.sharding.shard_tokens(x, m.parallel)), m.parallel)
 
             return jax.vmap(one)(x)
 
         def sharded(m, x):
-            return nn.filter_shard_map(
-                per_device, mesh=mesh, in_specs=(nn.partition_specs(m, mesh), P(batch_axis)),
+            return nn.sharding.filter_shard_map(
+                per_device, mesh=mesh, in_specs=(nn.sharding.partition_specs(m, mesh), P(batch_axis)),
                 out_specs=P(batch_axis))(m, x)
     else:
         wan = models.WanConfig(dim=dim, ffn_dim=3 * dim // 2, num_heads=cfg.heads, num_layers=2,
@@ -380,7 +380,7 @@ def _run_fsdp_child(cfg: Config) -> dict:
         # The weights' gradients, and the tokens' for the attention module.
         return jax.grad(loss, argnums=(0, 1) if cfg.path == "fsdp-attention" else 0)
 
-    placed = nn.shard_module(nn.with_parallel(module, config), mesh)
+    placed = nn.sharding.shard_module(nn.sharding.with_parallel(module, config), mesh)
     sharded_params, sharded_static = eqx.partition(placed, eqx.is_array)
     clock = time.monotonic()
     compiled = jax.jit(program(sharded, sharded_static)).lower(sharded_params, *inputs).compile()

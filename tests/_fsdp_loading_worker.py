@@ -7,7 +7,7 @@ process joins one `jax.distributed` job over localhost (gloo CPU collectives), l
 the Wan checkpoint with `from_pretrained(..., mesh=mesh)` fully sharded over all 8
 devices (FSDP over `dp` x `sp`), and checks, for its own devices only:
 
-- every array has the sharding `nn.partition_specs` gives, and each of its addressable
+- every array has the sharding `nn.sharding.partition_specs` gives, and each of its addressable
   shards equals the same block of the whole tensors that a plain (unsharded,
   process-local) load reads;
 - the bytes it read from the files: at least its share (the distinct blocks of its
@@ -64,7 +64,7 @@ def main() -> int:
 
     interop.open_checkpoint = recording  # count the bytes the sharded load reads
     mesh = harness.mesh(dp=2, sp=jax.device_count() // 2)
-    parallel = nn.ParallelConfig(sequence="ulysses", fsdp_axes=("dp", "sp"))
+    parallel = nn.sharding.ParallelConfig(sequence="ulysses", fsdp_axes=("dp", "sp"))
     model = models.WanTransformer3D.from_pretrained(checkpoint, parallel=parallel, mesh=mesh)
     read = opened[0].bytes_read
     total = sum(math.prod(opened[0].shape(n)) * opened[0].dtype(n).itemsize for n in opened[0])
@@ -72,7 +72,7 @@ def main() -> int:
     plain = models.WanTransformer3D.from_pretrained(checkpoint)  # this process's reference
 
     try:
-        specs = nn.partition_specs(model, mesh)
+        specs = nn.sharding.partition_specs(model, mesh)
         is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(harness.arrays(model))[0]
         refs, spec_list = harness.arrays(plain), [s for s in jax.tree.leaves(specs, is_leaf=is_spec)

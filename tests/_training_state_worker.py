@@ -10,7 +10,7 @@ process joins one `jax.distributed` job over localhost (gloo CPU collectives) an
    own devices' shards, and saves them with `models.save_training_state`;
 2. restores them, from abstract templates, as FSDP 4 x tensor parallel 2 (dp=4 x tp=2,
    the tp pairs inside a process) and checks, for its own devices only, that every
-   array has the sharding `nn.partition_specs` gives and every addressable shard equals
+   array has the sharding `nn.sharding.partition_specs` gives and every addressable shard equals
    the same block of the saved values, bit for bit;
 3. checks that `mesh=None` is refused in a job of several processes.
 
@@ -74,11 +74,11 @@ def main() -> int:
     is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
     def specs(model, mesh):
-        return eqx.filter(nn.partition_specs(model, mesh), is_spec, is_leaf=is_spec)
+        return eqx.filter(nn.sharding.partition_specs(model, mesh), is_spec, is_leaf=is_spec)
 
     def save():
         mesh = harness.mesh(dp=jax.device_count())
-        model = nn.with_parallel(model_t, nn.ParallelConfig(fsdp_axes=("dp",)))
+        model = nn.sharding.with_parallel(model_t, nn.sharding.ParallelConfig(fsdp_axes=("dp",)))
         model_specs = specs(model, mesh)
         arrays = jax.tree.map(lambda s, x: harness.global_array(mesh, s, x), model_specs,
                               values[0], is_leaf=is_spec)
@@ -92,8 +92,8 @@ def main() -> int:
 
     def restore():
         mesh = harness.mesh(dp=jax.device_count() // 2, tp=2)
-        parallel = nn.ParallelConfig(tp_axis="tp", fsdp_axes=("dp",))
-        template = nn.with_parallel(model_t, parallel)
+        parallel = nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=("dp",))
+        template = nn.sharding.with_parallel(model_t, parallel)
         model, opt_state, step = models.restore_training_state(path, template, state_t,
                                                                mesh=mesh)
         assert step == STEP, step

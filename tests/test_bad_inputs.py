@@ -567,12 +567,12 @@ ROWS = [
     row("nn.CrossAttention", "negative context_dim",
         lambda: nn.CrossAttention(32, 4, context_dim=-1, key=KEY), ValueError,
         r"CrossAttention: `context_dim` must be a positive int; received -1"),
-    row("nn.ParallelConfig", "unknown sequence mode",
-        lambda: nn.ParallelConfig(sequence="context"), ValueError,
+    row("nn.sharding.ParallelConfig", "unknown sequence mode",
+        lambda: nn.sharding.ParallelConfig(sequence="context"), ValueError,
         r"`sequence` must be one of \('none', 'ulysses', 'ring', 'usp'\); received 'context'"),
-    row("nn.ParallelConfig", "usp without ring_axis",
-        lambda: nn.ParallelConfig(sequence="usp"), ValueError,
-        r"two different mesh axes; received sp_axis='sp', ring_axis=None"),
+    row("nn.sharding.ParallelConfig", "usp without ring_axis",
+        lambda: nn.sharding.ParallelConfig(sequence="usp"), ValueError,
+        r"two different mesh axes; received ulysses_axis='sp', ring_axis=None"),
     row("nn.RMSNorm", "dim = 0", lambda: nn.RMSNorm(0), ValueError,
         r"RMSNorm: `dim` must be a positive int; received 0"),
     row("nn.RMSNorm", "eps = nan", lambda: nn.RMSNorm(8, eps=float("nan")), ValueError,
@@ -603,7 +603,7 @@ ROWS = [
             jnp.ones((5, DIM)), rope=(jnp.ones((5, 3)), jnp.ones((5, 3)))), TypeCheckError,
         r"parameter 'rope'.*f32\[5,3\].*head_dim//2"),
     row("nn.Attention.__call__", "tensor parallel outside shard_map",
-        lambda: nn.Attention(DIM, HEADS, parallel=nn.ParallelConfig(tp_axis="tp"), key=KEY)(
+        lambda: nn.Attention(DIM, HEADS, parallel=nn.sharding.ParallelConfig(tp_axis="tp"), key=KEY)(
             jnp.ones((5, DIM))), ValueError, r"^Tensor-parallel axis 'tp' does not exist"),
     row("nn.CrossAttention.__call__", "context with the wrong feature size",
         lambda: nn.CrossAttention(DIM, HEADS, context_dim=16, key=KEY)(

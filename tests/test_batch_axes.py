@@ -73,7 +73,7 @@ def inputs():
 
 def _run(model, args, config, batch_axis=BATCH_AXES):
     mesh = harness.mesh(**MESH)
-    placed = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
+    placed = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
     return _sharded(placed, *args, mesh=mesh, batch_axis=batch_axis)
 
 
@@ -107,7 +107,7 @@ def test_first_batch_axis_is_outermost(inputs):
 def test_fsdp_axis_among_the_batch_axes_carries_data(inputs):
     model, args = inputs
     mesh = harness.mesh(**MESH)
-    fsdp = nn.with_parallel(model, nn.ParallelConfig(**ULYSSES, fsdp_axes=("cfg",)))
+    fsdp = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**ULYSSES, fsdp_axes=("cfg",)))
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     run = lambda batch_axis: eqx.filter_eval_shape(  # noqa: E731
         lambda m, *a: models.run_sharded(m, *a, mesh=mesh, batch_axis=batch_axis), fsdp, *shapes)
@@ -137,7 +137,7 @@ def experts(inputs):
     _, (x, _, c) = inputs
     e = models.WanExperts(_wan(11), _wan(13), BOUNDARY)
     mesh = harness.mesh(**MESH)
-    placed = nn.shard_module(nn.with_parallel(e, nn.ParallelConfig(**ULYSSES)), mesh)
+    placed = nn.sharding.shard_module(nn.sharding.with_parallel(e, nn.sharding.ParallelConfig(**ULYSSES)), mesh)
     outputs = {name: tuple(np.asarray(_single(m, x, jnp.asarray(t), c)) for m in e.experts)
                for name, t in BATCHES.items()}
     return placed, outputs

@@ -241,7 +241,7 @@ def test_collectives_split_by_the_source_file_on_their_stack():
     mesh = jax.make_mesh((n,), ("dp",), devices=jax.devices()[:n])
 
     def f(w, x):
-        w, x = nn.fsdp_gather(nn.FSDPShard(w, -1, ("dp",)), x)
+        w, x = nn.sharding.fsdp_gather(nn.sharding.FSDPShard(w, -1, ("dp",)), x)
         return jax.lax.psum(x @ w, "dp")
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "dp"), P("dp")),

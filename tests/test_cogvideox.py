@@ -104,7 +104,7 @@ _CONFIGS = {  # name: (model, mesh axes, ParallelConfig, batch axis)
 def _sharded(model, config, **kwargs):
     _, mesh_axes, parallel_config, batch_axis = _CONFIGS[config]
     mesh = harness.mesh(**mesh_axes)
-    model = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**parallel_config)), mesh)
+    model = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**parallel_config)), mesh)
     run = eqx.filter_jit(lambda m, *a: models.run_sharded(
         m, *a, mesh=mesh, batch_axis=batch_axis, **kwargs))
     return model, run

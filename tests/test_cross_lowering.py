@@ -386,15 +386,15 @@ def test_wan_attention_layer(platform, direction):
     over 4 for Ulysses), Megatron over tp."""
     H, D = MODELS["wan1.3b"]
     sp, tp, S = 4, 2, SHARDED_SEQ
-    config = nn.ParallelConfig(sequence="ring", tp_axis="tp")
+    config = nn.sharding.ParallelConfig(sequence="ring", tp_axis="tp")
     layer = eqx.filter_eval_shape(
         lambda: nn.Attention(H * D, H, parallel=config, dtype=BF16, key=jax.random.key(0))
     )
     params, static = eqx.partition(layer, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    call = nn.filter_shard_map(
+    call = nn.sharding.filter_shard_map(
         lambda m, x, cos, sin: jax.vmap(lambda x: m(x, rope=(cos, sin)))(x),
         mesh=harness.mesh(sp=sp, tp=tp),
-        in_specs=(nn.partition_specs(layer), P(None, "sp"), P("sp"), P("sp")),
+        in_specs=(nn.sharding.partition_specs(layer), P(None, "sp"), P("sp"), P("sp")),
         out_specs=P(None, "sp"),
     )
     f = lambda params, x, cos, sin: call(eqx.combine(params, static), x, cos, sin)

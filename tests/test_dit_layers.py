@@ -66,11 +66,11 @@ def test_feed_forward_tensor_parallel_equals_single_device():
 
     ref, (g_ref_m, g_ref_x) = eqx.filter_jit(eqx.filter_value_and_grad(loss))((m, x))
     mesh = harness.mesh(sp=2, tp=4)
-    tp = nn.with_parallel(m, nn.ParallelConfig(sequence="ulysses", tp_axis="tp"))
-    specs = nn.partition_specs(tp)
+    tp = nn.sharding.with_parallel(m, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp"))
+    specs = nn.sharding.partition_specs(tp)
     assert specs.fc1.weight == P("tp", None) and specs.fc1.bias == P("tp")
     assert specs.fc2.weight == P(None, "tp") and specs.fc2.bias == P()
-    run = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=mesh,
+    run = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=mesh,
                               in_specs=(specs, P(None, "sp")), out_specs=P(None, "sp"))
 
     def sharded_loss(mx):
@@ -84,11 +84,11 @@ def test_feed_forward_tensor_parallel_equals_single_device():
 
 
 def test_feed_forward_placed_for_tp_without_tp_axis_raises():
-    m = nn.FeedForward(8, 16, parallel=nn.ParallelConfig(tp_axis="tp"), key=jax.random.key(0))
+    m = nn.FeedForward(8, 16, parallel=nn.sharding.ParallelConfig(tp_axis="tp"), key=jax.random.key(0))
     mesh = harness.mesh(tp=2)
-    plain = nn.with_parallel(m, nn.ParallelConfig())  # specs of the TP twin, config without
-    run = nn.filter_shard_map(lambda m, x: m(x), mesh=mesh,
-                              in_specs=(nn.partition_specs(m), P()), out_specs=P())
+    plain = nn.sharding.with_parallel(m, nn.sharding.ParallelConfig())  # specs of the TP twin, config without
+    run = nn.sharding.filter_shard_map(lambda m, x: m(x), mesh=mesh,
+                              in_specs=(nn.sharding.partition_specs(m), P()), out_specs=P())
     with pytest.raises(ValueError, match="rows of fc1"):
         eqx.filter_jit(run)(plain, jnp.ones((3, 8)))
     with pytest.raises(ValueError, match="activation"):
@@ -172,7 +172,7 @@ def test_cross_attention_image_branch_matches_reference():
     image = image.reshape(S, dim)
     ref = oracle.wan_cross_attention(m, f64(x), f64(ctx)) + image @ f64(m.o.weight).T
     oracle.assert_close(out, ref, F32, "out")
-    specs = nn.partition_specs(nn.with_parallel(m, nn.ParallelConfig(tp_axis="tp")))
+    specs = nn.sharding.partition_specs(nn.sharding.with_parallel(m, nn.sharding.ParallelConfig(tp_axis="tp")))
     assert specs.k_img.weight == P("tp", None) and specs.norm_k_img.weight == P("tp")
     with pytest.raises(ValueError, match="context_image"):
         m(x, ctx)
@@ -185,15 +185,15 @@ def test_cross_attention_image_branch_matches_reference():
     (dict(sequence="usp", ring_axis="ring", layout="zigzag"), dict(sp=4, ring=2)),
 ])
 def test_gather_tokens_inverts_shard_tokens(config, mesh_axes):
-    parallel_config = nn.ParallelConfig(**config)
+    parallel_config = nn.sharding.ParallelConfig(**config)
     mesh = harness.mesh(**mesh_axes)
     x = jax.random.normal(jax.random.key(0), (32, 3))
     ct = jax.random.normal(jax.random.key(1), (32, 3))
 
     def round_trip(x):
         def per_device(x):
-            local = nn.shard_tokens(x, parallel_config) * 2.0
-            return nn.gather_tokens(local, parallel_config)
+            local = nn.sharding.shard_tokens(x, parallel_config) * 2.0
+            return nn.sharding.gather_tokens(local, parallel_config)
 
         return jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P())(x)
 

@@ -167,23 +167,23 @@ SHARDED_CASES = {
 @pytest.mark.parametrize("case", list(SHARDED_CASES))
 def test_dual_stream_sharded_equals_single_device(single, case):
     mode, layout, sizes, fsdp = SHARDED_CASES[case]
-    cfg = nn.ParallelConfig(sequence=mode, layout=layout,
+    cfg = nn.sharding.ParallelConfig(sequence=mode, layout=layout,
                             ring_axis=RING if mode == "usp" else None, tp_axis=TP,
                             fsdp_axes=fsdp)
-    sharded = nn.with_parallel(single, cfg)
+    sharded = nn.sharding.with_parallel(single, cfg)
     mesh = harness.mesh(**sizes)
     x, c, ct_x, ct_c = inputs(8)
     _, rope = rope_tables(9)
     lengths = jnp.asarray(LENGTHS)
 
     def per_device(m, x, c, cos, sin, lengths):
-        cos, sin, x = nn.shard_tokens((cos, sin, x), cfg, axis=0)
+        cos, sin, x = nn.sharding.shard_tokens((cos, sin, x), cfg, axis=0)
         x = jnp.swapaxes(x, 0, 1)
         xo, co = call(m, x, c, cos, sin, lengths)
-        return nn.gather_tokens(xo, cfg, axis=1), co  # both whole and replicated
+        return nn.sharding.gather_tokens(xo, cfg, axis=1), co  # both whole and replicated
 
-    f = nn.filter_shard_map(per_device, mesh=mesh,
-                            in_specs=(nn.partition_specs(sharded, mesh), P(), P(), P(), P(), P()),
+    f = nn.sharding.filter_shard_map(per_device, mesh=mesh,
+                            in_specs=(nn.sharding.partition_specs(sharded, mesh), P(), P(), P(), P(), P()),
                             out_specs=(P(), P()))
 
     def sharded_call(m, x, c, cos, sin, lengths):
@@ -197,7 +197,7 @@ def test_dual_stream_sharded_equals_single_device(single, case):
 
         return eqx.filter_value_and_grad(loss, has_aux=True)((m, x, c))
 
-    placed = nn.shard_module(sharded, mesh)
+    placed = nn.sharding.shard_module(sharded, mesh)
     (_, (xo_s, co_s)), g_s = sharded_value_and_grad(placed, x, c)
     (_, (xo_1, co_1)), g_1 = value_and_grad(single, x, c, ct_x, ct_c, *rope, lengths)
     oracle.assert_close(xo_s, xo_1, F32, "x_out")
@@ -308,8 +308,8 @@ def test_attention_kv_length_sharded(mode, layout):
     """`kv_length` counts global indices in the unpermuted sequence, also under a
     zigzag ring: the sharded module equals the single-device one."""
     single = harness.perturbed(nn.Attention(32, 4, key=jax.random.key(24)), 25)
-    cfg = nn.ParallelConfig(sequence=mode, layout=layout)
-    sharded = nn.with_parallel(single, cfg)
+    cfg = nn.sharding.ParallelConfig(sequence=mode, layout=layout)
+    sharded = nn.sharding.with_parallel(single, cfg)
     x = np.random.default_rng(26).standard_normal((B, 16, 32)).astype(F32)
     lengths = jnp.asarray(np.array([5, 13], np.int32))
 
@@ -317,11 +317,11 @@ def test_attention_kv_length_sharded(mode, layout):
         return jax.vmap(lambda x, n: m(x, kv_length=n))(x, n)
 
     def per_device(m, x, n):
-        x = jnp.swapaxes(nn.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
-        return nn.gather_tokens(call(m, x, n), cfg, axis=1)
+        x = jnp.swapaxes(nn.sharding.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
+        return nn.sharding.gather_tokens(call(m, x, n), cfg, axis=1)
 
-    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
-                            in_specs=(nn.partition_specs(sharded), P(), P()), out_specs=P())
+    f = nn.sharding.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
+                            in_specs=(nn.sharding.partition_specs(sharded), P(), P()), out_specs=P())
     got = eqx.filter_jit(f)(sharded, x, lengths)
     want = eqx.filter_jit(call)(single, x, lengths)
     oracle.assert_close(got, want, F32, "out")
@@ -387,8 +387,8 @@ def test_bad_input_raises(single):
 
 
 def test_partition_specs_dual_stream(single):
-    cfg = nn.ParallelConfig(sequence="ulysses", tp_axis=TP)
-    specs = nn.partition_specs(nn.with_parallel(single, cfg))
+    cfg = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP)
+    specs = nn.sharding.partition_specs(nn.sharding.with_parallel(single, cfg))
     for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
         assert getattr(specs, name).weight == P(TP, None), name
         assert getattr(specs, name).bias == P(TP), name
@@ -420,8 +420,8 @@ def test_core_dot_product_attention_kv_lengths():
 def test_joint_attention_context_length_sharded():
     """JointAttention's text padding under a zigzag ring equals one device (forward)."""
     single = harness.perturbed(nn.JointAttention(32, 4, key=jax.random.key(60)), 61)
-    cfg = nn.ParallelConfig(sequence="ring", layout="zigzag")
-    sharded = nn.with_parallel(single, cfg)
+    cfg = nn.sharding.ParallelConfig(sequence="ring", layout="zigzag")
+    sharded = nn.sharding.with_parallel(single, cfg)
     rng = np.random.default_rng(62)
     x = rng.standard_normal((B, 16, 32)).astype(F32)
     c = rng.standard_normal((B, 5, 32)).astype(F32)
@@ -431,12 +431,12 @@ def test_joint_attention_context_length_sharded():
         return jax.vmap(lambda x, c, n: m(x, c, context_length=n))(x, c, n)
 
     def per_device(m, x, c, n):
-        x = jnp.swapaxes(nn.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
+        x = jnp.swapaxes(nn.sharding.shard_tokens(jnp.swapaxes(x, 0, 1), cfg), 0, 1)
         xo, co = call(m, x, c, n)
-        return nn.gather_tokens(xo, cfg, axis=1), parallel.replicated(co, SP)
+        return nn.sharding.gather_tokens(xo, cfg, axis=1), parallel.replicated(co, SP)
 
-    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
-                            in_specs=(nn.partition_specs(sharded), P(), P(), P()),
+    f = nn.sharding.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
+                            in_specs=(nn.sharding.partition_specs(sharded), P(), P(), P()),
                             out_specs=(P(), P()))
     got = eqx.filter_jit(f)(sharded, x, c, lengths)
     want = eqx.filter_jit(call)(single, x, c, lengths)

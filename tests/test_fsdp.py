@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (FSDP / ZeRO-3): `nn.ParallelConfig(fsdp_axes=...)`.
+"""Fully sharded data parallelism (FSDP / ZeRO-3): `nn.sharding.ParallelConfig(fsdp_axes=...)`.
 
 On 8 simulated CPU devices:
 
@@ -11,16 +11,16 @@ On 8 simulated CPU devices:
    zigzag ring with FSDP (loss and gradients);
 2. the bytes each device holds of the parameters, the gradients and the AdamW moments
    (read from the arrays' `addressable_shards`) are within 1.05 x total / (FSDP x TP)
-   plus what `nn.replicated_parameters` leaves whole (what Megatron does not split,
+   plus what `nn.sharding.replicated_parameters` leaves whole (what Megatron does not split,
    embeddings, modulation, norms, heads, is split over FSDP x TP together);
 3. the scanned blocks' gathered weights are not kept for the backward pass: XLA's temp
    bytes of a training step grow with the layers by far less than one block's gathered
    weights under `fsdp_regather=True`, by about a block per layer with `False`; the
    compiled program all-gathers every block twice (forward, backward) or once;
 4. the placement rules (the dimension chosen, the stacked layer axis never, what stays
-   replicated and why), their errors, `nn.shard_like` for an optax state, `nn.fsdp_gather`
+   replicated and why), their errors, `nn.sharding.shard_like` for an optax state, `nn.sharding.fsdp_gather`
    as the identity without shards, and an `nn.Attention` that gathers itself inside
-   `nn.filter_shard_map`.
+   `nn.sharding.filter_shard_map`.
 
 Each sharded program compiles once (module-scoped results); the single-device step of
 each model once for all its configurations.
@@ -154,7 +154,7 @@ CONFIGS = {
 def sharded(single):
     """`get(config name) -> (model, mesh, (loss, grads, params, opt_state))`: the model
     configured, and the sharded step's results where the step left them, the model and
-    its AdamW state placed in the step (`nn.shard_module`, `nn.shard_like` inside `jit`:
+    its AdamW state placed in the step (`nn.sharding.shard_module`, `nn.sharding.shard_like` inside `jit`:
     one program, where placing outside it runs one per array); each configuration's
     computed once."""
     cache = {}
@@ -170,9 +170,9 @@ def sharded(single):
                                           remat=remat)
 
             def place(model, state):
-                return nn.shard_module(model, mesh), nn.shard_like(state, model, mesh)
+                return nn.sharding.shard_module(model, mesh), nn.sharding.shard_like(state, model, mesh)
 
-            model = nn.with_parallel(model, nn.ParallelConfig(**config))
+            model = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config))
             cache[name] = model, mesh, _train_step(run, place)(model, *inputs)
         return cache[name]
 
@@ -214,7 +214,7 @@ def test_training_step_matches_one_device(name, single, sharded):
     assert int(adam.count) == 1
     # The step hands back parameters, gradients and moments placed by the specs (the
     # next step reuses the program).
-    specs = nn.partition_specs(model, mesh)
+    specs = nn.sharding.partition_specs(model, mesh)
     for tree in (params, grads, adam.mu, adam.nu):
         _assert_placed_by(tree, specs, mesh)
     assert adam.count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
@@ -242,13 +242,13 @@ def _bytes_per_device(tree) -> int:
 
 def _bytes_bound(model, params, mesh) -> tuple[float, int]:
     """`(split, whole)` bytes per device: `split` is total / (FSDP x TP) of what
-    `nn.replicated_parameters` does not list (the issue's bound: what tensor
+    `nn.sharding.replicated_parameters` does not list (the issue's bound: what tensor
     parallelism leaves whole is split over FSDP x TP too), `whole` what it lists, as
     those exist on a device (`params`, placed: a tensor-parallel bias is its slice)."""
     config = model.parallel
     fsdp = math.prod(mesh.shape[a] for a in config.fsdp_axes)
     tp = 1 if config.tp_axis is None else mesh.shape[config.tp_axis]
-    whole_names = {path for path, _, _ in nn.replicated_parameters(model, mesh)}
+    whole_names = {path for path, _, _ in nn.sharding.replicated_parameters(model, mesh)}
     split, whole = 0.0, 0
     for name, x in zip(harness.leaf_names(params), harness.arrays(params), strict=True):
         if name in whole_names:
@@ -281,10 +281,10 @@ def _compiled_step(num_layers: int, regather: bool):
     FSDP over dp 8, from abstract arrays; and its model (abstract)."""
     mesh = harness.mesh(dp=8)
     config = dataclasses.replace(WAN, dim=512, ffn_dim=1024, num_heads=4, num_layers=num_layers)
-    parallel = nn.ParallelConfig(fsdp_axes=("dp",), fsdp_regather=regather)
+    parallel = nn.sharding.ParallelConfig(fsdp_axes=("dp",), fsdp_regather=regather)
     model = eqx.filter_eval_shape(
         lambda key: models.WanTransformer3D(config, parallel=parallel, key=key), jax.random.key(0))
-    specs = nn.partition_specs(model, mesh)
+    specs = nn.sharding.partition_specs(model, mesh)
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     params, static = eqx.partition(model, is_abstract)
     params = jax.tree.map(
@@ -306,7 +306,7 @@ def _compiled_step(num_layers: int, regather: bool):
 def _gathered_counts(model, mesh) -> tuple[int, int, int]:
     """`(outside, per_block, block_bytes)`: the parameters FSDP splits outside the
     scanned blocks and in one block, and one block's weights in bytes, gathered."""
-    specs = nn.partition_specs(model, mesh)
+    specs = nn.sharding.partition_specs(model, mesh)
     is_split = lambda s: isinstance(s, P) and "dp" in jax.tree.leaves(tuple(s))  # noqa: E731
     split = [is_split(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
     block_split = [is_split(s) for s in jax.tree.leaves(specs.blocks, is_leaf=_is_spec)]
@@ -355,7 +355,7 @@ def _attention(config=None, *, abstract: bool = True):
     abstract (`jax.ShapeDtypeStruct`, enough for the specs) unless `abstract=False`."""
     make = lambda key: nn.Attention(64, 8, qk_norm="rms", key=key)  # noqa: E731
     m = eqx.filter_eval_shape(make, jax.random.key(5)) if abstract else make(jax.random.key(5))
-    return m if config is None else nn.with_parallel(m, config)
+    return m if config is None else nn.sharding.with_parallel(m, config)
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +372,7 @@ def _feedforward(dim: int, hidden: int, config):
 def test_specs_take_the_largest_free_dividing_dimension():
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     fsdp = ("dp", "sp")
-    specs = nn.partition_specs(_attention(nn.ParallelConfig(tp_axis="tp", fsdp_axes=fsdp)), mesh)
+    specs = nn.sharding.partition_specs(_attention(nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=fsdp)), mesh)
     # q (out, in): Megatron splits the rows, FSDP the columns; o the other way round.
     assert specs.q.weight == P("tp", fsdp) and specs.o.weight == P(fsdp, "tp")
     # Whole under TP: split over FSDP x TP together (tp innermost).
@@ -381,85 +381,85 @@ def test_specs_take_the_largest_free_dividing_dimension():
     assert specs.q.bias == P("tp") and specs.norm_q.weight == P("tp")
     # Without TP the largest dimension: fc1 (96, 32) on its rows, fc2 (32, 96) columns;
     # of equal ones the first.
-    ffn = _feedforward(32, 96, nn.ParallelConfig(fsdp_axes=("dp",)))
-    specs = nn.partition_specs(ffn, harness.mesh(dp=2))
+    ffn = _feedforward(32, 96, nn.sharding.ParallelConfig(fsdp_axes=("dp",)))
+    specs = nn.sharding.partition_specs(ffn, harness.mesh(dp=2))
     assert specs.fc1.weight == P("dp", None) and specs.fc2.weight == P(None, "dp")
-    specs = nn.partition_specs(_attention(nn.ParallelConfig(fsdp_axes=("dp",))), harness.mesh(dp=2))
+    specs = nn.sharding.partition_specs(_attention(nn.sharding.ParallelConfig(fsdp_axes=("dp",))), harness.mesh(dp=2))
     assert specs.q.weight == P("dp", None) and specs.q.bias == P("dp")
     # Over 3: fc1 (96, 32) still on its 96 rows, fc2 (32, 96) on its 96 columns; fc2's
     # bias (32,) has no dimension 3 divides: replicated.
-    specs = nn.partition_specs(ffn, harness.mesh(dp=3))
+    specs = nn.sharding.partition_specs(ffn, harness.mesh(dp=3))
     assert specs.fc1.weight == P("dp", None) and specs.fc1.bias == P("dp")
     assert specs.fc2.weight == P(None, "dp") and _entries(specs.fc2.bias) == ()  # 32 % 3
     # Not the largest where it does not divide: (48, 40) over 5 on its columns.
-    ffn5 = _feedforward(40, 48, nn.ParallelConfig(fsdp_axes=("dp",)))
-    assert nn.partition_specs(ffn5, harness.mesh(dp=5)).fc1.weight == P(None, "dp")
+    ffn5 = _feedforward(40, 48, nn.sharding.ParallelConfig(fsdp_axes=("dp",)))
+    assert nn.sharding.partition_specs(ffn5, harness.mesh(dp=5)).fc1.weight == P(None, "dp")
 
 
 def test_stacked_layer_axis_is_never_split():
     # 5 layers over FSDP 5: the layer axis divides, the others (64, 96) do not.
     config = dataclasses.replace(WAN, num_layers=5)
     model = eqx.filter_eval_shape(lambda key: models.WanTransformer3D(
-        config, parallel=nn.ParallelConfig(fsdp_axes=("dp",)), key=key), jax.random.key(0))
+        config, parallel=nn.sharding.ParallelConfig(fsdp_axes=("dp",)), key=key), jax.random.key(0))
     mesh = harness.mesh(dp=5)
-    specs = nn.partition_specs(model, mesh)
+    specs = nn.sharding.partition_specs(model, mesh)
     block_specs = jax.tree.leaves(specs.blocks, is_leaf=_is_spec)
     assert block_specs and all(_entries(s) == () for s in block_specs)
     replicated = {path: (shape, reason) for path, shape, reason in
-                  nn.replicated_parameters(model, mesh)}
+                  nn.sharding.replicated_parameters(model, mesh)}
     shape, reason = replicated[".blocks.self_attn.q.weight"]
     assert shape == (5, 64, 64)
     assert "[64, 64]" in reason and "layer axis" in reason and "FSDP size 5" in reason
     # Over 8 the same layers split on their largest dimension after the layer axis.
-    specs = nn.partition_specs(model, harness.mesh(dp=8))
+    specs = nn.sharding.partition_specs(model, harness.mesh(dp=8))
     assert specs.blocks.self_attn.q.weight == P(None, "dp", None)
     assert specs.blocks.modulation == P(None, None, None, "dp")  # (5, 1, 6, 64)
 
 
 def test_replicated_parameters_and_their_reasons():
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    m = _attention(nn.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "sp")))
-    listed = nn.replicated_parameters(m, mesh)
+    m = _attention(nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "sp")))
+    listed = nn.sharding.replicated_parameters(m, mesh)
     assert sorted(path for path, _, _ in listed) == [
         ".k.bias", ".norm_k.weight", ".norm_q.weight", ".q.bias", ".v.bias"]
     for _, shape, reason in listed:  # their one dimension split by TP already
         assert shape == (64,)
         assert "tensor parallelism" in reason and "'tp'" in reason
-    assert nn.replicated_parameters(_attention(nn.ParallelConfig(tp_axis="tp")), mesh) == []
+    assert nn.sharding.replicated_parameters(_attention(nn.sharding.ParallelConfig(tp_axis="tp")), mesh) == []
     # FSDP alone splits them all.
-    fsdp_only = _attention(nn.ParallelConfig(fsdp_axes=("dp", "sp")))
-    assert nn.replicated_parameters(fsdp_only, mesh) == []
+    fsdp_only = _attention(nn.sharding.ParallelConfig(fsdp_axes=("dp", "sp")))
+    assert nn.sharding.replicated_parameters(fsdp_only, mesh) == []
 
 
 def test_placement_errors():
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     with pytest.raises(ValueError, match=r"must not contain the tensor-parallel axis 'tp'"):
-        nn.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "tp"))
+        nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "tp"))
     with pytest.raises(ValueError, match=r"names an axis twice"):
-        nn.ParallelConfig(fsdp_axes=("dp", "dp"))
+        nn.sharding.ParallelConfig(fsdp_axes=("dp", "dp"))
     with pytest.raises(ValueError, match=r"tuple of mesh axis names"):
-        nn.ParallelConfig(fsdp_axes=("dp", 1))
-    fsdp = _attention(nn.ParallelConfig(fsdp_axes=("data",)))
+        nn.sharding.ParallelConfig(fsdp_axes=("dp", 1))
+    fsdp = _attention(nn.sharding.ParallelConfig(fsdp_axes=("data",)))
     with pytest.raises(ValueError, match=r"FSDP axis 'data' .* is not an axis of the mesh"):
-        nn.partition_specs(fsdp, mesh)
+        nn.sharding.partition_specs(fsdp, mesh)
     with pytest.raises(ValueError, match=r"needs the mesh .* partition_specs\(module, mesh\)"):
-        nn.partition_specs(fsdp)
+        nn.sharding.partition_specs(fsdp)
     # A parameter too large to stay whole, no dimension of which the FSDP size divides.
-    big = _attention(nn.ParallelConfig(fsdp_axes=("dp",)))
+    big = _attention(nn.sharding.ParallelConfig(fsdp_axes=("dp",)))
     with pytest.raises(ValueError) as e:
-        nn.partition_specs(big, harness.mesh(dp=3), max_replicated=1000)
+        nn.sharding.partition_specs(big, harness.mesh(dp=3), max_replicated=1000)
     text = str(e.value)
     for part in ("('dp',)", "size 3", ".q.weight", "(64, 64)", "4,096 elements",
                  "max_replicated=1,000", "[64, 64]"):
         assert part in text, (part, text)
-    two = (big, _attention(nn.ParallelConfig(fsdp_axes=("sp",))))
+    two = (big, _attention(nn.sharding.ParallelConfig(fsdp_axes=("sp",))))
     with pytest.raises(ValueError, match=r"must agree on their ParallelConfig's fsdp_axes"):
-        nn.partition_specs(two, mesh)
+        nn.sharding.partition_specs(two, mesh)
     with pytest.raises(ValueError, match=r"must agree"):
-        nn.fsdp_axes_of(two)
+        nn.sharding.fsdp_axes_of(two)
     # run_sharded: an FSDP axis that carries neither the batch nor the sequence.
     model = eqx.filter_eval_shape(lambda key: models.WanTransformer3D(
-        WAN, parallel=nn.ParallelConfig(sequence="ulysses", fsdp_axes=("dp", "sp")), key=key),
+        WAN, parallel=nn.sharding.ParallelConfig(sequence="ulysses", fsdp_axes=("dp", "sp")), key=key),
         jax.random.key(0))
     x, t, c, _ = _inputs(((4, 1, 4, 4), (2, WAN.text_dim)), 0)
     with pytest.raises(ValueError, match=r"FSDP axis 'dp' .* carries neither the batch"):
@@ -468,11 +468,11 @@ def test_placement_errors():
 
 def test_shard_like_places_an_adamw_state_and_reshards_it(attention):
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    config = nn.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "sp"))
-    m = nn.shard_module(nn.with_parallel(attention, config), mesh)
+    config = nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=("dp", "sp"))
+    m = nn.sharding.shard_module(nn.sharding.with_parallel(attention, config), mesh)
     optimizer = optax.adamw(1e-3)
-    state = nn.shard_like(optimizer.init(eqx.filter(m, eqx.is_array)), m, mesh)
-    specs = nn.partition_specs(m, mesh)
+    state = nn.sharding.shard_like(optimizer.init(eqx.filter(m, eqx.is_array)), m, mesh)
+    specs = nn.sharding.partition_specs(m, mesh)
     _assert_placed_by(m, specs, mesh)
     for moments in (state[0].mu, state[0].nu):
         _assert_placed_by(moments, specs, mesh)
@@ -480,9 +480,9 @@ def test_shard_like_places_an_adamw_state_and_reshards_it(attention):
     # Another configuration (FSDP over all three axes, no TP): one call reshards.
     state = jax.tree.map(lambda x: x + 1, state)  # not zeros, to see the values travel
     before = jax.device_get(state)
-    other = nn.with_parallel(m, nn.ParallelConfig(fsdp_axes=("dp", "sp", "tp")))
-    moved = nn.shard_like(state, other, mesh)
-    specs = nn.partition_specs(other, mesh)
+    other = nn.sharding.with_parallel(m, nn.sharding.ParallelConfig(fsdp_axes=("dp", "sp", "tp")))
+    moved = nn.sharding.shard_like(state, other, mesh)
+    specs = nn.sharding.partition_specs(other, mesh)
     assert specs.q.weight == P(("dp", "sp", "tp"), None)
     for moments in (moved[0].mu, moved[0].nu):
         _assert_placed_by(moments, specs, mesh)
@@ -491,19 +491,19 @@ def test_shard_like_places_an_adamw_state_and_reshards_it(attention):
 
 
 def test_fsdp_gather_without_shards_is_the_identity(attention):
-    m = nn.with_parallel(attention, nn.ParallelConfig(fsdp_axes=("dp",)))
+    m = nn.sharding.with_parallel(attention, nn.sharding.ParallelConfig(fsdp_axes=("dp",)))
     x = jnp.ones((4, 64))
-    out = nn.fsdp_gather(m, x)
+    out = nn.sharding.fsdp_gather(m, x)
     assert out[0] is m and out[1] is x  # outside shard_map: nothing is split
     mesh = harness.mesh(dp=2)
     seen = []
 
     def per_device(m, x):  # replicated weights inside shard_map: no FSDPShard
-        got, y = nn.fsdp_gather(m, x)
+        got, y = nn.sharding.fsdp_gather(m, x)
         seen.append(got is m and y is x)
         return y
 
-    f = nn.filter_shard_map(per_device, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P("dp"))
+    f = nn.sharding.filter_shard_map(per_device, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P("dp"))
     jaxpr = str(jax.make_jaxpr(lambda x: f(attention, x))(jnp.ones((4, 64))))
     assert seen == [True] and "all_gather" not in jaxpr
 
@@ -514,14 +514,14 @@ def test_attention_gathers_itself_inside_filter_shard_map(attention):
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     B, S = 2, 12
     single = attention
-    m = nn.with_parallel(single, nn.ParallelConfig(sequence="ulysses", tp_axis="tp",
+    m = nn.sharding.with_parallel(single, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp",
                                                    fsdp_axes=("dp", "sp")))
     rng = np.random.default_rng(8)
     x, ct = (jnp.asarray(harness.normal(rng, (B, S, 64))) for _ in range(2))
     seq = P("dp", "sp")
-    specs = nn.partition_specs(m, mesh)
+    specs = nn.sharding.partition_specs(m, mesh)
     assert specs.q.weight == P("tp", ("dp", "sp"))  # the module gets FSDPShards
-    sharded = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=mesh,
+    sharded = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=mesh,
                                   in_specs=(specs, seq), out_specs=seq)
 
     @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
@@ -529,7 +529,7 @@ def test_attention_gathers_itself_inside_filter_shard_map(attention):
         out, pull = eqx.filter_vjp(f, m, x)
         return out, pull(ct)
 
-    out, (dm, dx) = vjp(sharded, nn.shard_module(m, mesh), x)
+    out, (dm, dx) = vjp(sharded, nn.sharding.shard_module(m, mesh), x)
     want = np.stack([oracle.wan_self_attention(harness.to64(single), xb)
                      for xb in np.asarray(x, np.float64)])
     oracle.assert_close(out, want, np.float32, "out")
@@ -554,8 +554,8 @@ def test_sliding_tile_attention_with_fsdp():
 
     loss1, grads1 = grad(lambda m: jax.vmap(lambda *a: m(*a, sliding_tile=tile))(x, t, c), model)
     mesh = harness.mesh(dp=2, sp=4)
-    config = nn.ParallelConfig(sequence="ring", layout="zigzag", fsdp_axes=("dp", "sp"))
-    sharded = nn.shard_module(nn.with_parallel(model, config), mesh)
+    config = nn.sharding.ParallelConfig(sequence="ring", layout="zigzag", fsdp_axes=("dp", "sp"))
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, config), mesh)
     loss, grads = grad(lambda m: models.run_sharded(
         m, x, t, c, mesh=mesh, batch_axis="dp", remat="full", sliding_tile=tile), sharded)
     assert abs(float(loss) - float(loss1)) <= RTOL * abs(float(loss1)), (loss, loss1)

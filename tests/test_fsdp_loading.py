@@ -2,7 +2,7 @@
 
 Each process reads only the blocks of each tensor that its own devices hold, each
 distinct block once (never once per device), and the result is the plain load,
-placed as `nn.partition_specs` says:
+placed as `nn.sharding.partition_specs` says:
 
 1. Wan and CogVideoX, one file and a sharded index, under FSDP over `dp` x `sp` with
    Megatron, FSDP over 8 devices alone, and Megatron alone: every array bit for bit
@@ -15,7 +15,7 @@ placed as `nn.partition_specs` says:
 4. A Hugging Face Hub repository id (`subfolder="transformer"`), from a cache directory
    laid out as the Hub's, offline; a missing repository or folder is a clear error,
    and so is a missing `huggingface_hub`.
-5. Bad input: placement errors (`nn.partition_specs`'s, an uneven Megatron split, a
+5. Bad input: placement errors (`nn.sharding.partition_specs`'s, an uneven Megatron split, a
    mesh without the axes) and a mis-shaped tensor raise before anything is read, the
    latter with the same message as the plain load.
 """
@@ -49,9 +49,9 @@ WORKER = os.path.join(HERE, "_fsdp_loading_worker.py")
 # alone; Megatron alone (replicated over dp: one read per process, not per device).
 PLACEMENTS = {
     "fsdp4-tp2": ({"dp": 2, "sp": 2, "tp": 2},
-                  nn.ParallelConfig(sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp"))),
-    "fsdp8": ({"dp": 8}, nn.ParallelConfig(fsdp_axes=("dp",))),
-    "tp4": ({"dp": 2, "tp": 4}, nn.ParallelConfig(tp_axis="tp")),
+                  nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp"))),
+    "fsdp8": ({"dp": 8}, nn.sharding.ParallelConfig(fsdp_axes=("dp",))),
+    "tp4": ({"dp": 2, "tp": 4}, nn.sharding.ParallelConfig(tp_axis="tp")),
 }
 
 
@@ -106,9 +106,9 @@ def _total_bytes(tensors) -> int:
 
 
 def _check_placed(model, plain, mesh):
-    """`model` is `plain` bit for bit, each array placed by `nn.partition_specs`."""
+    """`model` is `plain` bit for bit, each array placed by `nn.sharding.partition_specs`."""
     assert harness.same_arrays(model, plain)
-    specs = [s for s in jax.tree.leaves(nn.partition_specs(model, mesh),
+    specs = [s for s in jax.tree.leaves(nn.sharding.partition_specs(model, mesh),
                                         is_leaf=lambda s: isinstance(s, P)) if isinstance(s, P)]
     got = harness.arrays(model)
     assert len(specs) == len(got)
@@ -132,7 +132,7 @@ def test_wan_loads_sharded(checkpoints, layout, placement, monkeypatch):
     # All 8 devices are this process's: every byte read once, none once per device.
     assert opened[0].bytes_read == _total_bytes(opened[0])
     if placement == "fsdp8":  # every parameter split (Megatron leaves some whole to FSDP)
-        assert not nn.replicated_parameters(model, mesh)
+        assert not nn.sharding.replicated_parameters(model, mesh)
 
 
 def test_bfloat16_checkpoint_loads_in_float32(checkpoints, monkeypatch):
@@ -340,11 +340,11 @@ def test_placement_errors(checkpoints, monkeypatch):
     with pytest.raises(ValueError, match=r"from_pretrained\(mesh=...\): partition_specs: the FSDP "
                                          r"axis 'data' .* is not an axis of the mesh"):
         models.WanTransformer3D.from_pretrained(
-            path, parallel=nn.ParallelConfig(fsdp_axes=("data",)), mesh=mesh)
+            path, parallel=nn.sharding.ParallelConfig(fsdp_axes=("data",)), mesh=mesh)
     with pytest.raises(ValueError, match=r"`mesh` has the axes \('dp', 'sp', 'tp'\), but .* "
                                          r"over \['model'\]"):
         models.WanTransformer3D.from_pretrained(
-            path, parallel=nn.ParallelConfig(tp_axis="model"), mesh=mesh)
+            path, parallel=nn.sharding.ParallelConfig(tp_axis="model"), mesh=mesh)
     with pytest.raises(ValueError, match=r"`mesh` must be a jax.sharding.Mesh"):
         models.WanTransformer3D.from_pretrained(path, mesh="dp")
     three = harness.mesh(tp=3)
@@ -352,10 +352,10 @@ def test_placement_errors(checkpoints, monkeypatch):
                                          r"placement .*'blocks.0.attn1.to_q.weight' \(2, 64, 64\) "
                                          r"by P\(None, 'tp', None\) over"):
         models.WanTransformer3D.from_pretrained(
-            path, parallel=nn.ParallelConfig(tp_axis="tp"), mesh=three)
+            path, parallel=nn.sharding.ParallelConfig(tp_axis="tp"), mesh=three)
     assert opened and all(f.bytes_read == 0 for f in opened)  # refused before any read
     # partition_specs' own error: a parameter too large to stay whole that FSDP cannot split.
-    ffn = eqx.filter_eval_shape(nn.FeedForward, 1025, 1025, parallel=nn.ParallelConfig(
+    ffn = eqx.filter_eval_shape(nn.FeedForward, 1025, 1025, parallel=nn.sharding.ParallelConfig(
         fsdp_axes=("dp",)), key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"partition_specs: FSDP over \('dp',\) \(size 8\) "
                                          r"cannot split the parameter"):

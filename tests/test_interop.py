@@ -245,9 +245,9 @@ def test_loaded_arrays_do_not_alias_the_source():
 
 def test_sharding_is_kept():
     mesh = harness.mesh(tp=2)
-    module = nn.Attention(DIM, HEADS, parallel=nn.ParallelConfig(tp_axis="tp"),
+    module = nn.Attention(DIM, HEADS, parallel=nn.sharding.ParallelConfig(tp_axis="tp"),
                           key=jax.random.PRNGKey(0))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), nn.partition_specs(module),
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), nn.sharding.partition_specs(module),
                              is_leaf=lambda x: isinstance(x, P))
     module = eqx.filter_shard(module, shardings)
     loaded = interop.load_state_dict(module, interop.state_dict(_make("Attention", 3)))

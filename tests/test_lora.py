@@ -297,11 +297,11 @@ def test_training_adapters_sharded_equals_one_device(training, name):
     model, inputs, (loss1, grads1, params1, state1) = training
     shape, config, batch_axis = SHARDED[name]
     mesh = harness.mesh(**shape)
-    sharded = nn.with_parallel(model, nn.ParallelConfig(**config))
+    sharded = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config))
     step = _train_step(
         lambda m, x, t, c: models.run_sharded(m, x, t, c, mesh=mesh, batch_axis=batch_axis,
                                               remat="full"),
-        lambda m: nn.shard_module(m, mesh))
+        lambda m: nn.sharding.shard_module(m, mesh))
     loss, grads, params, state = step(sharded, *inputs)
     assert abs(float(loss) - float(loss1)) <= RTOL * abs(float(loss1))
     harness.assert_leaves_close(grads, grads1, "adapter gradients")
@@ -325,11 +325,11 @@ def test_optimizer_state_holds_only_the_adapters(training):
 
 
 def test_adapters_follow_the_tensor_parallel_split():
-    attn = nn.Attention(32, 4, parallel=nn.ParallelConfig(tp_axis="tp"), key=jax.random.key(0))
+    attn = nn.Attention(32, 4, parallel=nn.sharding.ParallelConfig(tp_axis="tp"), key=jax.random.key(0))
     attn = eqx.tree_at(lambda a: (a.q, a.o), attn,
                        (nn.with_lora(attn.q, 2, key=jax.random.key(1)),
                         nn.with_lora(attn.o, 2, key=jax.random.key(2))))
-    specs = nn.partition_specs(attn)
+    specs = nn.sharding.partition_specs(attn)
     q, o = specs.q.adapters["default"], specs.o.adapters["default"]
     assert (q.lora_A, q.lora_B) == (P(), P("tp", None))  # column-parallel: B's rows
     assert (o.lora_A, o.lora_B) == (P(None, "tp"), P())  # row-parallel: A's columns
@@ -339,10 +339,10 @@ def test_adapters_follow_the_tensor_parallel_split():
 def test_optimizer_state_placed_like_the_adapters(training):
     model = training[0]
     mesh = harness.mesh(sp=4, tp=2)
-    model = nn.with_parallel(model, nn.ParallelConfig(sequence="ulysses", tp_axis="tp"))
+    model = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp"))
     spec = nn.lora_filter(model)
     state = optax.adamw(1e-3).init(eqx.filter(model, spec))
-    placed = nn.shard_like(state, model, mesh, filter_spec=spec)
+    placed = nn.sharding.shard_like(state, model, mesh, filter_spec=spec)
     mu = placed[0].mu.blocks.self_attn
     assert mu.q.adapters["default"].lora_B.sharding.spec == P(None, "tp", None)
     assert mu.o.adapters["default"].lora_A.sharding.spec == P(None, None, "tp")

@@ -289,8 +289,8 @@ def test_sharded_model_round_trip(wan):
     """A model placed on 8 simulated devices (dp x sp x tp, Ulysses + Megatron), run by
     `run_sharded` inside `fn`: the exported program is the 8-device one."""
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    config = nn.ParallelConfig(sequence="ulysses", tp_axis="tp")
-    sharded = nn.shard_module(nn.with_parallel(wan, config), mesh)
+    config = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(wan, config), mesh)
     rng = np.random.default_rng(9)
     args = (jax.device_put(harness.normal(rng, (2, *LATENTS))),
             jax.device_put(np.array([900.0, 100.0], np.float32)),
@@ -304,7 +304,7 @@ def test_sharded_model_round_trip(wan):
     _identical(exported(sharded, *args), eqx.filter_jit(run)(sharded, *args))
     with pytest.raises(ValueError, match=r"model\.blocks\.self_attn\.parallel: exported "
                                          r"ParallelConfig\(sequence='ulysses'"):
-        exported(nn.with_parallel(sharded, nn.ParallelConfig()), *args)
+        exported(nn.sharding.with_parallel(sharded, nn.sharding.ParallelConfig()), *args)
 
 
 # -- 4. bad input ---------------------------------------------------------------------------

@@ -187,7 +187,7 @@ SELF_CASES = {
     "usp-sp2-ring2-segments": ("usp", "contiguous", dict(sp=2, ring=2), True),
 }
 def _config(mode, layout, sizes):
-    return nn.ParallelConfig(
+    return nn.sharding.ParallelConfig(
         sequence=mode, layout=layout, ring_axis=RING if mode == "usp" else None,
         tp_axis=TP if sizes.get("tp", 1) > 1 else None,
     )
@@ -204,7 +204,7 @@ def test_attention_sharded_equals_single_device(case):
     S = F * Hh * W
     single = harness.perturbed(nn.Attention(dim, H, key=jax.random.key(0)), 1)
     cfg = _config(mode, layout, sizes)
-    sharded = nn.with_parallel(single, cfg)
+    sharded = nn.sharding.with_parallel(single, cfg)
     assert jax.tree.leaves(sharded)[0] is jax.tree.leaves(single)[0]  # the same arrays
     rng = np.random.default_rng(2)
     x = rng.standard_normal((B, S, dim)).astype(F32)
@@ -227,9 +227,9 @@ def test_attention_sharded_equals_single_device(case):
     unzz = functools.partial(parallel.zigzag_unpermute, sp_size=n_ring)
     seq, b = _seq_axes(mode), DP if sizes.get("dp", 1) > 1 else None
     mesh = harness.mesh(**sizes)
-    f = nn.filter_shard_map(
+    f = nn.sharding.filter_shard_map(
         call, mesh=mesh,
-        in_specs=(nn.partition_specs(sharded), P(b, seq), P(seq), P(seq),
+        in_specs=(nn.sharding.partition_specs(sharded), P(b, seq), P(seq), P(seq),
                   None if seg is None else P(b, seq)),
         out_specs=P(b, seq),
     )
@@ -267,7 +267,7 @@ def test_cross_attention_sharded_equals_single_device(case):
     B, S, T, dim, cdim, H = 2, 16, 6, 32, 24, 4
     single = harness.perturbed(nn.CrossAttention(dim, H, context_dim=cdim, key=jax.random.key(7)),
                                8)
-    sharded = nn.with_parallel(single, _config(mode, layout, sizes))
+    sharded = nn.sharding.with_parallel(single, _config(mode, layout, sizes))
     rng = np.random.default_rng(9)
     x = rng.standard_normal((B, S, dim)).astype(F32)
     ctx = rng.standard_normal((B, T, cdim)).astype(F32)
@@ -278,8 +278,8 @@ def test_cross_attention_sharded_equals_single_device(case):
         return jax.vmap(lambda x, c, k: m(x, c, context_mask=k))(x, c, k)
 
     b = DP if sizes.get("dp", 1) > 1 else None
-    f = nn.filter_shard_map(call, mesh=harness.mesh(**sizes),
-                      in_specs=(nn.partition_specs(sharded), P(b, SP), P(b), P(b)),
+    f = nn.sharding.filter_shard_map(call, mesh=harness.mesh(**sizes),
+                      in_specs=(nn.sharding.partition_specs(sharded), P(b, SP), P(b), P(b)),
                       out_specs=P(b, SP))
 
     def loss(fn):
@@ -306,7 +306,7 @@ def test_joint_attention_sharded_equals_single_device(case):
     mode, layout, sizes = JOINT_CASES[case]
     B, S, T, dim, H = 2, 16, 5, 64, 8
     single = harness.perturbed(nn.JointAttention(dim, H, key=jax.random.key(11)), 12)
-    sharded = nn.with_parallel(single, _config(mode, layout, sizes))
+    sharded = nn.sharding.with_parallel(single, _config(mode, layout, sizes))
     rng = np.random.default_rng(13)
     x = rng.standard_normal((B, S, dim)).astype(F32)
     ctx = rng.standard_normal((B, T, dim)).astype(F32)
@@ -322,8 +322,8 @@ def test_joint_attention_sharded_equals_single_device(case):
         return xo, co[None]  # every SP device's copy of the text output
 
     seq = _seq_axes(mode)
-    f = nn.filter_shard_map(per_device, mesh=harness.mesh(**sizes),
-                      in_specs=(nn.partition_specs(sharded), P(None, seq), P(), P(seq), P(seq)),
+    f = nn.sharding.filter_shard_map(per_device, mesh=harness.mesh(**sizes),
+                      in_specs=(nn.sharding.partition_specs(sharded), P(None, seq), P(), P(seq), P(seq)),
                       out_specs=(P(None, seq), P(seq)))
 
     def sharded_loss(mxc):
@@ -346,18 +346,18 @@ def test_joint_attention_sharded_equals_single_device(case):
 
 
 def test_partition_specs():
-    cfg = nn.ParallelConfig(sequence="ulysses", tp_axis=TP)
+    cfg = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP)
     a = nn.Attention(32, 4, parallel=cfg, key=jax.random.key(0))
-    s = nn.partition_specs(a)
+    s = nn.sharding.partition_specs(a)
     assert (s.q.weight, s.q.bias, s.k.weight, s.v.bias) == (P(TP, None), P(TP), P(TP, None), P(TP))
     assert (s.o.weight, s.o.bias) == (P(None, TP), P())
     assert (s.norm_q.weight, s.norm_k.weight) == (P(TP), P(TP))
-    j = nn.partition_specs(nn.JointAttention(32, 4, parallel=cfg, key=jax.random.key(0)))
+    j = nn.sharding.partition_specs(nn.JointAttention(32, 4, parallel=cfg, key=jax.random.key(0)))
     assert (j.to_q.weight, j.to_v.bias, j.to_out.weight, j.to_out.bias) == (
         P(TP, None), P(TP), P(None, TP), P())
     assert (j.norm_q.weight, j.norm_q.bias) == (P(), P())
     # No tp axis: everything replicated; a larger PyTree: non-attention arrays replicated.
-    plain = nn.partition_specs({"attn": nn.with_parallel(a, nn.ParallelConfig()),
+    plain = nn.sharding.partition_specs({"attn": nn.sharding.with_parallel(a, nn.sharding.ParallelConfig()),
                                 "w": jnp.ones(3), "n": 3})
     assert all(spec == P() for spec in jax.tree.leaves(plain["attn"]))
     assert plain["w"] == P() and plain["n"] is None
@@ -390,14 +390,45 @@ def test_wrong_shapes_raise_jaxtyping_errors():
 
 def test_parallel_config_errors():
     with pytest.raises(ValueError, match="sequence"):
-        nn.ParallelConfig(sequence="tree")
+        nn.sharding.ParallelConfig(sequence="tree")
     with pytest.raises(ValueError, match="ring_axis"):
-        nn.ParallelConfig(sequence="usp")
-    with pytest.raises(ValueError, match="only used by sequence='usp'"):
-        nn.ParallelConfig(sequence="ring", ring_axis=RING)
+        nn.sharding.ParallelConfig(sequence="usp")
+    with pytest.raises(ValueError, match="`ulysses_axis` is not used by sequence='ring'"):
+        nn.sharding.ParallelConfig(sequence="ring", ulysses_axis=RING)
+    with pytest.raises(ValueError, match="`ring_axis` is not used by sequence='ulysses'"):
+        nn.sharding.ParallelConfig(sequence="ulysses", ring_axis=RING)
+    with pytest.raises(ValueError, match="two different mesh axes"):
+        nn.sharding.ParallelConfig(ulysses_axis=SP, ring_axis=SP)
     with pytest.raises(ValueError, match="zigzag"):
-        nn.ParallelConfig(sequence="ulysses", layout="zigzag")
-    assert hash(nn.ParallelConfig(sequence="ring")) == hash(nn.ParallelConfig(sequence="ring"))
+        nn.sharding.ParallelConfig(sequence="ulysses", layout="zigzag")
+    with pytest.raises(ValueError, match="`tp_axis` must differ"):
+        nn.sharding.ParallelConfig(ring_axis=TP, tp_axis=TP)
+    Config = nn.sharding.ParallelConfig
+    assert hash(Config(sequence="ring")) == hash(Config(sequence="ring"))
+
+
+def test_parallel_config_roles():
+    """The mode and the axes by role: each says the other, and the answers every layer
+    reads (`sequence_axes`, `head_axes`) follow the roles."""
+    Config = nn.sharding.ParallelConfig
+    # The mode alone takes the default axis; the axes alone say the mode.
+    assert Config(sequence="ring") == Config(ring_axis=SP) == Config(sequence="ring", ring_axis=SP)
+    assert Config(sequence="ulysses") == Config(ulysses_axis=SP)
+    assert Config(sequence="usp", ring_axis=RING) == Config(ulysses_axis=SP, ring_axis=RING)
+    assert Config(ring_axis=RING).sequence == "ring" and Config(ring_axis=RING).ring_axis == RING
+    assert Config().sequence == "none"
+    # Ring-major sequence axes; heads over TP, then Ulysses.
+    cases = [
+        (Config(), (), ()),
+        (Config(tp_axis=TP), (), (TP,)),
+        (Config(sequence="ulysses", tp_axis=TP), (SP,), (TP, SP)),
+        (Config(sequence="ring", tp_axis=TP), (SP,), (TP,)),
+        (Config(sequence="usp", ring_axis=RING), (RING, SP), (SP,)),
+        (Config(ulysses_axis="u", ring_axis="r", tp_axis=TP), ("r", "u"), (TP, "u")),
+    ]
+    for config, sequence_axes, head_axes in cases:
+        assert config.sequence_axes == sequence_axes, config
+        assert config.head_axes == head_axes, config
 
 
 def test_module_errors():
@@ -405,17 +436,17 @@ def test_module_errors():
         nn.Attention(30, 4, key=jax.random.key(0))
     a = nn.Attention(32, 4, key=jax.random.key(0))
     # A parallel configuration outside shard_map names the missing axis.
-    tp_only = nn.with_parallel(a, nn.ParallelConfig(tp_axis=TP))
+    tp_only = nn.sharding.with_parallel(a, nn.sharding.ParallelConfig(tp_axis=TP))
     with pytest.raises(ValueError, match="'tp' does not exist"):
         tp_only(jnp.ones((8, 32)))
     mesh = harness.mesh(sp=4, tp=2)
     x = jnp.ones((16, 32))
     # Weights not placed by partition_specs (replicated) under TP: a clear error.
     with pytest.raises(ValueError, match="partition_specs"):
-        nn.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())(
+        nn.sharding.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())(
             tp_only, x)
     # 3 heads do not split over tp = 2.
-    odd = nn.Attention(24, 3, parallel=nn.ParallelConfig(tp_axis=TP), key=jax.random.key(0))
+    odd = nn.Attention(24, 3, parallel=nn.sharding.ParallelConfig(tp_axis=TP), key=jax.random.key(0))
     with pytest.raises(ValueError, match="multiple of the TP size"):
-        nn.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(nn.partition_specs(odd), P()),
+        nn.sharding.filter_shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(nn.sharding.partition_specs(odd), P()),
                             out_specs=P())(odd, jnp.ones((16, 24)))

@@ -7,7 +7,7 @@
    sharded text context are refused; so are the parallel functions' and `core`'s
    equivalents. A data-parallel axis alone stays legal.
 2. What no value records (RoPE tables in another layout than the tokens) has a
-   helper instead: `nn.shard_tokens` gives exactly the rows a configuration expects.
+   helper instead: `nn.sharding.shard_tokens` gives exactly the rows a configuration expects.
 3. One optimizer state for every configuration: `ParallelConfig` is a leaf, not part
    of the tree structure, so an optax AdamW state built from the single-device model
    steps the Ulysses, ring and USP x TP variants and back, equal to single-device
@@ -50,7 +50,7 @@ def _run(module, x, mesh, x_spec, *, context=None, c_spec=P()):
         return jax.vmap(m)(x) if c is None else jax.vmap(m)(x, c)
 
     out_spec = x_spec if not isinstance(module, nn.JointAttention) else (x_spec, P())
-    f = nn.filter_shard_map(call, mesh=mesh, in_specs=(nn.partition_specs(module), x_spec, c_spec),
+    f = nn.sharding.filter_shard_map(call, mesh=mesh, in_specs=(nn.sharding.partition_specs(module), x_spec, c_spec),
                             out_specs=out_spec)
     return eqx.filter_jit(f)(module, x, context)
 
@@ -67,15 +67,15 @@ def test_one_device_config_on_a_sharded_sequence_raises(attn, x):
 
 
 def test_sequence_parallel_config_on_a_replicated_sequence_raises(attn, x):
-    for cfg, mesh in ((nn.ParallelConfig(sequence="ulysses"), harness.mesh(sp=4)),
-                      (nn.ParallelConfig(sequence="ring", layout="zigzag"), harness.mesh(sp=4)),
-                      (nn.ParallelConfig(sequence="usp", ring_axis=RING), harness.mesh(sp=2, ring=2))):
+    for cfg, mesh in ((nn.sharding.ParallelConfig(sequence="ulysses"), harness.mesh(sp=4)),
+                      (nn.sharding.ParallelConfig(sequence="ring", layout="zigzag"), harness.mesh(sp=4)),
+                      (nn.sharding.ParallelConfig(sequence="usp", ring_axis=RING), harness.mesh(sp=2, ring=2))):
         with pytest.raises(ValueError, match=r"same on every device of '(sp|ring)' \(replicated\)"):
-            _run(nn.with_parallel(attn, cfg), x, mesh, P())
+            _run(nn.sharding.with_parallel(attn, cfg), x, mesh, P())
 
 
 def test_tokens_over_the_tensor_parallel_axis_raise(attn, x):
-    tp = nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP))
+    tp = nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(tp_axis=TP))
     with pytest.raises(ValueError, match=r"tensor-parallel axis 'tp'.*splits heads, not tokens"):
         _run(tp, x, harness.mesh(tp=2), P(None, TP))
 
@@ -87,8 +87,8 @@ def test_sharded_text_context_raises(x):
 
 
 def test_weights_placed_for_tp_under_a_config_without_tp_raise(attn, x):
-    placed_for_tp = nn.partition_specs(nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP)))
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(tp=2),
+    placed_for_tp = nn.sharding.partition_specs(nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(tp_axis=TP)))
+    f = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(tp=2),
                             in_specs=(placed_for_tp, P()), out_specs=P())
     with pytest.raises(ValueError, match=r"no tp_axis.*received 16.*with_parallel"):
         eqx.filter_jit(f)(attn, x)
@@ -127,16 +127,16 @@ def test_data_parallel_axis_and_sharded_cross_attention_queries_stay_legal(attn,
 
 
 @pytest.mark.parametrize("cfg, sizes", [
-    (nn.ParallelConfig(sequence="ulysses"), dict(sp=4)),
-    (nn.ParallelConfig(sequence="ring", layout="zigzag"), dict(sp=4)),
-    (nn.ParallelConfig(sequence="usp", ring_axis=RING, layout="zigzag"), dict(sp=2, ring=4)),
-    (nn.ParallelConfig(sequence="usp", ring_axis=RING), dict(sp=2, ring=2)),
+    (nn.sharding.ParallelConfig(sequence="ulysses"), dict(sp=4)),
+    (nn.sharding.ParallelConfig(sequence="ring", layout="zigzag"), dict(sp=4)),
+    (nn.sharding.ParallelConfig(sequence="usp", ring_axis=RING, layout="zigzag"), dict(sp=2, ring=4)),
+    (nn.sharding.ParallelConfig(sequence="usp", ring_axis=RING), dict(sp=2, ring=2)),
 ])
 def test_shard_tokens_gives_the_rows_of_the_layout(cfg, sizes):
     rope = nn.functional.rope_3d((2, 4, 4), 8)  # 32 tokens
     mesh = harness.mesh(**sizes)
     seq = (RING, SP) if cfg.sequence == "usp" else SP
-    got = jax.jit(jax.shard_map(lambda: nn.shard_tokens(rope, cfg), mesh=mesh, in_specs=(),
+    got = jax.jit(jax.shard_map(lambda: nn.sharding.shard_tokens(rope, cfg), mesh=mesh, in_specs=(),
                                 out_specs=P(seq)))()
     # The reference layout, written out: zigzag over the ring, then contiguous chunks
     # in the order the sequence in_spec gives the devices.
@@ -147,21 +147,21 @@ def test_shard_tokens_gives_the_rows_of_the_layout(cfg, sizes):
             chunks = np.split(ref, 2 * n_ring)
             ref = np.concatenate([c for r in range(n_ring) for c in (chunks[r], chunks[-1 - r])])
         np.testing.assert_array_equal(np.asarray(got_t), ref)
-    assert nn.shard_tokens(rope, nn.ParallelConfig()) is rope
+    assert nn.sharding.shard_tokens(rope, nn.sharding.ParallelConfig()) is rope
 
 
 def test_zigzag_module_with_shard_tokens_rope_equals_single_device(attn, x):
-    cfg = nn.ParallelConfig(sequence="ring", layout="zigzag")
+    cfg = nn.sharding.ParallelConfig(sequence="ring", layout="zigzag")
     rope = nn.functional.rope_3d((1, 4, 4), DIM // H)
 
     def per_device(m, x):
-        r = nn.shard_tokens(rope, cfg)
+        r = nn.sharding.shard_tokens(rope, cfg)
         return jax.vmap(lambda x: m(x, rope=r))(x)
 
-    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
-                            in_specs=(nn.partition_specs(attn), P(None, SP)), out_specs=P(None, SP))
+    f = nn.sharding.filter_shard_map(per_device, mesh=harness.mesh(sp=4),
+                            in_specs=(nn.sharding.partition_specs(attn), P(None, SP)), out_specs=P(None, SP))
     zz = parallel.zigzag_permute(x, 1, 4)
-    out = parallel.zigzag_unpermute(eqx.filter_jit(f)(nn.with_parallel(attn, cfg), zz), 1, 4)
+    out = parallel.zigzag_unpermute(eqx.filter_jit(f)(nn.sharding.with_parallel(attn, cfg), zz), 1, 4)
     oracle.assert_close(out, jax.vmap(lambda x: attn(x, rope=rope))(x), F32, "zigzag + rope")
 
 
@@ -169,28 +169,28 @@ def test_zigzag_module_with_shard_tokens_rope_equals_single_device(attn, x):
 
 
 VARIANTS = {
-    "none": (nn.ParallelConfig(), None, P()),
+    "none": (nn.sharding.ParallelConfig(), None, P()),
     # Every mesh spans the 8 devices (a data-parallel axis where the rest is smaller),
     # so that one program's outputs are where the next one expects them.
-    "ulysses": (nn.ParallelConfig(sequence="ulysses"), dict(dp=2, sp=4), P(DP, SP)),
-    "ring-zigzag": (nn.ParallelConfig(sequence="ring", layout="zigzag"), dict(dp=2, sp=4),
+    "ulysses": (nn.sharding.ParallelConfig(sequence="ulysses"), dict(dp=2, sp=4), P(DP, SP)),
+    "ring-zigzag": (nn.sharding.ParallelConfig(sequence="ring", layout="zigzag"), dict(dp=2, sp=4),
                     P(DP, SP)),
-    "usp-tp": (nn.ParallelConfig(sequence="usp", ring_axis=RING, tp_axis=TP),
+    "usp-tp": (nn.sharding.ParallelConfig(sequence="usp", ring_axis=RING, tp_axis=TP),
                dict(sp=2, ring=2, tp=2), P(None, (RING, SP))),
 }
 
 
 def _loss_and_grad(model, name, x, ct):
     cfg, sizes, spec = VARIANTS[name]
-    model = nn.with_parallel(model, cfg)
+    model = nn.sharding.with_parallel(model, cfg)
     zigzag = cfg.layout == "zigzag"
 
     def loss(m):
         if sizes is None:
             out = jax.vmap(m)(x)
         else:
-            f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(**sizes),
-                                    in_specs=(nn.partition_specs(m), spec), out_specs=spec)
+            f = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(**sizes),
+                                    in_specs=(nn.sharding.partition_specs(m), spec), out_specs=spec)
             xs = parallel.zigzag_permute(x, 1, sizes["sp"]) if zigzag else x
             out = f(m, xs)
             out = parallel.zigzag_unpermute(out, 1, sizes["sp"]) if zigzag else out
@@ -225,17 +225,17 @@ def test_one_adamw_state_steps_every_configuration(attn, x):
 
 
 def test_variants_share_one_structure_and_specs_place_each_other(attn, x):
-    variants = {n: nn.with_parallel(attn, cfg) for n, (cfg, _, _) in VARIANTS.items()}
+    variants = {n: nn.sharding.with_parallel(attn, cfg) for n, (cfg, _, _) in VARIANTS.items()}
     structures = {jax.tree.structure(v) for v in variants.values()}
     assert len(structures) == 1, "the parallel configuration must not be tree structure"
     # Specs of the Ulysses variant (no TP) place the ring variant, and the usp x tp
     # variant's specs place a Ulysses x tp variant.
-    ring = nn.with_parallel(attn, VARIANTS["ring-zigzag"][0])
+    ring = nn.sharding.with_parallel(attn, VARIANTS["ring-zigzag"][0])
     out = _run(ring, parallel.zigzag_permute(x, 1, 4), harness.mesh(sp=4), P(None, SP))
-    assert nn.partition_specs(variants["ulysses"]) == nn.partition_specs(ring)
-    uly_tp = nn.with_parallel(attn, nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
-    specs = nn.partition_specs(variants["usp-tp"])
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=2, tp=2),
+    assert nn.sharding.partition_specs(variants["ulysses"]) == nn.sharding.partition_specs(ring)
+    uly_tp = nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP))
+    specs = nn.sharding.partition_specs(variants["usp-tp"])
+    f = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=2, tp=2),
                             in_specs=(specs, P(None, SP)), out_specs=P(None, SP))
     ref = jax.vmap(attn)(x)
     oracle.assert_close(eqx.filter_jit(f)(uly_tp, x), ref, F32, "ulysses x tp, usp specs")
@@ -266,14 +266,14 @@ def test_explicit_mesh_megatron_works_and_sharded_inputs_name_the_fix():
 
 
 def test_partition_specs_of_the_whole_module_place_its_arrays_part(attn):
-    tp = nn.with_parallel(attn, nn.ParallelConfig(tp_axis=TP))
+    tp = nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(tp_axis=TP))
     arrays, _ = eqx.partition(tp, eqx.is_array)
-    specs = nn.partition_specs(tp)
+    specs = nn.sharding.partition_specs(tp)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(harness.mesh(tp=2), s)),
                           arrays, specs)
     assert placed.q.weight.sharding.spec == P(TP, None)
     with pytest.raises(ValueError, match=r"partition_specs on the whole module"):
-        nn.partition_specs(arrays)
+        nn.sharding.partition_specs(arrays)
 
 
 def test_module_on_an_explicitly_sharded_sequence_outside_shard_map_names_the_fix(attn, x):
@@ -285,7 +285,7 @@ def test_module_on_an_explicitly_sharded_sequence_outside_shard_map_names_the_fi
 
 def test_a_sequence_axis_of_size_one_is_never_a_mismatch(attn, x):
     # Ulysses over sp = 1 (x trivially "replicated" over it) is the single-device answer.
-    uly = nn.with_parallel(attn, nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=1, tp=2),
-                            in_specs=(nn.partition_specs(uly), P()), out_specs=P(None, SP))
+    uly = nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP))
+    f = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(m)(x), mesh=harness.mesh(sp=1, tp=2),
+                            in_specs=(nn.sharding.partition_specs(uly), P()), out_specs=P(None, SP))
     oracle.assert_close(eqx.filter_jit(f)(uly, x), jax.vmap(attn)(x), F32, "sp = 1")

@@ -134,8 +134,8 @@ def test_one_compiled_loop(t2v, io):
 
 def test_sharded_sp_tp_equals_one_device(t2v, io, unipc4):
     mesh = harness.mesh(sp=4, tp=2)
-    model = nn.shard_module(
-        nn.with_parallel(t2v, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    model = nn.sharding.shard_module(
+        nn.sharding.with_parallel(t2v, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
     out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh)
     assert harness.max_rel_error(out, unipc4) < SHARDED
 
@@ -143,7 +143,7 @@ def test_sharded_sp_tp_equals_one_device(t2v, io, unipc4):
 def test_cfg_axis_with_batch_axis_equals_one_device(t2v, io, unipc4):
     # The guided batch [cond; uncond] over (cfg, dp): each half's 2 examples over dp.
     mesh = harness.mesh(dp=2, sp=2, cfg=2)
-    model = nn.shard_module(nn.with_parallel(t2v, nn.ParallelConfig(sequence="ulysses")), mesh)
+    model = nn.sharding.shard_module(nn.sharding.with_parallel(t2v, nn.sharding.ParallelConfig(sequence="ulysses")), mesh)
     out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh, cfg_axis="cfg",
                   batch_axis="dp")
     assert harness.max_rel_error(out, unipc4) < SHARDED

@@ -81,8 +81,8 @@ def test_wan_i2v(i2v):
 def test_wan_i2v_sharded(i2v):
     model, io = i2v
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    sharded = nn.shard_module(nn.with_parallel(
-        model, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
+        model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
     kwargs = dict(steps=2, guidance_scale=5.0, scheduler="euler")
     got = sampling.sample(sharded, **io, **kwargs, mesh=mesh, cfg_axis="dp")
     assert harness.max_rel_error(got, sampling.sample(model, **io, **kwargs)) < 1e-5

@@ -104,8 +104,8 @@ def test_export_step_cache(model, io):
 
 def test_export_cfg_over_a_mesh(model, io):
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    sharded = nn.shard_module(nn.with_parallel(
-        model, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
+        model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
     kwargs = dict(steps=2, scheduler="euler", mesh=mesh, cfg_axis="dp")
     sampler = sampling.ExportedSampler.deserialize(
         sampling.export_sample(sharded, **io, **kwargs).serialize())
@@ -123,7 +123,7 @@ def test_bad_input(model, io, exported):
         sampler(model, **io, steps=6)
     with pytest.raises(ValueError, match="guidance"):
         sampler(model, **io, guidance_scale=1.0)
-    other = nn.with_parallel(model, nn.ParallelConfig(sequence="ulysses"))
+    other = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ulysses"))
     with pytest.raises(ValueError, match="exported for"):
         sampler(other, **io)
     with pytest.raises(ValueError, match="not an exported sampler"):

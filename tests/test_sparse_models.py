@@ -86,7 +86,7 @@ def test_sharded_equals_single_device(name, config):
     mesh_axes, parallel_config = CONFIGS[config]
     mesh = harness.mesh(**mesh_axes)  # the first devices
     ref = _reference(name)
-    sharded = nn.with_parallel(model, nn.ParallelConfig(**parallel_config))
+    sharded = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**parallel_config))
     run = eqx.filter_jit(models.run_sharded)
     out = run(sharded, x, TIMESTEP, context, mesh=mesh, sliding_tile=WINDOWS)
     np.testing.assert_allclose(out, ref, atol=2e-6 * float(jnp.abs(ref).max()))

@@ -359,9 +359,9 @@ def test_attention_module_ring_tp_per_head_windows():
     attn = nn.Attention(DIM, HEADS, implementation="xla", key=jax.random.key(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, tm.seq_len, DIM)), F32)
     call = lambda m, x: jax.vmap(lambda x: m(x, mask=tm))(x)
-    sharded = nn.with_parallel(attn, nn.ParallelConfig(sequence="ring", tp_axis=TP))
-    f = nn.filter_shard_map(call, mesh=harness.mesh(sp=2, tp=2),
-                            in_specs=(nn.partition_specs(sharded), SEQ), out_specs=SEQ)
+    sharded = nn.sharding.with_parallel(attn, nn.sharding.ParallelConfig(sequence="ring", tp_axis=TP))
+    f = nn.sharding.filter_shard_map(call, mesh=harness.mesh(sp=2, tp=2),
+                            in_specs=(nn.sharding.partition_specs(sharded), SEQ), out_specs=SEQ)
     run = functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
     oracle.assert_close(run(f)(sharded, x), run(call)(attn, x), F32, "ring x tp")
 
@@ -377,14 +377,14 @@ def test_joint_attention_module_ulysses_shared_window():
     ct_x = jnp.asarray(rng.standard_normal(x.shape), F32)
     ct_c = jnp.asarray(rng.standard_normal(c.shape), F32)
     call = lambda m, x, c: jax.vmap(lambda x, c: m(x, c, mask=tm))(x, c)
-    sharded = nn.with_parallel(joint, nn.ParallelConfig(sequence="ulysses"))
+    sharded = nn.sharding.with_parallel(joint, nn.sharding.ParallelConfig(sequence="ulysses"))
 
     def per_device(m, x, c):
         xo, co = call(m, x, c)
         return xo, co[None]  # every device's copy of the text output
 
-    f = nn.filter_shard_map(per_device, mesh=harness.mesh(sp=N),
-                            in_specs=(nn.partition_specs(sharded), SEQ, P()),
+    f = nn.sharding.filter_shard_map(per_device, mesh=harness.mesh(sp=N),
+                            in_specs=(nn.sharding.partition_specs(sharded), SEQ, P()),
                             out_specs=(SEQ, P(SP)))
 
     @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
@@ -469,11 +469,11 @@ def test_per_head_window_count_must_be_the_head_count():
 
 def test_differing_per_tp_rank_windows_under_ulysses_raise():
     tm = _tm(PER_HEAD)  # TP rank 0: heads 0-1, rank 1: heads 2-3, other windows
-    attn = nn.with_parallel(nn.Attention(DIM, HEADS, key=jax.random.key(0)),
-                            nn.ParallelConfig(sequence="ulysses", tp_axis=TP))
-    f = nn.filter_shard_map(lambda m, x: jax.vmap(lambda x: m(x, mask=tm))(x),
+    attn = nn.sharding.with_parallel(nn.Attention(DIM, HEADS, key=jax.random.key(0)),
+                            nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP))
+    f = nn.sharding.filter_shard_map(lambda m, x: jax.vmap(lambda x: m(x, mask=tm))(x),
                             mesh=harness.mesh(sp=2, tp=2),
-                            in_specs=(nn.partition_specs(attn), SEQ), out_specs=SEQ)
+                            in_specs=(nn.sharding.partition_specs(attn), SEQ), out_specs=SEQ)
     x = jax.ShapeDtypeStruct((1, tm.seq_len, DIM), F32)
     with pytest.raises(NotImplementedError, match=r"differ between tensor-parallel ranks"):
         eqx.filter_eval_shape(f, attn, x)

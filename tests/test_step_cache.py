@@ -151,13 +151,13 @@ def test_one_cond_under_vmap(t2v):
 
 
 SHARDED = {
-    "ulysses_tp_dp": (dict(dp=2, sp=2, tp=2), nn.ParallelConfig(sequence="ulysses", tp_axis="tp"),
+    "ulysses_tp_dp": (dict(dp=2, sp=2, tp=2), nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp"),
                       "dp", {}),
-    "ring_tp_dp": (dict(dp=2, sp=2, tp=2), nn.ParallelConfig(sequence="ring", tp_axis="tp"),
+    "ring_tp_dp": (dict(dp=2, sp=2, tp=2), nn.sharding.ParallelConfig(sequence="ring", tp_axis="tp"),
                    "dp", {}),
-    "usp_fsdp": (dict(sp=2, ring=2, tp=2), nn.ParallelConfig(
+    "usp_fsdp": (dict(sp=2, ring=2, tp=2), nn.sharding.ParallelConfig(
         sequence="usp", ring_axis="ring", tp_axis="tp", fsdp_axes=("sp", "ring")), None, {}),
-    "sliding_tile_ring": (dict(dp=2, sp=2, tp=2), nn.ParallelConfig(sequence="ring", tp_axis="tp"),
+    "sliding_tile_ring": (dict(dp=2, sp=2, tp=2), nn.sharding.ParallelConfig(sequence="ring", tp_axis="tp"),
                           "dp", dict(sliding_tile=((1, 2, 2), (1, 3, 3)))),
 }
 
@@ -172,7 +172,7 @@ def test_sharded_matches_one_device(t2v, name):
     model, (x, t, c) = t2v
     axes, parallel, batch_axis, kwargs = SHARDED[name]
     mesh = harness.mesh(**axes)
-    sharded = nn.with_parallel(model, parallel)
+    sharded = nn.sharding.with_parallel(model, parallel)
     run = lambda x, cache, may, thr: _sharded(  # noqa: E731
         sharded, x, t, c, cache, may, thr, mesh=mesh, batch_axis=batch_axis, **kwargs)
     one = lambda x, cache, may, thr: eqx.filter_jit(  # noqa: E731
@@ -232,8 +232,8 @@ def test_sample_first_block_sharded(t2v, sample_io):
     out, reused = sampling.sample(model, **sample_io, step_cache=rule, return_reused=True)
     assert 0 < int(np.sum(reused)) < 4
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    sharded = nn.shard_module(nn.with_parallel(
-        model, nn.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
+        model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
     got, got_reused = sampling.sample(sharded, **sample_io, step_cache=rule, mesh=mesh,
                                       cfg_axis="dp", return_reused=True)
     np.testing.assert_array_equal(got_reused, reused)

@@ -31,7 +31,7 @@ from vidax_eqx import models, nn, sampling
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 JIT = dict(compiler_options=harness.FAST_COMPILE)
-ULYSSES_TP = nn.ParallelConfig(sequence="ulysses", tp_axis="tp")
+ULYSSES_TP = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")
 
 
 def _model(name: str, seed: int):
@@ -125,7 +125,7 @@ def test_sharded_ulysses_tp(t2v, fsdp_axes):
     computed and placed as the model runs; under FSDP its weights are gathered."""
     model, (x, t, c) = t2v
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    model = nn.with_parallel(model, dataclasses.replace(ULYSSES_TP, fsdp_axes=fsdp_axes))
+    model = nn.sharding.with_parallel(model, dataclasses.replace(ULYSSES_TP, fsdp_axes=fsdp_axes))
     run = lambda cached: _run_sharded(model, x, t, c, mesh=mesh, batch_axis="dp",  # noqa: E731
                                       cached=cached)
     _assert_identical(run(True), run(False))
@@ -136,7 +136,7 @@ def test_sharded_cache_is_the_global_cache(t2v):
     order); one-device and sharded `norm_k` sum in different orders, hence allclose."""
     model, (_, _, c) = t2v
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    sharded = models.sharded_text_cache(nn.with_parallel(model, ULYSSES_TP), c, mesh=mesh,
+    sharded = models.sharded_text_cache(nn.sharding.with_parallel(model, ULYSSES_TP), c, mesh=mesh,
                                         batch_axis="dp")
     one = jax.vmap(model.text_cache)(c)
     for got, ref in ((sharded.k, one.k), (sharded.v, one.v)):
@@ -192,7 +192,7 @@ def test_sample_equals_uncached(t2v, sample_io, sharded):
     kwargs = dict(steps=3, scheduler="unipc", guidance_scale=5.0)
     if sharded:
         mesh = harness.mesh(sp=4, tp=2)
-        model = nn.shard_module(nn.with_parallel(model, ULYSSES_TP), mesh)
+        model = nn.sharding.shard_module(nn.sharding.with_parallel(model, ULYSSES_TP), mesh)
         kwargs["mesh"] = mesh
     cached = sampling.sample(model, **sample_io, **kwargs)
     uncached = sampling.sample(model, **sample_io, text_cache=False, **kwargs)
@@ -202,7 +202,7 @@ def test_sample_equals_uncached(t2v, sample_io, sharded):
 def test_sample_cfg_axis_equals_uncached(t2v, sample_io):
     model, _ = t2v
     mesh = harness.mesh(sp=2, tp=2, cfg=2)
-    model = nn.shard_module(nn.with_parallel(model, ULYSSES_TP), mesh)
+    model = nn.sharding.shard_module(nn.sharding.with_parallel(model, ULYSSES_TP), mesh)
     kwargs = dict(steps=2, scheduler="euler", mesh=mesh, cfg_axis="cfg")
     _assert_identical(sampling.sample(model, **sample_io, **kwargs),
                       sampling.sample(model, **sample_io, text_cache=False, **kwargs))
@@ -282,7 +282,7 @@ def test_experts_sample_equals_uncached(sharded):
     assert not np.array_equal(cache.high_noise.k, cache.low_noise.k)  # their own weights
     if sharded:
         mesh = harness.mesh(sp=2, tp=2, cfg=2)
-        experts = nn.shard_module(nn.with_parallel(experts, ULYSSES_TP), mesh)
+        experts = nn.sharding.shard_module(nn.sharding.with_parallel(experts, ULYSSES_TP), mesh)
         io.update(mesh=mesh, cfg_axis="cfg")
     _assert_identical(sampling.sample(experts, **io), sampling.sample(experts, **io,
                                                                       text_cache=False))

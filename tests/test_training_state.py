@@ -32,9 +32,9 @@ pytest.importorskip("orbax.checkpoint")
 CONFIG = models.WanConfig(dim=64, ffn_dim=96, num_heads=8, num_layers=2, in_channels=4,
                           out_channels=4, text_dim=32, freq_dim=32)
 STEP = 7
-FSDP8 = nn.ParallelConfig(fsdp_axes=("dp",))
-FSDP4_TP2 = nn.ParallelConfig(tp_axis="tp", fsdp_axes=("dp",))
-TP2 = nn.ParallelConfig(tp_axis="tp")
+FSDP8 = nn.sharding.ParallelConfig(fsdp_axes=("dp",))
+FSDP4_TP2 = nn.sharding.ParallelConfig(tp_axis="tp", fsdp_axes=("dp",))
+TP2 = nn.sharding.ParallelConfig(tp_axis="tp")
 
 
 def _templates(config=CONFIG):
@@ -73,23 +73,23 @@ def _shardings(tree) -> list:
 
 
 def _placed(model, config, mesh):
-    """`nn.shard_module(nn.with_parallel(model, config), mesh)`, by one `jax.device_put`
+    """`nn.sharding.shard_module(nn.sharding.with_parallel(model, config), mesh)`, by one `jax.device_put`
     (`shard_module` compiles a small program per array shape outside `jit`)."""
-    model = nn.with_parallel(model, config)
+    model = nn.sharding.with_parallel(model, config)
     arrays, static = eqx.partition(model, eqx.is_array)
     return eqx.combine(jax.device_put(arrays, _model_shardings(model, mesh)), static)
 
 
 def _model_shardings(model, mesh):
-    """`NamedSharding(mesh, spec)` per array of `model`, the specs `nn.partition_specs`'."""
-    specs = eqx.filter(nn.partition_specs(model, mesh), lambda s: isinstance(s, P),
+    """`NamedSharding(mesh, spec)` per array of `model`, the specs `nn.sharding.partition_specs`'."""
+    specs = eqx.filter(nn.sharding.partition_specs(model, mesh), lambda s: isinstance(s, P),
                        is_leaf=lambda s: isinstance(s, P))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda s: isinstance(s, P))
 
 
 def _adamw_shardings(opt_state, model, mesh):
-    """AdamW's state placed as `nn.shard_like` places it: the moments like the
+    """AdamW's state placed as `nn.sharding.shard_like` places it: the moments like the
     parameters, the step count replicated."""
     adam, *rest = opt_state
     params = _model_shardings(model, mesh)
@@ -112,9 +112,9 @@ def saved(tmp_path_factory):
 
 
 def _check_restored(saved, model, opt_state, config, mesh):
-    """Bit for bit the saved values, each array placed by `nn.partition_specs` (the
+    """Bit for bit the saved values, each array placed by `nn.sharding.partition_specs` (the
     optimizer's moments like their parameters, its count replicated)."""
-    template = nn.with_parallel(saved["model"], config)
+    template = nn.sharding.with_parallel(saved["model"], config)
     assert jax.tree.structure(model) == jax.tree.structure(template)
     assert jax.tree.structure(opt_state) == jax.tree.structure(saved["opt_state"])
     assert _bits(model) == _bits(saved["model"])
@@ -126,22 +126,22 @@ def _check_restored(saved, model, opt_state, config, mesh):
 
 def test_fsdp8_restored_as_fsdp4_tp2_bit_for_bit(saved):
     mesh = harness.mesh(dp=4, tp=2)
-    template = nn.with_parallel(saved["model_t"], FSDP4_TP2)
+    template = nn.sharding.with_parallel(saved["model_t"], FSDP4_TP2)
     model, opt_state, step = models.restore_training_state(
         saved["path"], template, saved["state_t"], mesh=mesh)
     assert step == STEP and isinstance(step, int)
     assert model.blocks.self_attn.parallel == FSDP4_TP2
     assert model.blocks.self_attn.q.weight.sharding.spec == P(None, "tp", "dp")
     _check_restored(saved, model, opt_state, FSDP4_TP2, mesh)
-    # Where nn.shard_like puts a fresh state for the same model and mesh.
-    fresh = nn.shard_like(saved["opt_state"], model, mesh)
+    # Where nn.sharding.shard_like puts a fresh state for the same model and mesh.
+    fresh = nn.sharding.shard_like(saved["opt_state"], model, mesh)
     assert _shardings(opt_state) == _shardings(fresh)
 
 
 def test_fsdp_restored_without_fsdp_from_real_templates(saved):
     # Real templates: their values are ignored, their structure and placement used.
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    template = nn.with_parallel(_fill(saved["model_t"], 3), TP2)
+    template = nn.sharding.with_parallel(_fill(saved["model_t"], 3), TP2)
     model, opt_state, step = models.restore_training_state(
         saved["path"], template, _fill(saved["state_t"], 4), mesh=mesh)
     assert step == STEP
@@ -194,9 +194,9 @@ def test_first_step_compiles_once_after_shard_like_and_restore(saved):
     first call from `shard_module` + `shard_like` placements, never on the next; the
     state restored for that configuration runs the same compiled program."""
     mesh = harness.mesh(dp=2, sp=2, tp=2)
-    config = nn.ParallelConfig(sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp"))
+    config = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp"))
     optimizer = optax.adamw(1e-3)
-    static = eqx.partition(nn.with_parallel(saved["model_t"], config), eqx.is_array)[1]
+    static = eqx.partition(nn.sharding.with_parallel(saved["model_t"], config), eqx.is_array)[1]
 
     # jax.jit of the arrays (eqx.filter_jit compiles the same way) for its compiler
     # options: the fast-compiling ones halve the compile time.
@@ -218,14 +218,14 @@ def test_first_step_compiles_once_after_shard_like_and_restore(saved):
         NamedSharding(mesh, P("dp")))
 
     model = _placed(saved["model"], config, mesh)
-    opt_state = nn.shard_like(saved["opt_state"], model, mesh)
+    opt_state = nn.sharding.shard_like(saved["opt_state"], model, mesh)
     with _compiles("train_step") as fresh:
         state = train_step(eqx.filter(model, eqx.is_array), opt_state, *batch)[:2]
         state = train_step(*state, *batch)[:2]
     assert len(fresh) == 1, fresh
 
     model, opt_state, _ = models.restore_training_state(
-        saved["path"], nn.with_parallel(saved["model_t"], config), saved["state_t"], mesh=mesh)
+        saved["path"], nn.sharding.with_parallel(saved["model_t"], config), saved["state_t"], mesh=mesh)
     with _compiles("train_step") as after_restore:
         train_step(eqx.filter(model, eqx.is_array), opt_state, *batch)
     assert after_restore == [], after_restore
@@ -269,14 +269,14 @@ def test_save_and_restore_across_two_processes(tmp_path):
 
 def test_mesh_that_does_not_divide_raises_naming_the_array(saved):
     mesh = harness.mesh(tp=3)
-    template = nn.with_parallel(saved["model_t"], TP2)
+    template = nn.sharding.with_parallel(saved["model_t"], TP2)
     with pytest.raises(ValueError, match=r"array model\.\S+ of shape .* cannot be split over "
                                          r"\['tp'\] \(size 3\)"):
         models.restore_training_state(saved["path"], template, saved["state_t"], mesh=mesh)
 
 
 def test_mesh_without_the_configured_axis_raises(saved):
-    template = nn.with_parallel(saved["model_t"], TP2)
+    template = nn.sharding.with_parallel(saved["model_t"], TP2)
     with pytest.raises(ValueError, match=r"axis 'tp'.*does not have"):
         models.restore_training_state(saved["path"], template, mesh=jax.make_mesh(
             (8,), ("dp",), devices=jax.devices()))

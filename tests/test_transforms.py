@@ -23,7 +23,7 @@ where that is cheap:
 Entries whose arguments are arrays (and Flax variables, dicts of arrays) go through
 JAX's transformations as they are. Equinox modules go through Equinox's filtered ones
 (`eqx.filter_jit`, `filter_vmap`, `filter_grad`, `filter_vjp`, `filter_checkpoint`,
-`filter_eval_shape`, and `nn.filter_shard_map`): an attention module's
+`filter_eval_shape`, and `nn.sharding.filter_shard_map`): an attention module's
 `ParallelConfig` is a non-array leaf, so that its tree structure does not depend on
 the parallel configuration, and `jax.jit` does not take it as an argument
 (`test_jit_rejects_module_arguments`).
@@ -87,7 +87,7 @@ class Entry:
     """One public entry point with fixed inputs.
 
     - `fn(*args)`: the untransformed call on global arrays (sharded entries wrap
-        `jax.shard_map`, or `nn.filter_shard_map` where they take modules, themselves).
+        `jax.shard_map`, or `nn.sharding.filter_shard_map` where they take modules, themselves).
     - `diff`: the positions of the differentiable arguments.
     - `ref(*args64)`: the float64 reference forward.
     - `ref_grads(args64, ct64)`: the reference gradients of `<fn(args), ct>` for the
@@ -638,7 +638,7 @@ class Block(eqx.Module):
     norm: nn.RMSNorm
     attn: nn.Attention
 
-    def __init__(self, *, parallel_config=nn.ParallelConfig(), key):
+    def __init__(self, *, parallel_config=nn.sharding.ParallelConfig(), key):
         self.norm = nn.RMSNorm(DIM)
         self.attn = nn.Attention(DIM, H, parallel=parallel_config, key=key)
 
@@ -647,31 +647,31 @@ class Block(eqx.Module):
 
 
 CONFIGS = {
-    "single": nn.ParallelConfig(),
-    "ulysses": nn.ParallelConfig(sequence="ulysses"),
-    "ring": nn.ParallelConfig(sequence="ring"),
-    "ulysses+tp": nn.ParallelConfig(sequence="ulysses", tp_axis=TP),
+    "single": nn.sharding.ParallelConfig(),
+    "ulysses": nn.sharding.ParallelConfig(sequence="ulysses"),
+    "ring": nn.sharding.ParallelConfig(sequence="ring"),
+    "ulysses+tp": nn.sharding.ParallelConfig(sequence="ulysses", tp_axis=TP),
 }
 MESHES = {"ulysses": dict(sp=4), "ring": dict(sp=4), "ulysses+tp": dict(sp=2, tp=2)}
 
 
 def block_specs(module):
-    return (nn.partition_specs(module), P(SP), P(SP), P(SP))
+    return (nn.sharding.partition_specs(module), P(SP), P(SP), P(SP))
 
 
 def block_fn(mode: str, module, wrap=lambda f: f):
     """`(module, x, cos, sin) -> out` for one example, sharded over the sequence by
-    `nn.filter_shard_map` unless `mode == "single"`; `wrap` transforms the per-device
+    `nn.sharding.filter_shard_map` unless `mode == "single"`; `wrap` transforms the per-device
     function (e.g. a checkpoint)."""
     call = wrap(lambda b, x, c, s: b(x, c, s))
     if mode == "single":
         return call
-    return nn.filter_shard_map(call, mesh=harness.mesh(**MESHES[mode]),
+    return nn.sharding.filter_shard_map(call, mesh=harness.mesh(**MESHES[mode]),
                                in_specs=block_specs(module), out_specs=P(SP))
 
 
 def _block_entry(mode):
-    b = nn.with_parallel(random_module(lambda: Block(key=jax.random.key(3)), 36), CONFIGS[mode])
+    b = nn.sharding.with_parallel(random_module(lambda: Block(key=jax.random.key(3)), 36), CONFIGS[mode])
     return Entry(fn=block_fn(mode, b), args=(b, _normal(np.random.default_rng(37), 44, DIM), *_rope()),
                  diff=(0, 1), ref=ref_block, partial=(None, 0, None, None),
                  placement=None if mode == "single" else (harness.mesh(**MESHES[mode]),
@@ -964,7 +964,7 @@ def test_donate(name):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_checkpoint_inside_shard_map(mode, policy):
-    """`eqx.filter_checkpoint` around the per-device block, inside `nn.filter_shard_map`."""
+    """`eqx.filter_checkpoint` around the per-device block, inside `nn.sharding.filter_shard_map`."""
     e = get(f"block(RMSNorm+Attention)[{mode}]")
     fn = block_fn(mode, e.args[0],
                   wrap=lambda f: eqx.filter_checkpoint(f, policy=POLICIES[policy]))
@@ -1091,7 +1091,7 @@ def test_scan_over_stacked_layers(case):
     if mode != "single":
         # Of the module (it reads `parallel.tp_axis`): `None` at the config leaf, as in
         # `params`.
-        specs = nn.partition_specs(stack)
+        specs = nn.sharding.partition_specs(stack)
         if CONFIGS[mode].tp_axis is not None:
             assert specs.attn.q.weight == P(None, TP, None)
         scan_model = _shard(scan_model, harness.mesh(**MESHES[mode]),
@@ -1116,7 +1116,7 @@ CONSTRUCTORS = {
     "Attention": lambda key: nn.Attention(DIM, H, key=key),
     "CrossAttention": lambda key: nn.CrossAttention(DIM, H, context_dim=24, key=key),
     "JointAttention[usp,tp]": lambda key: nn.JointAttention(
-        DIM, H, parallel=nn.ParallelConfig(sequence="usp", ring_axis=RING, tp_axis=TP), key=key),
+        DIM, H, parallel=nn.sharding.ParallelConfig(sequence="usp", ring_axis=RING, tp_axis=TP), key=key),
 }
 
 

@@ -254,7 +254,7 @@ def test_sharded_equals_one_device(model, single, inputs, name):
     x, t, context, ct = inputs
     mesh_axes, config = SHARDED[name]
     mesh = harness.mesh(**mesh_axes)
-    sharded = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
 
     def run(model, x, t, c):
         return models.run_sharded(model, x, t, c, mesh=mesh, video_sparse=(TILE, TOPK))
@@ -284,7 +284,7 @@ def test_ring_keeps_its_run_time_skip(model):
     # The ring skips unselected steps with a lax.cond; run_sharded runs the examples of
     # a device one by one so that jax.vmap does not turn it into a select.
     mesh = harness.mesh(sp=2)
-    sharded = nn.with_parallel(model, nn.ParallelConfig(sequence="ring"))
+    sharded = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ring"))
     arrays, static = eqx.partition(sharded, eqx.is_array)
     x, t, context = jnp.zeros((2, *LATENT)), jnp.zeros((2,)), jnp.zeros((2, 5, 16))
     jaxpr = jax.make_jaxpr(lambda a: models.run_sharded(
@@ -354,7 +354,7 @@ def test_names_save_and_attn1_alias(model, checkpoint, tmp_path):
 def test_gate_follows_the_block_linears(model):
     # Megatron: column-parallel like q (stacked layers: the leading axis whole).
     mesh = harness.mesh(tp=2)
-    specs = nn.partition_specs(nn.with_parallel(model, nn.ParallelConfig(tp_axis="tp")), mesh)
+    specs = nn.sharding.partition_specs(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(tp_axis="tp")), mesh)
     gate, q = specs.blocks.self_attn.to_gate_compress, specs.blocks.self_attn.q
     assert gate.weight == q.weight == P(None, "tp", None) and gate.bias == q.bias == P(None, "tp")
     # LoRA by name pattern, in FastVideo's naming.
@@ -468,9 +468,9 @@ def test_attention_gate_passed_in_under_tensor_parallelism():
     x, rope = jax.device_put(x), tuple(jax.device_put(a) for a in rope)
     ref = eqx.filter_jit(lambda m, x, r, g: m(x, rope=r, video_sparse=VS, gate=g))(bare, x, rope, gate)
     mesh = harness.mesh(tp=2)
-    tp = nn.shard_module(nn.with_parallel(bare, nn.ParallelConfig(tp_axis="tp")), mesh)
-    run = nn.filter_shard_map(lambda m, x, r, g: m(x, rope=r, video_sparse=VS, gate=g), mesh=mesh,
-                              in_specs=(nn.partition_specs(tp, mesh), P(), P(), P()),
+    tp = nn.sharding.shard_module(nn.sharding.with_parallel(bare, nn.sharding.ParallelConfig(tp_axis="tp")), mesh)
+    run = nn.sharding.filter_shard_map(lambda m, x, r, g: m(x, rope=r, video_sparse=VS, gate=g), mesh=mesh,
+                              in_specs=(nn.sharding.partition_specs(tp, mesh), P(), P(), P()),
                               out_specs=P())
     out = eqx.filter_jit(run)(tp, x, rope, gate)
     assert harness.max_rel_error(out, np.asarray(ref, np.float64)) < RTOL

@@ -107,7 +107,7 @@ _CONFIGS = {
 def _sharded(model, name, **kwargs):
     mesh_axes, config, batch_axis = _CONFIGS[name]
     mesh = harness.mesh(**mesh_axes)
-    model = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
+    model = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
     run = eqx.filter_jit(lambda m, *a, **k: models.run_sharded(
         m, *a, mesh=mesh, batch_axis=batch_axis, **kwargs, **k))
     return model, run

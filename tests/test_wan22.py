@@ -173,7 +173,7 @@ def test_per_token_timestep_sharded_equals_one_device(wan, reference, name):
     mesh_axes, config, batch_axis, sliding_tile, gradients = SHARDED[name]
     model, args, cotangent = wan
     mesh = harness.mesh(**mesh_axes)
-    sharded = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**config)), mesh)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
     run = functools.partial(models.run_sharded, mesh=mesh, batch_axis=batch_axis,
                             sliding_tile=sliding_tile)
     out1, grads1 = reference(sliding_tile)
@@ -372,7 +372,7 @@ BATCHES = {
     "split": (950.0, 900.0, 300.0, 100.0),
 }
 EXPERT_MESH = dict(dp=2, sp=2, tp=2)
-EXPERT_PARALLEL = nn.ParallelConfig(sequence="ulysses", tp_axis="tp")
+EXPERT_PARALLEL = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +381,7 @@ def sharded_experts(experts):
     `run_sharded` over a batch of 4 split over dp, `(arrays, x, t, c) -> out`."""
     e, (x, c), _ = experts
     mesh = harness.mesh(**EXPERT_MESH)
-    placed = nn.shard_module(nn.with_parallel(e, EXPERT_PARALLEL), mesh)
+    placed = nn.sharding.shard_module(nn.sharding.with_parallel(e, EXPERT_PARALLEL), mesh)
     arrays, static = eqx.partition(placed, eqx.is_array)
     call = jax.jit(lambda a, x, t, c: models.run_sharded(
         eqx.combine(a, static), x, t, c, mesh=mesh, batch_axis="dp"))
@@ -480,11 +480,11 @@ def test_route_trains_one_expert_sharded(experts, trained):
     and its state untouched."""
     e, (x, c), _ = experts
     mesh = harness.mesh(dp=2, sp=2)
-    placed = nn.shard_module(nn.with_parallel(e, nn.ParallelConfig(sequence="ulysses")), mesh)
+    placed = nn.sharding.shard_module(nn.sharding.with_parallel(e, nn.sharding.ParallelConfig(sequence="ulysses")), mesh)
     steps, target = trained
     t = 300.0  # the low-noise expert
     expert_run = functools.partial(models.run_sharded, mesh=mesh, batch_axis="dp")
-    states = nn.shard_like(_adam_states(e), placed.high_noise, mesh)
+    states = nn.sharding.shard_like(_adam_states(e), placed.high_noise, mesh)
     after, new_states, loss = _train_step(expert_run)(placed, states, x, jnp.float32(t), c, target)
     _assert_one_expert_trained(placed, states, after, new_states, 1)
     want, want_states, want_loss = steps[t]
@@ -530,7 +530,7 @@ def test_wan_layout_default_boundary(experts, tmp_path, model_type, boundary):
 # -- 5. bad inputs -------------------------------------------------------------------------
 
 
-def _abstract(config=CONFIG, parallel=nn.ParallelConfig()):
+def _abstract(config=CONFIG, parallel=nn.sharding.ParallelConfig()):
     return eqx.filter_eval_shape(lambda key: models.WanTransformer3D(
         config, parallel=parallel, key=key), jax.random.key(0))
 
@@ -560,8 +560,8 @@ def test_experts_must_take_the_same_inputs(field, value):
 
 
 def test_experts_must_share_their_parallel_config():
-    ulysses = _abstract(parallel=nn.ParallelConfig(sequence="ulysses"))
-    with pytest.raises(ValueError, match=r"ParallelConfigs must be equal.*nn.with_parallel"):
+    ulysses = _abstract(parallel=nn.sharding.ParallelConfig(sequence="ulysses"))
+    with pytest.raises(ValueError, match=r"ParallelConfigs must be equal.*nn.sharding.with_parallel"):
         models.WanExperts(_abstract(), ulysses, 0.875)
     with pytest.raises(ValueError, match=r"`index` must be 0 .* or 1 .*; received 2"):
         models.WanExperts(_abstract(), _abstract(), 0.875).with_expert(2, _abstract())

@@ -226,7 +226,7 @@ _CONFIGS = {
 def _sharded(model, config):
     mesh_axes, parallel, batch_axis = _CONFIGS[config]
     mesh = harness.mesh(**mesh_axes)
-    model = nn.shard_module(nn.with_parallel(model, nn.ParallelConfig(**parallel)), mesh)
+    model = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**parallel)), mesh)
     run = _jit(lambda m, *a, **k: models.run_sharded(m, *a, mesh=mesh, batch_axis=batch_axis, **k))
     return model, run
 

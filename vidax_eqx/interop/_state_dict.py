@@ -275,14 +275,14 @@ def _place_stacked(like, sharding, layers):
 
 def _mesh_shardings(module, mesh) -> list:
     """`NamedSharding(mesh, spec)` of each leaf of `module` (flattened as
-    `_named_parameters` does) from `nn.partition_specs(module, mesh)`; `None` at leaves
+    `_named_parameters` does) from `nn.sharding.partition_specs(module, mesh)`; `None` at leaves
     that are not parameters."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(
             f"`mesh` must be a jax.sharding.Mesh (e.g. vidax_eqx.parallel.make_mesh(...)) or "
             f"None; received {type(mesh).__name__}."
         )
-    specs = nn.partition_specs(module, mesh)  # raises for FSDP axes the mesh lacks, misfits
+    specs = nn.sharding.partition_specs(module, mesh)  # raises for FSDP axes the mesh lacks, misfits
     is_spec = lambda s: isinstance(s, P)  # noqa: E731
     axes = {a for s in jax.tree.leaves(specs, is_leaf=is_spec) if is_spec(s)
             for entry in s if entry is not None
@@ -326,7 +326,7 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     placed as the array it replaces: with its sharding where that was committed
     (`jax.device_put`, `eqx.filter_shard`) or given (a `jax.ShapeDtypeStruct`'s
     `sharding`), uncommitted on the default device otherwise; with `mesh`, by
-    [`vidax_eqx.nn.partition_specs`][] on that mesh. Nothing is partially
+    [`vidax_eqx.nn.sharding.partition_specs`][] on that mesh. Nothing is partially
     loaded: every check runs, and every new array is built, before the new
     module is assembled; on any error the module you passed is untouched.
 
@@ -366,8 +366,8 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
         each naming (`"wan"`, `"diffusers"`), for a model whose checkpoint names
         differ from its field names beyond the attention projections.
     - `mesh`: a `jax.sharding.Mesh`: every parameter is placed on it by
-        [`vidax_eqx.nn.partition_specs`][]`(module, mesh)` (the modules'
-        [`vidax_eqx.nn.ParallelConfig`][] decides: Megatron over `tp_axis`, FSDP over
+        [`vidax_eqx.nn.sharding.partition_specs`][]`(module, mesh)` (the modules'
+        [`vidax_eqx.nn.sharding.ParallelConfig`][] decides: Megatron over `tp_axis`, FSDP over
         `fsdp_axes`, replicated otherwise), read as above. Default: as the arrays
         it replaces.
 

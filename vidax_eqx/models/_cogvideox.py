@@ -15,14 +15,13 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
 
 from .. import interop, kernels, nn
 from .._vma import as_varying, varying_axes
-from ..nn import _init as init
-from ..nn._layers import linear
-from ..nn._parallel import check_text
+from ..nn.internal import init
+from ..nn.internal import linear
+from ..nn.internal import check_text, padded_tokens
 from ..nn import functional
 from ._common import (
     check_remat,
     load_pretrained,
-    padded_tokens,
     read_config,
     scan_layers,
     sliding_tile_mask,
@@ -274,12 +273,12 @@ class CogVideoXBlock(eqx.Module):
     norm2: CogVideoXLayerNormZero
     ff: nn.FeedForward
 
-    def __init__(self, config: CogVideoXConfig, *, parallel: nn.ParallelConfig, implementation,
+    def __init__(self, config: CogVideoXConfig, *, parallel: nn.sharding.ParallelConfig, implementation,
                  dtype, key: PRNGKeyArray):
         """**Arguments:**
 
         - `config`: a [`CogVideoXConfig`][].
-        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
+        - `parallel`: the [`vidax_eqx.nn.sharding.ParallelConfig`][] of the attention and FFN
             modules.
         - `implementation`: the attention kernel, as for
             [`vidax_eqx.kernels.attention`][].
@@ -316,7 +315,7 @@ class CogVideoXBlock(eqx.Module):
         `(x, context)` after the block, `(S, dim)` and `(T, dim)`.
         """
         with jax.named_scope("vidax_eqx.models.CogVideoXBlock"):
-            self, (x, context, temb, rope) = nn.fsdp_gather(self, (x, context, temb, rope))
+            self, (x, context, temb, rope) = nn.sharding.fsdp_gather(self, (x, context, temb, rope))
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)
             a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids,
@@ -396,7 +395,7 @@ class CogVideoXTransformer3D(eqx.Module):
         self,
         config: CogVideoXConfig,
         *,
-        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
         implementation="auto",
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -404,7 +403,7 @@ class CogVideoXTransformer3D(eqx.Module):
         """**Arguments:**
 
         - `config`: a [`CogVideoXConfig`][].
-        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of every attention and FFN
+        - `parallel`: the [`vidax_eqx.nn.sharding.ParallelConfig`][] of every attention and FFN
             module; default one device.
         - `implementation`: the attention kernel (`vidax_eqx.kernels.attention`).
         - `dtype`: the parameters' and the computation's dtype.
@@ -435,8 +434,8 @@ class CogVideoXTransformer3D(eqx.Module):
         self.config = c
 
     @property
-    def parallel(self) -> nn.ParallelConfig:
-        """The [`vidax_eqx.nn.ParallelConfig`][] the model runs with."""
+    def parallel(self) -> nn.sharding.ParallelConfig:
+        """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.transformer_blocks.attn1.parallel
 
     def _positions(self, frames: int, grid, T: int):
@@ -513,7 +512,7 @@ class CogVideoXTransformer3D(eqx.Module):
             check_text("CogVideoXTransformer3D", parallel, context)
             # FSDP: everything but the blocks gathered now; the scan gathers one block
             # at a time.
-            self, (x, timestep, context) = nn.fsdp_gather(
+            self, (x, timestep, context) = nn.sharding.fsdp_gather(
                 self, (x, timestep, context), exclude=lambda m: m.transformer_blocks)
             dtype = self.proj_out.weight.dtype
             p = (1, c.patch_size, c.patch_size)
@@ -556,7 +555,7 @@ class CogVideoXTransformer3D(eqx.Module):
             tokens, _ = scan_layers(block, (tokens, context), self.transformer_blocks, policy)
             tokens = self.norm_out(self.norm_final(tokens), temb)
             out = linear(self.proj_out, tokens)
-            out = nn.gather_tokens(out, parallel)[:n]
+            out = nn.sharding.gather_tokens(out, parallel)[:n]
             if mask is not None:
                 out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
             out = functional.unpatchify(out, grid, p, channels_first=True)
@@ -570,7 +569,7 @@ class CogVideoXTransformer3D(eqx.Module):
         path,
         *,
         dtype=None,
-        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
         implementation="auto",
         mesh=None,
         subfolder: str | None = None,
@@ -594,7 +593,7 @@ class CogVideoXTransformer3D(eqx.Module):
         - `dtype`: the parameters' dtype; default the checkpoint's.
         - `parallel`, `implementation`: as for the constructor.
         - `mesh`: a `jax.sharding.Mesh`: place every parameter by
-            [`vidax_eqx.nn.partition_specs`][] under `parallel` while loading.
+            [`vidax_eqx.nn.sharding.partition_specs`][] under `parallel` while loading.
         - `subfolder`: the folder of `path` holding the checkpoint, e.g.
             `"transformer"` for a pipeline repository (`THUDM/CogVideoX-2b`).
         - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).

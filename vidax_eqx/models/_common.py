@@ -13,8 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .. import interop, kernels, nn
-from ..nn._fsdp import has_shards, regather_policy
-from ..parallel import axis_size, vsa_padded_length
+from ..nn.internal import has_shards, regather_policy
 from ._step_cache import step_cache_specs
 
 
@@ -47,7 +46,7 @@ def scan_layers(fn, x, layers, policy):
     axis, e.g. built with `eqx.filter_vmap`), by `lax.scan`, each step under
     `jax.checkpoint(policy=policy)` unless `policy` is `_NO_REMAT`.
 
-    With FSDP (the layers' weights are [`vidax_eqx.nn.FSDPShard`][]s inside
+    With FSDP (the layers' weights are [`vidax_eqx.nn.sharding.FSDPShard`][]s inside
     `shard_map`) every step is checkpointed, with `policy` (everything saveable for
     `_NO_REMAT`) made to never save a gathered weight: one block is gathered at a time,
     and gathered again in the backward pass (unless the configuration's
@@ -61,24 +60,13 @@ def scan_layers(fn, x, layers, policy):
         # FSDP: each step gathers its block's weights (the block's own fsdp_gather);
         # the backward pass gathers them again instead of keeping every block's.
         keep = not all(c.fsdp_regather for c in jax.tree.leaves(layers)
-                       if isinstance(c, nn.ParallelConfig))
+                       if isinstance(c, nn.sharding.ParallelConfig))
         base = jax.checkpoint_policies.everything_saveable if policy is _NO_REMAT else policy
         policy = regather_policy(base, keep=keep)
         step = jax.checkpoint(step, policy=policy)
     elif policy is not _NO_REMAT:
         step = jax.checkpoint(step, policy=policy)
     return lax.scan(step, x, arrays)[0]
-
-
-def token_multiple(parallel: nn.ParallelConfig) -> int:
-    """The multiple a sharded sequence is padded to: the number of devices it is split
-    over, twice that for the zigzag layout (two chunks per ring rank)."""
-    if parallel.sequence == "none":
-        return 1
-    n = axis_size(parallel.sp_axis, what="Sequence-parallel")
-    if parallel.sequence == "usp":
-        n *= axis_size(parallel.ring_axis, what="Ring")
-    return 2 * n if parallel.layout == "zigzag" else n
 
 
 def sliding_tile_mask(owner: str, sliding_tile, grid, text_len: int = 0):
@@ -120,48 +108,6 @@ def video_sparse_option(owner: str, video_sparse, grid, sliding_tile=None):
     return nn.VideoSparse(tuple(grid), tile, **{kind: amount})
 
 
-def padded_tokens(tokens, per_token, parallel: nn.ParallelConfig, *, tile_size: int = 1,
-                  video_sparse: nn.VideoSparse | None = None):
-    """This device's tokens (or patches) and rows of the per-token arrays (RoPE tables,
-    position embeddings) under `parallel`, and the padding's segment ids.
-
-    The sequence is padded with zero rows to a multiple of [`token_multiple`][], the
-    padding given segment id -1 (invisible to attention) and the rest 0, and each array
-    is split by [`vidax_eqx.nn.shard_tokens`][]. `per_token` is any PyTree of
-    `(S, ...)` arrays. Returns `(tokens, per_token, segment_ids, n)`: `segment_ids` is
-    `None` when nothing is padded, `n` the real token count. `tile_size`: the tokens
-    of a sliding tile mask's tile; ring attention then gets whole tiles per chunk.
-    `video_sparse`: the tokens are its tile layout, padded with whole (empty) tiles to
-    [`vidax_eqx.parallel.vsa_padded_length`][], what video sparse attention takes.
-    """
-    n = tokens.shape[0]
-    if parallel.sequence == "none":
-        return tokens, per_token, None, n
-    if video_sparse is not None:
-        total = _vsa_length(video_sparse, parallel)
-    else:
-        multiple = token_multiple(parallel)
-        if parallel.sequence in ("ring", "usp"):
-            multiple *= tile_size
-        total = -(-n // multiple) * multiple
-    segment_ids = None
-    if total != n:
-        pad = lambda a: jnp.pad(a, ((0, total - n),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
-        tokens, per_token = pad(tokens), jax.tree.map(pad, per_token)
-        segment_ids = jnp.where(jnp.arange(total) < n, 0, -1).astype(jnp.int32)
-    tokens, per_token, segment_ids = nn.shard_tokens((tokens, per_token, segment_ids), parallel)
-    return tokens, per_token, segment_ids, n
-
-
-def _vsa_length(video_sparse: nn.VideoSparse, parallel: nn.ParallelConfig) -> int:
-    """The global length video sparse attention takes under `parallel`."""
-    size = axis_size(parallel.sp_axis, what="Sequence-parallel")
-    ring = axis_size(parallel.ring_axis, what="Ring") if parallel.sequence == "usp" else 1
-    ulysses, ring = {"ulysses": (size, 1), "ring": (1, size), "usp": (size, ring)}[parallel.sequence]
-    return vsa_padded_length(video_sparse.grid, video_sparse.tile, ulysses_size=ulysses,
-                             ring_size=ring, layout=parallel.layout)
-
-
 def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):
     """`(config.json as a dict, the lazy tensor mapping)` of a checkpoint directory, or
     of a Hugging Face Hub repository's (resolved by
@@ -196,7 +142,7 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
     checkpoint's dtype of the tensor `dtype_from`, else float32) and filled from
     `tensors` by [`vidax_eqx.interop.load_state_dict`][] (`load_kwargs`: `stacked=`,
     `rename=`); with `mesh`, every parameter placed by
-    [`vidax_eqx.nn.partition_specs`][]`(model, mesh)` under `parallel`, each process
+    [`vidax_eqx.nn.sharding.partition_specs`][]`(model, mesh)` under `parallel`, each process
     reading only the blocks its devices hold."""
     if dtype is None:  # a missing tensor is reported by the load
         dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
@@ -209,7 +155,7 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
     except ValueError as e:
         if mesh is None or str(e).startswith("load_state_dict"):
             raise
-        # The placement's errors (nn.partition_specs: an FSDP size that divides nothing,
+        # The placement's errors (nn.sharding.partition_specs: an FSDP size that divides nothing,
         # axes the mesh lacks) name the model's call, not the loader's.
         raise ValueError(f"{cls.__name__}.from_pretrained(mesh=...): {e}") from None
 
@@ -279,12 +225,11 @@ def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
     sequence. Along any other axis the devices would compute the same thing, and the
     output (computed with weights gathered over that axis) could not leave `shard_map`
     as replicated."""
-    axes = nn.fsdp_axes_of(model)
+    axes = nn.sharding.fsdp_axes_of(model)
     if not axes:
         return
-    parallel = model.parallel if hasattr(model, "parallel") else nn.ParallelConfig()
-    sequence = {"none": (), "usp": (parallel.sp_axis, parallel.ring_axis)}.get(
-        parallel.sequence, (parallel.sp_axis,))
+    parallel = model.parallel if hasattr(model, "parallel") else nn.sharding.ParallelConfig()
+    sequence = parallel.sequence_axes
     data = {*batch_axes(batch_axis), *sequence} - {None}
     idle = [a for a in axes if a not in data and mesh.shape.get(a, 1) > 1]
     if idle:
@@ -301,7 +246,7 @@ def _kwarg_specs(value, model, batch_axis, batch):
     that places itself (`value.partition_specs(parallel, batch_axis)`)."""
     if not hasattr(value, "partition_specs"):
         return batch
-    return value.partition_specs(getattr(model, "parallel", nn.ParallelConfig()), batch_axis)
+    return value.partition_specs(getattr(model, "parallel", nn.sharding.ParallelConfig()), batch_axis)
 
 
 _BATCH = "vidax_eqx.batch"
@@ -316,15 +261,15 @@ def run_sharded(model, x, timestep, context, *, mesh,
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
     `jax.shard_map` of `jax.vmap(model)`: the weights placed by
-    [`vidax_eqx.nn.partition_specs`][] (Megatron shards when the model's
+    [`vidax_eqx.nn.sharding.partition_specs`][] (Megatron shards when the model's
     `parallel.tp_axis` is set; place them once beforehand with
-    [`vidax_eqx.nn.shard_module`][] to avoid a reshard per call), the batch split over
+    [`vidax_eqx.nn.sharding.shard_module`][] to avoid a reshard per call), the batch split over
     `batch_axis` (data parallelism, and classifier-free guidance's conditional and
     unconditional halves over an axis of their own), everything else whole on every
     device. Inside,
     the model splits its own tokens over its sequence axes after the patch embedding
-    and gathers them before unpatchify, as its [`vidax_eqx.nn.ParallelConfig`][]
-    says (set it with [`vidax_eqx.nn.with_parallel`][]). Works under `eqx.filter_jit`
+    and gathers them before unpatchify, as its [`vidax_eqx.nn.sharding.ParallelConfig`][]
+    says (set it with [`vidax_eqx.nn.sharding.with_parallel`][]). Works under `eqx.filter_jit`
     and `eqx.filter_grad` (the model is an argument), and gives the single-device
     numbers.
 
@@ -405,16 +350,16 @@ def run_sharded(model, x, timestep, context, *, mesh,
             return model.route_batch(batch, timestep, axis_name=batch_axis)
         return batch(model)
 
-    parallel = getattr(model, "parallel", nn.ParallelConfig())
+    parallel = getattr(model, "parallel", nn.sharding.ParallelConfig())
     # Video sparse attention over a ring skips, at run time, the steps no local query
     # tile selected (a `lax.cond` on the selection); under `jax.vmap` that cond would
     # become a select computing both branches, so the examples run one by one.
     ring_skips = (video_sparse is not None and not cached
                   and parallel.sequence in ("ring", "usp"))
-    run = nn.filter_shard_map(
+    run = nn.sharding.filter_shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(nn.partition_specs(model, mesh), batch, batch, batch, P(),
+        in_specs=(nn.sharding.partition_specs(model, mesh), batch, batch, batch, P(),
                   *(_kwarg_specs(kwargs[n], model, batch_axis, batch) for n in names)),
         out_specs=(batch, step_cache_specs(parallel, batch_axis)) if cached else batch,
         # A step cache's decision sums over the vmapped batch's axis, a collective

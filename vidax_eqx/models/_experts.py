@@ -43,7 +43,7 @@ class WanExpertsTextCache(eqx.Module):
         """Expert `index`'s cache (0: high noise, 1: low noise)."""
         return (self.high_noise, self.low_noise)[index]
 
-    def partition_specs(self, parallel: nn.ParallelConfig, batch_axis=None):
+    def partition_specs(self, parallel: nn.sharding.ParallelConfig, batch_axis=None):
         """The `shard_map` specs of a batched cache: each expert's
         ([`WanTextCache.partition_specs`][])."""
         return WanExpertsTextCache(self.high_noise.partition_specs(parallel, batch_axis),
@@ -108,7 +108,7 @@ class WanExperts(AbstractExperts):
             raise ValueError(
                 "WanExperts: both experts run on one mesh with one placement, so their "
                 f"ParallelConfigs must be equal; received high_noise {self.high_noise.parallel}, "
-                f"low_noise {self.low_noise.parallel}. Set one with nn.with_parallel(experts, config)."
+                f"low_noise {self.low_noise.parallel}. Set one with nn.sharding.with_parallel(experts, config)."
             )
 
     @property
@@ -117,8 +117,8 @@ class WanExperts(AbstractExperts):
         return self.high_noise.config
 
     @property
-    def parallel(self) -> nn.ParallelConfig:
-        """The [`vidax_eqx.nn.ParallelConfig`][] both experts run with."""
+    def parallel(self) -> nn.sharding.ParallelConfig:
+        """The [`vidax_eqx.nn.sharding.ParallelConfig`][] both experts run with."""
         return self.high_noise.parallel
 
     @property
@@ -248,7 +248,7 @@ class WanExperts(AbstractExperts):
 
     @classmethod
     def from_pretrained(cls, path, *, boundary: float | None = None, dtype=None,
-                        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+                        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
                         implementation="auto", pad_text: bool = False, mesh=None,
                         revision: str | None = None, cache_dir=None) -> "WanExperts":
         """Loads Wan 2.2 A14B from a directory in one of its two layouts:

@@ -18,8 +18,8 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from jaxtyping import PRNGKeyArray
 
 from .. import interop, nn
-from ..nn import _init as init
-from ..nn._lora import attach
+from ..nn.internal import init
+from ..nn.internal import attach
 from ._experts import WanExperts
 
 
@@ -73,7 +73,7 @@ def _placed(model, new):
     weights = [x for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     shardings = [getattr(x, "sharding", None) for x in weights]
     mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    return new if mesh is None else nn.shard_module(new, mesh)
+    return new if mesh is None else nn.sharding.shard_module(new, mesh)
 
 
 def add_lora(model, patterns, rank: int, *, alpha: float | None = None, name: str = "default",
@@ -90,7 +90,7 @@ def add_lora(model, patterns, rank: int, *, alpha: float | None = None, name: st
 
     Initialised as PEFT does ([`vidax_eqx.nn.with_lora`][]: `lora_B` zero), so the
     model computes what it did. A model placed on a mesh gets its adapters placed
-    like their layers ([`vidax_eqx.nn.partition_specs`][]).
+    like their layers ([`vidax_eqx.nn.sharding.partition_specs`][]).
 
     **Arguments:**
 

@@ -43,17 +43,17 @@ class StepCache(eqx.Module):
         """Whether this is the empty cache `StepCache()`."""
         return self.residual is None
 
-    def partition_specs(self, parallel: nn.ParallelConfig, batch_axis=None) -> "StepCache":
+    def partition_specs(self, parallel: nn.sharding.ParallelConfig, batch_axis=None) -> "StepCache":
         """The `shard_map` specs of a batched cache `(B, S, dim)` for a model configured
         with `parallel`: the batch over `batch_axis`, the tokens over the sequence axes
         (each device keeps the rows of its own tokens), the features whole."""
         return StepCache() if self.empty else step_cache_specs(parallel, batch_axis)
 
 
-def step_cache_specs(parallel: nn.ParallelConfig, batch_axis=None) -> StepCache:
+def step_cache_specs(parallel: nn.sharding.ParallelConfig, batch_axis=None) -> StepCache:
     """The specs of a filled batched cache (see `StepCache.partition_specs`)."""
-    tokens = {"none": None, "usp": (parallel.ring_axis, parallel.sp_axis)}.get(
-        parallel.sequence, parallel.sp_axis)
+    axes = parallel.sequence_axes
+    tokens = (axes[0] if len(axes) == 1 else axes) or None
     rows = P(batch_axis, tokens, None)
     return StepCache(rows, rows, P(batch_axis))
 

@@ -70,7 +70,7 @@ def save_training_state(path, model, opt_state, step: int, *, overwrite: bool = 
     must be on storage every process sees). The arrays are written as global arrays,
     whatever their sharding: [`restore_training_state`][] reads them back onto any
     mesh and parallel configuration. The model's non-array parts (its config, its
-    [`vidax_eqx.nn.ParallelConfig`][]) are not saved: the restore takes them from its
+    [`vidax_eqx.nn.sharding.ParallelConfig`][]) are not saved: the restore takes them from its
     template.
 
     Returns when the checkpoint is complete on disk (orbax writes into a temporary
@@ -125,9 +125,9 @@ def restore_training_state(path, model, opt_state=None, *, mesh=None):
     parallel configuration of `model`.
 
     The templates give the structure, shapes and dtypes; the mesh and the template
-    model's [`vidax_eqx.nn.ParallelConfig`][] give the placement: the model's arrays
-    by [`vidax_eqx.nn.partition_specs`][]`(model, mesh)`, the optimizer state as
-    [`vidax_eqx.nn.shard_like`][] places it (the parts shaped like the parameters like
+    model's [`vidax_eqx.nn.sharding.ParallelConfig`][] give the placement: the model's arrays
+    by [`vidax_eqx.nn.sharding.partition_specs`][]`(model, mesh)`, the optimizer state as
+    [`vidax_eqx.nn.sharding.shard_like`][] places it (the parts shaped like the parameters like
     them, the rest replicated), which is where a sharded training step returns them:
     a step already compiled for that placement runs on without compiling again, and
     a new one compiles on its first call only. The
@@ -140,7 +140,7 @@ def restore_training_state(path, model, opt_state=None, *, mesh=None):
     costs no memory and no initialization:
 
         def init():
-            model = nn.with_parallel(models.WanTransformer3D(config, key=key), parallel)
+            model = nn.sharding.with_parallel(models.WanTransformer3D(config, key=key), parallel)
             return model, optimizer.init(eqx.filter(model, eqx.is_array))
 
         model, opt_state = eqx.filter_eval_shape(init)
@@ -155,8 +155,8 @@ def restore_training_state(path, model, opt_state=None, *, mesh=None):
 
     - `path`: the checkpoint directory, as given to [`save_training_state`][].
     - `model`: the template model (real or from `eqx.filter_eval_shape`), with the
-        [`vidax_eqx.nn.ParallelConfig`][] to restore into (set it with
-        [`vidax_eqx.nn.with_parallel`][]); its non-array parts are the result's.
+        [`vidax_eqx.nn.sharding.ParallelConfig`][] to restore into (set it with
+        [`vidax_eqx.nn.sharding.with_parallel`][]); its non-array parts are the result's.
     - `opt_state`: the optimizer-state template (real, or
         `eqx.filter_eval_shape(optimizer.init, ...)`), or `None` to read the model
         alone (the stored optimizer state is skipped, e.g. to fine-tune or sample).
@@ -217,7 +217,7 @@ def _model_shardings(model, mesh):
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: device, arrays)
-    specs = nn.partition_specs(model, mesh)
+    specs = nn.sharding.partition_specs(model, mesh)
     specs = eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P))
     missing = sorted({a for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
                       for a in _spec_axes(s)} - set(mesh.shape))
@@ -225,7 +225,7 @@ def _model_shardings(model, mesh):
         raise ValueError(
             f"restore_training_state: the model's parallel configuration shards over the "
             f"axis {missing[0]!r}, which the mesh {dict(mesh.shape)} does not have. Restore "
-            "onto a mesh with that axis, or set the configuration with nn.with_parallel for "
+            "onto a mesh with that axis, or set the configuration with nn.sharding.with_parallel for "
             "this mesh."
         )
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -233,7 +233,7 @@ def _model_shardings(model, mesh):
 
 
 def _state_shardings(opt_state, model, model_shardings, mesh):
-    """A sharding per array of `opt_state`, as `nn.shard_like(opt_state, model, mesh)`
+    """A sharding per array of `opt_state`, as `nn.sharding.shard_like(opt_state, model, mesh)`
     places it: a subtree shaped like the model's arrays gets their shardings, every
     other array is replicated (on the one device without a mesh)."""
     structure = jax.tree.structure(eqx.filter(model, _is_parameter))

@@ -21,9 +21,9 @@ from .. import interop, kernels, nn
 from .._vma import varying_axes
 from ..parallel import axis_size
 from ..nn import functional
-from ..nn import _init as init
-from ..nn._layers import linear
-from ..nn._parallel import check_text
+from ..nn.internal import init
+from ..nn.internal import linear
+from ..nn.internal import check_text, padded_tokens
 from ._common import (
     AbstractExperts,
     batch_axes,
@@ -31,7 +31,6 @@ from ._common import (
     check_fsdp_axes,
     check_remat,
     load_pretrained,
-    padded_tokens,
     read_config,
     scan_layers,
     sliding_tile_mask,
@@ -413,12 +412,12 @@ class WanBlock(eqx.Module):
     ffn: nn.FeedForward
     modulation: Float[Array, "1 6 dim"]
 
-    def __init__(self, config: WanConfig, *, parallel: nn.ParallelConfig, implementation,
+    def __init__(self, config: WanConfig, *, parallel: nn.sharding.ParallelConfig, implementation,
                  dtype, key: PRNGKeyArray):
         """**Arguments:**
 
         - `config`: a [`WanConfig`][].
-        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
+        - `parallel`: the [`vidax_eqx.nn.sharding.ParallelConfig`][] of the attention and FFN
             modules.
         - `implementation`: the attention kernel, as for
             [`vidax_eqx.kernels.attention`][].
@@ -473,7 +472,7 @@ class WanBlock(eqx.Module):
         """
         with jax.named_scope("vidax_eqx.models.WanBlock"):
             unused = None if context_kv is None else (lambda b: _context_weights(b.cross_attn))
-            self, (x, e0, context, rope, context_image) = nn.fsdp_gather(
+            self, (x, e0, context, rope, context_image) = nn.sharding.fsdp_gather(
                 self, (x, e0, context, rope, context_image), exclude=unused)
             dtype = self.self_attn.q.weight.dtype
             e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
@@ -530,7 +529,7 @@ class WanTextCache(eqx.Module):
     k_img: Array | None
     v_img: Array | None
 
-    def partition_specs(self, parallel: nn.ParallelConfig, batch_axis=None) -> "WanTextCache":
+    def partition_specs(self, parallel: nn.sharding.ParallelConfig, batch_axis=None) -> "WanTextCache":
         """The `shard_map` specs of a batched cache `(B, num_layers, L, H, head_dim)` for
         a model configured with `parallel`: the batch over `batch_axis`, the heads over
         `parallel.tp_axis` (each device gets its heads), the rest whole. What
@@ -573,7 +572,7 @@ class WanHead(eqx.Module):
         The patch values `(S, out_channels * prod(patch_size))`, in the weights' dtype.
         """
         with jax.named_scope("vidax_eqx.models.WanHead"):
-            self, (x, e) = nn.fsdp_gather(self, (x, e))
+            self, (x, e) = nn.sharding.fsdp_gather(self, (x, e))
             e = self.modulation[0].astype(jnp.float32) + e[..., None, :]  # (2, dim) or (S, 2, dim)
             shift, scale = jnp.moveaxis(e, -2, 0)
             h = self.norm(x, shift, scale).astype(self.head.weight.dtype)
@@ -633,14 +632,14 @@ class WanTransformer3D(eqx.Module):
     [`from_pretrained`][WanTransformer3D.from_pretrained] / [`save_pretrained`][]
     stack and unstack them.
 
-    **Parallelism:** the [`vidax_eqx.nn.ParallelConfig`][] of the attention and FFN
-    modules (set with [`vidax_eqx.nn.with_parallel`][]) decides. Inside
+    **Parallelism:** the [`vidax_eqx.nn.sharding.ParallelConfig`][] of the attention and FFN
+    modules (set with [`vidax_eqx.nn.sharding.with_parallel`][]) decides. Inside
     `jax.shard_map` with `x` whole on every device (see [`run_sharded`][], the one
     call that does all of it), a sequence-parallel model cuts the video into patches,
     keeps its own share (padded to a multiple of the devices; the padding is invisible
     through segment ids) and embeds only those, takes its rows of the RoPE tables,
     runs its blocks on its chunk, and gathers the output tokens before unpatchify; a tensor-parallel one splits
-    heads and MLP features (weights placed by [`vidax_eqx.nn.partition_specs`][]).
+    heads and MLP features (weights placed by [`vidax_eqx.nn.sharding.partition_specs`][]).
 
     **Fields:** `patch_embedding`, `text_embedding`, `time_embedding`,
     `time_projection`, `img_emb` (I2V, else `None`), `blocks`, `head`, and the static
@@ -661,7 +660,7 @@ class WanTransformer3D(eqx.Module):
         self,
         config: WanConfig,
         *,
-        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
         implementation="auto",
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -669,7 +668,7 @@ class WanTransformer3D(eqx.Module):
         """**Arguments:**
 
         - `config`: a [`WanConfig`][].
-        - `parallel`: the [`vidax_eqx.nn.ParallelConfig`][] of every attention and FFN
+        - `parallel`: the [`vidax_eqx.nn.sharding.ParallelConfig`][] of every attention and FFN
             module; default one device.
         - `implementation`: the attention kernel (`vidax_eqx.kernels.attention`).
         - `dtype`: the parameters' dtype (the computation's, outside the float32
@@ -699,8 +698,8 @@ class WanTransformer3D(eqx.Module):
         self.config = c
 
     @property
-    def parallel(self) -> nn.ParallelConfig:
-        """The [`vidax_eqx.nn.ParallelConfig`][] the model runs with."""
+    def parallel(self) -> nn.sharding.ParallelConfig:
+        """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.blocks.self_attn.parallel
 
     @jaxtyped(typechecker=beartype)
@@ -845,7 +844,7 @@ class WanTransformer3D(eqx.Module):
             check_text("WanTransformer3D", parallel, context_image)
         # FSDP: everything but the blocks gathered now; the scan gathers one block
         # at a time.
-        self, (x, timestep, context, context_image) = nn.fsdp_gather(
+        self, (x, timestep, context, context_image) = nn.sharding.fsdp_gather(
             self, (x, timestep, context, context_image), exclude=lambda m: m.blocks)
         dtype = self.patch_embedding.weight.dtype
         grid = functional.patch_grid(x.shape, c.patch_size, "WanTransformer3D")
@@ -922,7 +921,7 @@ class WanTransformer3D(eqx.Module):
                                           may_reuse=may_reuse, threshold=threshold,
                                           valid=valid, axis_name=axis_name)
         out = self.head(tokens, t)
-        out = nn.gather_tokens(out, parallel)[:n]
+        out = nn.sharding.gather_tokens(out, parallel)[:n]
         if tile is not None:
             out = kernels.tile_unpermute(out, grid, tile, axis=0)
         out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
@@ -1023,7 +1022,7 @@ class WanTransformer3D(eqx.Module):
             check_text("WanTransformer3D", self.parallel, context)
             if context_image is not None:
                 check_text("WanTransformer3D", self.parallel, context_image)
-            self, (context, context_image) = nn.fsdp_gather(
+            self, (context, context_image) = nn.sharding.fsdp_gather(
                 self, (context, context_image), exclude=lambda m: m.blocks)
             dtype = self.patch_embedding.weight.dtype
             context, context_image = self._embed_context(context, context_image, dtype)
@@ -1056,7 +1055,7 @@ class WanTransformer3D(eqx.Module):
         path,
         *,
         dtype=None,
-        parallel: nn.ParallelConfig = nn.ParallelConfig(),
+        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
         implementation="auto",
         pad_text: bool = False,
         gate_compress: bool = False,
@@ -1080,9 +1079,9 @@ class WanTransformer3D(eqx.Module):
         No pickle.
 
         With `mesh`, the model loads straight into its sharded layout: every
-        parameter placed by [`vidax_eqx.nn.partition_specs`][]`(model, mesh)` under
+        parameter placed by [`vidax_eqx.nn.sharding.partition_specs`][]`(model, mesh)` under
         `parallel` (FSDP over its `fsdp_axes`, Megatron over its `tp_axis`), as
-        [`vidax_eqx.nn.shard_module`][] would place it, and each process reads only
+        [`vidax_eqx.nn.sharding.shard_module`][] would place it, and each process reads only
         the blocks of each tensor that its own devices hold (each once): peak host
         memory per process is about its share of the model plus one tensor. Every
         process of a multi-process `jax.distributed` job makes the same call.
@@ -1158,7 +1157,7 @@ class WanTransformer3D(eqx.Module):
 
         The model with `config.gate_compress=True`; the new arrays are uncommitted on
         the default device (place the model again, e.g. with
-        [`vidax_eqx.nn.shard_module`][], if it was placed).
+        [`vidax_eqx.nn.sharding.shard_module`][], if it was placed).
         """
         if self.blocks.self_attn.to_gate_compress is not None:
             return self
@@ -1248,9 +1247,9 @@ def sharded_text_cache(model: WanTransformer3D, context, *, mesh, batch_axis=Non
 
         return jax.tree.map(invariant, cache)
 
-    run = nn.filter_shard_map(
+    run = nn.sharding.filter_shard_map(
         per_device, mesh=mesh,
-        in_specs=(nn.partition_specs(model, mesh), batch, image),
+        in_specs=(nn.sharding.partition_specs(model, mesh), batch, image),
         out_specs=shape.partition_specs(parallel, batch_axis),
     )
     return run(model, context, context_image)

@@ -11,6 +11,8 @@ concatenates), and the two parts of the result leave through `to_out` and
 `to_add_out`.
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,28 +20,21 @@ from beartype import beartype
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 
 from .. import kernels
-from ..parallel import (
-    replicated,
-    ring_attention,
-    sequence_parallel_joint_self_attention,
-    usp_attention,
-)
 from .._checks import check_positive
+from ._call_checks import check_context
 from ._checks import check_eps, check_heads
+from ._config import check_parallel, ParallelConfig
 from . import _init as init
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import RMSNorm
 from ._padding import check_length
-from ._parallel import check_context, check_parallel, ParallelConfig
-from ._rope import apply_rope
+from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from ._rope import apply_rope, Rope
+from ._sequence import attend, replicated_text
 
 
-# (cos, sin), each (S, head_dim // 2): this device's video tokens.
-_Rope = tuple[Float[Array, "S {self.head_dim//2}"], Float[Array, "S {self.head_dim//2}"]]
-
-
-class DualStreamAttention(eqx.Module):
+class DualStreamAttention(AbstractParallelLayer):
     """HunyuanVideo / MMDiT dual-stream joint attention (diffusers' `Attention` with
     `added_kv_proj_dim` and `HunyuanVideoAttnProcessor2_0`).
 
@@ -113,6 +108,9 @@ class DualStreamAttention(eqx.Module):
     eps: float = eqx.field(static=True)
     parallel: ParallelConfig
     implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
+    megatron: ClassVar[MegatronSplit] = MegatronSplit(
+        column=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+        row=("to_out", "to_add_out"))
 
     def __init__(
         self,
@@ -174,7 +172,7 @@ class DualStreamAttention(eqx.Module):
         x: Float[Array, "S {self.dim}"],
         context: Float[Array, "T {self.context_dim}"],
         *,
-        rope: _Rope | None = None,
+        rope: Rope | None = None,
         context_length: Array | int | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**
@@ -222,51 +220,13 @@ class DualStreamAttention(eqx.Module):
             q_t = heads(self.add_q_proj, self.norm_added_q, context)
             k_t = heads(self.add_k_proj, self.norm_added_k, context)
             v_t = heads(self.add_v_proj, None, context)
-            out, out_t = _joint_attend(q, k, v, q_t, k_t, v_t, context_length, self.parallel,
-                                       self.implementation)
+            # One joint attention over [video; text], the text whole on every device and
+            # after the video (HunyuanVideo's order), its padding key-only.
+            out = attend(jnp.concatenate([q, q_t]), jnp.concatenate([k, k_t]),
+                         jnp.concatenate([v, v_t]), self.parallel, self.implementation,
+                         text_len=T, text_position="suffix", text_lengths=context_length)
+            out, out_t = out[:S], out[S:]
             x_out = row_parallel(self.to_out, out.reshape(S, H * D), tp_axis)
             context_out = row_parallel(self.to_add_out, out_t.reshape(T, H * D), tp_axis)
-            return x_out, _replicated(context_out, self.parallel)
+            return x_out, replicated_text(context_out, self.parallel)
 
-
-def _joint_attend(q, k, v, q_t, k_t, v_t, context_length, parallel: ParallelConfig,
-                  implementation):
-    """Joint attention of the video `(S, H, D)` and text `(T, H, D)` tokens of one example,
-    the text whole on every device and after the video: `(out (S, H, D), out_t (T, H,
-    D))`.
-
-    One device: one kernel call over `[video; text]`, the padded text keys a tail
-    (`kv_lengths = S + context_length`, served by the fast kernels). Sharded: the joint
-    functions of `vidax_eqx.parallel` with `text_position="suffix"` (each device holds
-    `[its video chunk; the text]`) and `text_lengths`.
-    """
-    T, S = q_t.shape[0], q.shape[0]
-    qq, kk, vv = (jnp.concatenate([x, t], axis=0)[None] for x, t in
-                  ((q, q_t), (k, k_t), (v, v_t)))
-    lengths = None if context_length is None else context_length[None]
-    mode = parallel.sequence
-    if mode == "none":
-        out = kernels.attention(qq, kk, vv, implementation=implementation,
-                                kv_lengths=None if lengths is None else S + lengths)
-    else:
-        opts = dict(text_position="suffix", text_lengths=lengths, implementation=implementation)
-        if mode == "ulysses":
-            out = sequence_parallel_joint_self_attention(qq, kk, vv, T, parallel.sp_axis, **opts)
-        elif mode == "ring":
-            out = ring_attention(qq, kk, vv, axis_name=parallel.sp_axis, layout=parallel.layout,
-                                 text_len=T, **opts)
-        else:
-            out = usp_attention(qq, kk, vv, ulysses_axis=parallel.sp_axis,
-                                ring_axis=parallel.ring_axis, layout=parallel.layout,
-                                text_len=T, **opts)
-    return out[0, :S], out[0, S:]
-
-
-def _replicated(x, parallel: ParallelConfig):
-    """`x`, the same on every device of the sequence axes, typed as the same there
-    (`vidax_eqx.parallel.replicated`: device 0's copy, one `psum`)."""
-    mode = parallel.sequence
-    if mode == "none":
-        return x
-    return replicated(x, (parallel.ring_axis, parallel.sp_axis) if mode == "usp"
-                      else parallel.sp_axis)

@@ -1,6 +1,8 @@
 """The feed-forward layers of a DiT: the MLP (with Megatron tensor parallelism) and the
 timestep embedding."""
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,8 @@ from .._checks import check_positive
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, row_parallel
-from ._parallel import check_parallel, ParallelConfig
+from ._config import check_parallel, ParallelConfig
+from ._parallel_layer import AbstractParallelLayer, MegatronSplit
 
 
 ACTIVATIONS = {
@@ -22,7 +25,7 @@ ACTIVATIONS = {
 }
 
 
-class FeedForward(eqx.Module):
+class FeedForward(AbstractParallelLayer):
     """A two-layer MLP, `fc2(act(fc1(x)))`, with Megatron tensor parallelism.
 
     Wan's block FFN (`ffn.0`, tanh-GELU, `ffn.2`; diffusers' `ffn.net.0.proj`,
@@ -49,6 +52,7 @@ class FeedForward(eqx.Module):
     out_dim: int = eqx.field(static=True)
     activation: str = eqx.field(static=True)
     parallel: ParallelConfig
+    megatron: ClassVar[MegatronSplit] = MegatronSplit(column=("fc1",), row=("fc2",))
 
     def __init__(
         self,
@@ -108,9 +112,9 @@ class FeedForward(eqx.Module):
                 raise ValueError(
                     f"FeedForward: with tp_axis={tp_axis!r} each device holds hidden_dim / tp = "
                     f"{self.hidden_dim} / {tp} rows of fc1 (column-parallel{placed}); received "
-                    f"{rows}. Place the module with `nn.partition_specs(module)`, or make its "
-                    "ParallelConfig match how it is placed (`nn.with_parallel(module, "
-                    "nn.ParallelConfig(tp_axis=...))`); hidden_dim must be a multiple of tp."
+                    f"{rows}. Place the module with `nn.sharding.partition_specs(module)`, or make its "
+                    "ParallelConfig match how it is placed (`nn.sharding.with_parallel(module, "
+                    "nn.sharding.ParallelConfig(tp_axis=...))`); hidden_dim must be a multiple of tp."
                 )
             h = ACTIVATIONS[self.activation](linear(self.fc1, x))
             return row_parallel(self.fc2, h, tp_axis)

@@ -3,9 +3,9 @@ parameter carries there, the gather each module does just before it uses its wei
 and the rematerialization policy that gathers them again in the backward pass.
 
 Outside `shard_map` a parameter is always a global array, placed by
-[`vidax_eqx.nn.partition_specs`][] with the FSDP axes of its
-[`ParallelConfig`][vidax_eqx.nn.ParallelConfig] on one of its dimensions.
-[`vidax_eqx.nn.filter_shard_map`][] hands every device its slice wrapped in an
+[`vidax_eqx.nn.sharding.partition_specs`][] with the FSDP axes of its
+[`ParallelConfig`][vidax_eqx.nn.sharding.ParallelConfig] on one of its dimensions.
+[`vidax_eqx.nn.sharding.filter_shard_map`][] hands every device its slice wrapped in an
 [`FSDPShard`][] that records that dimension and those axes (read off the in_spec,
 so no rule has to be inverted from a local shape), and modules call
 [`fsdp_gather`][] on themselves first: one `all_gather` per parameter, issued in one
@@ -31,8 +31,8 @@ pass gathers it again instead of keeping it (see [`regather_policy`][])."""
 class FSDPShard(eqx.Module):
     """This device's slice of a parameter split over FSDP axes, inside `shard_map`.
 
-    Made by [`vidax_eqx.nn.filter_shard_map`][] from the parameter's in_spec and
-    turned back into the whole parameter by [`vidax_eqx.nn.fsdp_gather`][]. `dim` counts from the
+    Made by [`vidax_eqx.nn.sharding.filter_shard_map`][] from the parameter's in_spec and
+    turned back into the whole parameter by [`vidax_eqx.nn.sharding.fsdp_gather`][]. `dim` counts from the
     end (negative), so the slice of a stacked layer taken by `lax.scan` keeps it.
 
     **Fields:** `shard` (the local slice), static `dim`, `axes` (the FSDP mesh axes the
@@ -183,7 +183,7 @@ def wrap_shards(tree, specs, fsdp_axes):
                         raise ValueError(
                             f"filter_shard_map: the in_spec {spec} splits one dimension over "
                             f"the FSDP axes {sorted(fsdp)} and the axes {list(names[k:])}, "
-                            "which must come after (innermost); use nn.partition_specs("
+                            "which must come after (innermost); use nn.sharding.partition_specs("
                             "module, mesh)."
                         )
                     found.append((d, names[:k], names[k:]))
@@ -193,7 +193,7 @@ def wrap_shards(tree, specs, fsdp_axes):
                 raise ValueError(
                     f"filter_shard_map: the in_spec {spec} splits a parameter over the FSDP "
                     f"axes on {len(found)} dimensions; FSDP takes one (use "
-                    "nn.partition_specs(module, mesh))."
+                    "nn.sharding.partition_specs(module, mesh))."
                 )
             d, outer, inner = found[0]
             return FSDPShard(x, d - x.ndim, outer, inner)

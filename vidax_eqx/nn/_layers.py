@@ -1,6 +1,7 @@
 """Layer plumbing of `vidax_eqx.nn`: linear layers applied to tokens, and the Megatron
 tensor-parallel pieces around them (the shared column-parallel input, the row-parallel
-reduce, this device's heads).
+reduce, this device's heads, the qk-norm over sharded features, a per-token input's
+columns of this device's heads).
 
 The modules of `nn/` and the models of `vidax_eqx.models` apply their `eqx.nn.Linear`
 layers through `linear` (on `(S, in)` tokens, or any leading axes) instead of
@@ -9,11 +10,14 @@ layers through `linear` (on `(S, in)` tokens, or any leading axes) instead of
 
 import equinox as eqx
 import jax
+from jax import lax
 from jaxtyping import Array
 
+from .._order import after
 from .._vma import as_varying, varying_axes
 from ..parallel import axis_size
 from ._lora import lora_term
+from ._norm import RMSNorm, tp_sharded_rms_norm
 
 
 def linear(layer: eqx.nn.Linear, x: Array) -> Array:
@@ -63,7 +67,7 @@ def local_heads(owner: str, m, column: eqx.nn.Linear) -> int:
         raise ValueError(
             f"{owner}: the module's ParallelConfig has no tp_axis, so every device needs all "
             f"{m.dim} rows of the q/k/v weights; received {rows} (weights placed for tensor "
-            "parallelism?). Use `nn.with_parallel(module, nn.ParallelConfig(tp_axis=...))` "
+            "parallelism?). Use `nn.sharding.with_parallel(module, nn.sharding.ParallelConfig(tp_axis=...))` "
             "to match how they are placed, or place them with `partition_specs(module)`."
         )
     if rows * tp != m.dim:
@@ -74,3 +78,29 @@ def local_heads(owner: str, m, column: eqx.nn.Linear) -> int:
             "`shard_map` in_spec."
         )
     return m.num_heads // tp
+
+
+def qk_rms_norm(norm: RMSNorm | None, x: Array, m) -> Array:
+    """Wan's q/k RMSNorm over the whole inner dim of the attention module `m`; over this
+    device's feature shard under TP (the statistic `psum`-ed over `tp_axis`)."""
+    if norm is None:
+        return x
+    if m.parallel.tp_axis is None:
+        return norm(x)
+    return tp_sharded_rms_norm(x, norm.weight, m.dim, m.eps, axis_name=m.parallel.tp_axis)
+
+
+def after_tp(x: Array, first: Array, m) -> Array:
+    """Under TP, `x` made to wait for `first`, so that `norm_k`'s psum follows `norm_q`'s
+    (one collective order on every device, see `vidax_eqx._order`)."""
+    return x if m.parallel.tp_axis is None else after(x, first)
+
+
+def local_columns(x: Array, m, heads: int) -> Array:
+    """The columns of this device's `heads` heads of a per-token `(S, dim)` input of the
+    attention module `m` (all of them without TP)."""
+    tp_axis = m.parallel.tp_axis
+    if tp_axis is None:
+        return x
+    width = heads * m.head_dim
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(tp_axis) * width, width, axis=1)

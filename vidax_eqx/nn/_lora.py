@@ -5,7 +5,7 @@ A [`LoRALinear`][] wraps an `eqx.nn.Linear` and holds named adapters, each addin
 apply every linear through `_layers.linear` / `_layers.row_parallel`, which add the
 adapters' term, so a wrapped layer works wherever a plain one does: under Megatron
 tensor parallelism (the adapter follows the layer's split, see
-[`partition_specs`][vidax_eqx.nn.partition_specs]), FSDP, and in stacked (scanned)
+[`partition_specs`][vidax_eqx.nn.sharding.partition_specs]), FSDP, and in stacked (scanned)
 layers, whose adapters carry the same leading layer axis.
 """
 

@@ -1,5 +1,5 @@
-"""Placement of module parameters on a mesh (Megatron tensor parallelism), and the
-swap of a module tree's [`ParallelConfig`][]."""
+"""Placement of module parameters on a mesh (Megatron tensor parallelism and FSDP, as each
+layer declares its split), and the swap of a module tree's [`ParallelConfig`][]."""
 
 import dataclasses
 import math
@@ -8,25 +8,10 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._attention import Attention, CrossAttention, JointAttention
-from ._dual_stream import DualStreamAttention
-from ._feedforward import FeedForward
+from ._config import agreed, check_parallel, fsdp_axes_of, ParallelConfig
 from ._lora import is_lora_linear
-from ._parallel import agreed, check_parallel, fsdp_axes_of, ParallelConfig
+from ._parallel_layer import AbstractParallelLayer
 
-
-# The modules that hold a ParallelConfig, and their Megatron split: (column-parallel
-# linears, row-parallel linears, norms sharded with the features). A field that is
-# None (an absent qk-norm or image branch) is skipped.
-_MEGATRON = {
-    Attention: (("q", "k", "v", "to_gate_compress"), ("o",), ("norm_q", "norm_k")),
-    CrossAttention: (("q", "k", "v", "k_img", "v_img"), ("o",), ("norm_q", "norm_k", "norm_k_img")),
-    JointAttention: (("to_q", "to_k", "to_v"), ("to_out",), ()),
-    DualStreamAttention: (("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
-                          ("to_out", "to_add_out"), ()),
-    FeedForward: (("fc1",), ("fc2",), ()),
-}
-_PARALLEL = tuple(_MEGATRON)
 
 FSDP_MAX_REPLICATED = 1 << 20
 """The default of `partition_specs(max_replicated=)`: a parameter of more elements that
@@ -39,7 +24,7 @@ def _is_parameter(x) -> bool:
 
 
 def _is_parallel(x) -> bool:
-    return isinstance(x, _PARALLEL)
+    return isinstance(x, AbstractParallelLayer)
 
 
 def _module_specs(m):
@@ -54,7 +39,7 @@ def _module_specs(m):
     tp = m.parallel.tp_axis
     if tp is None:
         return specs
-    column, row, norms = _MEGATRON[type(m)]
+    column, row, norms = type(m).megatron
 
     def spec(x, *axes):
         # Leading axes beyond the parameter's own are stacked layers (`eqx.filter_vmap`
@@ -357,7 +342,7 @@ def shard_like(tree, module, mesh, *, filter_spec=None):
     replicated over the whole mesh. That is where a sharded training step returns
     them, so the step compiles once.
 
-        opt_state = nn.shard_like(optimizer.init(eqx.filter(model, eqx.is_array)), model, mesh)
+        opt_state = nn.sharding.shard_like(optimizer.init(eqx.filter(model, eqx.is_array)), model, mesh)
 
     Also the one call that reshards a state after [`with_parallel`][] moved its model
     to another configuration or mesh. Outside `jit` the arrays move; inside, they are

@@ -13,6 +13,11 @@ from jaxtyping import Array, Float, jaxtyped
 from .._checks import is_int
 
 
+Rope = tuple[Float[Array, "S {self.head_dim//2}"], Float[Array, "S {self.head_dim//2}"]]
+"""The annotation of an attention layer's `rope` argument: `(cos, sin)`, each
+`(S, head_dim // 2)`, for this device's tokens, as `rope_3d` returns them."""
+
+
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
     """Wan's split of `head_dim // 2` rotary pairs into (time, height, width) parts.
 

@@ -1,4 +1,5 @@
-"""The static option that runs a self-attention as video sparse attention (VSA)."""
+"""The static option that runs a self-attention as video sparse attention (VSA), and the
+calls of `Attention` it refuses."""
 
 import dataclasses
 
@@ -47,3 +48,36 @@ class VideoSparse:
     def selected(self) -> int:
         """Key tiles attended per query tile (`topk`, or the one `sparsity` gives)."""
         return resolve_topk(self.topk, self.sparsity, self.layout.n_tiles, where="VideoSparse")
+
+
+def check_video_sparse(m, x, video_sparse, gate, segment_ids, mask, kv_length) -> None:
+    """The combinations `Attention(video_sparse=...)` refuses."""
+    if video_sparse is None:
+        if gate is not None:
+            raise ValueError(
+                "Attention: `gate` is the coarse output's gate of video sparse attention; "
+                "pass it with `video_sparse=` (received video_sparse=None)."
+            )
+        return
+    if not isinstance(video_sparse, VideoSparse):
+        raise ValueError(
+            f"Attention: `video_sparse` must be a vidax_eqx.nn.VideoSparse or None; received "
+            f"{type(video_sparse).__name__}."
+        )
+    for name, value in (("mask", mask), ("segment_ids", segment_ids), ("kv_length", kv_length)):
+        if value is not None:
+            raise ValueError(
+                f"Attention: `video_sparse` takes the video's padding from its tile layout and "
+                f"cannot be combined with `{name}`; received {name}={type(value).__name__}."
+            )
+    if gate is not None and m.to_gate_compress is not None:
+        raise ValueError(
+            "Attention: the module computes the gate with its `to_gate_compress` projection; "
+            "received a `gate` too. Pass one or the other."
+        )
+    n = video_sparse.layout.video_len
+    if not m.parallel.sequence_axes and x.shape[0] != n:
+        raise ValueError(
+            f"Attention: video_sparse={video_sparse} lays the video out as {n} tokens "
+            f"(tile_permute(x, grid, tile)); received x with {x.shape[0]} tokens."
+        )

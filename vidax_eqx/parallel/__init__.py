@@ -23,6 +23,7 @@ from ._ulysses import (
     sequence_parallel_self_attention as sequence_parallel_self_attention,
 )
 from ._layout import (
+    LAYOUTS as LAYOUTS,
     ring_positions as ring_positions,
     zigzag_permute as zigzag_permute,
     zigzag_unpermute as zigzag_unpermute,
@@ -31,6 +32,7 @@ from ._replicate import replicated as replicated
 from ._ring import ring_attention as ring_attention
 from ._schedule import ring_work as ring_work
 from ._usp import usp_attention as usp_attention
+from ._sequence import sequence_attention as sequence_attention
 from ._masks import (
     AbstractMask as AbstractMask,
     CausalMask as CausalMask,

@@ -3,25 +3,13 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped, PRNGKeyArray
+from jaxtyping import jaxtyped, PRNGKeyArray
 
 from ._schedulers import (
-    AbstractScheduler,
-    SchedulerPlan,
-    SchedulerState,
-    check_bool,
-    check_choice,
-    check_finite,
-    check_int,
-    check_positive,
-    check_state,
-    check_steps,
-    compute_dtype,
-    empty_state,
-    make_plan,
+    AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
+    check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
 )
 
 
@@ -29,7 +17,8 @@ _PREDICTIONS = {"v_prediction", "epsilon", "sample"}
 _SPACINGS = {"trailing", "leading", "linspace"}
 
 
-def _check_schedule(owner: str, s) -> None:
+def _check_schedule(s) -> None:
+    owner = type(s).__name__
     check_choice(owner, "prediction_type", s.prediction_type, _PREDICTIONS)
     check_int(owner, "num_train_timesteps", s.num_train_timesteps, 2)
     check_positive(owner, "beta_start", s.beta_start)
@@ -59,13 +48,13 @@ def _alphas_cumprod(s):
     return cumprod, final
 
 
-def _tables(owner: str, s, steps):
+def _tables(s, steps):
     """`(timesteps, alphas_cumprod at them, at each step's target, targets, sigmas)`
     after diffusers' `set_timesteps(steps)`. The target of a step is
     `t - num_train_timesteps // steps`, diffusers' rule (the next timestep when `steps`
     divides `num_train_timesteps`)."""
     n = s.num_train_timesteps
-    steps = check_steps(owner, steps, maximum=n)
+    steps = check_steps(type(s).__name__, steps, maximum=n)
     if s.timestep_spacing == "linspace":
         t = np.linspace(0, n - 1, steps).round()[::-1].astype(np.int64)
     elif s.timestep_spacing == "leading":
@@ -137,25 +126,16 @@ class CogVideoXDDIM(AbstractScheduler):
     steps_offset: int = eqx.field(static=True, default=0)
 
     stochastic = False
+    history_size = 0
 
     def __check_init__(self):
-        _check_schedule("CogVideoXDDIM", self)
+        _check_schedule(self)
 
     def plan(self, steps: int) -> SchedulerPlan:
-        """The schedule of `steps` denoising steps.
-
-        **Arguments:**
-
-        - `steps`: the number of denoising steps, a Python int in
-            `[1, num_train_timesteps]` (static).
-
-        **Returns:**
-
-        A [`SchedulerPlan`][]: diffusers' `timesteps` after `set_timesteps(steps)`,
-        `sigmas = sqrt(1 - alphas_cumprod)` at them and at the last step's target, and
-        each step's coefficients (float64, from diffusers' float64 `alphas_cumprod`).
-        """
-        t, now, after, _, sigmas = _tables("CogVideoXDDIM", self, steps)
+        """diffusers' `set_timesteps(steps)`, `sigmas = sqrt(1 - alphas_cumprod)`; the
+        coefficients are the update's four scalars (float64, from diffusers' float64
+        `alphas_cumprod`)."""
+        t, now, after, _, sigmas = _tables(self, steps)
         p0, p1 = _x0_coefficients(self.prediction_type, now)
         a = np.sqrt((1 - after) / (1 - now))
         b = np.sqrt(after) - np.sqrt(now) * a
@@ -163,55 +143,14 @@ class CogVideoXDDIM(AbstractScheduler):
         check_finite("CogVideoXDDIM", coefficients, _describe(self))
         return make_plan(t, sigmas, coefficients)
 
-    def init(self, latents: Float[Array, "*shape"]) -> SchedulerState:
-        """The state before the first step: empty (`history` of shape `(0, *shape)`).
-
-        **Arguments:**
-
-        - `latents`: the initial latents (only their shape and dtype are read).
-
-        **Returns:**
-
-        A [`SchedulerState`][].
-        """
-        return empty_state(latents, 0)
-
     @jaxtyped(typechecker=beartype)
-    def step(
-        self,
-        plan: SchedulerPlan,
-        state: SchedulerState,
-        i: Int[ArrayLike, ""],
-        model_output: Float[Array, "*shape"],
-        latents: Float[Array, "*shape"],
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*shape"], SchedulerState]:
-        """One DDIM step: diffusers' `CogVideoXDDIMScheduler.step`.
-
-        **Arguments:**
-
-        - `plan`: this scheduler's [`SchedulerPlan`][].
-        - `state`: the [`SchedulerState`][] from `init` or the previous step.
-        - `i`: the step index in `[0, plan.steps)`, a Python int or a traced integer
-            scalar.
-        - `model_output`: the model's prediction (of `prediction_type`) at
-            `(latents, timestep(plan, i))`.
-        - `latents`: the latents of step `i`.
-        - `key`: unused (this scheduler is deterministic); accepted so that one loop
-            serves every scheduler.
-
-        **Returns:**
-
-        `(latents, state)`: the latents of step `i + 1` (the dtype of `latents`) and the
-        next state.
-        """
+    def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
+             model_output: Latents, latents: Latents, *,
+             key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
+        """diffusers' `CogVideoXDDIMScheduler.step`."""
         with jax.named_scope("CogVideoXDDIM.step"):
-            check_state("CogVideoXDDIM", state, 0, latents)
-            dtype = compute_dtype(latents)
-            p0, p1, a, b = plan.coefficients[i].astype(dtype)
-            x = latents.astype(dtype)
-            x0 = p0 * x + p1 * model_output.astype(dtype)
+            (p0, p1, a, b), x, v = step_inputs(self, plan, state, i, model_output, latents)
+            x0 = p0 * x + p1 * v
             return (a * x + b * x0).astype(latents.dtype), state
 
 
@@ -232,22 +171,8 @@ class CogVideoXDPM(AbstractScheduler):
         x' = sqrt((1 - a_t') / (1 - a_t)) e^-h x - (e^-2h - 1) sqrt(a_t') d
              + sqrt(1 - a_t') sqrt(1 - e^-2h) noise
 
-    **Arguments** (the defaults are CogVideoX-5B's `scheduler_config.json`, which is
-    CogVideoX-2B's with `snr_shift_scale=1.0`):
-
-    - `snr_shift_scale`: the SNR shift of the schedule (> 0): 3.0 for CogVideoX-2B,
-        1.0 for CogVideoX-5B.
-    - `prediction_type`: `"v_prediction"` (default, CogVideoX's), `"epsilon"` or
-        `"sample"`. `"epsilon"` at a timestep whose `alphas_cumprod` is 0 (the first
-        step with `rescale_betas_zero_snr` and trailing spacing) divides by zero:
-        `plan` raises.
-    - `timestep_spacing`: `"trailing"` (default), `"leading"` or `"linspace"`.
-    - `rescale_betas_zero_snr`: rescale to zero terminal SNR (default True).
-    - `set_alpha_to_one`: the last step goes to `alphas_cumprod = 1` (default True).
-    - `beta_start`, `beta_end`: the range of the `"scaled_linear"` betas (defaults
-        0.00085 and 0.012).
-    - `num_train_timesteps`: default 1000.
-    - `steps_offset`: added to the `"leading"` timesteps (default 0).
+    **Arguments:** those of [`CogVideoXDDIM`][], with the defaults of CogVideoX-5B's
+    `scheduler_config.json` (CogVideoX-2B's with `snr_shift_scale=1.0`).
     """
 
     snr_shift_scale: float = eqx.field(static=True, default=1.0)
@@ -261,25 +186,15 @@ class CogVideoXDPM(AbstractScheduler):
     steps_offset: int = eqx.field(static=True, default=0)
 
     stochastic = True
+    history_size = 1
 
     def __check_init__(self):
-        _check_schedule("CogVideoXDPM", self)
+        _check_schedule(self)
 
     def plan(self, steps: int) -> SchedulerPlan:
-        """The schedule of `steps` denoising steps.
-
-        **Arguments:**
-
-        - `steps`: the number of denoising steps, a Python int in
-            `[1, num_train_timesteps]` (static).
-
-        **Returns:**
-
-        A [`SchedulerPlan`][]: diffusers' `timesteps` after `set_timesteps(steps)`,
-        `sigmas = sqrt(1 - alphas_cumprod)` at them and at the last step's target, and
-        each step's coefficients (float64, from diffusers' float64 `alphas_cumprod`).
-        """
-        t, now, after, target, sigmas = _tables("CogVideoXDPM", self, steps)
+        """As [`CogVideoXDDIM.plan`][]; the coefficients are the update's seven scalars,
+        the second-order weights zero where diffusers takes a first-order step."""
+        t, now, after, target, sigmas = _tables(self, steps)
         p0, p1 = _x0_coefficients(self.prediction_type, now)
         with np.errstate(divide="ignore", invalid="ignore"):
             lam = np.log(np.sqrt(now / (1 - now)))
@@ -299,67 +214,28 @@ class CogVideoXDPM(AbstractScheduler):
         check_finite("CogVideoXDPM", coefficients, _describe(self))
         return make_plan(t, sigmas, coefficients)
 
-    def init(self, latents: Float[Array, "*shape"]) -> SchedulerState:
-        """The state before the first step: `history` of shape `(1, *shape)`, zeros (the
-        previous step's data prediction).
-
-        **Arguments:**
-
-        - `latents`: the initial latents (only their shape and dtype are read).
-
-        **Returns:**
-
-        A [`SchedulerState`][].
-        """
-        return empty_state(latents, 1)
-
     @jaxtyped(typechecker=beartype)
-    def step(
-        self,
-        plan: SchedulerPlan,
-        state: SchedulerState,
-        i: Int[ArrayLike, ""],
-        model_output: Float[Array, "*shape"],
-        latents: Float[Array, "*shape"],
-        *,
-        noise: Float[Array, "*shape"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*shape"], SchedulerState]:
-        """One DPM-Solver++ step: diffusers' `CogVideoXDPMScheduler.step`.
+    def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
+             model_output: Latents, latents: Latents, *, noise: Latents | None = None,
+             key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
+        """diffusers' `CogVideoXDPMScheduler.step`, with one more argument:
 
-        **Arguments:**
-
-        - `plan`: this scheduler's [`SchedulerPlan`][].
-        - `state`: the [`SchedulerState`][] from `init` or the previous step.
-        - `i`: the step index in `[0, plan.steps)`, a Python int or a traced integer
-            scalar.
-        - `model_output`: the model's prediction (of `prediction_type`) at
-            `(latents, timestep(plan, i))`.
-        - `latents`: the latents of step `i`.
         - `noise`: the step's standard normal noise (the latents' shape), diffusers'
-            `randn_tensor` draw; drawn from `key` when not given.
-        - `key`: a PRNG key for the step's noise (a different key each step, e.g.
-            `jax.random.fold_in(key, i)`); needed unless `noise` is given.
-
-        **Returns:**
-
-        `(latents, state)`: the latents of step `i + 1` (the dtype of `latents`) and the
-        next state.
+            `randn_tensor` draw, instead of a draw from `key` (which it makes
+            unnecessary).
         """
         with jax.named_scope("CogVideoXDPM.step"):
-            check_state("CogVideoXDPM", state, 1, latents)
-            dtype = compute_dtype(latents)
+            coefficients, x, v = step_inputs(self, plan, state, i, model_output, latents)
             if noise is None:
                 if key is None:
                     raise ValueError(
                         "CogVideoXDPM.step: this scheduler adds noise in every step; pass "
                         "`key` (a PRNG key, a different one each step) or `noise` (the "
                         "latents' shape); received neither.")
-                noise = jax.random.normal(key, latents.shape, dtype)
-            p0, p1, mult1, mult2, mult3, mult4, mult_noise = plan.coefficients[i].astype(dtype)
-            x = latents.astype(dtype)
-            x0 = p0 * x + p1 * model_output.astype(dtype)
+                noise = jax.random.normal(key, latents.shape, x.dtype)
+            p0, p1, mult1, mult2, mult3, mult4, mult_noise = coefficients
+            x0 = p0 * x + p1 * v
             d = mult3 * x0 - mult4 * state.history[0]
-            new = mult1 * x - mult2 * d + mult_noise * noise.astype(dtype)
+            new = mult1 * x - mult2 * d + mult_noise * noise.astype(x.dtype)
             return new.astype(latents.dtype), SchedulerState(x0[None])
 

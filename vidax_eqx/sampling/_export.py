@@ -8,10 +8,11 @@ import jax
 
 from ..models._export import mismatch, pack, signature, unpack
 from . import _cogvideox, _flow_match, _step_cache
-from ._sample import _loop, _prepare
+from ._sample import denoising_loop, prepare
 
 _FORMAT = "vidax_eqx.sampling.ExportedSampler/2"
-# The positional arguments of the loop (`_prepare`'s `args`), as a signature names them.
+# The loop's `LoopInputs`, slot by slot, as a signature names them (the names of format
+# 2: its sixth, `dynamic_cfg`, is called "model_kwargs" there).
 _ARGS = ("model", "noise", "context", "negative_context", "guidance_scales",
          "model_kwargs", "plan", "key", "batched", "reuse", "count", "condition")
 _CLASSES = {cls.__name__: cls for cls in (
@@ -39,13 +40,13 @@ def _decode(spec):
     return cls(**fields)
 
 
-def _signature(args, kwargs) -> list:
+def _signature(inputs, options) -> list:
     """What the loop was traced for beyond the shapes `jax.export` checks: the model's
     structure, its static configuration and non-array leaves (`ParallelConfig`,
     activations), the inputs' structure and the non-array model arguments, by path
     (`models.export`'s signature)."""
-    return [e for name, a in zip(_ARGS, args, strict=True) for e in signature(name, a)] + \
-        signature("model_kwargs", kwargs["static"])
+    return [e for name, a in zip(_ARGS, inputs, strict=True) for e in signature(name, a)] + \
+        signature("model_kwargs", options.model_static)
 
 
 class ExportedSampler:
@@ -115,25 +116,25 @@ class ExportedSampler:
                 f"ExportedSampler: the sampler was exported {'with' if s['guided'] else 'without'}"
                 f" classifier-free guidance (guidance_scale > 1: {s['guided']}); received "
                 f"guidance_scale={guidance_scale!r}.")
-        args, kwargs = self._prepare(model, noise, context, negative_context=negative_context,
-                                     guidance_scale=guidance_scale,
-                                     guidance_scale_2=guidance_scale_2, steps=steps, key=key,
-                                     condition=condition, model_kwargs=model_kwargs)
-        received = _signature(args, kwargs)
+        inputs, options = self._prepare(
+            model, noise, context, negative_context=negative_context,
+            guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
+            key=key, condition=condition, model_kwargs=model_kwargs)
+        received = _signature(inputs, options)
         if received != s["signature"]:
             raise ValueError(
                 "ExportedSampler: the model (its structure, config or ParallelConfig), the "
                 "inputs' structure or the non-array model arguments (remat, sliding_tile) "
                 "differ from those the sampler was exported for: "
                 f"{mismatch(s['signature'], received)}; export it again for them.")
-        dynamic = eqx.filter(args, eqx.is_array)
+        dynamic = eqx.filter(inputs, eqx.is_array)
         if s["mesh"] is not None:
-            _check_mesh(s["mesh"], args)
+            _check_mesh(s["mesh"], inputs.model)
         return self.exported.call(*jax.tree.leaves(dynamic))
 
     def _prepare(self, model, noise, context, **kwargs):
         s = self.settings
-        return _prepare(
+        return prepare(
             "ExportedSampler", model, noise, context, max_steps=s["max_steps"],
             scheduler=_decode(s["scheduler"]), mesh=_mesh_of(model) if s["mesh"] else None,
             batch_axis=_axes(s["batch_axis"]), cfg_axis=s["cfg_axis"],
@@ -146,7 +147,7 @@ def _axes(batch_axis):
 
 
 def _mesh_of(model):
-    """The mesh the model's arrays are placed on (`nn.shard_module`), or `None`."""
+    """The mesh the model's arrays are placed on (`nn.sharding.shard_module`), or `None`."""
     for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -154,13 +155,13 @@ def _mesh_of(model):
     return None
 
 
-def _check_mesh(expected: dict, args) -> None:
-    mesh = _mesh_of(args[0])
+def _check_mesh(expected: dict, model) -> None:
+    mesh = _mesh_of(model)
     got = None if mesh is None else dict(mesh.shape)
     if got != expected:
         raise ValueError(
             f"ExportedSampler: the model must be placed on a mesh of the exported shape "
-            f"{expected} (nn.shard_module(model, mesh)); received a model on {got}.")
+            f"{expected} (nn.sharding.shard_module(model, mesh)); received a model on {got}.")
 
 
 def export_sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
@@ -185,36 +186,29 @@ def export_sample(model, noise, context, *, negative_context=None, guidance_scal
     inputs fix the exported shapes and dtypes (their values are not kept); `steps`,
     `guidance_scale` and `key` are defaults of the calls, which may change them (the
     number of steps up to `max_steps`; `guidance_scale` on the same side of 1). With
-    `mesh`, the model must be placed on it ([`vidax_eqx.nn.shard_module`][]) and the
+    `mesh`, the model must be placed on it ([`vidax_eqx.nn.sharding.shard_module`][]) and the
     call's model on a mesh of the same shape.
 
     **Returns:**
 
     An [`ExportedSampler`][].
     """
-    args, kwargs = _prepare(
-        "export_sample", model, noise, context, negative_context=negative_context,
-        guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
-        max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
-        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=False,
-        text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
-        condition=condition, model_kwargs=model_kwargs)
-    dynamic, static = eqx.partition(args, eqx.is_array)
+    inputs, options = prepare("export_sample", progress=False, **locals())  # every argument
+    dynamic, static = eqx.partition(inputs, eqx.is_array)
 
     leaves, treedef = jax.tree.flatten(dynamic)
 
     def run(*leaves):  # flat arrays in: jax.export serializes no module types
-        return _loop(*eqx.combine(jax.tree.unflatten(treedef, leaves), static), **kwargs)
+        return denoising_loop(eqx.combine(jax.tree.unflatten(treedef, leaves), static), options)
 
     exported = jax.export.export(jax.jit(run))(*leaves)
-    scheduler = kwargs["scheduler"]
     settings = dict(
         steps=steps, max_steps=max_steps, guidance_scale=float(guidance_scale),
-        guided=guidance_scale > 1, scheduler=_encode(scheduler),
+        guided=guidance_scale > 1, scheduler=_encode(options.scheduler),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
         batch_axis=list(batch_axis) if isinstance(batch_axis, tuple) else batch_axis,
         cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, text_cache=text_cache,
         step_cache=_encode(step_cache), return_reused=return_reused,
-        signature=_signature(args, kwargs),
+        signature=_signature(inputs, options),
     )
     return ExportedSampler(exported, settings)

@@ -6,22 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
-from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped, PRNGKeyArray
+from jaxtyping import jaxtyped, PRNGKeyArray
 
 from ._schedulers import (
-    AbstractScheduler,
-    SchedulerPlan,
-    SchedulerState,
-    check_bool,
-    check_choice,
-    check_finite,
-    check_int,
-    check_positive,
-    check_state,
-    check_steps,
-    compute_dtype,
-    empty_state,
-    make_plan,
+    AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
+    check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
 )
 
 
@@ -66,6 +55,7 @@ class FlowMatchEuler(AbstractScheduler):
     num_train_timesteps: int = eqx.field(static=True, default=1000)
 
     stochastic = False
+    history_size = 0
 
     def __check_init__(self):
         check_positive("FlowMatchEuler", "shift", self.shift,
@@ -73,18 +63,8 @@ class FlowMatchEuler(AbstractScheduler):
         check_int("FlowMatchEuler", "num_train_timesteps", self.num_train_timesteps, 1)
 
     def plan(self, steps: int) -> SchedulerPlan:
-        """The schedule of `steps` denoising steps.
-
-        **Arguments:**
-
-        - `steps`: the number of denoising steps, a Python int >= 1 (static).
-
-        **Returns:**
-
-        A [`SchedulerPlan`][]: diffusers' `timesteps` and `sigmas` after
-        `set_timesteps(steps)`; the coefficients are the step sizes
-        `sigmas[i + 1] - sigmas[i]`.
-        """
+        """diffusers' `set_timesteps(steps)`; the coefficients are the step sizes
+        `sigmas[i + 1] - sigmas[i]`."""
         steps = check_steps("FlowMatchEuler", steps)
         n = self.num_train_timesteps
         f32 = np.float32
@@ -100,54 +80,15 @@ class FlowMatchEuler(AbstractScheduler):
         dt = np.diff(sigmas.astype(np.float64))[:, None]
         return make_plan(timesteps, sigmas, dt)
 
-    def init(self, latents: Float[Array, "*shape"]) -> SchedulerState:
-        """The state before the first step: empty (`history` of shape `(0, *shape)`).
-
-        **Arguments:**
-
-        - `latents`: the initial latents (only their shape and dtype are read).
-
-        **Returns:**
-
-        A [`SchedulerState`][].
-        """
-        return empty_state(latents, 0)
-
     @jaxtyped(typechecker=beartype)
-    def step(
-        self,
-        plan: SchedulerPlan,
-        state: SchedulerState,
-        i: Int[ArrayLike, ""],
-        model_output: Float[Array, "*shape"],
-        latents: Float[Array, "*shape"],
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*shape"], SchedulerState]:
-        """One Euler step.
-
-        **Arguments:**
-
-        - `plan`: this scheduler's [`SchedulerPlan`][].
-        - `state`: the [`SchedulerState`][] from `init` or the previous step.
-        - `i`: the step index in `[0, plan.steps)`, a Python int or a traced integer
-            scalar.
-        - `model_output`: the model's velocity prediction at `(latents, timestep(plan, i))`.
-        - `latents`: the latents of step `i`.
-        - `key`: unused (this scheduler is deterministic); accepted so that one loop
-            serves every scheduler.
-
-        **Returns:**
-
-        `(latents, state)`: the latents of step `i + 1` (the dtype of `latents`) and the
-        next state.
-        """
+    def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
+             model_output: Latents, latents: Latents, *,
+             key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
+        """diffusers' `FlowMatchEulerDiscreteScheduler.step`: `latents + (sigmas[i + 1]
+        - sigmas[i]) * model_output`."""
         with jax.named_scope("FlowMatchEuler.step"):
-            check_state("FlowMatchEuler", state, 0, latents)
-            dtype = compute_dtype(latents)
-            dt = plan.coefficients[i, 0].astype(dtype)
-            x = latents.astype(dtype) + dt * model_output.astype(dtype)
-            return x.astype(latents.dtype), state
+            (dt,), x, v = step_inputs(self, plan, state, i, model_output, latents)
+            return (x + dt * v).astype(latents.dtype), state
 
 
 class UniPC(AbstractScheduler):
@@ -199,6 +140,12 @@ class UniPC(AbstractScheduler):
     final_sigmas_type: str = eqx.field(static=True, default="zero")
 
     stochastic = False
+
+    @property
+    def history_size(self) -> int:
+        """`solver_order + 1`: the previous corrected latents, then the last
+        `solver_order` data predictions, newest first."""
+        return self.solver_order + 1
 
     def __check_init__(self):
         check_positive("UniPC", "shift", self.shift,
@@ -256,18 +203,8 @@ class UniPC(AbstractScheduler):
             return [a, alpha[t] * h_phi_1, alpha[t] * b_h, *w], rhos
 
     def plan(self, steps: int) -> SchedulerPlan:
-        """The schedule of `steps` denoising steps.
-
-        **Arguments:**
-
-        - `steps`: the number of denoising steps, a Python int >= 1 (static).
-
-        **Returns:**
-
-        A [`SchedulerPlan`][]: diffusers' `timesteps` and `sigmas` after
-        `set_timesteps(steps)`, and each step's corrector and predictor coefficients,
-        computed in float64 from the float32 sigmas.
-        """
+        """diffusers' `set_timesteps(steps)`; the coefficients are each step's corrector
+        and predictor coefficients, computed in float64 from the float32 sigmas."""
         steps = check_steps("UniPC", steps)
         timesteps, sigmas = self._sigmas(steps)
         sig = sigmas.astype(np.float64)
@@ -294,57 +231,16 @@ class UniPC(AbstractScheduler):
                      f"{self.lower_order_final}, final_sigmas_type={self.final_sigmas_type!r}")
         return make_plan(timesteps, sigmas, coefficients)
 
-    def init(self, latents: Float[Array, "*shape"]) -> SchedulerState:
-        """The state before the first step: `history` of shape
-        `(solver_order + 1, *shape)`, zeros (the previous corrected latents, then the
-        data predictions of the last `solver_order` steps, newest first).
-
-        **Arguments:**
-
-        - `latents`: the initial latents (only their shape and dtype are read).
-
-        **Returns:**
-
-        A [`SchedulerState`][].
-        """
-        return empty_state(latents, self.solver_order + 1)
-
     @jaxtyped(typechecker=beartype)
-    def step(
-        self,
-        plan: SchedulerPlan,
-        state: SchedulerState,
-        i: Int[ArrayLike, ""],
-        model_output: Float[Array, "*shape"],
-        latents: Float[Array, "*shape"],
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*shape"], SchedulerState]:
-        """One UniPC step: diffusers' `step` (corrector, then predictor).
-
-        **Arguments:**
-
-        - `plan`: this scheduler's [`SchedulerPlan`][].
-        - `state`: the [`SchedulerState`][] from `init` or the previous step.
-        - `i`: the step index in `[0, plan.steps)`, a Python int or a traced integer
-            scalar.
-        - `model_output`: the model's velocity prediction at `(latents, timestep(plan, i))`.
-        - `latents`: the latents of step `i`.
-        - `key`: unused (this scheduler is deterministic); accepted so that one loop
-            serves every scheduler.
-
-        **Returns:**
-
-        `(latents, state)`: the latents of step `i + 1` (the dtype of `latents`) and the
-        next state.
-        """
+    def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
+             model_output: Latents, latents: Latents, *,
+             key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
+        """diffusers' `UniPCMultistepScheduler.step`: the corrector (UniC) of the
+        latents it receives, then the predictor (UniP) of the next."""
         with jax.named_scope("UniPC.step"):
             p = self.solver_order
-            check_state("UniPC", state, p + 1, latents)
-            dtype = compute_dtype(latents)
-            c = plan.coefficients[i].astype(dtype)
-            x = latents.astype(dtype)
-            m = x - plan.sigmas[i].astype(dtype) * model_output.astype(dtype)
+            c, x, v = step_inputs(self, plan, state, i, model_output, latents)
+            m = x - plan.sigmas[i].astype(x.dtype) * v
             last, history = state.history[0], state.history[1:]  # m_{i-1}, ..., m_{i-p}
 
             # UniC: c[0] says whether it runs; a, b, c, then p - 1 weights and w_t.

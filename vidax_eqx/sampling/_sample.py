@@ -12,8 +12,10 @@ import numpy as np
 from jax import lax
 
 from .. import models
+from .._checks import is_int, is_real
 from ._cogvideox import CogVideoXDDIM, CogVideoXDPM
 from ._flow_match import FlowMatchEuler, UniPC
+from ._options import LoopInputs, LoopOptions
 from ._schedulers import AbstractScheduler
 from ._step_cache import FirstBlockCache, StaticStepCache
 
@@ -25,14 +27,6 @@ SCHEDULERS = {
     "cogvideox_dpm": CogVideoXDPM,
 }
 """The scheduler names `sample` accepts, and what each name builds."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _scheduler(scheduler) -> AbstractScheduler:
@@ -55,7 +49,7 @@ def _scheduler(scheduler) -> AbstractScheduler:
 def _check_scale(name: str, value, required: bool = True) -> None:
     if value is None and not required:
         return
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
+    if not is_real(value) or not math.isfinite(value) or value < 0:
         raise ValueError(
             f"sample: `{name}` (the classifier-free guidance scale) must be a finite Python "
             f"number >= 0 (1.0 or less: no guidance; Wan uses 5.0); received {value!r}.")
@@ -256,22 +250,25 @@ def _predict(model, x, timestep, context, *, mesh, batch_axis, static, batched, 
 
 
 @eqx.filter_jit
-def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, batched,
-          reuse, steps, condition, *, scheduler, mesh, batch_axis, cfg_axis, static,
-          progress, text_cache, threshold, conditioning, return_reused):
-    """The denoising loop, `steps` of the plan's rows: a Python int (a static trip
-    count: `lax.fori_loop` lowers to a scan) or a traced one (a while loop over a plan
-    padded to its capacity, one program for any number of steps)."""
-    guided = negative_context is not None
+def denoising_loop(inputs: LoopInputs, options: LoopOptions):
+    """The denoising loop, `inputs.count` of the plan's rows: a Python int (a static
+    trip count: `lax.fori_loop` lowers to a scan) or a traced one (a while loop over a
+    plan padded to its capacity, one program for any number of steps)."""
+    model, noise, plan, steps = inputs.model, inputs.noise, inputs.plan, inputs.count
+    context, batched, condition, reuse = (inputs.context, inputs.batched, inputs.condition,
+                                          inputs.reuse)
+    scheduler, mesh, threshold = options.scheduler, options.mesh, options.threshold
+    guided = inputs.negative_context is not None
     boundary = getattr(model, "boundary_timestep", None)
     if guided:
-        context = jnp.concatenate([context, negative_context])
+        context = jnp.concatenate([context, inputs.negative_context])
         batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
     # The guided batch [conditional; unconditional] over cfg_axis (its outer half each),
     # and each half over batch_axis.
+    cfg_axis, batch_axis = options.cfg_axis, options.batch_axis
     axis = (cfg_axis, batch_axis) if None not in (cfg_axis, batch_axis) else (
         cfg_axis if cfg_axis is not None else batch_axis)
-    if text_cache and isinstance(model, (models.WanTransformer3D, models.WanExperts)):
+    if options.text_cache and isinstance(model, (models.WanTransformer3D, models.WanExperts)):
         # The cross-attention's keys and values of both contexts, once per generation.
         image = batched.get("context_image")
         if mesh is None:
@@ -281,9 +278,9 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
                                               context_image=image)
         batched = {**batched, "text_cache": cache}
 
-    predict = functools.partial(_predict, mesh=mesh, batch_axis=axis, static=static,
-                                batched=batched)
-    mode, arg = conditioning or (None, None)
+    predict = functools.partial(_predict, mesh=mesh, batch_axis=axis,
+                                static=options.model_static, batched=batched)
+    mode, arg = options.conditioning or (None, None)
     if mode == "frames":  # TI2V: the first `arg` frames are the condition's
         kept = (jnp.arange(noise.shape[2]) < arg)[None, None, :, None, None]
         condition = jnp.pad(condition.astype(noise.dtype),
@@ -319,13 +316,14 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
             cache_carry = cache, reused.at[i].set(cache.reused[0])
         if guided:
             cond, uncond = jnp.split(out, 2)
+            scales = inputs.guidance_scales
             scale = scales[0] if boundary is None else jnp.where(t >= boundary, scales[0], scales[1])
-            if dynamic is not None:  # CogVideoX's use_dynamic_cfg
-                scale = 1 + scale * dynamic[i]
+            if inputs.dynamic_cfg is not None:  # CogVideoX's use_dynamic_cfg
+                scale = 1 + scale * inputs.dynamic_cfg[i]
             out = uncond + scale.astype(out.dtype) * (cond - uncond)
-        step_key = None if key is None else jax.random.fold_in(key, i)
+        step_key = None if inputs.key is None else jax.random.fold_in(inputs.key, i)
         latents, state = scheduler.step(plan, state, i, out, latents, key=step_key)
-        if progress:
+        if options.progress:
             jax.debug.callback(_BARS.advance, i, steps)
         return latents, state, cache_carry
 
@@ -333,7 +331,7 @@ def _loop(model, noise, context, negative_context, scales, dynamic, plan, key, b
     latents, _, cache_carry = lax.fori_loop(0, steps, body, carry)
     if mode == "frames":  # the condition's frames, clean, as diffusers returns them
         latents = jnp.where(kept, condition, latents)
-    return (latents, cache_carry[1]) if return_reused else latents
+    return (latents, cache_carry[1]) if options.return_reused else latents
 
 
 def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
@@ -448,26 +446,19 @@ def sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
     The final latents, the shape and dtype of `noise` (and `reused`, see
     `return_reused`).
     """
-    args, kwargs = _prepare(
-        "sample", model, noise, context, negative_context=negative_context,
-        guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
-        max_steps=max_steps, scheduler=scheduler, mesh=mesh, batch_axis=batch_axis,
-        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, key=key, progress=progress,
-        text_cache=text_cache, step_cache=step_cache, return_reused=return_reused,
-        condition=condition, model_kwargs=model_kwargs)
-    return _loop(*args, **kwargs)
+    return denoising_loop(*prepare("sample", **locals()))  # every argument, by name
 
 
-def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
-             guidance_scale_2, steps, max_steps, scheduler, mesh, batch_axis, cfg_axis,
-             use_dynamic_cfg, key, progress, text_cache, step_cache, return_reused,
-             condition, model_kwargs):
-    """`sample`'s arguments checked and turned into `_loop`'s: `(args, kwargs)`, the
-    positional arrays (and the model) and the static keywords."""
-    if not _is_int(steps) or steps < 1:
+def prepare(owner, model, noise, context, *, negative_context, guidance_scale,
+            guidance_scale_2, steps, max_steps, scheduler, mesh, batch_axis, cfg_axis,
+            use_dynamic_cfg, key, progress, text_cache, step_cache, return_reused,
+            condition, model_kwargs) -> tuple[LoopInputs, LoopOptions]:
+    """`sample`'s arguments checked and turned into `denoising_loop`'s:
+    `(inputs, options)`."""
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"{owner}: `steps` (the number of denoising steps) must be a Python "
                          f"int >= 1; received {steps!r}.")
-    if max_steps is not None and (not _is_int(max_steps) or max_steps < steps):
+    if max_steps is not None and (not is_int(max_steps) or max_steps < steps):
         raise ValueError(
             f"{owner}: `max_steps` (the most steps the compiled loop serves) must be None or "
             f"a Python int >= steps ({steps}); received {max_steps!r}.")
@@ -525,15 +516,17 @@ def _prepare(owner, model, noise, context, *, negative_context, guidance_scale,
                                             mode="edge"))
         if reuse is not None:
             reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
-    args = (model, noise, context, negative_context if guided else None, scales, dynamic,
-            plan, key, batched, reuse, count, condition)
-    kwargs = dict(scheduler=scheduler, mesh=mesh, batch_axis=batch_axis, cfg_axis=cfg_axis,
-                  static=static, progress=_progress_wanted(progress), text_cache=text_cache,
-                  threshold=_threshold(step_cache), conditioning=conditioning,
-                  return_reused=return_reused)
-    return args, kwargs
-
-
+    inputs = LoopInputs(
+        model=model, noise=noise, context=context,
+        negative_context=negative_context if guided else None, guidance_scales=scales,
+        dynamic_cfg=dynamic, plan=plan, key=key, batched=batched, reuse=reuse, count=count,
+        condition=condition)
+    options = LoopOptions(
+        scheduler=scheduler, mesh=mesh, batch_axis=batch_axis, cfg_axis=cfg_axis,
+        conditioning=conditioning, progress=_progress_wanted(progress),
+        text_cache=text_cache, return_reused=return_reused, model_static=static,
+        threshold=_threshold(step_cache))
+    return inputs, options
 
 
 def _threshold(step_cache):

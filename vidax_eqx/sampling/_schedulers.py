@@ -1,5 +1,6 @@
 """The scheduler contract: a plan of arrays for a number of steps, a state of arrays,
-and one pure step; and the validators the schedulers share."""
+and one pure step; and what the schedulers share: the start of a step and the
+validators."""
 
 import abc
 import math
@@ -8,7 +9,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from .._checks import is_int, is_real
+
+
+Latents = Float[Array, "*shape"]
+"""The annotation of latents and of a model output of their shape (`step`'s)."""
+StepIndex = Int[ArrayLike, ""]
+"""The annotation of a step index: a Python int or a traced integer scalar."""
 
 
 class SchedulerPlan(eqx.Module):
@@ -83,27 +92,40 @@ class AbstractScheduler(eqx.Module):
     The initial latents are standard normal noise (diffusers' `init_noise_sigma` is 1
     for all of these) and the model takes the latents unscaled (their
     `scale_model_input` is the identity). A stochastic scheduler (`stochastic`) draws
-    its noise from `key`, one key per step; the others ignore `key`.
+    its noise from `key`, one key per step; the others ignore `key`. `history_size`
+    is the number `n` of arrays its [`SchedulerState`][] carries.
+
+    In the signatures, `Latents` is `Float[Array, "*shape"]` (any shape, the same for
+    every such argument of a call) and `StepIndex` is `Int[ArrayLike, ""]`.
     """
 
     stochastic: eqx.AbstractClassVar[bool]
+    history_size: eqx.AbstractVar[int]
 
     @abc.abstractmethod
     def plan(self, steps: int) -> SchedulerPlan:
-        """The schedule of `steps` denoising steps.
+        """The schedule of `steps` denoising steps: diffusers' `timesteps` and `sigmas`
+        after `set_timesteps(steps)`, and each step's coefficients.
 
         **Arguments:**
 
         - `steps`: the number of denoising steps (diffusers' `num_inference_steps`),
-            a Python int >= 1. Static: a compiled loop is specialized to it.
+            a Python int >= 1 (at most `num_train_timesteps` for the CogVideoX
+            schedulers). Static: a compiled loop is specialized to it.
 
         **Returns:**
 
         A [`SchedulerPlan`][].
+
+        **Raises:**
+
+        `TypeError` unless `steps` is a Python int; `ValueError` if it is out of range,
+        or if the scheduler's configuration divides by zero in some step (where
+        diffusers' step returns inf or NaN; the scheduler's documentation names the
+        option).
         """
 
-    @abc.abstractmethod
-    def init(self, latents: Float[Array, "*shape"]) -> SchedulerState:
+    def init(self, latents: Latents) -> SchedulerState:
         """The state before the first step.
 
         **Arguments:**
@@ -113,14 +135,54 @@ class AbstractScheduler(eqx.Module):
 
         **Returns:**
 
-        A [`SchedulerState`][] of zeros.
+        A [`SchedulerState`][] of zeros: `history` of shape `(history_size, *shape)`,
+        in the latents' float dtype, at least float32.
         """
+        return SchedulerState(jnp.zeros((self.history_size, *latents.shape),
+                                        compute_dtype(latents)))
 
     @abc.abstractmethod
-    def step(self, plan, state, i, model_output, latents, *, key=None):
-        """One denoising step: the latents of step `i + 1` from those of step `i`."""
+    def step(
+        self,
+        plan: SchedulerPlan,
+        state: SchedulerState,
+        i: StepIndex,
+        model_output: Latents,
+        latents: Latents,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Latents, SchedulerState]:
+        """One denoising step: the latents of step `i + 1` from those of step `i`,
+        computed in the latents' float dtype, at least float32.
 
-    def timestep(self, plan: SchedulerPlan, i: Int[ArrayLike, ""]) -> Float[Array, ""]:
+        **Arguments:**
+
+        - `plan`: this scheduler's [`SchedulerPlan`][].
+        - `state`: the [`SchedulerState`][] from `init` or the previous step.
+        - `i`: the step index in `[0, plan.steps)`, a Python int or a traced integer
+            scalar.
+        - `model_output`: the model's prediction at `(latents, timestep(plan, i))`, the
+            latents' shape: the velocity for flow matching, of `prediction_type` for
+            the CogVideoX schedulers.
+        - `latents`: the latents of step `i`.
+        - `key`: a PRNG key for the step's noise, a different one each step (e.g.
+            `jax.random.fold_in(key, i)`); needed by a stochastic scheduler, unused by
+            the others (which accept it so that one loop serves every scheduler).
+
+        **Returns:**
+
+        `(latents, state)`: the latents of step `i + 1` (the dtype of `latents`) and the
+        next state.
+
+        **Raises:**
+
+        `ValueError` if `state` is not the one `init` makes for these latents (another
+        scheduler's, or other latents'), or if a stochastic scheduler receives no
+        `key`; jaxtyping's `TypeCheckError` if `model_output` does not have the
+        latents' shape.
+        """
+
+    def timestep(self, plan: SchedulerPlan, i: StepIndex) -> Float[Array, ""]:
         """The model's timestep input at step `i`.
 
         **Arguments:**
@@ -153,34 +215,26 @@ def make_plan(timesteps, sigmas, coefficients) -> SchedulerPlan:
     )
 
 
-def empty_state(latents, n: int) -> SchedulerState:
-    """A state of `n` zero arrays of the latents' shape in the step's dtype."""
-    return SchedulerState(jnp.zeros((n, *latents.shape), compute_dtype(latents)))
-
-
-def check_state(owner: str, state: SchedulerState, n: int, latents) -> None:
-    """Raises unless `state` is this scheduler's state for these latents."""
-    expected = (n, *latents.shape)
+def step_inputs(scheduler: AbstractScheduler, plan: SchedulerPlan, state: SchedulerState,
+                i, model_output, latents):
+    """The start every `step` shares: raises unless `state` is the one `scheduler.init`
+    makes for these latents; returns `(coefficients, x, model_output)`, the plan's row
+    `i`, the latents and the model output, in the step's dtype (`compute_dtype`)."""
+    expected = (scheduler.history_size, *latents.shape)
     if state.history.shape != expected:
         raise ValueError(
-            f"{owner}.step: `state.history` must have shape {expected} (the state "
-            f"`init` makes for latents of shape {latents.shape}); received "
+            f"{type(scheduler).__name__}.step: `state.history` must have shape {expected} "
+            f"(the state `init` makes for latents of shape {latents.shape}); received "
             f"{state.history.shape}. Start the loop with `state = scheduler.init(latents)`.")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    dtype = compute_dtype(latents)
+    return plan.coefficients[i].astype(dtype), latents.astype(dtype), model_output.astype(dtype)
 
 
 def check_steps(owner: str, steps, maximum: int | None = None) -> int:
     """`steps` as an int: a TypeError unless it is one, a ValueError unless in range."""
     bound = "" if maximum is None else f" and at most num_train_timesteps={maximum}"
     rule = f"`steps` (the number of denoising steps) must be a Python int >= 1{bound}"
-    if not _is_int(steps):
+    if not is_int(steps):
         raise TypeError(f"{owner}.plan: {rule}; received {steps!r} of type "
                         f"{type(steps).__name__}. It is static: pass an int, not an array.")
     if steps < 1 or (maximum is not None and steps > maximum):
@@ -191,7 +245,7 @@ def check_steps(owner: str, steps, maximum: int | None = None) -> int:
 def check_positive(owner: str, name: str, value, hint: str = "") -> None:
     """Raises unless `value` is a finite real number > 0."""
     rule = f"`{name}` must be a finite number > 0{hint}"
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(f"{owner}: {rule}; received {value!r} of type {type(value).__name__}.")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{owner}: {rule}; received {value!r}.")
@@ -199,7 +253,7 @@ def check_positive(owner: str, name: str, value, hint: str = "") -> None:
 
 def check_int(owner: str, name: str, value, minimum: int) -> None:
     """Raises unless `value` is a Python int >= `minimum`."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{owner}: `{name}` must be an int >= {minimum}; received {value!r} "
                         f"of type {type(value).__name__}.")
     if value < minimum:
