@@ -1,6 +1,6 @@
 """The package's import graph stays as drawn in DESIGN.md.
 
-Three rules, read from the source with `ast` (imports inside functions count: that
+Four rules, read from the source with `ast` (imports inside functions count: that
 is where cycles hide):
 
 1. Arrows only point down the floors `kernels` <- `parallel` <- `nn` <-
@@ -10,6 +10,11 @@ is where cycles hide):
    children is not an edge of the cycle check (that is how a facade is built).
 3. Inside a package, an implementation module never imports the package's facade:
    its `__init__.py` or a public module that only re-exports (`nn.functional`).
+4. Across packages, a module imports only another package's public modules: its
+   `__init__`, a public facade (`nn.sharding`), or its documented internal facade
+   (`kernels.internal`, `nn.internal`, `models.internal`); never a private module
+   (`nn._init`). The private top-level modules (`_checks`, `_order`, ...) are the floor
+   under every package and open to all.
 
 Each rule is checked on the real package and, so that the checks can fail, on small
 hand-made graphs that break it.
@@ -164,6 +169,20 @@ def facade_imports(imports: dict[str, set[str]], packages: set[str], facades: se
     return bad
 
 
+def private_imports(imports: dict[str, set[str]]) -> list[str]:
+    """Imports of another top-level part's private module (a path segment below the
+    part that starts with `_`)."""
+    bad = []
+    for src, targets in sorted(imports.items()):
+        for dst in sorted(targets):
+            s, d = _part(src), _part(dst)
+            if d in (None, "_") or s == d:
+                continue
+            if any(seg.startswith("_") for seg in dst.split(".")[2:]):
+                bad.append(f"{src} -> {dst}")
+    return bad
+
+
 # -- on the package -------------------------------------------------------------------
 
 
@@ -195,6 +214,13 @@ def test_no_module_imports_its_own_facade(graph):
     assert facade_imports(*graph) == []
 
 
+def test_no_private_import_across_packages(graph):
+    imports, _, _ = graph
+    assert private_imports(imports) == []
+    # The internal facades are where such imports go instead.
+    assert "vidax_eqx.nn.internal" in imports["vidax_eqx.models.wan._model"]
+
+
 # -- the checks can fail ---------------------------------------------------------------
 
 
@@ -215,3 +241,10 @@ def test_the_checks_find_what_they_guard():
     assert upward_arrows(imports) == ["vidax_eqx.flax -> vidax_eqx.interop", "vidax_eqx.kernels._a -> vidax_eqx.parallel"]
     assert cycles(imports, packages) == [["vidax_eqx.kernels._a", "vidax_eqx.kernels._b"]]
     assert facade_imports(imports, packages, packages) == ["vidax_eqx.parallel._r -> vidax_eqx.parallel"]
+    crossing = {
+        "vidax_eqx.models._m": {"vidax_eqx.nn._init", "vidax_eqx.nn.internal", "vidax_eqx.nn",
+                                "vidax_eqx._order", "vidax_eqx.models._n"},
+        "vidax_eqx.models.wan._w": {"vidax_eqx.models._base", "vidax_eqx.parallel._ring"},
+    }
+    assert private_imports(crossing) == ["vidax_eqx.models._m -> vidax_eqx.nn._init",
+                                         "vidax_eqx.models.wan._w -> vidax_eqx.parallel._ring"]

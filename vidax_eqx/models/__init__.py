@@ -1,5 +1,6 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
-call that runs a model over a mesh.
+call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][]
+and [`vidax_eqx.models.cogvideox`][]; the names below are theirs, re-exported.
 
 - [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
     timestep per token), from diffusers or original Wan checkpoints;
@@ -16,6 +17,7 @@ call that runs a model over a mesh.
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
     stack's residual of an earlier step ([`WanTransformer3D.cached_call`][],
     [`run_sharded`][]`(step_cache=...)`).
+- [`SlidingTile`][], [`VideoSparseTiles`][]: a model call's sparse attention options.
 - [`add_lora`][], [`load_lora`][], [`save_lora`][]: LoRA adapters on a model's linear
     layers, by name pattern or from the files people share (diffusers/PEFT,
     ComfyUI/kohya); merged, switched and trained with the functions of
@@ -27,30 +29,45 @@ call that runs a model over a mesh.
     step) exported with `jax.export`, the model an argument: serialized without
     weights, for one or several platforms, reloaded and called with a model of the
     same configuration.
+- [`AbstractModel`][], [`AbstractCachedModel`][], [`AbstractExperts`][],
+    [`AbstractBatchedInput`][], [`AbstractPerExpert`][]: what `run_sharded`, LoRA, the
+    caches and the samplers need of a model and of its inputs; a new model subclasses
+    them.
 """
 
-from ._cogvideox import (
-    CogVideoXBlock as CogVideoXBlock,
-    CogVideoXConfig as CogVideoXConfig,
-    CogVideoXTransformer3D as CogVideoXTransformer3D,
-    rope_crop_positions as rope_crop_positions,
+from . import cogvideox as cogvideox, wan as wan
+from ._base import (
+    AbstractBatchedInput as AbstractBatchedInput,
+    AbstractCachedModel as AbstractCachedModel,
+    AbstractExperts as AbstractExperts,
+    AbstractModel as AbstractModel,
+    AbstractPerExpert as AbstractPerExpert,
 )
-from ._common import REMAT_POLICIES as REMAT_POLICIES, run_sharded as run_sharded
-from ._experts import WanExperts as WanExperts, WanExpertsTextCache as WanExpertsTextCache
 from ._export import ExportedModel as ExportedModel, export as export
+from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
+from ._options import SlidingTile as SlidingTile, VideoSparseTiles as VideoSparseTiles
+from ._run_sharded import run_sharded as run_sharded
 from ._step_cache import StepCache as StepCache
 from ._training import (
     restore_training_state as restore_training_state,
     save_training_state as save_training_state,
 )
-from ._wan import (
+from .cogvideox import (
+    CogVideoXBlock as CogVideoXBlock,
+    CogVideoXConfig as CogVideoXConfig,
+    CogVideoXTransformer3D as CogVideoXTransformer3D,
+    rope_crop_positions as rope_crop_positions,
+)
+from .wan import (
+    sharded_text_cache as sharded_text_cache,
     WanBlock as WanBlock,
     WanConfig as WanConfig,
+    WanExperts as WanExperts,
+    WanExpertsTextCache as WanExpertsTextCache,
     WanHead as WanHead,
     WanImageEmbedding as WanImageEmbedding,
     WanTextCache as WanTextCache,
     WanTransformer3D as WanTransformer3D,
-    sharded_text_cache as sharded_text_cache,
     wan_image_timestep as wan_image_timestep,
 )

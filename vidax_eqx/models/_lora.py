@@ -20,14 +20,14 @@ from jaxtyping import PRNGKeyArray
 from .. import interop, nn
 from ..nn.internal import init
 from ..nn.internal import attach
-from ._experts import WanExperts
+from ._base import AbstractExperts, AbstractModel
 
 
 _SHOWN = 20  # keys listed in an error before "... (N more)"
 
 
 def _targets(model) -> list[interop.LinearName]:
-    if hasattr(model, "linear_layers"):
+    if isinstance(model, AbstractModel):
         return model.linear_layers()
     return interop.linear_layers(model)
 
@@ -112,7 +112,7 @@ def add_lora(model, patterns, rank: int, *, alpha: float | None = None, name: st
                                 key=jax.random.key(0))
         trainable, frozen = eqx.partition(model, nn.lora_filter(model))
     """
-    if isinstance(model, WanExperts):
+    if isinstance(model, AbstractExperts):
         keys = init.split(key, 2)
         experts = [add_lora(e, patterns, rank, alpha=alpha, name=name, dtype=dtype, key=k)
                    for e, k in zip(model.experts, keys)]
@@ -185,7 +185,7 @@ def load_lora(model, source, *, scale: float = 1.0, name: str = "default", merge
 
     The model with the adapter.
     """
-    if isinstance(model, WanExperts):
+    if isinstance(model, AbstractExperts):
         sources = tuple(source) if isinstance(source, (tuple, list)) else (source, source)
         if len(sources) != 2:
             raise ValueError(f"load_lora: WanExperts takes one source or two (high-noise, "
@@ -288,7 +288,7 @@ def save_lora(model, path, *, name: str = "default", layout: str = "diffusers") 
     - `name`: the adapter.
     - `layout`: `"diffusers"` or `"kohya"`.
     """
-    if isinstance(model, WanExperts):
+    if isinstance(model, AbstractExperts):
         raise ValueError("save_lora: save each expert's adapter to its own file: "
                          "save_lora(experts.experts[0], ...), save_lora(experts.experts[1], ...).")
     if layout not in interop.LORA_LAYOUTS:

@@ -2,17 +2,19 @@
 the last step that ran it (MagCache's static schedules, TeaCache's and first-block
 cache's data-dependent rule), with one skip decision shared by every device."""
 
-import equinox as eqx
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-from .. import nn
+from ..nn import sharding
 from .._vma import as_varying, manual_axes
+from ._base import AbstractBatchedInput
 
 
-class StepCache(eqx.Module):
+class StepCache(AbstractBatchedInput):
     """What a denoising loop carries from step to step to skip a model's block stack:
     the residual of the blocks the rule skips, taken at the last step that ran them
     (`output - input` of the whole stack for a static schedule, of every block but the
@@ -43,14 +45,26 @@ class StepCache(eqx.Module):
         """Whether this is the empty cache `StepCache()`."""
         return self.residual is None
 
-    def partition_specs(self, parallel: nn.sharding.ParallelConfig, batch_axis=None) -> "StepCache":
+    def partition_specs(self, parallel: sharding.ParallelConfig, batch_axis=None) -> "StepCache":
         """The `shard_map` specs of a batched cache `(B, S, dim)` for a model configured
         with `parallel`: the batch over `batch_axis`, the tokens over the sequence axes
         (each device keeps the rows of its own tokens), the features whole."""
         return StepCache() if self.empty else step_cache_specs(parallel, batch_axis)
 
 
-def step_cache_specs(parallel: nn.sharding.ParallelConfig, batch_axis=None) -> StepCache:
+class StepDecision(NamedTuple):
+    """What a step-cached forward pass decides with: the previous step's `cache` (a
+    [`StepCache`][]), whether it `may_reuse` it, the first-block rule's `threshold`
+    (`None`: a static schedule), and the axes the rule's change is summed over
+    (`axis_name`)."""
+
+    cache: StepCache
+    may_reuse: Any
+    threshold: Any
+    axis_name: Any
+
+
+def step_cache_specs(parallel: sharding.ParallelConfig, batch_axis=None) -> StepCache:
     """The specs of a filled batched cache (see `StepCache.partition_specs`)."""
     axes = parallel.sequence_axes
     tokens = (axes[0] if len(axes) == 1 else axes) or None

@@ -3,7 +3,7 @@ calls of `Attention` it refuses."""
 
 import dataclasses
 
-from ..kernels._vsa import resolve_topk, VsaLayout
+from ..kernels.internal import resolve_topk, VsaLayout
 
 
 @dataclasses.dataclass(frozen=True)

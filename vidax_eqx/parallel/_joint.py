@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 
 from .. import kernels
-from ..kernels._api import check_request  # what `kernels.attention` would raise, once
+from ..kernels.internal import check_request  # what `kernels.attention` would raise, once
 from .._order import after
 from .._vma import as_varying, varying_axes
 from ._checks import check_lengths, check_qkv, check_sinks, check_text_position, check_tile_mask

@@ -53,7 +53,7 @@ from jaxtyping import Array, Bool, Int
 
 from .. import kernels
 # The kernels' rule for every `window=` (private to kernels/_args.py, which has no public name for it).
-from ..kernels._args import check_window as _kernel_check_window
+from ..kernels.internal import check_window as _kernel_check_window
 
 
 Window = tuple[int | None, int | None]  # (left, right): -left <= kv_pos - q_pos <= right

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from ..kernels import attention, SegmentIds, SlidingTileMask
-from ..kernels._api import check_request  # what `attention` would raise, once
+from ..kernels.internal import check_request  # what `attention` would raise, once
 from ._mesh import DP_AXIS, TP_AXIS
 from ._rank_masks import RankMasks, with_rank_mask
 from ._ulysses import kv_head_repeats

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from .. import kernels
-from ..kernels._api import check_request  # what `kernels.attention` would raise, once
+from ..kernels.internal import check_request  # what `kernels.attention` would raise, once
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
 from ._checks import check_lengths, check_sinks, check_tile_mask

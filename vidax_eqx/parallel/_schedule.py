@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..kernels._tile import chunk_table
+from ..kernels.internal import chunk_table
 from ._checks import check_sp_size
 from ._layout import block_positions, check_layout, check_zigzag_length, layout_parts, part_slices
 from ._rank_masks import tile_masks

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float
 
 from .. import kernels
 from .._order import Sequence
-from ..kernels._vsa import combine, VsaLayout
+from ..kernels.internal import combine, VsaLayout
 from ._checks import check_heads, check_qkv
 from ._layout import check_layout
 from ._mesh import axis_size, check_sharded, pad_to_multiple

@@ -40,9 +40,9 @@ from jax import lax
 
 from .._order import after, ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
-from ..kernels import _math as km
-from ..kernels._vsa import (
-    coarse_attention, select_tiles, sparse_bwd, sparse_fwd, tile_means, VsaLayout,
+from ..kernels.internal import (
+    coarse_attention, is_empty_lse, masked, select_tiles, sparse_bwd, sparse_fwd, tile_means,
+    VsaLayout,
 )
 from ._layout import block_positions
 from ._ring_engine import merge
@@ -129,7 +129,7 @@ def fine_forward(cfg: VsaRing, q, k, v, sel):
         def compute(acc):
             o, l = sparse_fwd(q, kv[0], kv[1], tiles, kv_valid, tile_size=T, scale=cfg.scale,
                               implementation=cfg.implementation)
-            l = jnp.where(km.is_empty_lse(l), -jnp.inf, l.astype(F32))
+            l = jnp.where(is_empty_lse(l), -jnp.inf, l.astype(F32))
             return merge(*acc, o, l)
 
         return lax.cond(jnp.any(tiles >= 0), compute, lambda acc: acc, acc)
@@ -150,7 +150,7 @@ def fine_backward(cfg: VsaRing, q, k, v, sel, out, lse, dout):
     n, T = cfg.sp_size, cfg.tile_size
     axes = varying_axes(q, k, v, sel, out, lse, dout)
     rank = lax.axis_index(cfg.axis_name)
-    lse = jnp.where(lse == -jnp.inf, km.masked(lse.dtype), lse)  # rows that saw nothing
+    lse = jnp.where(lse == -jnp.inf, masked(lse.dtype), lse)  # rows that saw nothing
     zeros_q = as_varying(jnp.zeros(q.shape, F32), axes)
     zeros_kv = as_varying(jnp.zeros(k.shape, F32), axes)
 

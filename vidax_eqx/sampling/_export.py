@@ -6,7 +6,7 @@ import dataclasses
 import equinox as eqx
 import jax
 
-from ..models._export import mismatch, pack, signature, unpack
+from ..models.internal import mismatch, pack, signature, unpack
 from . import _cogvideox, _flow_match, _step_cache
 from ._sample import denoising_loop, prepare
 

@@ -62,13 +62,12 @@ def _shape(x):
 def _layout(model):
     """`(channel axis, (pt, ph, pw), text width, layout)` of the latents of a known
     model, `None` for any other callable."""
-    config = getattr(model, "config", None)
     if isinstance(model, models.CogVideoXTransformer3D):  # diffusers' CogVideoX layout
-        p = config.patch_size
-        return 2, (1, p, p), config.text_embed_dim, "(B, F, C, H, W)"
-    if config is None or not hasattr(config, "patch_size"):
-        return None
-    return 1, tuple(config.patch_size), config.text_dim, "(B, C, F, H, W)"
+        p = model.config.patch_size
+        return 2, (1, p, p), model.config.text_embed_dim, "(B, F, C, H, W)"
+    if isinstance(model, (models.WanTransformer3D, models.WanExperts)):
+        return 1, tuple(model.config.patch_size), model.config.text_dim, "(B, C, F, H, W)"
+    return None
 
 
 def _check_inputs(model, noise, context, negative_context) -> None:
@@ -465,7 +464,7 @@ def prepare(owner, model, noise, context, *, negative_context, guidance_scale,
     scheduler = _scheduler(scheduler)
     _check_scale("guidance_scale", guidance_scale)
     _check_scale("guidance_scale_2", guidance_scale_2, required=False)
-    experts = hasattr(model, "boundary_timestep")
+    experts = isinstance(model, models.AbstractExperts)
     if guidance_scale_2 is not None and not experts:
         raise ValueError(
             "sample: `guidance_scale_2` is the low-noise expert's guidance scale of a "
@@ -551,7 +550,7 @@ def _check_step_cache(model, step_cache, return_reused, steps: int):
         raise ValueError(
             "sample: `step_cache` must be None, a sampling.StaticStepCache or a "
             f"sampling.FirstBlockCache; received {type(step_cache).__name__}.")
-    if not hasattr(model, "cached_call"):
+    if not isinstance(model, models.AbstractCachedModel):
         raise NotImplementedError(
             f"sample: step caching runs through the model's cached_call (WanTransformer3D, "
             f"WanExperts); a {type(model).__name__} has none (CogVideoX: not yet).")

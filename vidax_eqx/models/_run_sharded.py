@@ -1,175 +1,16 @@
-"""What the whole models share: checkpoint directories, the token split of a sharded
-run, scanned layers with rematerialization, and the one call that runs a model over a mesh."""
+"""`run_sharded`: a whole model over a mesh, global inputs in, global outputs out; and its
+checks of the batch and FSDP axes."""
 
-import abc
-import json
 import math
-import os
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .. import interop, kernels, nn
-from ..nn.internal import has_shards, regather_policy
+from ..nn import sharding
+from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
 from ._step_cache import step_cache_specs
-
-
-REMAT_POLICIES = (
-    "full",
-    "everything_saveable",
-    "nothing_saveable",
-    "dots_saveable",
-    "dots_with_no_batch_dims_saveable",
-)
-"""The rematerialization policies a model's `remat=` accepts besides `None` (store
-activations): `"full"` (save nothing, recompute everything) and the policies of
-`jax.checkpoint_policies` that take no argument."""
-_NO_REMAT = object()
-
-
-def check_remat(remat):
-    """`remat` as a `jax.checkpoint` policy: `_NO_REMAT` for None, `None` for "full"."""
-    if remat is None:
-        return _NO_REMAT
-    if remat not in REMAT_POLICIES:
-        raise ValueError(
-            f"`remat` must be None or one of {REMAT_POLICIES}; received {remat!r}."
-        )
-    return None if remat == "full" else getattr(jax.checkpoint_policies, remat)
-
-
-def scan_layers(fn, x, layers, policy):
-    """`x = fn(x, layer)` for each layer of a stacked module (arrays with a leading layer
-    axis, e.g. built with `eqx.filter_vmap`), by `lax.scan`, each step under
-    `jax.checkpoint(policy=policy)` unless `policy` is `_NO_REMAT`.
-
-    With FSDP (the layers' weights are [`vidax_eqx.nn.sharding.FSDPShard`][]s inside
-    `shard_map`) every step is checkpointed, with `policy` (everything saveable for
-    `_NO_REMAT`) made to never save a gathered weight: one block is gathered at a time,
-    and gathered again in the backward pass (unless the configuration's
-    `fsdp_regather` is `False`)."""
-    arrays, static = eqx.partition(layers, eqx.is_array)
-
-    def step(x, layer_arrays):
-        return fn(x, eqx.combine(layer_arrays, static)), None
-
-    if has_shards(layers):
-        # FSDP: each step gathers its block's weights (the block's own fsdp_gather);
-        # the backward pass gathers them again instead of keeping every block's.
-        keep = not all(c.fsdp_regather for c in jax.tree.leaves(layers)
-                       if isinstance(c, nn.sharding.ParallelConfig))
-        base = jax.checkpoint_policies.everything_saveable if policy is _NO_REMAT else policy
-        policy = regather_policy(base, keep=keep)
-        step = jax.checkpoint(step, policy=policy)
-    elif policy is not _NO_REMAT:
-        step = jax.checkpoint(step, policy=policy)
-    return lax.scan(step, x, arrays)[0]
-
-
-def sliding_tile_mask(owner: str, sliding_tile, grid, text_len: int = 0):
-    """The `kernels.SlidingTileMask` of a model's `sliding_tile=(tile, window)` over its
-    patch `grid` (after a text prefix of `text_len` tokens), or `None`."""
-    if sliding_tile is None:
-        return None
-    if not isinstance(sliding_tile, (tuple, list)) or len(sliding_tile) != 2:
-        raise ValueError(
-            f"{owner}: `sliding_tile` must be a pair (tile, window), e.g. ((3, 6, 8), (3, 3, 3)); "
-            f"received {sliding_tile!r}."
-        )
-    tile, window = sliding_tile
-    return kernels.SlidingTileMask(tuple(grid), tile, window, text_len=text_len)
-
-
-def video_sparse_option(owner: str, video_sparse, grid, sliding_tile=None):
-    """The [`vidax_eqx.nn.VideoSparse`][] of a model's `video_sparse=(tile, topk or
-    sparsity)` over its patch `grid` (an int: `topk`, a float: `sparsity`), or `None`."""
-    if video_sparse is None:
-        return None
-    if sliding_tile is not None:
-        raise ValueError(
-            f"{owner}: `video_sparse` and `sliding_tile` are two kinds of sparse attention; "
-            f"pass one of them; received video_sparse={video_sparse!r}, "
-            f"sliding_tile={sliding_tile!r}."
-        )
-    ok = isinstance(video_sparse, (tuple, list)) and len(video_sparse) == 2
-    amount = video_sparse[1] if ok else None
-    if not ok or isinstance(amount, bool) or not isinstance(amount, (int, float)):
-        raise ValueError(
-            f"{owner}: `video_sparse` must be a pair (tile, topk or sparsity): an int "
-            "is the number of key tiles each query tile attends, a float in [0, 1) the "
-            "fraction skipped, e.g. ((4, 4, 4), 0.9) or ((2, 2, 2), 3); received "
-            f"{video_sparse!r}."
-        )
-    tile = video_sparse[0]
-    kind = "topk" if isinstance(amount, int) else "sparsity"
-    return nn.VideoSparse(tuple(grid), tile, **{kind: amount})
-
-
-def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):
-    """`(config.json as a dict, the lazy tensor mapping)` of a checkpoint directory, or
-    of a Hugging Face Hub repository's (resolved by
-    [`vidax_eqx.interop.resolve_checkpoint`][] with `subfolder`, `revision`, `cache_dir`)."""
-    try:
-        text = interop.resolve_checkpoint(path, subfolder=subfolder, revision=revision,
-                                          cache_dir=cache_dir)
-    except ValueError as e:
-        raise ValueError(f"{owner}.from_pretrained: {e}") from e.__cause__
-    config_path = os.path.join(text, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(
-            f"{owner}.from_pretrained: {text!r} must be a checkpoint directory holding "
-            "config.json and the safetensors weights (diffusers' save_pretrained layout, or "
-            "a Wan 2.1 release)"
-            + ("" if subfolder else "; for a diffusers pipeline pass subfolder='transformer'")
-            + "."
-        )
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{owner}.from_pretrained: {config_path!r} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{owner}.from_pretrained: {config_path!r} must hold a JSON object.")
-    return raw, interop.open_checkpoint(text)
-
-
-def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
-                    implementation, mesh=None, **load_kwargs):
-    """`cls(config, ...)` built abstractly (no random weights) in `dtype` (default: the
-    checkpoint's dtype of the tensor `dtype_from`, else float32) and filled from
-    `tensors` by [`vidax_eqx.interop.load_state_dict`][] (`load_kwargs`: `stacked=`,
-    `rename=`); with `mesh`, every parameter placed by
-    [`vidax_eqx.nn.sharding.partition_specs`][]`(model, mesh)` under `parallel`, each process
-    reading only the blocks its devices hold."""
-    if dtype is None:  # a missing tensor is reported by the load
-        dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
-    model = eqx.filter_eval_shape(
-        cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
-        key=jax.random.PRNGKey(0),
-    )
-    try:
-        return interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs)
-    except ValueError as e:
-        if mesh is None or str(e).startswith("load_state_dict"):
-            raise
-        # The placement's errors (nn.sharding.partition_specs: an FSDP size that divides nothing,
-        # axes the mesh lacks) name the model's call, not the loader's.
-        raise ValueError(f"{cls.__name__}.from_pretrained(mesh=...): {e}") from None
-
-
-class AbstractExperts(eqx.Module):
-    """A model made of experts, one chosen per call by the timestep (Wan 2.2 A14B's
-    [`vidax_eqx.models.WanExperts`][]): [`run_sharded`][] runs a batch through
-    `route_batch` instead of `jax.vmap`, which would run every expert."""
-
-    @abc.abstractmethod
-    def route_batch(self, fn, timestep, *, axis_name=None):
-        """`fn(expert, index)` (a batched call of one expert) for the experts the
-        batch's `timestep` selects; inside `shard_map` the devices along `axis_name`
-        (the batch axis) choose together."""
 
 
 def batch_axes(batch_axis) -> tuple:
@@ -225,10 +66,10 @@ def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
     sequence. Along any other axis the devices would compute the same thing, and the
     output (computed with weights gathered over that axis) could not leave `shard_map`
     as replicated."""
-    axes = nn.sharding.fsdp_axes_of(model)
+    axes = sharding.fsdp_axes_of(model)
     if not axes:
         return
-    parallel = model.parallel if hasattr(model, "parallel") else nn.sharding.ParallelConfig()
+    parallel = model.parallel if isinstance(model, AbstractModel) else sharding.ParallelConfig()
     sequence = parallel.sequence_axes
     data = {*batch_axes(batch_axis), *sequence} - {None}
     idle = [a for a in axes if a not in data and mesh.shape.get(a, 1) > 1]
@@ -241,12 +82,12 @@ def check_fsdp_axes(owner: str, model, mesh, batch_axis) -> None:
         )
 
 
-def _kwarg_specs(value, model, batch_axis, batch):
+def _kwarg_specs(value, parallel: sharding.ParallelConfig, batch_axis, batch):
     """The in_spec of a keyword input of `run_sharded`: `batch`, or the specs of a value
-    that places itself (`value.partition_specs(parallel, batch_axis)`)."""
-    if not hasattr(value, "partition_specs"):
+    that places itself (an `AbstractBatchedInput`)."""
+    if not isinstance(value, AbstractBatchedInput):
         return batch
-    return value.partition_specs(getattr(model, "parallel", nn.sharding.ParallelConfig()), batch_axis)
+    return value.partition_specs(parallel, batch_axis)
 
 
 _BATCH = "vidax_eqx.batch"
@@ -275,7 +116,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
 
     **Arguments:**
 
-    - `model`: e.g. a [`WanTransformer3D`][], configured for the mesh; or the
+    - `model`: an [`AbstractModel`][], e.g. a [`WanTransformer3D`][], configured for
+        the mesh; or the
         experts of [`WanExperts`][], the whole (local) batch routed to one expert
         when its timesteps agree (all devices of the batch axes agreeing), to both
         (each example's output from its own) when they do not.
@@ -301,8 +143,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
         [`WanTransformer3D.cached_call`][]), the change behind the decision summed over
         the batch and every mesh axis, so that every device takes the same branch.
     - `**kwargs`: further batched array inputs of the model (e.g. `context_image`, or
-        `text_cache`: a value with a `partition_specs(parallel, batch_axis)` method, a
-        [`WanTextCache`][], is placed by the specs it returns, e.g. heads over `tp`).
+        `text_cache`: an [`AbstractBatchedInput`][], a [`WanTextCache`][], is placed by
+        the specs its `partition_specs` returns, e.g. heads over `tp`).
 
     **Returns:**
 
@@ -310,6 +152,13 @@ def run_sharded(model, x, timestep, context, *, mesh,
     `step_cache`, `(output, step_cache)`, the cache's tokens split over the sequence
     axes.
     """
+    if not isinstance(model, AbstractModel):
+        raise ValueError(
+            "run_sharded: `model` must be a whole model of vidax_eqx.models (a "
+            "models.AbstractModel: WanTransformer3D, WanExperts, CogVideoXTransformer3D, "
+            f"...); received a {type(model).__name__}. Run a layer over a mesh with "
+            "nn.sharding.filter_shard_map."
+        )
     batch_axis = check_batch_axis("run_sharded", mesh, batch_axis, x.shape[0])
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
@@ -320,10 +169,11 @@ def run_sharded(model, x, timestep, context, *, mesh,
     if cached:
         kwargs = {**kwargs, "step_cache": step_cache}
     names = sorted(kwargs)
-    if cached and not hasattr(model, "cached_call"):
+    if cached and not isinstance(model, AbstractCachedModel):
         raise ValueError(
-            f"run_sharded: `step_cache` needs a model with step caching (cached_call: "
-            f"WanTransformer3D); received a {type(model).__name__}.")
+            f"run_sharded: `step_cache` needs a model with step caching (a "
+            f"models.AbstractCachedModel: WanTransformer3D, WanExperts); received a "
+            f"{type(model).__name__}.")
     decision = (jnp.asarray(may_reuse, bool),
                 None if threshold is None else jnp.asarray(threshold, jnp.float32))
 
@@ -332,8 +182,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
             def one(x, timestep, context, *extra):
                 kw = dict(zip(names, extra))
                 if index is not None:  # an expert: its own of what holds one per expert
-                    kw = {k: v.for_expert(index) if hasattr(v, "for_expert") else v
-                          for k, v in kw.items()}
+                    kw = expert_kwargs(kw, index)
                 if not cached:
                     return model(x, timestep, context, remat=remat, **static, **kw)
                 cache = kw.pop("step_cache")
@@ -350,17 +199,16 @@ def run_sharded(model, x, timestep, context, *, mesh,
             return model.route_batch(batch, timestep, axis_name=batch_axis)
         return batch(model)
 
-    parallel = getattr(model, "parallel", nn.sharding.ParallelConfig())
+    parallel = model.parallel
     # Video sparse attention over a ring skips, at run time, the steps no local query
     # tile selected (a `lax.cond` on the selection); under `jax.vmap` that cond would
     # become a select computing both branches, so the examples run one by one.
-    ring_skips = (video_sparse is not None and not cached
-                  and parallel.sequence in ("ring", "usp"))
-    run = nn.sharding.filter_shard_map(
+    ring_skips = video_sparse is not None and not cached and parallel.ring_axis is not None
+    run = sharding.filter_shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(nn.sharding.partition_specs(model, mesh), batch, batch, batch, P(),
-                  *(_kwarg_specs(kwargs[n], model, batch_axis, batch) for n in names)),
+        in_specs=(sharding.partition_specs(model, mesh), batch, batch, batch, P(),
+                  *(_kwarg_specs(kwargs[n], parallel, batch_axis, batch) for n in names)),
         out_specs=(batch, step_cache_specs(parallel, batch_axis)) if cached else batch,
         # A step cache's decision sums over the vmapped batch's axis, a collective
         # that shard_map's varying-axes checks do not take inside vmap.

@@ -4,6 +4,7 @@ per call by the timestep."""
 import json
 import numbers
 import os
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -11,9 +12,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Real
 
-from .. import interop, nn
-from ._common import AbstractExperts
-from ._wan import WanTextCache, WanTransformer3D
+from ... import interop
+from ...nn import sharding
+from .._base import AbstractExperts, AbstractPerExpert, expert_kwargs
+from ._model import WanTransformer3D
+from ._text_cache import WanTextCache
 
 
 # The boundaries of Wan 2.2's own configs (`wan/configs/wan_{t2v,i2v}_A14B.py`), for the
@@ -27,7 +30,7 @@ _SHARED = ("patch_size", "in_channels", "out_channels", "text_dim", "image_dim",
            "pos_embed_seq_len", "text_len")
 
 
-class WanExpertsTextCache(eqx.Module):
+class WanExpertsTextCache(AbstractPerExpert):
     """The text K/V caches of both experts of a [`WanExperts`][] for one context (each
     expert has its own cross-attention weights): [`WanExperts.text_cache`][] makes
     it, `WanExperts.__call__(..., text_cache=...)` gives each expert its own, and
@@ -43,7 +46,7 @@ class WanExpertsTextCache(eqx.Module):
         """Expert `index`'s cache (0: high noise, 1: low noise)."""
         return (self.high_noise, self.low_noise)[index]
 
-    def partition_specs(self, parallel: nn.sharding.ParallelConfig, batch_axis=None):
+    def partition_specs(self, parallel: sharding.ParallelConfig, batch_axis=None):
         """The `shard_map` specs of a batched cache: each expert's
         ([`WanTextCache.partition_specs`][])."""
         return WanExpertsTextCache(self.high_noise.partition_specs(parallel, batch_axis),
@@ -78,7 +81,7 @@ class WanExperts(AbstractExperts):
     low_noise: WanTransformer3D
     boundary: float = eqx.field(static=True, converter=lambda b: _real_to_float(b))
     num_train_timesteps: int = eqx.field(static=True, default=1000)
-    text_cache_type = WanExpertsTextCache  # what sharded_text_cache builds for experts
+    stacked_layers: ClassVar[tuple[str, ...]] = ()
 
     def __check_init__(self):
         for name in ("high_noise", "low_noise"):
@@ -108,7 +111,7 @@ class WanExperts(AbstractExperts):
             raise ValueError(
                 "WanExperts: both experts run on one mesh with one placement, so their "
                 f"ParallelConfigs must be equal; received high_noise {self.high_noise.parallel}, "
-                f"low_noise {self.low_noise.parallel}. Set one with nn.sharding.with_parallel(experts, config)."
+                f"low_noise {self.low_noise.parallel}. Set one with sharding.with_parallel(experts, config)."
             )
 
     @property
@@ -117,7 +120,7 @@ class WanExperts(AbstractExperts):
         return self.high_noise.config
 
     @property
-    def parallel(self) -> nn.sharding.ParallelConfig:
+    def parallel(self) -> sharding.ParallelConfig:
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] both experts run with."""
         return self.high_noise.parallel
 
@@ -230,6 +233,26 @@ class WanExperts(AbstractExperts):
         return WanExpertsTextCache(
             *(e.text_cache(context, context_image=context_image) for e in self.experts))
 
+    def combine_text_caches(self, caches) -> WanExpertsTextCache:
+        """A [`WanExpertsTextCache`][] of each expert's [`WanTextCache`][] (high noise,
+        then low noise)."""
+        return WanExpertsTextCache(*caches)
+
+    def linear_layers(self) -> list[interop.LinearName]:
+        """Every linear layer of both experts, its path from this module and its names
+        prefixed by the expert's folder in each layout (`high_noise_model.` /
+        `low_noise_model.` in Wan's, `transformer.` / `transformer_2.` in diffusers'):
+        the names of a pipeline's two transformers."""
+        layers = []
+        for index, (field, expert) in enumerate((("high_noise", self.high_noise),
+                                                 ("low_noise", self.low_noise))):
+            prefixes = (_FOLDERS["wan"][index], _FOLDERS["diffusers"][index])
+            for layer in expert.linear_layers():
+                layers.append(interop.LinearName(
+                    (jax.tree_util.GetAttrKey(field), *layer.path), layer.layer,
+                    tuple(f"{p}.{n}" for p, n in zip(prefixes, layer.names))))
+        return layers
+
     def cached_call(self, x, timestep, context, step_cache, **kwargs):
         """[`WanTransformer3D.cached_call`][] of the expert `timestep` selects (both
         experts have the same shapes, so they share one [`StepCache`][]). A residual
@@ -248,7 +271,7 @@ class WanExperts(AbstractExperts):
 
     @classmethod
     def from_pretrained(cls, path, *, boundary: float | None = None, dtype=None,
-                        parallel: nn.sharding.ParallelConfig = nn.sharding.ParallelConfig(),
+                        parallel: sharding.ParallelConfig = sharding.ParallelConfig(),
                         implementation="auto", pad_text: bool = False, mesh=None,
                         revision: str | None = None, cache_dir=None) -> "WanExperts":
         """Loads Wan 2.2 A14B from a directory in one of its two layouts:
@@ -334,13 +357,6 @@ class WanExperts(AbstractExperts):
             for folder in folders[layout]:
                 config_path = os.path.join(root, folder, "config.json")
                 _write_json(config_path, {**_read_json(config_path), "boundary_ratio": self.boundary})
-
-
-def expert_kwargs(kwargs: dict, index: int) -> dict:
-    """Keyword arguments for expert `index`: a value that holds one per expert (a
-    [`WanExpertsTextCache`][]) replaced by that expert's."""
-    return {k: v.for_expert(index) if hasattr(v, "for_expert") else v
-            for k, v in kwargs.items()}
 
 
 def _real_to_float(value):

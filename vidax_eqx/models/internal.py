@@ -1,0 +1,10 @@
+"""The internals of [`vidax_eqx.models`][] that the floors above it (`sampling`) build
+with: the one documented door into `models`' private modules. Not part of the public API.
+
+- `signature`, `mismatch`, `pack`, `unpack`: the export format of
+    [`vidax_eqx.models.export`][] (a call's signature of static and array arguments,
+    the message naming where two signatures differ, and the serialized bytes with their
+    settings), which the exported sampler reuses.
+"""
+
+from ._export import mismatch as mismatch, pack as pack, signature as signature, unpack as unpack
