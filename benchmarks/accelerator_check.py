@@ -353,7 +353,7 @@ def _ring_rows(smoke: bool, reps: int, budget: Budget) -> list[dict]:
             q, k, v, dout = _inputs(shape)
 
             def attend(q, k, v):
-                return parallel.ring_attention(q, k, v, axis_name="sp", causal=causal, implementation="auto")
+                return parallel.ring_attention(q, k, v, ring_axis="sp", causal=causal, implementation="auto")
 
             ring = jax.shard_map(attend, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
             fwd = jax.jit(ring)

@@ -245,7 +245,7 @@ def build(cfg: Config, args):
         elif cfg.kind == "ring":
             def local(q, k, v):
                 return parallel.ring_attention(
-                    q, k, v, axis_name=parallel.SP_AXIS, causal=cfg.causal,
+                    q, k, v, ring_axis=parallel.SP_AXIS, causal=cfg.causal,
                     layout=cfg.layout, implementation=KERNEL,
                 )
         elif cfg.kind == "ring-mask":

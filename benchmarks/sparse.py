@@ -187,7 +187,7 @@ def block_fraction(args, config: str, window) -> tuple[float, int, int]:
     blockwise kernel computes on the sequence this row runs on (padding included)."""
     import numpy as np
 
-    from vidax_eqx.kernels._tile import block_map, tile_block
+    from vidax_eqx.kernels._tile_tables import block_map, tile_block
 
     tm = tile_mask(args, window)
     block = tile_block(tm, 128)  # what `Blockwise._block_sizes` picks (block_q default 256)
@@ -237,7 +237,7 @@ def attention_fn(args, config: str, window):
 
     def local(q, k, v):
         return parallel.ring_attention(
-            q, k, v, axis_name=parallel.SP_AXIS, layout=layout, implementation=KERNEL, **extra
+            q, k, v, ring_axis=parallel.SP_AXIS, layout=layout, implementation=KERNEL, **extra
         )
 
     attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)

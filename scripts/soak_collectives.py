@@ -474,7 +474,7 @@ def _run_child(cfg: Config) -> dict:
         spec = P(None, parallel.SP_AXIS)
         if cfg.path.startswith("ring"):
             attend = lambda q, k, v: parallel.ring_attention(  # noqa: E731
-                q, k, v, axis_name=parallel.SP_AXIS, layout=cfg.layout, **opts)
+                q, k, v, ring_axis=parallel.SP_AXIS, layout=cfg.layout, **opts)
         elif cfg.path == "ulysses":
             attend = lambda q, k, v: parallel.sequence_parallel_self_attention(  # noqa: E731
                 q, k, v, parallel.SP_AXIS, **opts)

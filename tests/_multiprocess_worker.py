@@ -80,7 +80,7 @@ def main() -> int:
 
     def ring(q, k, v, sinks, seg):
         return parallel.ring_attention(
-            q, k, v, axis_name="sp", sinks=sinks, segment_ids=seg, causal=True)
+            q, k, v, ring_axis="sp", sinks=sinks, segment_ids=seg, causal=True)
 
     cases = [("ulysses", ulysses)]
     if hasattr(parallel, "ring_attention"):

@@ -84,7 +84,7 @@ def _ulysses(**kw):
 
 
 def _ring(**kw):
-    return lambda: _on_sp(lambda x: parallel.ring_attention(x, x, x, axis_name="sp", **kw), X)
+    return lambda: _on_sp(lambda x: parallel.ring_attention(x, x, x, ring_axis="sp", **kw), X)
 
 
 def _usp(**kw):
@@ -106,7 +106,7 @@ def _traced_text_len():
 
 def _ring_segment_ids(seg):
     def f(x, s):
-        return parallel.ring_attention(x, x, x, axis_name="sp",
+        return parallel.ring_attention(x, x, x, ring_axis="sp",
                                        segment_ids=kernels.SegmentIds(q=s, kv=s))
 
     return lambda: _on_sp(f, X, seg)
@@ -450,17 +450,17 @@ ROWS = [
 
     # ---- parallel: ring ---------------------------------------------------------------
     row("parallel.ring_attention", "outside shard_map",
-        lambda: parallel.ring_attention(X, X, X, axis_name="sp"), ValueError,
+        lambda: parallel.ring_attention(X, X, X, ring_axis="sp"), ValueError,
         r"^Ring axis 'sp' does not exist in the current context"),
     row("parallel.ring_attention", "mesh without the named axis",
-        lambda: _on_sp(lambda x: parallel.ring_attention(x, x, x, axis_name="ring"), X),
+        lambda: _on_sp(lambda x: parallel.ring_attention(x, x, x, ring_axis="ring"), X),
         ValueError, r"^Ring axis 'ring' does not exist in the current context"),
     row("parallel.ring_attention", "unknown layout",
         _ring(layout="striped"), ValueError,
         r"`layout` must be one of \('contiguous', 'zigzag'\); received 'striped'"),
     row("parallel.ring_attention", "zigzag with an odd local length",
         lambda: _on_sp(lambda x: parallel.ring_attention(
-            x[:, :3], x[:, :3], x[:, :3], axis_name="sp", layout="zigzag"), X), ValueError,
+            x[:, :3], x[:, :3], x[:, :3], ring_axis="sp", layout="zigzag"), X), ValueError,
         r"zigzag layout needs an even local length of q .*received 3\. Pad the global sequence "
         r"to a multiple of 2 \* sp_size = 8"),
     row("parallel.ring_attention", "integer sinks",
@@ -469,7 +469,7 @@ ROWS = [
         r"query head; received shape \(4,\), dtype int32"),
     row("parallel.ring_attention", "H not a multiple of H_kv (GQA)",
         lambda: _on_sp(lambda x: parallel.ring_attention(
-            x, x[:, :, :3], x[:, :, :3], axis_name="sp"), X), ValueError,
+            x, x[:, :, :3], x[:, :, :3], ring_axis="sp"), X), ValueError,
         r"\(GQA\); received q: \(1, 4, 4, 8\) \(H=4\), k: \(1, 4, 3, 8\) \(H_kv=3\)"),
     row("parallel.ring_attention", "logits_soft_cap = 0",
         _ring(logits_soft_cap=0.0), ValueError, r"`logits_soft_cap` must be > 0; received 0\.0"),
@@ -909,7 +909,7 @@ def test_nan_propagates_through_parallel_paths(path):
         mesh_kw, spec = dict(sp=4), sp
     elif path == "ring":  # NaN blocks travel the ring and are merged by log-sum-exp
         fn = lambda q, k, v: parallel.ring_attention(  # noqa: E731
-            q, k, v, axis_name="sp", causal=causal)
+            q, k, v, ring_axis="sp", causal=causal)
         mesh_kw, spec = dict(sp=4), sp
     else:
         fn = lambda q, k, v: parallel.usp_attention(  # noqa: E731

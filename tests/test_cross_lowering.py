@@ -313,7 +313,7 @@ def _ring(layout: str, implementation: str):
     # multiple of 2 * 8, so the sequence is padded and the padding hidden by segment ids.
     S = SHARDED_SEQ if layout == "contiguous" else -(-SHARDED_SEQ // (2 * n)) * 2 * n
     attend = lambda q, k, v, seg: parallel.ring_attention(
-        q, k, v, axis_name="sp", causal=True, segment_ids=seg, layout=layout,
+        q, k, v, ring_axis="sp", causal=True, segment_ids=seg, layout=layout,
         implementation=implementation,
     )
     return attend, harness.mesh(sp=n), P(None, "sp"), S, n

@@ -93,7 +93,7 @@ def _sharded_case(kind):
     def local(q, k, v, sinks, seg):
         opts = dict(causal=True, sinks=sinks, segment_ids=seg, implementation="xla")
         if kind == "ring":
-            return parallel.ring_attention(q, k, v, axis_name=parallel.SP_AXIS, layout="zigzag", **opts)
+            return parallel.ring_attention(q, k, v, ring_axis=parallel.SP_AXIS, layout="zigzag", **opts)
         if kind == "usp":
             return parallel.usp_attention(q, k, v, ulysses_axis=parallel.SP_AXIS, ring_axis="ring",
                                           **opts)

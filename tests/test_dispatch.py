@@ -122,7 +122,7 @@ def test_a_named_vendor_kernel_in_a_ring_lowers_for_its_platform():
     mesh = harness.mesh(sp=4)
     spec = jax.P(None, "sp")
     ring = jax.shard_map(
-        lambda q, k, v: parallel.ring_attention(q, k, v, axis_name="sp", causal=True, implementation="pallas_tpu"),
+        lambda q, k, v: parallel.ring_attention(q, k, v, ring_axis="sp", causal=True, implementation="pallas_tpu"),
         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
     )
     x = jax.ShapeDtypeStruct((1, 4 * 256, 4, 128), jnp.bfloat16)

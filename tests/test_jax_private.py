@@ -94,11 +94,11 @@ def test_splash_kernel_reads():
     """The attributes the TPU backward reads on a splash kernel, on tiny causal ones
     built as `"pallas_tpu"` builds them: by `make_splash_mha`, and from a sliding tile
     mask's mask infos (`SplashAttentionKernel`)."""
-    from vidax_eqx.kernels._pallas_tpu import _splash_kernel_for
+    from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for
 
     tm = kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1), text_len=32)
     for tile_mask in (None, tm):
-        kernel = _splash_kernel_for(1, (256, 256), True, None, None, 128, 128, True, tile_mask)
+        kernel = splash_kernel_for(1, (256, 256), True, None, None, 128, 128, True, tile_mask)
         for path in ENTRY_POINTS["make_splash_mha"].returns:
             try:
                 _resolve(kernel, path)
@@ -109,9 +109,9 @@ def test_splash_kernel_reads():
 def test_splash_computable_mask_reads():
     """What splash reads on a mask computed in the kernel (`q_sequence`, `mask_function`,
     `shape`), on `"pallas_tpu"`'s subclass for the sliding tile mask."""
-    from vidax_eqx.kernels._pallas_tpu import _SplashTileMask
+    from vidax_eqx.kernels._pallas_tpu_mask import SplashTileMask
 
-    mask = _SplashTileMask(kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1)), (128, 128))
+    mask = SplashTileMask(kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1)), (128, 128))
     assert isinstance(mask, _jax_private.SplashComputableMask)
     for path in ENTRY_POINTS["SplashComputableMask"].returns:
         try:

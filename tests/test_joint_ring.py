@@ -56,7 +56,7 @@ def _attend(cfg: Joint, q, k, v, seg, sinks):
     if cfg.segments == "pair":
         seg = kernels.SegmentIds(q=seg[0], kv=seg[1])
     return parallel.ring_attention(
-        q, k, v, axis_name=SP, causal=cfg.causal, segment_ids=seg, sinks=sinks,
+        q, k, v, ring_axis=SP, causal=cfg.causal, segment_ids=seg, sinks=sinks,
         window=cfg.window, layout=cfg.layout, text_len=cfg.text_len, implementation="xla",
     )
 
@@ -152,7 +152,7 @@ def test_text_len_zero_is_plain_ring():
     x = jnp.ones((1, 8, 4, 8))
 
     def lowered(**kw):
-        f = lambda q: parallel.ring_attention(q, q, q, axis_name=SP, causal=True, **kw)  # noqa: E731
+        f = lambda q: parallel.ring_attention(q, q, q, ring_axis=SP, causal=True, **kw)  # noqa: E731
         g = jax.shard_map(f, mesh=mesh, in_specs=P(None, SP), out_specs=P(None, SP))
         return jax.jit(jax.grad(lambda q: g(q).sum())).lower(x).as_text()
 
@@ -197,7 +197,7 @@ def _trace(n=4, S_local=6, H=4, H_kv=4, L_k=None, **kw):
     """Traces `ring_attention` on a ring of `n` with per-device length `S_local`."""
     mesh = harness.mesh(sp=n)
     L_k = S_local if L_k is None else L_k
-    f = lambda q, k: parallel.ring_attention(q, k, k, axis_name=SP, **kw)  # noqa: E731
+    f = lambda q, k: parallel.ring_attention(q, k, k, ring_axis=SP, **kw)  # noqa: E731
     g = jax.shard_map(f, mesh=mesh, in_specs=(P(None, SP),) * 2, out_specs=P(None, SP))
     jax.eval_shape(g, jnp.ones((1, n * S_local, H, 8)), jnp.ones((1, n * L_k, H_kv, 8)))
 

@@ -320,7 +320,7 @@ def _ring(impl, a, *, layout="contiguous", causal=False, window=None, segments=F
           sinks=False, check_vma=True):
     """`ring_attention` over 4 devices on the global arrays `a`: global-order results."""
     def attend(q, k, v, seg, s):
-        return parallel.ring_attention(q, k, v, axis_name="sp", causal=causal, window=window,
+        return parallel.ring_attention(q, k, v, ring_axis="sp", causal=causal, window=window,
                                        segment_ids=seg, sinks=s, layout=layout,
                                        implementation=impl)
 

@@ -102,7 +102,7 @@ def test_parallel_functions_and_core_refuse_replicated_or_sharded_misuse():
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(q)
 
     with pytest.raises(ValueError, match=r"ring_attention: `q` must be this device's chunk"):
-        run(lambda q: parallel.ring_attention(q, q, q, axis_name=SP), P())
+        run(lambda q: parallel.ring_attention(q, q, q, ring_axis=SP), P())
     with pytest.raises(ValueError, match=r"sequence_parallel_self_attention: `q` must be"):
         run(lambda q: parallel.sequence_parallel_self_attention(q, q, q, SP), P())
     with pytest.raises(ValueError, match=r"dot_product_attention: `q` varies over the mesh axis"):

@@ -513,7 +513,7 @@ def _parallel_fn(path, U, R, T, layout, implementation, aux_keys, sinks, bias, o
         if path == "joint":
             return parallel.sequence_parallel_joint_self_attention(q, k, v, T, SP, **kw)
         if path == "ring":
-            return parallel.ring_attention(q, k, v, axis_name=RING, layout=layout, **kw)
+            return parallel.ring_attention(q, k, v, ring_axis=RING, layout=layout, **kw)
         return parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis=RING, layout=layout,
                                       text_len=T, **kw)
 

@@ -50,7 +50,7 @@ def _ring_fn(cfg: Ring):
     def attend(q, k, v, seg, sinks):
         return parallel.ring_attention(
             q, k, v,
-            axis_name="sp",
+            ring_axis="sp",
             causal=cfg.causal,
             segment_ids=seg,
             sinks=sinks,
@@ -130,7 +130,7 @@ def test_segment_ids_as_pair():
 
     def attend(q, k, v, seg):
         ids = kernels.SegmentIds(q=seg, kv=seg)
-        return parallel.ring_attention(q, k, v, axis_name="sp", segment_ids=ids, implementation="xla")
+        return parallel.ring_attention(q, k, v, ring_axis="sp", segment_ids=ids, implementation="xla")
 
     f = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(SEQ,) * 4, out_specs=SEQ))
     got = f(*(jnp.asarray(a[n]) for n in ("q", "k", "v", "seg")))
@@ -274,7 +274,7 @@ def test_jaxpr_has_skip_only_when_masked():
     x = jnp.ones((1, 16, 2, 8))
 
     def jaxpr(**kw):
-        f = lambda q, k, v: parallel.ring_attention(q, k, v, axis_name="sp", implementation="xla", **kw)
+        f = lambda q, k, v: parallel.ring_attention(q, k, v, ring_axis="sp", implementation="xla", **kw)
         g = jax.shard_map(f, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
         return str(jax.make_jaxpr(lambda q: jax.vjp(g, q, q, q)[1](q))(x))
 
@@ -307,7 +307,7 @@ def test_communication_is_minimal(layout):
         mesh = harness.mesh(sp=sp)
         x = jnp.ones((1, 4 * sp, 2, 8), jnp.float32)
         f = lambda q, k, v: parallel.ring_attention(
-            q, k, v, axis_name="sp", causal=True, layout=layout, implementation="xla"
+            q, k, v, ring_axis="sp", causal=True, layout=layout, implementation="xla"
         )
         g = jax.shard_map(f, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
         block = 4 * 2 * 8 * 4  # one local k (or v, dk, dv) in bytes
@@ -346,12 +346,12 @@ def test_zigzag_permute_layout(sp):
 def test_missing_axis():
     x = jnp.ones((1, 8, 2, 8))
     with pytest.raises(ValueError, match=r"^Ring axis 'sp' does not exist in the current context\."):
-        parallel.ring_attention(x, x, x, axis_name="sp")
+        parallel.ring_attention(x, x, x, ring_axis="sp")
 
 
 def _trace_in_ring(sp=2, S=8, **kw):
     mesh = harness.mesh(sp=sp)
-    f = lambda q: parallel.ring_attention(q, q, q, axis_name="sp", **kw)
+    f = lambda q: parallel.ring_attention(q, q, q, ring_axis="sp", **kw)
     jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=SEQ, out_specs=SEQ), jnp.ones((1, S, 2, 8)))
 
 

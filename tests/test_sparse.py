@@ -31,7 +31,7 @@ import harness
 import oracle
 from _hypothesis import examples
 from vidax_eqx import kernels
-from vidax_eqx.kernels._tile import block_map
+from vidax_eqx.kernels._tile_tables import block_map
 
 
 F32 = np.float32

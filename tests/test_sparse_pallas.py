@@ -27,7 +27,8 @@ from vidax_eqx import kernels
 from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
 from vidax_eqx.kernels import _pallas_tpu
 from vidax_eqx.kernels._args import Options
-from vidax_eqx.kernels._pallas_tpu import _head_groups, _splash_kernel_for, _SplashTileMask
+from vidax_eqx.kernels._pallas_tpu import _head_groups
+from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for, SplashTileMask
 
 
 F32 = np.float32
@@ -144,7 +145,7 @@ def test_mask_matches_dense(tm, S_pad, local):
     """The kernel's `mask_function` (evaluated here with jnp) and the NumPy blocks
     splash reads are the dense mask, padding (beyond `seq_len`) hidden; the block
     kinds classify it exactly."""
-    mask = _SplashTileMask(tm, (S_pad, S_pad), local)
+    mask = SplashTileMask(tm, (S_pad, S_pad), local)
     want = _local(_dense(tm, S_pad)[0], local)
     assert not want[tm.seq_len:].any() and not want[:, tm.seq_len:].any()
     pos = jnp.arange(S_pad, dtype=jnp.int32)
@@ -188,7 +189,7 @@ def test_block_map():
                [2, 0, 0, 1]],
     }
     for causal, kinds in expected.items():
-        kernel = _splash_kernel_for(2, (512, 512), causal, None, None, 128, 128, True, tm)
+        kernel = splash_kernel_for(2, (512, 512), causal, None, None, 128, 128, True, tm)
         for name, dkv in (("fwd_mask_info", False), ("dq_mask_info", False), ("dkv_mask_info", True)):
             info = getattr(kernel, name)
             np.testing.assert_array_equal(_block_map(info, (4, 4), dkv), kinds, err_msg=f"{causal=} {name}")
@@ -203,7 +204,7 @@ def test_block_map():
 def test_mask_info_is_splash_own(tm, S_pad, local):
     """The mask infos `_pallas_tpu` builds from the block kinds are those splash's
     `make_splash_mha` builds by evaluating every block of the same mask in NumPy."""
-    mask = _SplashTileMask(tm, (S_pad, S_pad), local)
+    mask = SplashTileMask(tm, (S_pad, S_pad), local)
     for bq, bk in ((128, 128), (S_pad // 2, 128)):
         block_sizes = _pallas_tpu._block_sizes(bq, bk)
         with jax.ensure_compile_time_eval():

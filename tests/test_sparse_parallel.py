@@ -142,7 +142,7 @@ def _attend(case: Case, q, k, v, seg, sinks):
     tm, T = case.mask, case.text_len
     common = {"segment_ids": seg, "sinks": sinks, "implementation": "xla"}
     if case.path == "ring":
-        return parallel.ring_attention(q, k, v, axis_name=SP, mask=tm, layout=case.layout,
+        return parallel.ring_attention(q, k, v, ring_axis=SP, mask=tm, layout=case.layout,
                                        text_len=T, **common)
     if case.path == "ulysses":
         if T:
@@ -419,7 +419,7 @@ def _zeros(S, H=4, H_kv=None):
 def test_wrong_global_length_raises():
     tm = _tm((3, 1, 1))  # 72 tokens; the ring pads by fewer than 4 tiles (16 tokens)
     mesh = harness.mesh(sp=N)
-    ring = lambda q, k, v: parallel.ring_attention(q, k, v, axis_name=SP, mask=tm)
+    ring = lambda q, k, v: parallel.ring_attention(q, k, v, ring_axis=SP, mask=tm)
     for S in (64, 88):
         with pytest.raises(ValueError, match=r"ring_attention: the SlidingTileMask lays out 72"):
             _trace(ring, mesh, *_zeros(S))
@@ -437,7 +437,7 @@ def test_joint_layout_needs_the_masks_text_len():
     arrays = _zeros(N * (TEXT + 19))  # visual 76: fits every path's padding
     fns = {
         "ring_attention": lambda q, k, v: parallel.ring_attention(
-            q, k, v, axis_name=SP, mask=tm, text_len=TEXT),
+            q, k, v, ring_axis=SP, mask=tm, text_len=TEXT),
         "sequence_parallel_joint_self_attention": lambda q, k, v:
             parallel.sequence_parallel_joint_self_attention(q, k, v, TEXT, SP, mask=tm),
     }
@@ -455,7 +455,7 @@ def test_per_head_window_count_must_be_the_head_count():
     tm = _tm(PER_HEAD)  # 4 windows
     mesh = harness.mesh(sp=N)
     fns = {
-        "ring_attention": lambda q, k, v: parallel.ring_attention(q, k, v, axis_name=SP, mask=tm),
+        "ring_attention": lambda q, k, v: parallel.ring_attention(q, k, v, ring_axis=SP, mask=tm),
         "sequence_parallel_self_attention": lambda q, k, v:
             parallel.sequence_parallel_self_attention(q, k, v, SP, mask=tm),
     }

@@ -70,7 +70,7 @@ def _attend(case: Case, q, k, v, seg, sinks, lengths):
     if case.kind == "ulysses":
         return parallel.sequence_parallel_joint_self_attention(q, k, v, T, SP, **opts)
     if case.kind == "ring":
-        return parallel.ring_attention(q, k, v, axis_name=SP, text_len=T, layout=case.layout, **opts)
+        return parallel.ring_attention(q, k, v, ring_axis=SP, text_len=T, layout=case.layout, **opts)
     return parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis="ring", text_len=T,
                                   layout=case.layout, **opts)
 
@@ -202,7 +202,7 @@ def test_tile_mask_suffix(kind):
         opts = dict(mask=TILE, text_position="suffix", text_lengths=lengths, implementation="xla")
         if kind == "ulysses":
             return parallel.sequence_parallel_joint_self_attention(q, k, v, T, SP, **opts)
-        return parallel.ring_attention(q, k, v, axis_name=SP, text_len=T, **opts)
+        return parallel.ring_attention(q, k, v, ring_axis=SP, text_len=T, **opts)
 
     fn = harness.text_joint_vjp(attend, harness.mesh(sp=4), SP, text_position="suffix",
                                 lengths=True, compiler_options=harness.FAST_COMPILE)
@@ -263,7 +263,7 @@ def test_kv_lengths(kind, layout):
         if kind == "ulysses":
             return parallel.sequence_parallel_self_attention(q, k, v, SP, **opts)
         if kind == "ring":
-            return parallel.ring_attention(q, k, v, axis_name=SP, layout=layout, **opts)
+            return parallel.ring_attention(q, k, v, ring_axis=SP, layout=layout, **opts)
         return parallel.usp_attention(q, k, v, ulysses_axis=SP, ring_axis="ring", layout=layout,
                                       **opts)
 
@@ -283,7 +283,7 @@ def test_kv_lengths_joint_ring():
     kvl = jnp.asarray([V + 1, V - 5], jnp.int32)
 
     def attend(q, k, v, seg, sinks, lengths):
-        return parallel.ring_attention(q, k, v, axis_name=SP, text_len=T, text_position="suffix",
+        return parallel.ring_attention(q, k, v, ring_axis=SP, text_len=T, text_position="suffix",
                                        kv_lengths=kvl, implementation="xla")
 
     fn = harness.text_joint_vjp(attend, case.mesh(), SP, text_position="suffix",
@@ -306,7 +306,7 @@ def test_replicated_out_spec():
 
     def local(qt, kt, vt, qv, kv, vv):
         cat = lambda x, t: jnp.concatenate([x, jax.lax.pcast(t, SP, to="varying")], 1)  # noqa: E731
-        out = parallel.ring_attention(cat(qv, qt), cat(kv, kt), cat(vv, vt), axis_name=SP,
+        out = parallel.ring_attention(cat(qv, qt), cat(kv, kt), cat(vv, vt), ring_axis=SP,
                                       text_len=T, text_position="suffix", implementation="xla")
         return out[:, :L], parallel.replicated(out[:, L:], SP)
 
@@ -367,7 +367,7 @@ def test_bad_input(kind, kwargs, error, match):
             return parallel.sequence_parallel_joint_self_attention(
                 q, q, q, kw.pop("text_len"), SP, implementation="xla", **kw)
         if kind == "ring":
-            return parallel.ring_attention(q, q, q, axis_name=SP, implementation="xla", **kw)
+            return parallel.ring_attention(q, q, q, ring_axis=SP, implementation="xla", **kw)
         return parallel.usp_attention(q, q, q, ulysses_axis=SP, ring_axis="ring",
                                       implementation="xla", **kw)
 
@@ -385,7 +385,7 @@ def test_suffix_tile_mask_with_causal_is_refused(kind):
         opts = dict(mask=TILE, text_position="suffix", causal=True, implementation="xla")
         if kind == "ulysses":
             return parallel.sequence_parallel_joint_self_attention(q, q, q, T, SP, **opts)
-        return parallel.ring_attention(q, q, q, axis_name=SP, text_len=T, **opts)
+        return parallel.ring_attention(q, q, q, ring_axis=SP, text_len=T, **opts)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=P(None, SP), out_specs=P(None, SP))
     with pytest.raises(NotImplementedError, match="text_position='suffix'.*SlidingTileMask"):

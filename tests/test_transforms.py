@@ -309,7 +309,7 @@ def _():
     S = 44  # 11 tokens per device
     args = (_normal(r, 2, S, H, D), _normal(r, 2, S, 2, D), _normal(r, 2, S, 2, D), _normal(r, H))
     mesh, specs = harness.mesh(sp=4), (SEQ, SEQ, SEQ, P())
-    f = _shard(lambda q, k, v, s: parallel.ring_attention(q, k, v, axis_name=SP, causal=True,
+    f = _shard(lambda q, k, v, s: parallel.ring_attention(q, k, v, ring_axis=SP, causal=True,
                                                           sinks=s), mesh, specs, SEQ)
     call = lambda a, **kw: oracle.attention(a[0], a[1], a[2], sinks=a[3], causal=True, **kw)
     return Entry(fn=f, args=args, diff=(0, 1, 2, 3), ref=lambda *a: call(a).out,
@@ -326,7 +326,7 @@ def _():
     mesh, specs = harness.mesh(sp=n), (SEQ,) * 4
     sharded = _shard(
         lambda q, k, v, seg: parallel.ring_attention(
-            q, k, v, axis_name=SP, window=(9, 4), segment_ids=seg, layout="zigzag"),
+            q, k, v, ring_axis=SP, window=(9, 4), segment_ids=seg, layout="zigzag"),
         mesh, specs, SEQ)
 
     def fn(q, k, v, seg):
@@ -998,7 +998,7 @@ def test_vmap_inside_shard_map_with_per_device_segment_ids(mode):
                 out = parallel.sequence_parallel_self_attention(
                     q, k, v, "sp", segment_ids=seg, implementation=impl)
             else:
-                out = parallel.ring_attention(q, k, v, axis_name="sp", segment_ids=seg,
+                out = parallel.ring_attention(q, k, v, ring_axis="sp", segment_ids=seg,
                                               implementation=impl)
             return out[0]
 

@@ -71,7 +71,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "make_splash_mha": EntryPoint(
         _SPLASH, "make_splash_mha",
         "builds the splash kernel for one static mask, with the lse as a residual "
-        "(`kernels/_pallas_tpu.py: _splash_kernel_for`); its backward is rebuilt from "
+        "(`kernels/_pallas_tpu_mask.py: splash_kernel_for`); its backward is rebuilt from "
         "the kernel's settings and dK/dV mask info",
         positional=("mask",),
         keyword=("block_sizes", "head_shards", "q_seq_shards", "save_residuals",
@@ -83,7 +83,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     ),
     "SplashComputableMask": EntryPoint(
         _SPLASH_MASK, "_ComputableMask",
-        "the base of `kernels/_pallas_tpu.py: _SplashTileMask`, the sliding tile mask as a "
+        "the base of `kernels/_pallas_tpu_mask.py: SplashTileMask`, the sliding tile mask as a "
         "splash mask: a mask with `q_sequence` and `mask_function` (the one unique mask of a "
         "kernel) is evaluated inside the kernel as `mask_function(q_sequence[rows], kv "
         "positions)` on partial blocks; `mask[q_slice, kv_slice]` is the dense block that "

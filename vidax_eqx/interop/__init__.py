@@ -25,11 +25,9 @@ from ._lora import (
     read_lora as read_lora,
     write_lora as write_lora,
 )
+from ._naming import linear_layers as linear_layers, LinearName as LinearName, NAMINGS as NAMINGS
 from ._state_dict import (
-    linear_layers as linear_layers,
-    LinearName as LinearName,
     load_state_dict as load_state_dict,
-    NAMINGS as NAMINGS,
     save_safetensors as save_safetensors,
     state_dict as state_dict,
 )

@@ -27,7 +27,7 @@ from . import _math as m
 from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
-from ._tile import (
+from ._tile_tables import (
     block_may_see, kv_block_ranges, kv_features, q_block_ranges, layout_valid, q_features, tile_block,
     window_table,
 )

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .._vma import as_varying as as_varying, varying_axes as varying_axes
 from ._args import Options, valid_keys
-from ._tile import features_visibility, rows_visibility
+from ._tile_tables import features_visibility, rows_visibility
 
 
 F32 = jnp.float32

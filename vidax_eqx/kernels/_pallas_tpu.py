@@ -5,7 +5,7 @@ Two kernels, chosen per request:
 - **splash attention** (`jax.experimental.pallas.ops.tpu.splash_attention`) for
   every request without a bias or a boolean mask: GQA without repeating K/V,
   causal and sliding-window masks (static `CausalMask` / `LocalMask`, whose fully
-  hidden tiles are skipped), the sliding tile mask (`_SplashTileMask`: its
+  hidden tiles are skipped), the sliding tile mask (`SplashTileMask`: its
   block-sparse structure, computed at trace time, skips the hidden blocks and
   evaluates the mask in the kernel only on partially visible ones), segment ids
   and the logit soft cap;
@@ -29,7 +29,6 @@ rely on is recorded and tested), and a JAX without one of them leaves
 
 import contextlib
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -38,23 +37,13 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from .._jax_private import (
-    CausalMask,
     FLASH_DEFAULT_MASK_VALUE,
     FlashSegmentIds,
     flash_attention_bwd_dkv,
     flash_attention_bwd_dq,
     flash_attention_impl,
-    FullMask,
-    LocalMask,
-    make_splash_mha,
-    MultiHeadMask,
     splash_attention_bwd_dkv,
     splash_attention_bwd_dq,
-    SPLASH_DEFAULT_MASK_VALUE,
-    SplashAttentionKernel,
-    SplashBlockSizes,
-    SplashComputableMask,
-    SplashMaskInfo,
     SplashSegmentIds,
 )
 from .._vma import opaque_to_vma
@@ -63,380 +52,12 @@ from . import _math as m
 from . import _pallas_tpu_sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
+from ._pallas_tpu_mask import splash_kernel_for
 from ._tile import SlidingTileMask
 
 
 F32 = jnp.float32
 _LANES = 128  # TPU tiles are multiples of the 128-lane vector width.
-
-
-# -------------------------------------------------------- the sliding tile mask
-
-
-def _tile_mask_function(tm: SlidingTileMask, local):
-    """`mask_function(q_ids, kv_ids)` of one head's sliding tile mask, in the kernel.
-
-    Integer arithmetic on positions (their tile coordinates by division by constants;
-    comparisons), elementwise on any two arrays of one shape: splash runs it on the
-    `(block_q, block_kv)` positions of a partially visible block, keys along lanes
-    (forward, dQ) or sublanes (dK/dV). Division is by non-negative operands only,
-    so truncating `lax.div` / `lax.rem` are floor division. `local`: `(left, right)`
-    of a window on positions ANDed in (`None` side: unbounded), or `None`.
-    """
-    (window,) = tm.windows
-    tiles = _, nh, nw = tm.tiles
-    size, V, vs = tm.tile_size, tm.video_len, tm.video_start
-    T, ts = tm.text_len, tm.text_start
-    # Dimensions the window restricts (a window as wide as the grid covers it), and
-    # dimensions whose last tile holds padding.
-    narrow = [d for d in range(3) if window[d] < tiles[d]]
-    ragged = [d for d in range(3) if tm.grid[d] % tm.tile[d]]
-    strides = (nh * nw, nw, 1)  # of tile coordinates in the tile index
-    inner_strides = (tm.tile[1] * tm.tile[2], tm.tile[2], 1)
-    div, rem = jax.lax.div, jax.lax.rem
-
-    def coordinate(x, d, stride, count):
-        x = div(x, stride) if stride > 1 else x
-        return rem(x, count) if d > 0 else x
-
-    def decode(p, dims):
-        v = p - vs
-        video = (v >= 0) & (v < V)
-        v = jnp.maximum(v, 0)
-        t = div(v, size)
-        coords = {d: coordinate(t, d, strides[d], tiles[d]) for d in set(dims) | set(ragged)}
-        if ragged:
-            r = rem(v, size)
-            for d in ragged:  # a padding token lies beyond the grid along d
-                inner = coordinate(r, d, inner_strides[d], tm.tile[d])
-                video = video & (coords[d] * tm.tile[d] + inner < tm.grid[d])
-        text = (p >= ts) & (p < ts + T) if T else None
-        return text, video, coords
-
-    def mask_function(q_ids, kv_ids):
-        q_text, q_video, q_coords = decode(q_ids, narrow)
-        k_text, k_video, k_coords = decode(kv_ids, narrow)
-        seen = k_video
-        for d in narrow:
-            w = window[d]
-            start = jnp.clip(q_coords[d] - w // 2, 0, tiles[d] - w)
-            seen = seen & (k_coords[d] >= start) & (k_coords[d] < start + w)
-        vis = q_video & seen
-        if T:
-            vis = vis | (q_video & k_text) | (q_text & (k_text | k_video))
-        if local is not None:
-            left, right = local
-            if left is not None:
-                vis = vis & (kv_ids >= q_ids - left)
-            if right is not None:
-                vis = vis & (kv_ids <= q_ids + right)
-        return vis
-
-    return mask_function
-
-
-class _Classes(NamedTuple):
-    """The tokens of a range of positions, by class: text, padding, or one video tile
-    (the tile mask is constant over each class), run-length encoded. `runs`: the
-    class of each run of tokens, `lengths`: its length; per class, `text` and
-    `video` (its kind), `coords` and `starts` (its tile coordinates and window
-    starts, three arrays each)."""
-
-    runs: np.ndarray
-    lengths: np.ndarray
-    text: np.ndarray
-    video: np.ndarray
-    coords: tuple
-    starts: tuple
-
-
-def _constant_block(shape: tuple[int, int], value: bool) -> np.ndarray:
-    """A read-only block of `value`, shared (splash only reads the blocks)."""
-    block = _CONSTANT_BLOCKS.get((shape, value))
-    if block is None:
-        block = np.full(shape, value, np.bool_)
-        block.flags.writeable = False
-        _CONSTANT_BLOCKS[(shape, value)] = block
-    return block
-
-
-_CONSTANT_BLOCKS: dict = {}
-
-
-class _SplashTileMask(SplashComputableMask):
-    """One head's [`SlidingTileMask`][] (a shared window), ANDed with a window on
-    positions, as a splash mask over the kernel's padded lengths (positions beyond
-    `seq_len` are padding: the tile mask hides them).
-
-    In the kernel, `mask_function` evaluates it on partially visible blocks only. At
-    trace time every `(q block, kv block)` pair is classified as hidden, fully
-    visible or partial (`block_kinds`, from which `_mask_info` builds the
-    kernel's block-sparse structure), at the level of token classes (text, padding,
-    each video tile; a block holds a few): a few small NumPy operations per block,
-    remembered. `mask[q_slice, kv_slice]` (what splash's own `process_mask` reads)
-    is the dense block: a shared read-only constant for a hidden or fully visible
-    block, the expansion of the class table for a partial one.
-    """
-
-    def __init__(self, tile_mask: SlidingTileMask, shape: tuple[int, int], local=None):
-        if tile_mask.heads is not None:
-            raise ValueError("_SplashTileMask: one head's mask (a shared window) is needed.")
-        self.tile_mask = tile_mask
-        self.local = local
-        self._key = (type(self), tile_mask, tuple(shape), local)
-        (self._window,) = tile_mask.windows
-        self._classes_of: dict[tuple[int, int], _Classes] = {}
-        self._blocks: dict[tuple, object] = {}
-        super().__init__(tuple(shape), _tile_mask_function(tile_mask, local))
-
-    def __eq__(self, other):
-        if not isinstance(other, _SplashTileMask):
-            return NotImplemented
-        return self._key == other._key
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __repr__(self):
-        return f"_SplashTileMask({self.tile_mask!r}, shape={self.shape}, local={self.local})"
-
-    def _classes(self, start: int, stop: int) -> _Classes:
-        found = self._classes_of.get((start, stop))
-        if found is None:
-            tm = self.tile_mask
-            text, video, coords = tm.decode(np.arange(start, stop), np)
-            _, nh, nw = tm.tiles
-            code = np.where(text, -1, np.where(video, (coords[0] * nh + coords[1]) * nw + coords[2], -2))
-            run_starts = np.concatenate([[0], np.flatnonzero(code[1:] != code[:-1]) + 1])
-            lengths = np.diff(np.append(run_starts, len(code)))
-            _, first, runs = np.unique(code[run_starts], return_index=True, return_inverse=True)
-            at = run_starts[first]  # one token of each class
-            coords = tuple(c[at] for c in coords)
-            starts = tuple(s[0] for s in tm.window_starts(coords, np))
-            found = _Classes(runs.reshape(-1), lengths, text[at], video[at], coords, starts)
-            self._classes_of[(start, stop)] = found
-        return found
-
-    def _table(self, rows: _Classes, cols: _Classes) -> np.ndarray:
-        """The mask between the runs, bool `(row runs, column runs)`."""
-        box = cols.video[None, :]
-        for d, w in enumerate(self._window):
-            start = rows.starts[d][:, None]
-            box = box & (cols.coords[d][None, :] >= start) & (cols.coords[d][None, :] < start + w)
-        k_real = (cols.text | cols.video)[None, :]
-        table = (rows.text[:, None] & k_real) | (rows.video[:, None] & (cols.text[None, :] | box))
-        return table[np.ix_(rows.runs, cols.runs)]
-
-    def _local(self, q: tuple[int, int], k: tuple[int, int]):
-        """The window on positions over the block: `True` (all of it visible),
-        `False` (none), or the dense block."""
-        if self.local is None:
-            return True
-        left, right = self.local
-        (q0, q1), (k0, k1) = q, k
-        last_q, last_k = q1 - 1, k1 - 1
-        if (left is not None and last_k < q0 - left) or (right is not None and k0 > last_q + right):
-            return False
-        if (left is None or k0 >= last_q - left) and (right is None or last_k <= q0 + right):
-            return True
-        q_ids, kv_ids = np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
-        vis = np.ones((q1 - q0, k1 - k0), np.bool_)
-        if left is not None:
-            vis &= kv_ids >= q_ids - left
-        if right is not None:
-            vis &= kv_ids <= q_ids + right
-        return vis
-
-    def __getitem__(self, idx) -> np.ndarray:
-        if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx)):
-            raise NotImplementedError(f"Unsupported slice: {idx}")
-        bounds = []
-        for i, n in zip(idx, self.shape):
-            start = 0 if i.start is None else i.start
-            stop = n if i.stop is None else i.stop
-            if i.step not in (None, 1) or not 0 <= start <= stop <= n:
-                raise NotImplementedError(f"Unsupported slice: {idx}")
-            bounds.append((start, stop))
-        (q0, q1), (k0, k1) = bounds
-        kind = self._kind(q0, q1, k0, k1)
-        if kind is not None:
-            return _constant_block((q1 - q0, k1 - k0), kind)
-        rows, cols = self._classes(q0, q1), self._classes(k0, k1)
-        block = np.repeat(np.repeat(self._table(rows, cols), cols.lengths, axis=1), rows.lengths, axis=0)
-        local = self._local(*bounds)
-        return block if local is True else block & local
-
-    def _kind(self, q0: int, q1: int, k0: int, k1: int) -> bool | None:
-        """Block `[q0, q1) x [k0, k1)`: hidden (`False`), fully visible (`True`) or
-        partially visible (`None`); remembered."""
-        key = (q0, q1, k0, k1)
-        kind = self._blocks.get(key, "new")
-        if kind == "new":
-            table = self._table(self._classes(q0, q1), self._classes(k0, k1))
-            local = self._local((q0, q1), (k0, k1))
-            if local is False or not table.any():
-                kind = False
-            elif local is True and table.all():
-                kind = True
-            else:
-                kind = None
-            self._blocks[key] = kind
-        return kind
-
-    def block_kinds(self, block_q: int, block_kv: int) -> np.ndarray:
-        """Every `(q block, kv block)` pair as splash's `block_mask` marks it: int32
-        `(S_q / block_q, S_k / block_kv)`, 0 hidden, 1 partially visible (the mask
-        evaluated in the kernel), 2 fully visible."""
-        S_q, S_k = self.shape
-        code = {False: 0, None: 1, True: 2}
-        return np.asarray(
-            [
-                [code[self._kind(i, i + block_q, j, j + block_kv)] for j in range(0, S_k, block_kv)]
-                for i in range(0, S_q, block_q)
-            ],
-            np.int32,
-        )
-
-
-def _downcast(x: np.ndarray) -> np.ndarray:
-    """The smallest of int8 / int16 / int32 that holds `x` (splash's scalar-memory
-    arrays, as its `process_mask` downcasts them)."""
-    top = int(x.max()) if x.size else 0
-    for dtype in (np.int8, np.int16):
-        if top <= np.iinfo(dtype).max:
-            return x.astype(dtype)
-    return x.astype(np.int32)
-
-
-def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
-    """Splash's `MaskInfo` of one mask shared by every head and computed in the
-    kernel (`mask_function`), from its block kinds (`_SplashTileMask.block_kinds`).
-
-    What splash's `process_mask` (forward, dQ) / `process_mask_dkv` (dK/dV) return
-    for such a mask (one head shard, one query shard, the grid shrunk to the
-    visible blocks; `tests/test_sparse_pallas.py` checks the two agree), without
-    materializing and hashing every partially visible `(block_q, block_kv)` block
-    in NumPy, as splash does before throwing them away for a mask computed in the
-    kernel: 6 s and 1.3 GB of host memory at Wan 480p, against 0.4 s here.
-
-    Forward / dQ: row `i` lists the visible kv blocks `j` of query block `i`
-    (`data_next`) with their kinds (`block_mask`), left-aligned and padded with 0.
-    dK/dV: column `j` lists the visible query blocks of kv block `j`, bottom-aligned.
-    """
-    lines = kinds.T if dkv else kinds
-    visible = [np.flatnonzero(line) for line in lines]
-    width = max(1, max(len(v) for v in visible))
-    index = np.full((len(lines), width), -1, np.int32)
-    for n, v in enumerate(visible):
-        if dkv:
-            index[n, width - len(v):] = v
-        else:
-            index[n, : len(v)] = v
-    block = np.where(index >= 0, np.take_along_axis(lines, np.maximum(index, 0), axis=1), 0)
-    data = np.maximum(index, 0)
-    if dkv:
-        block, data = block.T, data.T
-    return SplashMaskInfo(
-        data_next=_downcast(np.ascontiguousarray(data[None]).astype(np.int32)),
-        mask_next=None,
-        block_mask=_downcast(np.ascontiguousarray(block[None]).astype(np.int32)),
-        partial_mask_blocks=None,
-        q_sequence=np.arange(q_len, dtype=np.int32),
-    )
-
-
-def _tile_kernel(mask: "_SplashTileMask", block_sizes, soft_cap, interpret: bool):
-    """The splash kernel `make_splash_mha(MultiHeadMask([mask] * heads), ...)` returns
-    (for any number of heads, as `_splash_kernel_for` calls it), its mask infos built
-    by `_mask_info`."""
-    bs = block_sizes
-    infos = {}
-    for name, blocks, dkv in (
-        ("fwd", (bs.block_q, bs.block_kv), False),
-        ("dq", (bs.block_q_dq, bs.block_kv_dq), False),
-        ("dkv", (bs.block_q_dkv, bs.block_kv_dkv), True),
-    ):
-        same = [info for (b, d), info in infos.values() if (b, d) == (blocks, dkv)]
-        info = same[0] if same else _mask_info(mask.block_kinds(*blocks), mask.shape[0], dkv)
-        infos[name] = ((blocks, dkv), info)
-    fwd, dq, dkv = (jax.tree.map(jnp.array, infos[n][1]) for n in ("fwd", "dq", "dkv"))
-    return SplashAttentionKernel(
-        fwd,
-        dq,
-        dkv,
-        block_sizes=bs,
-        is_mqa=False,
-        save_residuals=True,
-        mask_value=SPLASH_DEFAULT_MASK_VALUE,
-        attn_logits_soft_cap=soft_cap,
-        residual_checkpoint_name=None,
-        mask_function=mask.mask_function,
-        interpret=interpret,
-    )
-
-
-def _block_sizes(block_q: int, block_kv: int):
-    """Splash's tiles: the same `(block_q, block_kv)` forward and backward (unfused)."""
-    return SplashBlockSizes(
-        block_q=block_q,
-        block_kv=block_kv,
-        block_kv_compute=block_kv,
-        block_q_dkv=block_q,
-        block_kv_dkv=block_kv,
-        block_kv_dkv_compute=block_kv,
-        block_q_dq=block_q,
-        block_kv_dq=block_kv,
-        use_fused_bwd_kernel=False,
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _splash_kernel_for(
-    heads: int,
-    shape: tuple[int, int],
-    causal: bool,
-    window,
-    soft_cap: float | None,
-    block_q: int,
-    block_kv: int,
-    interpret: bool,
-    tile_mask: SlidingTileMask | None = None,
-):
-    """A splash kernel (forward with lse; dK/dV and dQ backward blocks) for one static mask.
-
-    `tile_mask`: one head's sliding tile mask (a shared window), ANDed with the
-    causal mask / window, for every head of the kernel.
-
-    The backward is unfused: JAX's fused splash backward writes one partial dQ per
-    key block, `(S_k / block_kv, H, S_q, D)`, which is O(S^2) memory (6.4 GB for
-    Wan 1.3B at 32,760 tokens); separate dK/dV and dQ kernels keep it O(S).
-    """
-    left, right = (None, None) if window is None else window
-    if causal:  # causal and a window: the window with its right side cut at 0
-        right = 0 if right is None else min(right, 0)
-    if tile_mask is not None:
-        mask = _SplashTileMask(tile_mask, shape, None if left is None and right is None else (left, right))
-    elif left is None and right is None:
-        mask = FullMask(shape)
-    elif left is None and right == 0:
-        mask = CausalMask(shape, offset=0)
-    else:
-        mask = LocalMask(shape, (left, right), offset=0)
-    block_sizes = _block_sizes(block_q, block_kv)
-    # The mask metadata are constants: built eagerly even when first asked for
-    # under a trace, so the cached kernel holds no tracer.
-    with jax.ensure_compile_time_eval():
-        if tile_mask is not None:
-            return _tile_kernel(mask, block_sizes, soft_cap, interpret)
-        return make_splash_mha(
-            MultiHeadMask([mask] * heads),
-            block_sizes=block_sizes,
-            head_shards=1,
-            q_seq_shards=1,
-            save_residuals=True,
-            attn_logits_soft_cap=soft_cap,
-            interpret=interpret,
-        )
 
 
 def _heads_major(x: jax.Array, length: int) -> jax.Array:
@@ -606,7 +227,7 @@ class PallasTpu(AbstractImplementation):
         bkv, S_kp = a.tile(S_k, block_kv, _LANES)
         groups = [
             _Group(
-                _splash_kernel_for(
+                splash_kernel_for(
                     len(heads) if heads is not None else H, (S_qp, S_kp), opts.causal, opts.window,
                     opts.logits_soft_cap, bq, bkv, self.interpret, head_mask,
                 ),

@@ -35,7 +35,8 @@ from ._base import AbstractImplementation, Request
 from .._vma import as_varying, varying_axes
 from ._dispatch import Plan, run
 from ._registry import choices
-from ._tile import layout_valid, Triple, triple
+from ._tile import Triple, triple
+from ._tile_tables import layout_valid
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ build with: the one documented door into the kernels' private modules, as
 from ._api import check_request as check_request
 from ._args import check_window as check_window
 from ._math import is_empty_lse as is_empty_lse, masked as masked
-from ._tile import chunk_table as chunk_table
+from ._tile_tables import chunk_table as chunk_table
 from ._vsa import (
     coarse_attention as coarse_attention,
     combine as combine,

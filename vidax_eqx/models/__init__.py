@@ -12,10 +12,10 @@ and [`vidax_eqx.models.cogvideox`][]; the names below are theirs, re-exported.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
-    ([`WanTransformer3D.text_cache`][], [`sharded_text_cache`][] over a mesh) and taken
+    ([`WanTransformer3D.text_cache`][vidax_eqx.models.WanTransformer3D.text_cache], [`sharded_text_cache`][] over a mesh) and taken
     by every denoising step.
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
-    stack's residual of an earlier step ([`WanTransformer3D.cached_call`][],
+    stack's residual of an earlier step ([`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call],
     [`run_sharded`][]`(step_cache=...)`).
 - [`SlidingTile`][], [`VideoSparseTiles`][]: a model call's sparse attention options.
 - [`add_lora`][], [`load_lora`][], [`save_lora`][]: LoRA adapters on a model's linear

@@ -132,7 +132,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
     - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
         `__call__`); `None`: full attention.
     - `video_sparse`: `(tile, topk or sparsity)`: video sparse attention (see
-        [`WanTransformer3D.__call__`][]); `None`: full attention. Over a ring
+        [`WanTransformer3D.__call__`][vidax_eqx.models.WanTransformer3D.__call__]); `None`: full attention. Over a ring
         (sequence `"ring"` or `"usp"`) the examples of a device run one after the
         other (`lax.map`, not `jax.vmap`), so that the ring skips at run time the
         steps none of an example's query tiles selected (under `jax.vmap` the skip
@@ -140,7 +140,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
     - `step_cache`: step caching (a [`StepCache`][], batched and global: the
         previous step's, or `StepCache()` for the first step): the model's
         `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
-        [`WanTransformer3D.cached_call`][]), the change behind the decision summed over
+        [`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call]), the change behind the decision summed over
         the batch and every mesh axis, so that every device takes the same branch.
     - `**kwargs`: further batched array inputs of the model (e.g. `context_image`, or
         `text_cache`: an [`AbstractBatchedInput`][], a [`WanTextCache`][], is placed by

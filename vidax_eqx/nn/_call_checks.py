@@ -42,7 +42,7 @@ def check_context(cls: str, parallel: ParallelConfig, x, *, context=None,
         return
     vma = varying_axes(x)
     seq_axes = parallel.sequence_axes
-    if sharded_x and parallel.sequence == "none":
+    if sharded_x and not parallel.sequence_axes:
         # Values computed with FSDP-gathered weights vary over the FSDP axes by type
         # (the gather's transpose is a reduce-scatter): nothing can be told there.
         wrong = vma & {SP_AXIS} - set(parallel.fsdp_axes)

@@ -3,10 +3,11 @@ head counts, epsilons), checked once at construction with one message per rule.
 
 Each raises with the owner's name, the argument's name, the rule, and what was
 received. The check of a `ParallelConfig` argument, `check_parallel`, lives beside the class
-in `_parallel.py`, which uses it too.
+in `_config.py`.
 """
 
 from .._checks import check_positive
+from ._config import check_parallel
 
 
 def check_heads(owner: str, dim: int, num_heads: int) -> int:
@@ -35,3 +36,17 @@ def check_eps(owner: str, eps) -> float:
             f"before rsqrt; a negative one gives NaN); received {eps!r}."
         )
     return value
+
+
+def check_attention(owner: str, dim: int, num_heads: int, *, eps, parallel, qk_norm,
+                    qk_norms: tuple) -> tuple[int, float]:
+    """`(head_dim, eps)` of an attention layer's constructor arguments, after the checks
+    every attention layer makes: positive `dim` and `num_heads` with `num_heads` dividing
+    `dim`, a valid `eps`, a `ParallelConfig`, and `qk_norm` one of `qk_norms`."""
+    head_dim = check_heads(owner, dim, num_heads)
+    eps = check_eps(owner, eps)
+    check_parallel(owner, parallel)
+    if qk_norm not in qk_norms:
+        choices = " or ".join(repr(n) for n in qk_norms)
+        raise ValueError(f"{owner}: `qk_norm` must be {choices}; received {qk_norm!r}.")
+    return head_dim, eps

@@ -12,8 +12,8 @@ from jaxtyping import Array, Bool, Float, jaxtyped, PRNGKeyArray
 from .. import kernels
 from .._checks import check_positive
 from ._call_checks import check_context, check_text
-from ._checks import check_eps, check_heads
-from ._config import check_parallel, ParallelConfig
+from ._checks import check_attention
+from ._config import ParallelConfig
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import after_tp, linear, local_heads, qk_rms_norm, row_parallel, tp_input
@@ -117,13 +117,9 @@ class CrossAttention(AbstractParallelLayer):
             embeds it to `dim`), or `None` (text-to-video: no image branch).
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = check_heads("CrossAttention", dim, num_heads)
-        eps = check_eps("CrossAttention", eps)
-        check_parallel("CrossAttention", parallel)
-        if qk_norm not in ("rms", None):
-            raise ValueError(
-                f"CrossAttention: `qk_norm` must be 'rms' or None; received {qk_norm!r}."
-            )
+        self.head_dim, eps = check_attention(
+            "CrossAttention", dim, num_heads, eps=eps, parallel=parallel, qk_norm=qk_norm,
+            qk_norms=("rms", None))
         context_dim = dim if context_dim is None else context_dim
         check_positive("CrossAttention", context_dim=context_dim)
         if image_context_dim is not None:

@@ -22,8 +22,8 @@ from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
 from .. import kernels
 from .._checks import check_positive
 from ._call_checks import check_context
-from ._checks import check_eps, check_heads
-from ._config import check_parallel, ParallelConfig
+from ._checks import check_attention
+from ._config import ParallelConfig
 from . import _init as init
 from ._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
@@ -65,7 +65,7 @@ class DualStreamAttention(AbstractParallelLayer):
 
     **Parallelism** (`parallel=`, a [`ParallelConfig`][]): under sequence parallelism
     (`"ulysses"`, `"ring"`, `"usp"`) `x` is this device's chunk of the video tokens (and
-    `rope` its rows, [`shard_tokens`][]) and `context` the whole text on every device
+    `rope` its rows, [`shard_tokens`][vidax_eqx.nn.sharding.shard_tokens]) and `context` the whole text on every device
     (in_spec `P()`). The text never travels: the joint functions of
     [`vidax_eqx.parallel`][] attend over `[video; text]` with `text_position="suffix"`
     (each device holds `[its video chunk; the text]`) and the padding as
@@ -77,7 +77,7 @@ class DualStreamAttention(AbstractParallelLayer):
     `[video; text]`, the kernels' `kv_lengths`, which the fast kernels serve. Tensor
     parallelism splits the heads: the six q/k/v projections column-parallel, `to_out`
     and `to_add_out` row-parallel, the per-head norms replicated. FSDP (`fsdp_axes`)
-    gathers the weights at the call ([`fsdp_gather`][]). [`partition_specs`][] places
+    gathers the weights at the call ([`fsdp_gather`][]). [`partition_specs`][vidax_eqx.nn.sharding.partition_specs] places
     the module for all of these.
 
     **Fields:** `to_q`, `to_k`, `to_v`, `to_out` (`eqx.nn.Linear(dim, dim)`), `add_q_proj`,
@@ -139,13 +139,9 @@ class DualStreamAttention(AbstractParallelLayer):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = check_heads("DualStreamAttention", dim, num_heads)
-        eps = check_eps("DualStreamAttention", eps)
-        check_parallel("DualStreamAttention", parallel)
-        if qk_norm not in ("rms", None):
-            raise ValueError(
-                f"DualStreamAttention: `qk_norm` must be 'rms' or None; received {qk_norm!r}."
-            )
+        self.head_dim, eps = check_attention(
+            "DualStreamAttention", dim, num_heads, eps=eps, parallel=parallel, qk_norm=qk_norm,
+            qk_norms=("rms", None))
         context_dim = dim if context_dim is None else context_dim
         check_positive("DualStreamAttention", context_dim=context_dim)
         keys = init.split(key, 8)

@@ -35,7 +35,7 @@ class FeedForward(AbstractParallelLayer):
     (each device holds `hidden_dim / tp` rows of its weight and bias), `fc2`
     row-parallel (the matching columns; the partial products are summed with one
     `psum` over `tp_axis` and `fc2`'s bias is added once after it). The placement is
-    [`partition_specs`][]`(module)`; the module checks that its weights are placed
+    [`partition_specs`][vidax_eqx.nn.sharding.partition_specs]`(module)`; the module checks that its weights are placed
     so. The input must be the same on every device of `tp_axis`. Sequence
     parallelism needs nothing: the MLP is per token.
 

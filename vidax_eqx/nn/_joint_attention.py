@@ -11,8 +11,8 @@ from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from ._call_checks import check_context
-from ._checks import check_eps, check_heads
-from ._config import check_parallel, ParallelConfig
+from ._checks import check_attention
+from ._config import ParallelConfig
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, local_heads, row_parallel, tp_input
@@ -86,13 +86,9 @@ class JointAttention(AbstractParallelLayer):
         - `parallel`, `implementation`, `dtype`: as in [`Attention`][].
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = check_heads("JointAttention", dim, num_heads)
-        eps = check_eps("JointAttention", eps)
-        check_parallel("JointAttention", parallel)
-        if qk_norm not in ("layer_norm", None):
-            raise ValueError(
-                f"JointAttention: `qk_norm` must be 'layer_norm' or None; received {qk_norm!r}."
-            )
+        self.head_dim, eps = check_attention(
+            "JointAttention", dim, num_heads, eps=eps, parallel=parallel, qk_norm=qk_norm,
+            qk_norms=("layer_norm", None))
         kq, kk, kv, ko = init.split(key, 4)
         self.to_q = init.linear(dim, dim, dtype=dtype, key=kq)
         self.to_k = init.linear(dim, dim, dtype=dtype, key=kk)

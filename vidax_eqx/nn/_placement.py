@@ -122,7 +122,7 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     A PyTree of the same structure with a `PartitionSpec` per array (or
     `jax.ShapeDtypeStruct`: a model built with `eqx.filter_eval_shape` gets the specs
     of its real twin) and `None` at every other leaf (the [`ParallelConfig`][] included), for
-    [`filter_shard_map`][]`(..., in_specs=(partition_specs(module, mesh), ...))`, or,
+    [`filter_shard_map`][vidax_eqx.nn.sharding.filter_shard_map]`(..., in_specs=(partition_specs(module, mesh), ...))`, or,
     mapped to `NamedSharding(mesh, spec)`, for `eqx.filter_shard`. It is also the spec
     of the module's arrays part (`eqx.partition(module, eqx.is_array)[0]`), and, since
     the configuration is a leaf, of every [`with_parallel`][] variant with the same

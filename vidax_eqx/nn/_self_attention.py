@@ -11,8 +11,8 @@ from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
 
 from .. import kernels
 from ._call_checks import check_context
-from ._checks import check_eps, check_heads
-from ._config import check_parallel, ParallelConfig
+from ._checks import check_attention
+from ._config import ParallelConfig
 from ._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import after_tp, linear, local_columns, local_heads, qk_rms_norm, row_parallel, tp_input
@@ -32,7 +32,7 @@ class Attention(AbstractParallelLayer):
     names are the reference's, so a Wan checkpoint maps one to one.
 
     **Parallelism** (`parallel=`, a [`ParallelConfig`][]): the call runs inside
-    `jax.shard_map` with the module placed by [`partition_specs`][]`(module)` and `x`
+    `jax.shard_map` with the module placed by [`partition_specs`][vidax_eqx.nn.sharding.partition_specs]`(module)` and `x`
     this device's chunk of the sequence (`P(sp_axis)`; `P((ring_axis, sp_axis))` for
     usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
     are column-parallel, `o` row-parallel (one `psum` over `tp_axis`, `o`'s bias added
@@ -98,11 +98,9 @@ class Attention(AbstractParallelLayer):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the linear layers' initialization.
         """
-        self.head_dim = check_heads("Attention", dim, num_heads)
-        eps = check_eps("Attention", eps)
-        check_parallel("Attention", parallel)
-        if qk_norm not in ("rms", None):
-            raise ValueError(f"Attention: `qk_norm` must be 'rms' or None; received {qk_norm!r}.")
+        self.head_dim, eps = check_attention(
+            "Attention", dim, num_heads, eps=eps, parallel=parallel, qk_norm=qk_norm,
+            qk_norms=("rms", None))
         kq, kk, kv, ko = init.split(key, 4)
         self.q = init.linear(dim, dim, dtype=dtype, key=kq)
         self.k = init.linear(dim, dim, dtype=dtype, key=kk)

@@ -17,6 +17,10 @@ from ._checks import check_sp_size
 
 
 LAYOUTS = ("contiguous", "zigzag")
+"""The sequence layouts of a ring, what `layout=` takes: `"contiguous"` (rank `r`
+holds the `r`-th block of the global sequence) and `"zigzag"` (the sequence cut into
+`2n` chunks, rank `r` holding chunks `r` and `2n - 1 - r`, which balances causal
+work; [`zigzag_permute`][] puts a global array in that order)."""
 
 
 def check_layout(layout) -> str:

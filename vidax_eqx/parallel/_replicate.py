@@ -53,7 +53,7 @@ def replicated(x, axis_name: Hashable | tuple[Hashable, ...]):
     ```python
     def joint(text, video):        # text: P(), video: P(None, "sp")
         q, k, v = (jnp.concatenate([x, t], axis=1) for t, x in zip(text, video))
-        out = parallel.ring_attention(q, k, v, axis_name="sp", text_len=T,
+        out = parallel.ring_attention(q, k, v, ring_axis="sp", text_len=T,
                                       text_position="suffix")
         L = video[0].shape[1]
         return out[:, :L], parallel.replicated(out[:, L:], "sp")

@@ -49,7 +49,7 @@ def ring_attention(
     k: Float[Array, "B L_k H_kv D"],
     v: Float[Array, "B L_k H_kv D"],
     *,
-    axis_name: Hashable,
+    ring_axis: Hashable,
     causal: bool = False,
     segment_ids: kernels.SegmentIds | Int[Array, "B L"] | None = None,
     sinks: Float[Array, " H"] | None = None,
@@ -67,7 +67,7 @@ def ring_attention(
     """Ring attention over the sequence axis, inside `jax.shard_map`.
 
     Each device holds a block of the sequence. K/V blocks travel the ring of
-    `axis_name` by `ppermute` (the next transfer is issued before the current
+    `ring_axis` by `ppermute` (the next transfer is issued before the current
     step's kernel, so communication overlaps compute); each step calls
     `vidax_eqx.kernels.attention_fwd` on the global positions of the tokens
     involved and merges the partial `(out, lse)` in float32. Blocks (or, in the
@@ -84,7 +84,7 @@ def ring_attention(
     - `q`: this device's queries `(B, L, H, D)`.
     - `k`, `v`: this device's keys and values `(B, L_k, H_kv, D)`, `H % H_kv == 0`
         (GQA / MQA: they travel with `H_kv` heads).
-    - `axis_name`: the mesh axis of the ring.
+    - `ring_axis`: the mesh axis of the ring.
     - `causal`: a token attends to global positions at or before its own.
     - `segment_ids`: this device's ids, one `(B, L)` array or
         `SegmentIds(q=(B, L), kv=(B, L_k))`; the kv ids travel with their block.
@@ -104,7 +104,7 @@ def ring_attention(
     - `text_len`: the joint (CogVideoX) layout when `> 0`: each device's `q`, `k`,
         `v` are `(B, text_len + L, H(_kv), D)`, `[text prefix (text_len tokens, the
         same on every device); this device's chunk of the visual sequence]`, and
-        the visual sequence alone is sharded over `axis_name` (and, for zigzag,
+        the visual sequence alone is sharded over `ring_axis` (and, for zigzag,
         permuted with `zigzag_permute(visual, 1, n)`; the text is not). The result
         equals single-device attention over `[text; visual]`, text at positions
         `0 .. text_len - 1` and visual tokens after it (so `causal=True` lets the
@@ -174,7 +174,7 @@ def ring_attention(
 
     **Raises:**
 
-    `ValueError` when `axis_name` is not bound (outside `shard_map`), for an
+    `ValueError` when `ring_axis` is not bound (outside `shard_map`), for an
     unknown `layout`, an odd local length with `layout="zigzag"` (in the joint
     layout: an odd visual length `q.shape[1] - text_len`), a `text_len` that is
     not a Python int in `[0, q.shape[1]]`, or (joint layout) shapes that are not
@@ -186,14 +186,14 @@ def ring_attention(
     check_text_position("ring_attention", text_position)
     if text_len:
         return ring_joint_attention(
-            q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
+            q, k, v, axis_name=ring_axis, causal=causal, segment_ids=segment_ids, sinks=sinks,
             window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
             text_len=text_len, implementation=implementation, tile_mask=mask,
             text_position=text_position, text_lengths=text_lengths, kv_lengths=kv_lengths,
         )
     check_no_text_lengths("ring_attention", text_lengths)
     return run_ring(
-        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, sinks=sinks,
+        q, k, v, axis_name=ring_axis, causal=causal, segment_ids=segment_ids, sinks=sinks,
         window=window, scale=scale, logits_soft_cap=logits_soft_cap, layout=layout,
         implementation=implementation, tile_mask=mask, kv_lengths=kv_lengths,
     )

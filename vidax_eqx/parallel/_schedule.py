@@ -152,7 +152,7 @@ def relation_plan(layout: str, n: int, L_q: int, L_k: int, causal: bool, window)
 def tile_plan(tile_mask, layout: str, n: int, L_q: int, L_k: int, causal: bool, window) -> np.ndarray:
     """The `_plan` of a ring whose steps also carry a sliding tile mask: a (half-)block
     is skipped when the tile mask, or the causal mask / window, hides it entirely
-    (decided per chunk of global positions, exactly: `kernels._tile.chunk_table`).
+    (decided per chunk of global positions, exactly: `kernels.internal.chunk_table`).
     Every computed step passes positions to its kernel."""
     parts = layout_parts(layout)
     cq, ck = L_q // parts, L_k // parts

@@ -147,7 +147,7 @@ def sequence_attention(
         return sequence_parallel_joint_self_attention(q, k, v, text_len, ulysses_axis,
                                                       mask=mask, **text, **kernel_options)
     if ulysses_axis is None:
-        return ring_attention(q, k, v, axis_name=ring_axis, layout=layout, mask=mask, **text,
+        return ring_attention(q, k, v, ring_axis=ring_axis, layout=layout, mask=mask, **text,
                               **kernel_options)
     return usp_attention(q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
                          layout=layout, mask=mask, **text, **kernel_options)

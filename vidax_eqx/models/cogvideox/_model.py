@@ -257,7 +257,7 @@ class CogVideoXTransformer3D(AbstractModel):
 
         The directory holds `config.json` and `diffusion_pytorch_model.safetensors`
         (or the shards of `diffusion_pytorch_model.safetensors.index.json`, as the 5B
-        releases are). As for [`WanTransformer3D.from_pretrained`][]: the model is
+        releases are). As for [`WanTransformer3D.from_pretrained`][vidax_eqx.models.WanTransformer3D.from_pretrained]: the model is
         built abstractly, every tensor's shape is checked before any is read, missing
         and unexpected names are listed together, nothing is partially loaded, tensors
         are read one at a time, no pickle; with `mesh` it loads straight into its

@@ -111,7 +111,8 @@ class WanExperts(AbstractExperts):
             raise ValueError(
                 "WanExperts: both experts run on one mesh with one placement, so their "
                 f"ParallelConfigs must be equal; received high_noise {self.high_noise.parallel}, "
-                f"low_noise {self.low_noise.parallel}. Set one with sharding.with_parallel(experts, config)."
+                f"low_noise {self.low_noise.parallel}. Set one with "
+                "nn.sharding.with_parallel(experts, config)."
             )
 
     @property
