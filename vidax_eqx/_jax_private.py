@@ -21,8 +21,10 @@ into an absent `"pallas_tpu"` / `"pallas_gpu"`. Sits below `kernels/` and
 `parallel/`, like `_vma.py`.
 """
 
+import contextlib
 import dataclasses
 import importlib
+import warnings
 
 import jax
 
@@ -33,6 +35,8 @@ _SPLASH_MASK = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attentio
 _SPLASH_MASK_INFO = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info"
 _FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
 _GPU = "jax.experimental.pallas.ops.gpu.attention"
+_GPU_DEPRECATED = ("JAX 0.12 deprecates jax.experimental.pallas.ops.gpu.attention and points to "
+                   "tokamax.dot_product_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,10 @@ class EntryPoint:
     - `attributes`: the attributes we read on it (fields of a class, `.value`).
     - `returns`: what we read on the object a call returns: attribute paths,
         `a.b` for attributes and `a[key]` for a mapping's keys.
+    - `deprecated`: where JAX deprecated the module (and what it points to instead),
+        or `""`. Its import's `DeprecationWarning` is expected and silenced here, the
+        only place the module is imported; a JAX that removes it leaves the name
+        `MISSING` (and the implementation that uses it unregistered).
     """
 
     module: str
@@ -57,13 +65,18 @@ class EntryPoint:
     keyword: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     returns: tuple[str, ...] = ()
+    deprecated: str = ""
 
     @property
     def where(self) -> str:
         return f"{self.module}.{self.attr}"
 
     def load(self):
-        return getattr(importlib.import_module(self.module), self.attr)
+        with warnings.catch_warnings():
+            if self.deprecated:
+                warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                        message=rf"{self.module.replace('.', '[.]')} is deprecated")
+            return getattr(importlib.import_module(self.module), self.attr)
 
 
 ENTRY_POINTS: dict[str, EntryPoint] = {
@@ -197,6 +210,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
         positional=("q", "k", "v", "segment_ids"),
         keyword=("sm_scale", "causal", "block_sizes", "num_warps", "num_stages", "interpret",
                  "return_residuals"),
+        deprecated=_GPU_DEPRECATED,
     ),
     "gpu_mha_backward_kernel": EntryPoint(
         _GPU, "mha_backward_kernel",
@@ -206,10 +220,12 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
                     "lse_ref", "delta_ref", "dq_ref", "dk_ref", "dv_ref"),
         keyword=("sm_scale", "causal", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq",
                  "head_dim"),
+        deprecated=_GPU_DEPRECATED,
     ),
     "GpuBlockSizes": EntryPoint(
         _GPU, "BlockSizes", "the Triton forward tiles",
         keyword=("block_q", "block_k"),
+        deprecated=_GPU_DEPRECATED,
     ),
     "next_power_of_2": EntryPoint(
         "jax.experimental.pallas", "next_power_of_2",
@@ -260,6 +276,33 @@ for _name, _entry in ENTRY_POINTS.items():
     except (ImportError, AttributeError) as _error:  # pragma: no cover - depends on the JAX version
         MISSING[_name] = f"{type(_error).__name__}: {_error}"
 del _name, _entry
+
+
+@contextlib.contextmanager
+def gpu_lowering(device_kind: str | None):
+    """The context a GPU kernel is lowered in.
+
+    - `device_kind`: the GPU to lower for, as `jax.Device.device_kind` names it (e.g.
+        `"NVIDIA H100"`), or `None` for the host's own GPU. JAX 0.11+ reads the target
+        of a Pallas Triton kernel from the device, or, on a host without one, from the
+        abstract device of the current abstract mesh
+        (`jax._src.pallas.triton.gpu_info.get_device_kind`): a kind given here is set
+        as that abstract device (`jax.sharding.use_abstract_mesh`), which JAX 0.10
+        does not read and ignores.
+    - JAX 0.12's deprecation of the Pallas Triton backend (`"jax-pallas-triton"`,
+        warned at each lowering of a Triton kernel) is silenced for the library's own
+        lowering: `"pallas_gpu"` is recorded as running on it (`_GPU_DEPRECATED`).
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                message="The Pallas Triton backend is deprecated")
+        if device_kind is not None:
+            device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                                 platform="gpu")
+            mesh = jax.sharding.get_abstract_mesh().update(abstract_device=device)
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+        yield
 
 
 def __getattr__(name: str):

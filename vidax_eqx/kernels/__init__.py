@@ -11,7 +11,8 @@ in interpret mode (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`).
 sliding tile attention: a 3D window mask over a video's tile layout, passed as
 `mask=`, whose hidden tiles the kernels skip. `video_sparse_attention` is video sparse
 attention (VSA): a coarse tile-level attention selects, per query tile, the key
-tiles a block-sparse fine attention computes.
+tiles a block-sparse fine attention computes. `gpu_target` names the GPU a program is
+lowered for from a host without one.
 """
 
 from ._api import (
@@ -29,6 +30,7 @@ from ._base import (
 )
 from ._blockwise import Blockwise as Blockwise
 from ._cudnn import Cudnn as Cudnn
+from ._dispatch import gpu_target as gpu_target
 from ._registry import (
     AUTO_XLA_MAX_SCORE_BYTES as AUTO_XLA_MAX_SCORE_BYTES,
     implementations as implementations,

@@ -28,6 +28,8 @@ through a pure-JAX choice of the plan (a `custom_jvp` around the primitive),
 so the primitive itself needs abstract evaluation, lowering and batching rules only.
 """
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 
@@ -60,6 +62,52 @@ def canonical_platform(platform: str, *, what: str = "platform") -> str:
             f"received {platform!r}."
         )
     return name
+
+
+# The GPU a program is lowered for when the host has none (JAX 0.11+ needs one for a
+# Triton kernel), per lowering platform; `gpu_target` overrides it.
+DEFAULT_GPU_TARGETS = {"cuda": "NVIDIA H100", "rocm": "gfx942"}
+_GPU_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpu_target", default=None)
+
+
+@contextlib.contextmanager
+def gpu_target(device_kind: str):
+    """Lowers the GPU kernels of programs lowered inside this context for the GPU
+    `device_kind` (as `jax.Device.device_kind` names it: `"NVIDIA H200"`, `"NVIDIA
+    A100-SXM4-80GB"`, `"gfx942"`), whatever GPU the host has, if any.
+
+    A GPU program lowered or exported from a host without a GPU
+    (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`,
+    [`vidax_eqx.models.export`][]`(..., platforms=("cuda",))`) needs a target for its
+    Triton kernels (`"pallas_gpu"`); without this context it is
+    `DEFAULT_GPU_TARGETS[platform]` (an H100 for CUDA, an MI300 for ROCm), and on a
+    host with a GPU, that GPU.
+
+    **Arguments:**
+
+    - `device_kind`: a non-empty string.
+    """
+    if not isinstance(device_kind, str) or not device_kind:
+        raise ValueError(
+            "gpu_target: `device_kind` must be a GPU's device kind, e.g. 'NVIDIA H100'; "
+            f"received {device_kind!r}."
+        )
+    token = _GPU_TARGET.set(device_kind)
+    try:
+        yield
+    finally:
+        _GPU_TARGET.reset(token)
+
+
+def _gpu_kind(platform: str) -> str | None:
+    """The device kind a GPU kernel is lowered for on `platform` (`"cuda"` / `"rocm"`):
+    `gpu_target`'s, else `None` (the host's GPU) on a host with one, else the default."""
+    chosen = _GPU_TARGET.get()
+    if chosen is not None:
+        return chosen
+    if any(d.platform in ("gpu",) + GPU_PLATFORMS for d in jax.devices()):
+        return None
+    return DEFAULT_GPU_TARGETS.get(platform)
 
 
 def lowering_names(platform: str) -> tuple[str, ...]:
@@ -133,8 +181,8 @@ def _staged(plan: Plan, fn: Callable, operands):
     traced = jax.make_jaxpr(branch(primary))(*flat)
     branches = []
     for platform, choice in plan:
-        if choice == primary:
-            body = traced
+        if choice == primary and not (platform == "gpu" and host_platform() != "gpu"):
+            body = traced  # (a GPU kernel on a host without a GPU is traced for its target)
         elif isinstance(choice, AbstractImplementation):
             body = branch(choice)
         else:
@@ -188,7 +236,9 @@ def _rule(body):
 
     def lazy(ctx, *args):
         # A per-device kernel, traced now on shapes and dtypes alone (no varying
-        # mesh axes, and shard_map's check of them off, as for any Pallas kernel).
+        # mesh axes, and shard_map's check of them off, as for any Pallas kernel),
+        # inside the rule's context (a GPU kernel: for its target GPU, which its
+        # equations record).
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
         with jp.check_vma(False):
             traced = jax.make_jaxpr(body)(*avals)
@@ -197,10 +247,23 @@ def _rule(body):
     return lazy
 
 
+def _on_gpu(rule):
+    """A GPU branch's rule, lowered for the target GPU (`gpu_target`)."""
+
+    def lower(ctx, *args):
+        platform = (ctx.platforms or ctx.module_context.platforms)[0]
+        with jp.gpu_lowering(_gpu_kind(platform)):
+            return rule(ctx, *args)
+
+    return lower
+
+
 def _lowering(ctx, *args, branches, out_avals):
     rules = {}
     for names, body in branches:
         rule = _rule(body)  # one per branch: CUDA and ROCm share theirs
+        if set(names) <= set(GPU_PLATFORMS):
+            rule = _on_gpu(rule)
         rules.update(dict.fromkeys(names, rule))
     default = rules.get("cpu")  # no vendor kernels: also right for any other platform
     return jp.lower_per_platform(
