@@ -7,7 +7,8 @@ on Python 3.11, 0.11.2 and 0.12.0.1 on Python 3.12, see `.ci/run`):
   the Pallas GPU attention module and of the Pallas Triton backend included (they
   are recorded in `_jax_private` and silenced only for the library's own import and
   lowering);
-- the requirement in `pyproject.toml` admits the JAX installed.
+- the requirement in `pyproject.toml` admits the JAX installed;
+- jaxlib 0.11.x's crash on a `shard_map` with an empty input is a clear error instead.
 """
 
 import pathlib
@@ -17,8 +18,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from vidax_eqx import _jax_private, kernels
+from vidax_eqx import _jax_private, kernels, nn
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -80,3 +82,18 @@ def test_requirement_admits_this_jax():
     version = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
     as_tuple = lambda s: tuple(int(p) for p in s.split("."))  # noqa: E731
     assert as_tuple(low) <= version < as_tuple(high), (jax.__version__, low, high)
+
+
+def test_an_empty_shard_map_input_is_refused_where_jaxlib_crashes_on_it():
+    """jaxlib 0.11.x's CPU compiler segfaults on a shard_map with an empty input: the
+    library's entry points raise a clear error there, and run it elsewhere."""
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("sp",))
+    join = nn.sharding.filter_shard_map(
+        lambda t, x: jnp.concatenate([jax.lax.pcast(t, "sp", to="varying"), x], 1),
+        mesh=mesh, in_specs=(P(), P(None, "sp")), out_specs=P(None, "sp"))
+    text, empty = jnp.ones((1, 3, 4)), jnp.ones((1, 0, 4))
+    if _jax_private.EMPTY_SHARD_MAP_INPUT_CRASHES:
+        with pytest.raises(ValueError, match=r"crashes on a shard_map with an empty input.*\(1, 0, 4\)"):
+            join(text, empty)
+    else:
+        assert join(text, empty).shape == (1, 6, 4)

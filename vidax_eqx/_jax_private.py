@@ -278,6 +278,44 @@ for _name, _entry in ENTRY_POINTS.items():
 del _name, _entry
 
 
+
+def _jaxlib_version() -> tuple[int, ...]:
+    import jaxlib  # noqa: PLC0415  (only its version)
+
+    return tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+
+
+EMPTY_SHARD_MAP_INPUT_CRASHES = _jaxlib_version()[:2] == (0, 11)
+"""jaxlib 0.11.x: XLA:CPU crashes (a segmentation fault while compiling) on a
+`jax.shard_map` one of whose inputs is an empty array sharded over a mesh axis (e.g. a
+joint layout's video part of length 0) and used inside; 0.10.2 and 0.12 compile it.
+The library's `shard_map` entry points refuse such an input there with a
+`ValueError` instead (`nn/_shard_map.py`, `parallel/_megatron.py`)."""
+
+
+def refuse_empty_shard_map_inputs(owner: str, mesh, arrays) -> None:
+    """Raises a `ValueError` instead of XLA:CPU's crash (`EMPTY_SHARD_MAP_INPUT_CRASHES`)
+    when `arrays` (the array leaves a `shard_map` over `mesh` takes) hold an empty one;
+    nothing on other jaxlibs and platforms."""
+    if not EMPTY_SHARD_MAP_INPUT_CRASHES:
+        return
+    devices = getattr(mesh, "devices", None)
+    platform = (devices.flat[0].platform if devices is not None and devices.size
+                else jax.default_backend())
+    if platform != "cpu":
+        return
+    empty = [tuple(a.shape) for a in jax.tree.leaves(arrays) if getattr(a, "size", 1) == 0]
+    if empty:
+        import jaxlib  # noqa: PLC0415
+
+        raise ValueError(
+            f"{owner}: jaxlib {jaxlib.__version__}'s CPU compiler crashes on a shard_map with "
+            f"an empty input (received arrays of shapes {empty}); jaxlib 0.10.2 and 0.12 "
+            "compile it. Leave the empty part out of the inputs (e.g. no video tokens: "
+            "attend the text alone), or use another jaxlib."
+        )
+
+
 @contextlib.contextmanager
 def gpu_lowering(device_kind: str | None):
     """The context a GPU kernel is lowered in.

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 
+from .._jax_private import refuse_empty_shard_map_inputs
 from ._config import fsdp_axes_of
 from ._fsdp import unwrap_shards, wrap_shards
 
@@ -38,6 +39,7 @@ def filter_shard_map(fn, *, mesh, in_specs, out_specs, **kwargs):
 
     def call(*args):
         dynamic, static = eqx.partition(args, eqx.is_array)
+        refuse_empty_shard_map_inputs("filter_shard_map", mesh, dynamic)
         fsdp = [fsdp_axes_of(arg) for arg in args]
 
         def per_device(*dynamic):

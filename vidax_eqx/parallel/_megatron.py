@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
+from .._jax_private import refuse_empty_shard_map_inputs
 from ..kernels import attention, SegmentIds, SlidingTileMask
 from ..kernels.internal import check_request  # what `attention` would raise, once
 from ._mesh import DP_AXIS, TP_AXIS
@@ -148,4 +149,5 @@ def tensor_parallel_attention(
                 lambda a, sp: jax.sharding.reshard(a, NamedSharding(mesh, sp)), x, s)
             for x, s in zip(operands, specs)
         )
+    refuse_empty_shard_map_inputs("tensor_parallel_attention", mesh, operands)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv_spec)(*operands)
