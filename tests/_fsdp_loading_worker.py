@@ -25,7 +25,7 @@ import traceback
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and harness.py beside this file
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and harness/ beside this file
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -19,7 +19,7 @@ import traceback
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx, and oracle.py / harness.py beside this file
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # vidax_eqx; oracle.py, harness/ beside it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -6,7 +6,7 @@ simulated with `--xla_force_host_platform_device_count`. This must be in
 the first module pytest imports. Float64 is *not* enabled in JAX: the library
 runs in its default float32 and the oracle (`tests/oracle.py`) uses NumPy float64.
 
-The shared harness is `tests/harness.py` (inputs, meshes, the sharded check, the
+The shared harness is the package `tests/harness/` (inputs, meshes, the sharded check, the
 comparisons), the float64 references `tests/oracle.py`, the kernel cases
 `tests/cases.py`; no test file imports another.
 
