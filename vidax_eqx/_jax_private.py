@@ -256,6 +256,14 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
         "jax.interpreters.batching", "primitive_batchers",
         "registering the dispatch primitive's `vmap` rule (a dict, exported, undocumented)",
     ),
+    # ------------------------------------------------ multi-process (the tests only)
+    "distributed_state": EntryPoint(
+        "jax._src.distributed", "global_state",
+        "the distributed client of `jax.distributed.initialize`, whose `wait_at_barrier` the "
+        "multi-process fault test uses to hold its processes together "
+        "(`tests/_multiprocess_fault_worker.py`); the library itself does not use it",
+        attributes=("client", "process_id", "num_processes"),
+    ),
     # ------------------------------------------------------------------ JAX config
     "check_vma": EntryPoint(
         "jax._src.config", "_check_vma",
