@@ -43,7 +43,7 @@ def check_qkv(q, k, v, fn: str) -> None:
         )
 
 
-def check_heads(H: int, sp: int, sp_axis_name: str, fn: str) -> None:
+def check_head_split(H: int, sp: int, sp_axis_name: str, fn: str) -> None:
     """Ulysses' head split: `H` must be a multiple of the SP size `sp`."""
     if H % sp:
         raise ValueError(

@@ -25,7 +25,7 @@ from .._order import Sequence
 from .._vma import as_varying, varying_axes
 from ..kernels import attention, SegmentIds, SlidingTileMask
 from ._checks import (
-    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_text_position,
+    check_head_split, check_lengths, check_no_text_lengths, check_qkv, check_text_position,
 )
 from .._checks import static_int
 from ._keys import hide_keys
@@ -263,7 +263,7 @@ def _ulysses(q, k, v, text_len: int, sp_axis_name: str, scale, kernel_options, f
     check_qkv(q, k, v, fn)
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
-    check_heads(H, sp, sp_axis_name, fn)
+    check_head_split(H, sp, sp_axis_name, fn)
     L_local = S_local - text_len
     if L_local:
         check_sharded(fn, (sp_axis_name,), q=q, k=k, v=v)

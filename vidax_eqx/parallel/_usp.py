@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 from .. import kernels
 from .._order import Sequence
 from ._checks import (
-    check_heads, check_lengths, check_no_text_lengths, check_qkv, check_sinks,
+    check_head_split, check_lengths, check_no_text_lengths, check_qkv, check_sinks,
     check_text_position, check_tile_mask,
 )
 from .._checks import static_int
@@ -205,7 +205,7 @@ def usp_attention(
     check_qkv(q, k, v, _FN)
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
-    check_heads(H, U, ulysses_axis, _FN)
+    check_head_split(H, U, ulysses_axis, _FN)
     side = "text prefix + visual chunk" if text_position == "prefix" else "visual chunk + text suffix"
     if not 0 <= text_len <= S_local:
         raise ValueError(

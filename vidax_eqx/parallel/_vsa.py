@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 from .. import kernels
 from .._order import Sequence
 from ..kernels.internal import combine, VsaLayout
-from ._checks import check_heads, check_qkv
+from ._checks import check_head_split, check_qkv
 from ._layout import check_layout
 from ._mesh import axis_size, check_sharded, pad_to_multiple
 from ._ulysses import kv_head_repeats
@@ -271,7 +271,7 @@ def video_sparse_attention(
     B, S_local, H, D = q.shape
     H_kv = k.shape[2]
     if ulysses_axis is not None:
-        check_heads(H, U, ulysses_axis, _FN)
+        check_head_split(H, U, ulysses_axis, _FN)
     gate = _check_gate(gate, q)
     video = VsaLayout(grid, tile)
     n_sel = video.topk(topk, sparsity)
