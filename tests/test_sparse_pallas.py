@@ -25,7 +25,7 @@ import harness
 import oracle
 from vidax_eqx import kernels
 from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
-from vidax_eqx.kernels import _pallas_tpu
+from vidax_eqx.kernels import _pallas_tpu_mask
 from vidax_eqx.kernels._args import Options
 from vidax_eqx.kernels._pallas_tpu import _head_groups
 from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for, SplashTileMask
@@ -202,13 +202,13 @@ def test_block_map():
 
 @pytest.mark.parametrize("tm, S_pad, local", MASKS)
 def test_mask_info_is_splash_own(tm, S_pad, local):
-    """The mask infos `_pallas_tpu` builds from the block kinds are those splash's
+    """The mask infos `_pallas_tpu_mask` builds from the block kinds are those splash's
     `make_splash_mha` builds by evaluating every block of the same mask in NumPy."""
     mask = SplashTileMask(tm, (S_pad, S_pad), local)
     for bq, bk in ((128, 128), (S_pad // 2, 128)):
-        block_sizes = _pallas_tpu._block_sizes(bq, bk)
+        block_sizes = _pallas_tpu_mask._block_sizes(bq, bk)
         with jax.ensure_compile_time_eval():
-            ours = _pallas_tpu._tile_kernel(mask, block_sizes, None, True)
+            ours = _pallas_tpu_mask._tile_kernel(mask, block_sizes, None, True)
             theirs = make_splash_mha(
                 MultiHeadMask([mask] * 3), block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
                 save_residuals=True, attn_logits_soft_cap=None, interpret=True,
