@@ -8,7 +8,9 @@ runs in its default float32 and the oracle (`tests/oracle.py`) uses NumPy float6
 
 The shared harness is the package `tests/harness/` (inputs, meshes, the sharded check, the
 comparisons), the float64 references `tests/oracle.py`, the kernel cases
-`tests/cases.py`; no test file imports another.
+`tests/cases.py`; no test file imports another. XLA compiles the test modules'
+programs without LLVM's optimizations, unless a module sets `XLA_OPTIMIZED = True`
+(`_fast_compile` below).
 
 The `slow` marker (registered in `pyproject.toml`) marks the tests that take more than
 about 10 s each on a 2-core CPU: the documentation pages run in processes of their own
@@ -46,6 +48,33 @@ jax.config.update("jax_enable_x64", False)
 
 
 import pytest  # noqa: E402
+
+
+# -- how XLA compiles in the test processes --------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile(request):
+    """XLA's CPU backend without its backend (LLVM) optimizations, as the documentation
+    pages run and as `harness.FAST_COMPILE` asks of single programs: JAX's
+    `jax_disable_most_optimizations`, for every program of a test module.
+
+    Most of the suite's time is XLA compiling small programs that then run once; without
+    LLVM's optimizations the whole suite took 17:48 instead of about 20 minutes
+    (2 workers on a 2-core CPU, 2026-12-05). It changes code generation,
+    not semantics: XLA's HLO passes (fusion, layout, sharding, the buffer assignment
+    that `memory_analysis` reports) give the same optimized HLO, and every result is
+    compared with the same tolerances. The bits may differ (LLVM orders some arithmetic
+    differently), so a module compiles as XLA does by default where it sets
+    `XLA_OPTIMIZED = True`: `test_kernels.py` (the optimized code of every kernel path
+    against the oracle) and the modules that compare bits with a process they start
+    (`test_determinism.py`, `test_generate_wan.py`), whose processes compile as XLA does
+    by default. `VIDAX_TEST_FAST_COMPILE=0` compiles every module so.
+    """
+    fast = (os.environ.get("VIDAX_TEST_FAST_COMPILE", "1") != "0"
+            and not getattr(request.module, "XLA_OPTIMIZED", False))
+    jax.config.update("jax_disable_most_optimizations", fast)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -53,6 +53,10 @@ RUNS = [(name, "jit") for name in CASES] + [(name, "eager") for name in EAGER]
 PROCESS_RUNS = [(name, "jit") for name in ("xla-float32", "blockwise-float32", "ring", "ulysses",
                                            "module")]
 TIMEOUT_S = 240
+# Compiled as XLA does by default (conftest's `_fast_compile` turns LLVM's optimizations
+# off elsewhere), as the fresh processes compile: code generated without them gives other
+# bits, so this process and the fresh ones must compile alike.
+XLA_OPTIMIZED = True
 
 
 def _jax(*arrays):

@@ -31,6 +31,10 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "wan")
 TEXT_DIM = 32  # the fixtures' text_dim
 # --frames 5 --height 32 --width 48 under Wan 2.1's VAE (4, 8): F = 2, H = 4, W = 6
 VIDEO = ["--frames", "5", "--height", "32", "--width", "48"]
+# Compiled as XLA does by default (conftest's `_fast_compile` turns LLVM's optimizations
+# off elsewhere), as the command line's process compiles: its latents are compared bit for
+# bit with `sampling.sample` here, and code generated without them gives other bits.
+XLA_OPTIMIZED = True
 
 
 def _example():

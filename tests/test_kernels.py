@@ -21,6 +21,10 @@ from cases import CASES, CASES_BY_NAME, Case, check_all, check_grads, empty_row_
 from vidax_eqx import core, kernels
 
 
+# Compiled as XLA does by default (conftest's `_fast_compile` turns LLVM's optimizations
+# off elsewhere): the optimized code of every kernel path is checked against the oracle.
+XLA_OPTIMIZED = True
+
 IMPLS = [
     pytest.param("xla", id="xla"),
     pytest.param("blockwise", id="blockwise"),

@@ -50,9 +50,11 @@ def t2v():
 
 
 @eqx.filter_jit(**JIT)
-def _cached(model, x, t, c, cache, may_reuse, threshold):
+def _cached(model, x, t, c, cache, may_reuse, threshold, **kwargs):
+    """One device: `cached_call` over the batch (one decision for all), under one jit:
+    a program per static configuration, shared by every test of the module."""
     return jax.vmap(lambda x, t, c, k: model.cached_call(
-        x, t, c, k, may_reuse=may_reuse, threshold=threshold, axis_name="batch"),
+        x, t, c, k, may_reuse=may_reuse, threshold=threshold, axis_name="batch", **kwargs),
         axis_name="batch")(x, t, c, cache)
 
 
@@ -175,10 +177,8 @@ def test_sharded_matches_one_device(t2v, name):
     sharded = nn.sharding.with_parallel(model, parallel)
     run = lambda x, cache, may, thr: _sharded(  # noqa: E731
         sharded, x, t, c, cache, may, thr, mesh=mesh, batch_axis=batch_axis, **kwargs)
-    one = lambda x, cache, may, thr: eqx.filter_jit(  # noqa: E731
-        lambda m, x, k: jax.vmap(lambda x, t, c, k: m.cached_call(
-            x, t, c, k, may_reuse=may, threshold=thr, axis_name="b", **kwargs),
-            axis_name="b")(x, t, c, k), **JIT)(model, x, cache)
+    one = lambda x, cache, may, thr: _cached(  # noqa: E731
+        model, x, t, c, cache, may, thr, **kwargs)
     threshold = jnp.float32(1e-6)
     got, ref = models.StepCache(), models.StepCache()
     for x_i, may in ((x, False), (x, True), (x * 0.7, True)):

@@ -26,26 +26,42 @@ def joint_vjp(attend, mesh, axes, *, batch_axis=None, segments=None, sinks: bool
     """
     text, seq = P(batch_axis), P(batch_axis, axes)
 
-    def join(t, x):
-        t = jax.lax.pcast(t, axes, to="varying") if check_vma else t
-        return jnp.concatenate([t, x], axis=1)
+    def varying(t):
+        return jax.lax.pcast(t, axes, to="varying") if check_vma else t
 
-    def per_device(qt, kt, vt, qv, kv, vv, seg, s):
-        seg = None if seg is None else jax.tree.map(join, *seg)
-        return attend(join(qt, qv), join(kt, kv), join(vt, vv), seg, s)
+    def per_device(text_part, visual_part, s):
+        """Each part `(q, k, v), seg` of this device, or None where it is empty: an empty
+        part (no text, or no visual tokens) is not an input of the shard_map, as jaxlib
+        0.11.x's CPU compiler crashes on an empty one
+        (`_jax_private.EMPTY_SHARD_MAP_INPUT_CRASHES`); it is the other part's rows [:0]."""
+        if text_part is not None:
+            text_part = jax.tree.map(varying, text_part)
+        text_part = text_part or jax.tree.map(lambda a: a[:, :0], visual_part)
+        visual_part = visual_part or jax.tree.map(lambda a: a[:, :0], text_part)
+        (t, seg_t), (x, seg_x) = text_part, visual_part
+        join = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+        seg = None if seg_t is None else jax.tree.map(join, seg_t, seg_x)
+        return attend(*map(join, t, x), seg, s)
 
-    seg_specs = None
+    seg_specs = (None, None)
     if segments is not None:
         seg_specs = (segment_specs(segments, text), segment_specs(segments, seq))
-    sharded = jax.shard_map(
-        per_device, mesh=mesh,
-        in_specs=(text, text, text, seq, seq, seq, seg_specs, P() if sinks else None),
-        out_specs=seq, check_vma=check_vma,
-    )
+
+    def sharded(t, x, seg, s):
+        seg = (None, None) if seg is None else seg
+        parts, specs = [], []
+        for arrays, seg_part, spec, seg_spec in zip((t, x), seg, (text, seq), seg_specs):
+            empty = arrays[0].shape[1] == 0
+            parts.append(None if empty else (arrays, seg_part))
+            specs.append(None if empty else ((spec,) * 3, seg_spec))
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=(*specs, P() if sinks else None),
+            out_specs=seq, check_vma=check_vma,
+        )(*parts, s)
 
     @functools.partial(jax.jit, compiler_options=compiler_options)
     def run(text, visual, seg, s, dout):
-        out, pull = jax.vjp(lambda t, x, s: sharded(*t, *x, seg, s), text, visual, s)
+        out, pull = jax.vjp(lambda t, x, s: sharded(t, x, seg, s), text, visual, s)
         return out, pull(dout)
 
     return run

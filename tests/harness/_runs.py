@@ -7,7 +7,10 @@ import jax
 
 # XLA's CPU backend without its backend optimizations and LLVM's expensive passes
 # compiles the suite's small programs about twice as fast; it changes code generation,
-# not semantics (the numbers are compared with the same tolerances).
+# not semantics (the numbers are compared with the same tolerances). conftest's
+# `_fast_compile` compiles every program of a test module so (JAX's
+# `jax_disable_most_optimizations`) unless the module sets `XLA_OPTIMIZED`; these options
+# ask it of one program whatever the module.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
