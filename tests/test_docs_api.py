@@ -3,7 +3,7 @@ has a docstring.
 
 A name is public if and only if its package re-exports it (STYLE.md): in
 `vidax_eqx.kernels`, `.parallel`, `.nn`, `.nn.functional`, `.nn.sharding`, `.core`,
-`.flax`, `.interop`, `.models`, `.models.wan`, `.models.cogvideox` and `.sampling`,
+`.flax`, `.ring_splash`, `.interop`, `.models`, `.models.wan`, `.models.cogvideox` and `.sampling`,
 the names listed in `__all__` where the module has one, else the names imported as
 themselves (`from ._x import Y as Y`) and the functions, classes and constants defined
 there without a leading underscore. Each must appear in an API page as a mkdocstrings
@@ -36,6 +36,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 API_DIR = ROOT / "docs" / "api"
 PACKAGES = (
+    "vidax_eqx",
     "vidax_eqx.kernels",
     "vidax_eqx.parallel",
     "vidax_eqx.nn",
@@ -43,6 +44,7 @@ PACKAGES = (
     "vidax_eqx.nn.sharding",
     "vidax_eqx.core",
     "vidax_eqx.flax",
+    "vidax_eqx.ring_splash",
     "vidax_eqx.interop",
     "vidax_eqx.models",
     "vidax_eqx.models.wan",

@@ -540,7 +540,9 @@ BAD = [
     # The model output must have the latents' shape (jaxtyping, a TypeError).
     (lambda: sampling.UniPC().step(
         sampling.UniPC().plan(4), sampling.UniPC().init(jnp.ones(SHAPE)), 0,
-        jnp.ones((2, 3)), jnp.ones(SHAPE)), TypeCheckError, r"model_output"),
+        jnp.ones((2, 3)), jnp.ones(SHAPE)), TypeCheckError,
+     r"`latents` must be a float array \(2, 3\); received float32 \(1, 2, 2, 2, 4\) \(shape = "
+     r"\(2, 3\) as in `model_output`\)"),
 ]
 
 

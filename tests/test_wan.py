@@ -217,6 +217,16 @@ def test_wan_config_inferred_from_tensors():
     assert config.cross_attn_norm is False and config.qk_norm is True
 
 
+def test_diffusers_config_round_trips():
+    """Every key of a diffusers config.json comes back from `to_diffusers`, the RoPE table
+    length included (it was always written as 1024)."""
+    raw = {**models.WanConfig(dim=32, num_heads=2).to_diffusers(), "rope_max_seq_len": 2048}
+    config = models.WanConfig.from_diffusers(raw)
+    assert config.rope_max_seq_len == 2048 and config.to_diffusers() == raw
+    with pytest.raises(ValueError, match=r"`rope_max_seq_len` must be a positive int; received 0"):
+        models.WanConfig(rope_max_seq_len=0)
+
+
 def test_bad_calls(t2v):
     io = _io("t2v")
     x, t, c = io["x"][0], io["timestep"][0], io["context"][0]

@@ -126,8 +126,9 @@ class TPShardedRMSNorm(linen.Module):
     slice of the weight (give the global `(global_dim,)` parameter the in-spec
     `P("tp")`). Local sums of squares are `psum`-ed over `axis_name`
     ([`vidax_eqx.nn.functional.tp_sharded_rms_norm`][]), so the result equals
-    [`RMSNorm`][] over the full width. Raises `ValueError` outside `shard_map` or
-    when `dim_local * axis_size != global_dim`.
+    [`RMSNorm`][] over the full width. Raises `ValueError` outside `shard_map` (`.init`
+    too: the message says how to make the parameters without one) or when
+    `dim_local * axis_size != global_dim`.
 
     **Attributes:**
 
@@ -157,6 +158,18 @@ class TPShardedRMSNorm(linen.Module):
         x = jnp.asarray(x)
         _check_last_axis("TPShardedRMSNorm", "dim_local", self.dim_local, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim_local,), self.param_dtype)
+        try:
+            jax.lax.axis_size(self.axis_name)
+        except (NameError, ValueError):
+            what = ".init" if self.is_initializing() else ".apply"
+            raise ValueError(
+                f"TPShardedRMSNorm(dim_local={self.dim_local}, global_dim={self.global_dim}){what}: "
+                f"the mesh axis {self.axis_name!r} does not exist in the current context. Call .init and .apply "
+                f"inside jax.shard_map over a mesh with that axis: the `scale` parameter is this "
+                f"device's ({self.dim_local},) slice (give the global ({self.global_dim},) one "
+                f"the in-spec P({self.axis_name!r})). The parameters need no forward pass: "
+                f"{{'params': {{'scale': jnp.ones(({self.dim_local},))}}}} is what .init makes."
+            ) from None
         with jax.named_scope("vidax_eqx.flax.TPShardedRMSNorm"):
             return _tp_sharded_rms_norm(x, scale, self.global_dim, self.eps, self.axis_name)
 

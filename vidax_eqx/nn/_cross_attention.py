@@ -6,9 +6,9 @@ from typing import ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Bool, Float, jaxtyped, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from .._shapes import checked
 from .. import kernels
 from .._checks import check_positive
 from ._call_checks import check_context, check_text
@@ -231,7 +231,7 @@ class CrossAttention(AbstractParallelLayer):
                 + f"; received {received}."
             )
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "S {self.dim}"],

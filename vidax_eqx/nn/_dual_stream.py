@@ -16,9 +16,9 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._shapes import checked
 from .. import kernels
 from .._checks import check_positive
 from ._call_checks import check_context
@@ -162,7 +162,7 @@ class DualStreamAttention(AbstractParallelLayer):
         self.qk_norm, self.eps = qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "S {self.dim}"],

@@ -6,9 +6,9 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
+from jaxtyping import Array, Float, PRNGKeyArray, Real
 
+from .._shapes import checked
 from ..parallel import axis_size
 from .._checks import check_positive
 from ._fsdp import fsdp_gather
@@ -90,7 +90,7 @@ class FeedForward(AbstractParallelLayer):
         self.in_dim, self.hidden_dim, self.out_dim = in_dim, hidden_dim, out_dim
         self.activation, self.parallel = activation, parallel
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self, x: Float[Array, "*batch {self.in_dim}"]
     ) -> Float[Array, "*batch {self.out_dim}"]:
@@ -120,7 +120,7 @@ class FeedForward(AbstractParallelLayer):
             return row_parallel(self.fc2, h, tp_axis)
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def timestep_embedding(
     t: Real[Array, "*batch"],
     dim: int,
@@ -197,7 +197,7 @@ class TimestepEmbedding(eqx.Module):
         self.flip_sin_to_cos = bool(flip_sin_to_cos)
         self.downscale_freq_shift = float(downscale_freq_shift)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(self, t: Real[Array, "*batch"]) -> Float[Array, "*batch {self.dim}"]:
         """**Arguments:**
 

@@ -8,9 +8,9 @@ the modules hold a weight and call them, and so does the linen shim
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Float
 
+from .._shapes import checked
 from ..parallel import axis_size, TP_AXIS
 from .._checks import check_positive
 from ._checks import check_eps
@@ -23,7 +23,7 @@ def _out_dtype(x, *params):
     return jnp.result_type(x.dtype, *(p.dtype for p in params if p is not None))
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def rms_norm(
     x: Float[Array, "*batch dim"],
     weight: Float[Array, "dim"],
@@ -58,7 +58,7 @@ def _scale(xf, ms, x, weight, eps):
     return y.astype(out_dtype) * weight.astype(out_dtype)
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def tp_sharded_rms_norm(
     x: Float[Array, "*batch dim_local"],
     weight: Float[Array, "dim_local"],
@@ -108,7 +108,7 @@ def tp_sharded_rms_norm(
     return _scale(xf, ss / global_dim, x, weight, eps)
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def layer_norm(
     x: Float[Array, "*batch dim"],
     weight: Float[Array, "dim"] | None,
@@ -147,7 +147,7 @@ def layer_norm(
 
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def modulated_layer_norm(
     x: Float[Array, "*batch dim"],
     shift: Float[Array, "*#batch dim"],
@@ -180,6 +180,24 @@ def modulated_layer_norm(
     return y * (1 + scale.astype(jnp.float32)) + shift.astype(jnp.float32)
 
 
+_LINEN_METHODS = frozenset({"init", "apply", "init_with_output", "bind", "param", "variables"})
+
+
+def _linen_hint(module, name: str):
+    """The `AttributeError` of a missing attribute, naming the linen class for linen's
+    methods: code written for the `vidax.core` page calls `RMSNorm(dim).init(rng, x)`,
+    and the linen classes of that page are `vidax_eqx.flax`'s."""
+    cls = type(module).__name__
+    if name in _LINEN_METHODS:
+        raise AttributeError(
+            f"'{cls}' object has no attribute '{name}': vidax_eqx.nn.{cls} (also "
+            f"vidax_eqx.core.{cls}) is an Equinox module, created with its weights and called "
+            f"directly. The flax.linen module of the vidax.core page, with .init / .apply, is "
+            f"vidax_eqx.flax.{cls}."
+        )
+    raise AttributeError(f"'{cls}' object has no attribute '{name}'")
+
+
 class RMSNorm(eqx.Module):
     """Wan's RMSNorm (`WanRMSNorm`) over the last axis, with a learned `weight`.
 
@@ -204,7 +222,7 @@ class RMSNorm(eqx.Module):
         self.eps = check_eps("RMSNorm", eps)
         self.weight = init.ones((dim,), dtype)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """**Arguments:**
 
@@ -217,6 +235,9 @@ class RMSNorm(eqx.Module):
         with jax.named_scope("vidax_eqx.nn.RMSNorm"):
             self, x = fsdp_gather(self, x)
             return rms_norm(x, self.weight, self.eps)
+
+    def __getattr__(self, name: str):
+        return _linen_hint(self, name)
 
 
 class TPShardedRMSNorm(eqx.Module):
@@ -271,7 +292,7 @@ class TPShardedRMSNorm(eqx.Module):
                 f"global_dim={self.global_dim}."
             )
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self, x: Float[Array, "*batch {self.dim_local}"]
     ) -> Float[Array, "*batch {self.dim_local}"]:
@@ -287,6 +308,9 @@ class TPShardedRMSNorm(eqx.Module):
         with jax.named_scope("vidax_eqx.nn.TPShardedRMSNorm"):
             self, x = fsdp_gather(self, x)
             return tp_sharded_rms_norm(x, self.weight, self.global_dim, self.eps, self.axis_name)
+
+    def __getattr__(self, name: str):
+        return _linen_hint(self, name)
 
 
 class LayerNorm(eqx.Module):
@@ -324,7 +348,7 @@ class LayerNorm(eqx.Module):
         self.weight = init.ones((dim,), dtype) if elementwise_affine else None
         self.bias = init.zeros((dim,), dtype) if elementwise_affine else None
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(self, x: Float[Array, "*batch {self.dim}"]) -> Float[Array, "*batch {self.dim}"]:
         """**Arguments:**
 
@@ -368,7 +392,7 @@ class ModulatedLayerNorm(eqx.Module):
         self.weight = init.ones((dim,), dtype) if elementwise_affine else None
         self.bias = init.zeros((dim,), dtype) if elementwise_affine else None
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "*batch {self.dim}"],

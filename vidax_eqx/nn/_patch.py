@@ -5,9 +5,9 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._shapes import checked
 from .._checks import check_positive
 from ._fsdp import fsdp_gather
 from . import _init as init
@@ -87,7 +87,7 @@ class PatchEmbedding(eqx.Module):
         self.bias = init.uniform(kb, (dim,), dtype, bound)
         self.in_channels, self.dim, self.patch_size = in_channels, dim, patch_size
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(self, x: Float[Array, "{self.in_channels} F H W"]) -> Float[Array, "S {self.dim}"]:
         """**Arguments:**
 
@@ -107,7 +107,7 @@ class PatchEmbedding(eqx.Module):
         """`(pt, ph, pw)`: `patch_size`, with `pt = 1` for a per-frame `Conv2d`."""
         return self.patch_size if len(self.patch_size) == 3 else (1, *self.patch_size)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def project(self, patches: Float[Array, "S P"]) -> Float[Array, "S {self.dim}"]:
         """The embedding of patches already cut by [`vidax_eqx.nn.functional.patchify`][].
 
@@ -135,7 +135,7 @@ class PatchEmbedding(eqx.Module):
             return patches @ self.weight.reshape(self.dim, -1).T + self.bias
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def patchify(x: Float[Array, "C F H W"], patch_size: tuple[int, int, int]) -> Float[Array, "S P"]:
     """A video `(C, F, H, W)` cut into non-overlapping `(pt, ph, pw)` patches.
 
@@ -159,7 +159,7 @@ def patchify(x: Float[Array, "C F H W"], patch_size: tuple[int, int, int]) -> Fl
     return x.reshape(f * h * w, c * pt * ph * pw)
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def unpatchify(
     tokens: Float[Array, "S D"],
     grid: tuple[int, int, int],

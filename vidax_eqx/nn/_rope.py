@@ -7,9 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped
+from jaxtyping import Array, Float
 
+from .._shapes import checked
 from .._checks import is_int
 
 
@@ -147,7 +147,7 @@ def rope_3d(
     return _grid_tables(tables, (0, 1, 2))
 
 
-@jaxtyped(typechecker=beartype)
+@checked
 def apply_rope(
     x: Float[Array, "*batch S H D"],
     cos: Float[Array, "S D//2"],

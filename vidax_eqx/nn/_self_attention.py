@@ -6,9 +6,9 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._shapes import checked
 from .. import kernels
 from ._call_checks import check_context
 from ._checks import check_attention
@@ -115,7 +115,7 @@ class Attention(AbstractParallelLayer):
         self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "S {self.dim}"],

@@ -4,6 +4,7 @@ Every function here runs inside `jax.shard_map` and takes the mesh axis name
 as an argument; a missing axis raises a `ValueError` naming it.
 """
 
+from ..kernels import SegmentIds as SegmentIds  # (the ring's segment ids, as the splash ring API had them)
 from ._mesh import (
     axis_size as axis_size,
     chunk_by_rank as chunk_by_rank,

@@ -4,9 +4,9 @@
 import equinox as eqx
 import jax
 import numpy as np
-from beartype import beartype
-from jaxtyping import jaxtyped, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
+from .._shapes import checked
 from ._schedulers import (
     AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
     check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
@@ -143,7 +143,7 @@ class CogVideoXDDIM(AbstractScheduler):
         check_finite("CogVideoXDDIM", coefficients, _describe(self))
         return make_plan(t, sigmas, coefficients)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
              model_output: Latents, latents: Latents, *,
              key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
@@ -214,7 +214,7 @@ class CogVideoXDPM(AbstractScheduler):
         check_finite("CogVideoXDPM", coefficients, _describe(self))
         return make_plan(t, sigmas, coefficients)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
              model_output: Latents, latents: Latents, *, noise: Latents | None = None,
              key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:

@@ -5,9 +5,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
-from jaxtyping import jaxtyped, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
+from .._shapes import checked
 from ._schedulers import (
     AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
     check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
@@ -80,7 +80,7 @@ class FlowMatchEuler(AbstractScheduler):
         dt = np.diff(sigmas.astype(np.float64))[:, None]
         return make_plan(timesteps, sigmas, dt)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
              model_output: Latents, latents: Latents, *,
              key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:
@@ -231,7 +231,7 @@ class UniPC(AbstractScheduler):
                      f"{self.lower_order_final}, final_sigmas_type={self.final_sigmas_type!r}")
         return make_plan(timesteps, sigmas, coefficients)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def step(self, plan: SchedulerPlan, state: SchedulerState, i: StepIndex,
              model_output: Latents, latents: Latents, *,
              key: PRNGKeyArray | None = None) -> tuple[Latents, SchedulerState]:

@@ -9,9 +9,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
-from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, Real
+from jaxtyping import Array, Float, PRNGKeyArray, Real
 
+from ..._shapes import checked
 from ... import interop, kernels, nn
 from ..._vma import as_varying, varying_axes
 from ...nn import functional, sharding
@@ -150,7 +150,7 @@ class CogVideoXTransformer3D(AbstractModel):
             )
         return rope, video, text
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "F {self.config.in_channels} H W"],

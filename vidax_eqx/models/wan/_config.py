@@ -37,6 +37,9 @@ class WanConfig:
         projection of FastVideo's video sparse attention (VSA) Wan models: the gate of
         VSA's coarse output (`blocks.N.to_gate_compress.*` in a diffusers checkpoint).
         Not a field of the reference configs: `from_pretrained(gate_compress=True)`.
+    - `rope_max_seq_len`: diffusers' `rope_max_seq_len` (1024), the positions per grid
+        axis its RoPE table holds; read and written back by the diffusers config (this
+        library computes RoPE at any position, so it does not limit a grid here).
 
     The released models, as [`WanConfig.preset`][] names them:
 
@@ -73,6 +76,7 @@ class WanConfig:
     rope_theta: float = 10000.0
     pos_embed_seq_len: int | None = None
     gate_compress: bool = False
+    rope_max_seq_len: int = 1024
 
     def __post_init__(self):
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels",
@@ -97,6 +101,9 @@ class WanConfig:
                     f"`image_dim` (the image branch); received pos_embed_seq_len={value}, "
                     "image_dim=None."
                 )
+        value = self.rope_max_seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"WanConfig: `rope_max_seq_len` must be a positive int; received {value!r}.")
         if not isinstance(self.gate_compress, bool):
             raise ValueError(
                 f"WanConfig: `gate_compress` must be a bool; received {self.gate_compress!r}."
@@ -145,6 +152,7 @@ class WanConfig:
             cross_attn_norm=config.get("cross_attn_norm", True),
             image_dim=image_dim,
             pos_embed_seq_len=config.get("pos_embed_seq_len"),
+            rope_max_seq_len=config.get("rope_max_seq_len", 1024),
         )
         return cls(**{**fields, **overrides})
 
@@ -224,7 +232,7 @@ class WanConfig:
             "eps": self.eps,
             "image_dim": self.image_dim,
             "added_kv_proj_dim": None if self.image_dim is None else self.dim,
-            "rope_max_seq_len": 1024,
+            "rope_max_seq_len": self.rope_max_seq_len,
             "pos_embed_seq_len": self.pos_embed_seq_len,
         }
 

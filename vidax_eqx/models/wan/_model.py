@@ -11,10 +11,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
 from jax import lax
-from jaxtyping import Array, ArrayLike, Bool, Float, jaxtyped, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
+from ..._shapes import checked
 from ... import interop, kernels, nn
 from ...nn import functional, sharding
 from ...nn.internal import check_text, init, linear, padded_tokens
@@ -118,7 +118,7 @@ class WanTransformer3D(AbstractCachedModel):
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.blocks.self_attn.parallel
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def __call__(
         self,
         x: Float[Array, "{self.config.in_channels} F H W"],
@@ -187,7 +187,7 @@ class WanTransformer3D(AbstractCachedModel):
                                  remat=remat, sliding_tile=sliding_tile,
                                  video_sparse=video_sparse, text_cache=text_cache)
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def cached_call(
         self,
         x: Float[Array, "{self.config.in_channels} F H W"],
@@ -367,7 +367,7 @@ class WanTransformer3D(AbstractCachedModel):
             )
         return c.text_len
 
-    @jaxtyped(typechecker=beartype)
+    @checked
     def text_cache(
         self,
         context: Float[Array, "L {self.config.text_dim}"],

@@ -1,4 +1,5 @@
-"""The documented function API of the original `vidax.core`, as thin adapters.
+"""`vidax.core.attention`: the original page's source module (`src/vidax/core/attention.py`),
+its names at the same import path. The documented function API, as thin adapters.
 
 Layout `(B, S, H, D)` throughout. The math lives in `vidax_eqx.kernels` and
 `vidax_eqx.parallel`; this module only maps the documented argument names and
@@ -14,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._vma import explicit_axes, tracks_vma, varying_axes
-from .kernels import attention, SlidingTileMask
-from .nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
-from .parallel import (
+from .._vma import explicit_axes, tracks_vma, varying_axes
+from ..kernels import attention as _attention, SlidingTileMask
+from ..nn import RMSNorm as RMSNorm, TPShardedRMSNorm as TPShardedRMSNorm
+from ..parallel import (
     chunk_by_rank as chunk_by_rank,
     SP_AXIS,
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
@@ -113,7 +114,7 @@ def dot_product_attention(
         )
     portable = mask is not None or jax.device_count() > 1
     implementation = "portable" if portable else "auto"
-    return attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation,
+    return _attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=implementation,
                      kv_lengths=kv_lengths)
 
 
@@ -134,4 +135,4 @@ def local_attention(
 
     `(B, S_q, H, D)` in `q`'s dtype.
     """
-    return attention(q, k, v, scale=scale)
+    return _attention(q, k, v, scale=scale)
