@@ -31,7 +31,7 @@ import pytest
 
 import harness
 import oracle
-from vidax_eqx import interop, models, nn
+from vidax_eqx import ShapeError, interop, models, nn
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "cogvideox")
@@ -218,7 +218,8 @@ def test_bad_calls(loaded):
         loaded["5b"](x[:, :4, :, :7], t, c)
     with pytest.raises(ValueError, match="`remat` must be None or one of"):
         model(x, t, c, remat="sometimes")
-    with pytest.raises(Exception, match="in_channels|F C H W"):  # jaxtyping: wrong channels
+    with pytest.raises(ShapeError, match=r"^CogVideoXTransformer3D: `x` must be a float array "
+                                         r"\(F, 8, H, W\); received float32 \(3, 4, 6, 8\)"):
         model(x[:, :4], t, c)
     with pytest.raises(ValueError, match="multiple of 16"):
         models.CogVideoXConfig(attention_head_dim=24, use_rotary_positional_embeddings=True)

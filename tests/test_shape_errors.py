@@ -8,6 +8,7 @@ batch says to use `jax.vmap`. The checker is still jaxtyping + beartype (its rep
 kept on the error as `details`), and `set_shape_checks(False)` turns it off.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -25,6 +26,14 @@ def _wan():
     config = models.WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=1, in_channels=4,
                               out_channels=4, text_dim=16, freq_dim=16)
     return models.WanTransformer3D(config, key=KEY)
+
+
+def _cogvideox():
+    config = models.CogVideoXConfig(num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                                    in_channels=4, out_channels=4, text_embed_dim=16,
+                                    time_embed_dim=16, sample_frames=5, sample_height=8,
+                                    sample_width=8, max_text_seq_length=3)
+    return models.CogVideoXTransformer3D(config, key=KEY)
 
 
 # (id, the module or function, the wrong call, the message it must match)
@@ -64,8 +73,18 @@ TABLE = [
      r"^PatchEmbedding\(in_channels=4, dim=32.*\): `x` must be a float array \(4, F, H, W\); "
      r"received float32 \(3, 2, 4, 4\)\.$"),
     ("WanTransformer3D-batch", _wan, lambda m: m(f32(2, 4, 1, 4, 4), 500.0, f32(3, 16)),
-     r"^WanTransformer3D\(.*\): `x` must be a float array \(4, F, H, W\); received float32 "
+     r"^WanTransformer3D: `x` must be a float array \(4, F, H, W\); received float32 "
      r"\(2, 4, 1, 4, 4\)\." + VMAP),
+    ("DualStreamAttention-context", lambda: nn.DualStreamAttention(64, 4, context_dim=32, key=KEY),
+     lambda m: m(f32(10, 64), f32(5, 64)),
+     r"^DualStreamAttention\(dim=64, num_heads=4, context_dim=32\): `context` must be a float array "
+     r"\(T, 32\); received float32 \(5, 64\)\.$"),
+    ("LoRALinear", lambda: nn.with_lora(eqx.nn.Linear(16, 8, key=KEY), rank=2, key=KEY),
+     lambda m: m(f32(3, 12)),
+     r"^LoRALinear\(.*\): `x` must be a float array \(\.\.\., 16\); received float32 \(3, 12\)\.$"),
+    ("CogVideoXTransformer3D-batch", _cogvideox, lambda m: m(f32(2, 1, 4, 4, 4), 500.0, f32(3, 16)),
+     r"^CogVideoXTransformer3D: `x` must be a float array \(F, 4, H, W\); received float32 "
+     r"\(2, 1, 4, 4, 4\)\." + VMAP),
     ("rms_norm", lambda: nn.functional.rms_norm, lambda f: f(f32(4, 48), f32(64)),
      r"^rms_norm: `weight` must be a float array \(48,\); received float32 \(64,\) "
      r"\(dim = 48 as in `x`\)\.$"),

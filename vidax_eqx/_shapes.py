@@ -105,7 +105,7 @@ def _owner(fn, bound: dict) -> tuple[str, str]:
         value = getattr(self, name, None)
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             sizes.append(f"{name}={int(value)}")
-    who = f"{type(self).__name__}({', '.join(sizes[:4])})"
+    who = type(self).__name__ + (f"({', '.join(sizes[:4])})" if sizes else "")
     return who, "module"
 
 

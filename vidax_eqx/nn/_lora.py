@@ -15,8 +15,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._shapes import checked
 from . import _init as init
 
 
@@ -107,7 +108,10 @@ class LoRALinear(eqx.Module):
         """The adapters the forward pass adds (every one not merged), by name."""
         return [a for n, a in sorted(self.adapters.items()) if n not in self.merged]
 
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+    @checked
+    def __call__(
+        self, x: Float[Array, "*batch {self.in_features}"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch {self.out_features}"]:
         """`x @ W.T + b` plus the adapters' term, on the last axis of `x` (one vector,
         as `eqx.nn.Linear` takes it, or any leading axes). `key` is ignored."""
         del key
