@@ -367,7 +367,7 @@ def test_core_dot_product_attention_dispatch(monkeypatch, devices, with_mask, wi
         seen.append(implementation)
         return kernels.attention(*args, implementation=implementation, **kwargs)
 
-    monkeypatch.setattr(core, "attention", spy)
+    monkeypatch.setattr(core.attention, "_attention", spy)  # (the kernels' entry, in core.attention)
     monkeypatch.setattr(jax, "device_count", lambda *a: devices)
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 24, 2, 8)), jnp.float32)
     mask = jnp.tril(jnp.ones((24, 24), bool)) if with_mask else None
@@ -382,8 +382,8 @@ def test_core_dot_product_attention_dispatch(monkeypatch, devices, with_mask, wi
 
 def test_core_dot_product_attention_with_mesh_takes_the_megatron_path(monkeypatch):
     calls = []
-    original = core.tensor_parallel_attention
-    monkeypatch.setattr(core, "tensor_parallel_attention",
+    original = core.attention.tensor_parallel_attention
+    monkeypatch.setattr(core.attention, "tensor_parallel_attention",
                         lambda *a, **kw: calls.append(kw) or original(*a, **kw))
     q = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 4, 8)), jnp.float32)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 24, 24)), jnp.float32)
