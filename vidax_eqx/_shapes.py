@@ -64,7 +64,6 @@ def checked(fn):
     """`jaxtyped(typechecker=beartype)` with the failure as a `ShapeError` (see the
     module docstring); skipped when the checks are off."""
     checked_fn = jaxtyped(typechecker=beartype)(fn)
-    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -75,7 +74,7 @@ def checked(fn):
         except ShapeError:
             raise  # (a nested checked call's, already in words)
         except TypeCheckError as error:
-            message = _message(fn, signature, args, kwargs, str(error))
+            message = _message(fn, args, kwargs, str(error))
             if message is None:
                 raise
             raise ShapeError(message, str(error)) from None
@@ -206,14 +205,14 @@ def _received(value) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def _message(fn, signature, args, kwargs, report: str) -> str | None:
+def _message(fn, args, kwargs, report: str) -> str | None:
     """The one-voice message for jaxtyping's `report`, or None to keep jaxtyping's."""
     found = re.search(r"typechecking parameter '(\w+)'", report)
     if found is None:
         return None  # (the return value, or something else: an internal error)
     name = found.group(1)
     try:
-        bound = signature.bind(*args, **kwargs)
+        bound = inspect.signature(fn).bind(*args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()

@@ -52,7 +52,7 @@ from .core import (
 )
 from .kernels import attention as _attention, SlidingTileMask
 from .nn.functional import rms_norm as _rms_norm, tp_sharded_rms_norm as _tp_sharded_rms_norm
-from .parallel import TP_AXIS
+from .parallel import axis_size, TP_AXIS
 
 
 __all__ = [
@@ -159,8 +159,8 @@ class TPShardedRMSNorm(linen.Module):
         _check_last_axis("TPShardedRMSNorm", "dim_local", self.dim_local, x)
         scale = self.param("scale", linen.initializers.ones, (self.dim_local,), self.param_dtype)
         try:
-            jax.lax.axis_size(self.axis_name)
-        except (NameError, ValueError):
+            axis_size(self.axis_name)
+        except ValueError:
             what = ".init" if self.is_initializing() else ".apply"
             raise ValueError(
                 f"TPShardedRMSNorm(dim_local={self.dim_local}, global_dim={self.global_dim}){what}: "

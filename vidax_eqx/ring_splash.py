@@ -55,7 +55,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .kernels import SegmentIds as SegmentIds
-from .parallel import AbstractMask, axis_size, CausalMask, FullMask, make_ring_attention as _ring
+from .parallel import (
+    AbstractMask, axis_size, CausalMask, DenseMask, FullMask, make_ring_attention as _ring,
+)
 
 
 RING_AXIS = "sp"
@@ -134,17 +136,15 @@ def _local_mask(mask) -> np.ndarray | jax.Array:
     return mask
 
 
-class _StepMask(AbstractMask):
-    """The original's semantics as a mask over global positions: `(L, L)` applied to
-    every `(query block, key block)` pair of the ring, `mask[i % L, j % L]`."""
+class _RepeatedBlock(AbstractMask):
+    """The original's semantics as a mask over global positions: the `(L, L)` block
+    applied to every `(query block, key block)` pair of the ring, `mask[i % L, j % L]`."""
 
-    local: Array | np.ndarray
+    local: DenseMask
 
     def block(self, q_positions, kv_positions):
-        L = self.local.shape[0]
-        concrete = all(isinstance(x, np.ndarray) for x in (q_positions, kv_positions, self.local))
-        local = self.local if concrete else jnp.asarray(self.local)
-        return local[(q_positions % L)[:, None], (kv_positions % L)[None, :]]
+        L = self.local.seq_len()
+        return self.local.block(q_positions % L, kv_positions % L)
 
     def window(self):
         return None
@@ -156,16 +156,16 @@ class _StepMask(AbstractMask):
         return (None, None), self
 
     def _materialize(self, seq_len, xp):
-        n = seq_len // self.local.shape[0]
-        return xp.tile(self.local if xp is np else jnp.asarray(self.local), (n, n))
+        n = seq_len // self.local.seq_len()
+        return xp.tile(self.local._materialize(self.local.seq_len(), xp), (n, n))
 
     def _block_tables(self, seq_len, block_size):
-        L = self.local.shape[0]
+        L = self.local.seq_len()
         if block_size != L or seq_len % L:  # (the ring's blocks are the devices' L tokens)
             return super()._block_tables(seq_len, block_size)
-        xp = np if isinstance(self.local, np.ndarray) else jnp
+        some, every = (table[0, 0] for table in self.local._block_tables(L, L))
+        xp = np if isinstance(some, np.generic) else jnp
         n = seq_len // L
-        some, every = self.local.any(), self.local.all()
         return xp.full((n, n), some), xp.full((n, n), every)
 
 
@@ -272,7 +272,7 @@ def ring_splash_attention(
         if mask is None and mask_function is not None:
             mask = np.ones((L, L), bool)
         mask = _with_function(mask, mask_function, L)
-        global_mask = FullMask() if mask is None else _StepMask(mask)
+        global_mask = FullMask() if mask is None else _RepeatedBlock(DenseMask(mask))
     kernel = _ring(global_mask, block_sizes=block_sizes, is_mqa=is_mqa,
                    logits_soft_cap=logits_soft_cap, ring_axis=ring_axis, scale=1.0)
     to_rows = lambda x: jnp.moveaxis(x, 0, 1)[None]  # noqa: E731  (H, L, D) -> (1, L, H, D)
