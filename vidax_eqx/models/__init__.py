@@ -35,7 +35,7 @@ and [`vidax_eqx.models.cogvideox`][]; the names below are theirs, re-exported.
     them.
 """
 
-from . import cogvideox as cogvideox, wan as wan
+from . import cogvideox as cogvideox, wan as wan, wan_vae as wan_vae
 from ._base import (
     AbstractBatchedInput as AbstractBatchedInput,
     AbstractCachedModel as AbstractCachedModel,
@@ -49,6 +49,7 @@ from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as sa
 from ._options import SlidingTile as SlidingTile, VideoSparseTiles as VideoSparseTiles
 from ._run_sharded import run_sharded as run_sharded
 from ._step_cache import StepCache as StepCache
+from ._vae import GaussianPosterior as GaussianPosterior, Tiling as Tiling
 from ._training import (
     restore_training_state as restore_training_state,
     save_training_state as save_training_state,
@@ -59,6 +60,7 @@ from .cogvideox import (
     CogVideoXTransformer3D as CogVideoXTransformer3D,
     rope_crop_positions as rope_crop_positions,
 )
+from .wan_vae import WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
 from .wan import (
     sharded_text_cache as sharded_text_cache,
     WanBlock as WanBlock,

@@ -9,6 +9,7 @@ with `jax.vmap`.
 
 from . import functional as functional, sharding as sharding
 from ._norm import (
+    ChannelRMSNorm as ChannelRMSNorm,
     LayerNorm as LayerNorm,
     ModulatedLayerNorm as ModulatedLayerNorm,
     RMSNorm as RMSNorm,
@@ -21,6 +22,7 @@ from ._dual_stream import DualStreamAttention as DualStreamAttention
 from ._video_sparse import VideoSparse as VideoSparse
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
+from ._conv import CausalConv3d as CausalConv3d, FrameConv2d as FrameConv2d
 from ._lora import (
     LoRA as LoRA,
     LoRALinear as LoRALinear,

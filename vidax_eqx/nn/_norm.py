@@ -59,6 +59,38 @@ def _scale(xf, ms, x, weight, eps):
 
 
 @checked
+def channel_rms_norm(
+    x: Float[Array, "C *rest"],
+    gamma: Float[Array, "C"],
+    bias: Float[Array, "C"] | None = None,
+) -> Float[Array, "C *rest"]:
+    """Wan's `RMS_norm` (channel-first, the Wan VAE's norm): every position's channel
+    vector `x[:, ...]` divided by its Euclidean norm (at least `1e-12`), times `sqrt(C)`,
+    `gamma` and plus `bias`.
+
+    As PyTorch's `F.normalize(x, dim=0) * sqrt(C) * gamma + bias`: the division in float32
+    for a lower-precision input, cast back, then the scale in the promotion of `x`'s and
+    `gamma`'s dtypes. Per position: a frame split over a mesh needs no communication.
+
+    **Arguments:**
+
+    - `x`: `(C, ...)`, channels first.
+    - `gamma`, `bias`: per-channel scale and shift `(C,)`.
+
+    **Returns:**
+
+    An array of `x`'s shape.
+    """
+    xf = x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+    norm = jnp.sqrt(jnp.sum(jnp.square(xf), axis=0, keepdims=True))
+    y = (xf / jnp.maximum(norm, 1e-12)).astype(x.dtype)
+    out_dtype = _out_dtype(x, gamma, bias)
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    y = y.astype(out_dtype) * (x.shape[0] ** 0.5) * gamma.astype(out_dtype).reshape(shape)
+    return y if bias is None else y + bias.astype(out_dtype).reshape(shape)
+
+
+@checked
 def tp_sharded_rms_norm(
     x: Float[Array, "*batch dim_local"],
     weight: Float[Array, "dim_local"],
@@ -238,6 +270,47 @@ class RMSNorm(eqx.Module):
 
     def __getattr__(self, name: str):
         return _linen_hint(self, name)
+
+
+class ChannelRMSNorm(eqx.Module):
+    """Wan's channel-first `RMS_norm` of a video or image `(C, ...)`, with a learned
+    `gamma` (and `bias`): see [`vidax_eqx.nn.functional.channel_rms_norm`][].
+
+    `gamma` keeps PyTorch's shape `(C, 1, 1, 1)` (`images=False`, a video) or `(C, 1, 1)`
+    (`images=True`), so that Wan and diffusers checkpoints load as they are.
+    """
+
+    gamma: Float[Array, "C ..."]
+    bias: Float[Array, "C ..."] | None
+
+    def __init__(self, dim: int, *, images: bool = False, use_bias: bool = False,
+                 dtype=jnp.float32):
+        """**Arguments:**
+
+        - `dim`: the channel count.
+        - `images`: the parameters' shape: `(C, 1, 1)` if `True`, else `(C, 1, 1, 1)`.
+        - `use_bias`: a learned shift (zeros at first).
+        - `dtype`: the parameters' dtype.
+        """
+        check_positive("ChannelRMSNorm", dim=dim)
+        shape = (dim, 1, 1) if images else (dim, 1, 1, 1)
+        self.gamma = init.ones(shape, dtype)
+        self.bias = init.zeros(shape, dtype) if use_bias else None
+
+    def __call__(self, x: Float[Array, "C *rest"]) -> Float[Array, "C *rest"]:
+        """**Arguments:**
+
+        - `x`: `(C, ...)`, channels first.
+
+        **Returns:**
+
+        The normalized array, `x`'s shape.
+        """
+        if x.shape[0] != self.gamma.shape[0]:
+            raise ValueError(f"ChannelRMSNorm: `x` must have {self.gamma.shape[0]} channels "
+                             f"(its first axis); received shape {x.shape}.")
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        return channel_rms_norm(x, self.gamma.reshape(-1), bias)
 
 
 class TPShardedRMSNorm(eqx.Module):

@@ -6,6 +6,7 @@ parameters and call these; use them directly in code that keeps its own weights.
 """
 
 from ._norm import (
+    channel_rms_norm as channel_rms_norm,
     layer_norm as layer_norm,
     modulated_layer_norm as modulated_layer_norm,
     rms_norm as rms_norm,

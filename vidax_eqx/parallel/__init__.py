@@ -17,7 +17,7 @@ from ._mesh import (
     TP_AXIS as TP_AXIS,
     unpad as unpad,
 )
-from ._halo import halo_exchange as halo_exchange
+from ._halo import halo_exchange as halo_exchange, SpatialSplit as SpatialSplit
 from ._megatron import tensor_parallel_attention as tensor_parallel_attention
 from ._ulysses import (
     kv_head_repeats as kv_head_repeats,

@@ -10,6 +10,7 @@ per axis: the second carries the first one's halo rows, so the corners are right
 """
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +70,52 @@ def halo_exchange(x: jax.Array, axis_name: Hashable, axis: int, before: int, aft
         head = jax.lax.slice_in_dim(x, 0, after, axis=axis)
         parts.append(shift(head, [(r + 1, r) for r in range(n - 1)]))
     return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+
+
+class SpatialSplit(NamedTuple):
+    """Where a frame's height and width are split over mesh axes: what a convolutional
+    layer needs to run on its block of a frame inside `jax.shard_map`.
+
+    Device `(i, j)` of the two axes holds the contiguous block `i` of the rows and `j`
+    of the columns. A field of `None` is an axis that is not split (one device, or the
+    whole extent on every device): padding there is plain zeros. The default
+    `SpatialSplit()` is one device.
+
+    **Fields:**
+
+    - `height_axis`: the mesh axis the rows are split over, or `None`.
+    - `width_axis`: the mesh axis the columns are split over, or `None`.
+    """
+
+    height_axis: Hashable | None = None
+    width_axis: Hashable | None = None
+
+    @property
+    def axes(self) -> tuple:
+        """The mesh axes that split the frame (height first), for collectives over the
+        whole frame (a GroupNorm's statistics, attention over a frame's tokens)."""
+        return tuple(a for a in (self.height_axis, self.width_axis) if a is not None)
+
+    def pad(self, x: jax.Array, height: tuple[int, int] = (0, 0),
+            width: tuple[int, int] = (0, 0)) -> jax.Array:
+        """`x` (height and width its last two axes) with `height = (top, bottom)` rows
+        and `width = (left, right)` columns attached: the neighbours' edge rows over a
+        split axis ([`halo_exchange`][]), zeros at the frame's edges and over an axis
+        that is not split. A convolution with `"VALID"` padding on the result equals the
+        zero-padded convolution of the whole frame, block by block."""
+        for axis, name, (before, after) in ((-2, self.height_axis, height),
+                                            (-1, self.width_axis, width)):
+            if not (before or after):
+                continue
+            if name is None:
+                pads = [(0, 0)] * x.ndim
+                pads[axis] = (before, after)
+                x = jnp.pad(x, pads)
+            else:
+                x = halo_exchange(x, name, axis, before, after)
+        return x
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        """`x` summed over the devices that hold the frame's blocks (the identity on one
+        device): the frame-wide total of a per-block partial sum."""
+        return jax.lax.psum(x, self.axes) if self.axes else x

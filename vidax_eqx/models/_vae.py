@@ -1,0 +1,205 @@
+"""What the video VAEs share: the posterior, time in chunks through a `lax.scan` carrying
+the causal caches, the frame split over a mesh, and diffusers' tiled mode.
+
+A video VAE here is causal in time: a latent frame depends on the video frames up to its
+own, never later ones. So a video runs as a first chunk (the first frame, or the first
+latent frame, which these VAEs treat apart) and then equal chunks, each step carrying the
+caches its causal convolutions read (an explicit pytree, `None` before the first chunk);
+zero frames padded at the end to fill the last chunk change no earlier output, and their
+outputs are cut off. One compile serves every chunk after the first.
+
+Space is split over two mesh axes inside `shard_map` (a
+[`vidax_eqx.parallel.SpatialSplit`][]): each device holds one block of every frame, its
+convolutions borrow their neighbours' edge rows, and the result is the whole frame's.
+"""
+
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float
+
+from .._checks import is_int
+from .._vma import as_varying, varying_axes
+from ..nn.sharding import filter_shard_map
+from ..parallel import SpatialSplit
+
+
+class GaussianPosterior(eqx.Module):
+    """The encoder's diagonal Gaussian over the latents (diffusers'
+    `DiagonalGaussianDistribution`): `mean` and `logvar` (clipped to [-30, 20]), each
+    `(z_dim, F_latent, h, w)`."""
+
+    mean: Float[Array, "z T h w"]
+    logvar: Float[Array, "z T h w"]
+
+    @property
+    def std(self) -> Float[Array, "z T h w"]:
+        """`exp(logvar / 2)`."""
+        return jnp.exp(0.5 * self.logvar)
+
+    def mode(self) -> Float[Array, "z T h w"]:
+        """The most likely latents: `mean`."""
+        return self.mean
+
+    def sample(self, key) -> Float[Array, "z T h w"]:
+        """`mean + std * N(0, 1)` drawn with `key`."""
+        noise = jax.random.normal(key, self.mean.shape, jnp.float32).astype(self.mean.dtype)
+        return self.mean + self.std * noise
+
+
+def posterior(moments: Float[Array, "z2 T h w"]) -> GaussianPosterior:
+    """The posterior of the encoder's `2 * z_dim` output channels (mean, then log-variance)."""
+    mean, logvar = jnp.split(moments, 2, axis=0)
+    return GaussianPosterior(mean, jnp.clip(logvar, -30.0, 20.0))
+
+
+Step = Callable[[jax.Array, object, bool], tuple[jax.Array, object]]
+
+
+def run_chunked(step: Step, x: Float[Array, "C T H W"], *, first: int, size: int) -> jax.Array:
+    """`step` over the frames of `x`: the first `first` frames as the first chunk
+    (`step(chunk, None, True)`), then chunks of `size` frames in a `lax.scan` carrying the
+    caches `step` returns (`step(chunk, cache, False)`). The rest of the frames is padded
+    with zero frames to a whole number of chunks and the padding's outputs cut off, which
+    for a causal `step` changes nothing else. Returns the outputs joined along time."""
+    head, cache = step(x[:, :first], None, True)
+    # Inside shard_map a cache that starts as constant zeros must vary like the frames.
+    cache = as_varying(cache, varying_axes(x))
+    rest = x.shape[1] - first
+    if rest == 0:
+        return head
+    n = -(-rest // size)
+    tail = jnp.pad(x[:, first:], ((0, 0), (0, n * size - rest), (0, 0), (0, 0)))
+    chunks = jnp.moveaxis(tail.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+
+    def body(cache, chunk):
+        y, cache = step(chunk, cache, False)
+        return cache, y
+
+    _, ys = jax.lax.scan(body, cache, chunks)
+    out = jnp.moveaxis(ys, 0, 1)
+    out = out.reshape(out.shape[0], -1, *out.shape[3:])
+    keep = out.shape[1] * rest // (n * size)
+    return jnp.concatenate([head, out[:, :keep]], axis=1)
+
+
+def check_chunk(owner: str, chunk) -> int:
+    if not is_int(chunk) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"{owner}: `chunk` (latent frames per scan step) must be an int >= 1; "
+                         f"received {chunk!r}.")
+    return int(chunk)
+
+
+def check_split(owner: str, mesh, spatial_axes, height: int, width: int,
+                unit: int, what: str) -> SpatialSplit:
+    """The split of a frame `(height, width)` over `spatial_axes` of `mesh`, each block a
+    whole number of `unit`s (the VAE's spatial factor for a video, 1 for latents);
+    raises naming the argument otherwise."""
+    if mesh is None:
+        if spatial_axes is not None:
+            raise ValueError(f"{owner}: `spatial_axes` {spatial_axes!r} was given without a "
+                             "`mesh`; pass the mesh its axes belong to.")
+        return SpatialSplit()
+    if (not isinstance(spatial_axes, (tuple, list)) or len(spatial_axes) != 2
+            or spatial_axes[0] is not None and spatial_axes[0] == spatial_axes[1]):
+        raise ValueError(f"{owner}: `spatial_axes` must be (height_axis, width_axis), two "
+                         f"different mesh axes or None; received {spatial_axes!r}.")
+    for role, axis, extent in (("height", spatial_axes[0], height), ("width", spatial_axes[1], width)):
+        if axis is None:
+            continue
+        if axis not in mesh.shape:
+            raise ValueError(f"{owner}: the {role} axis {axis!r} of `spatial_axes` is not an "
+                             f"axis of `mesh` (axes {tuple(mesh.shape)}).")
+        n = mesh.shape[axis]
+        if extent % (n * unit):
+            raise ValueError(
+                f"{owner}: the {what}'s {role} {extent} cannot be split over mesh axis {axis!r} "
+                f"of size {n}: each device's block must be a whole number of {unit}"
+                f"{' pixels' if unit > 1 else ''} ({extent} is not a multiple of {n * unit}). "
+                f"Pad the {what}, or split over an axis whose size divides it.")
+    return SpatialSplit(*spatial_axes)
+
+
+def frame_spec(split: SpatialSplit) -> P:
+    """The `PartitionSpec` of a `(C, T, H, W)` array split like `split`."""
+    return P(None, None, split.height_axis, split.width_axis)
+
+
+def map_frames(fn: Callable, module, x: jax.Array, mesh, split: SpatialSplit,
+               out_frames=True):
+    """`fn(module, x, split)` with `x` `(C, T, H, W)` split over `mesh` like `split` and
+    the module replicated; the result's arrays split the same way (placed over the mesh).
+    On one device (`mesh` None) just the call."""
+    if mesh is None:
+        return fn(module, x, split)
+    spec = frame_spec(split)
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+    mapped = filter_shard_map(lambda m, x: fn(m, x, split), mesh=mesh,
+                              in_specs=(P(), spec), out_specs=spec)
+    return mapped(module, x)
+
+
+class Tiling(NamedTuple):
+    """diffusers' spatial tiling of a VAE (`enable_tiling`), in video pixels: tiles of
+    `min_height x min_width` every `stride_height` / `stride_width`, their overlaps blended
+    linearly; a frame no larger than a tile is not tiled. diffusers' defaults."""
+
+    min_height: int = 256
+    min_width: int = 256
+    stride_height: int = 192
+    stride_width: int = 192
+
+
+def check_tiling(owner: str, tiling) -> Tiling:
+    if not isinstance(tiling, Tiling):
+        raise ValueError(f"{owner}: `tiling` must be a Tiling(min_height, min_width, "
+                         f"stride_height, stride_width) or None; received {tiling!r}.")
+    for name, value in tiling._asdict().items():
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{owner}: `tiling.{name}` must be an int >= 1; received {value!r}.")
+    if tiling.stride_height > tiling.min_height or tiling.stride_width > tiling.min_width:
+        raise ValueError(f"{owner}: a tile's stride must not exceed its size (tiles must "
+                         f"overlap or touch); received {tiling}.")
+    return tiling
+
+
+def _ramps(n: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """The weights of the tile before and of this tile over a blend of `n`: `1 - y / n` and
+    `y / n`, each computed in float64 and rounded once (as PyTorch's Python scalars)."""
+    y = np.arange(n) / n
+    return jnp.asarray((1 - y).astype(np.float32)).astype(dtype), jnp.asarray(y.astype(np.float32)).astype(dtype)
+
+
+def blend_tiles(rows: list[list[jax.Array]], blend: tuple[int, int],
+                stride: tuple[int, int], size: tuple[int, int]) -> jax.Array:
+    """diffusers' `blend_v` / `blend_h` and crop: each tile `(C, T, h, w)` blended with the
+    one above and the one to its left over `blend` rows / columns (linear ramps), cropped to
+    `stride`, the rows and columns joined and cut to `size`."""
+    out_rows = []
+    for i, row in enumerate(rows):
+        out_row = []
+        for j, tile in enumerate(row):
+            if i > 0:
+                above = rows[i - 1][j]
+                n = min(above.shape[-2], tile.shape[-2], blend[0])
+                if n:
+                    a, b = _ramps(n, tile.dtype)
+                    mixed = above[..., above.shape[-2] - n:, :] * a[:, None] + tile[..., :n, :] * b[:, None]
+                    tile = tile.at[..., :n, :].set(mixed)
+            if j > 0:
+                left = row[j - 1]
+                n = min(left.shape[-1], tile.shape[-1], blend[1])
+                if n:
+                    a, b = _ramps(n, tile.dtype)
+                    mixed = left[..., left.shape[-1] - n:] * a + tile[..., :n] * b
+                    tile = tile.at[..., :n].set(mixed)
+            # diffusers blends in place: the next tile to the right reads this blended one.
+            row[j] = tile
+            out_row.append(tile[..., :stride[0], :stride[1]])
+        out_rows.append(jnp.concatenate(out_row, axis=-1))
+    return jnp.concatenate(out_rows, axis=-2)[..., :size[0], :size[1]]

@@ -1,0 +1,329 @@
+"""`WanVAE`: Wan 2.1's and 2.2's video VAE (diffusers' `AutoencoderKLWan`), one example
+per call, time in chunks through a `lax.scan`, space split over a mesh or tiled."""
+
+import json
+import os
+from collections.abc import Hashable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ... import interop
+from ...nn import CausalConv3d
+from ...nn import internal as nn_internal
+from ...parallel import SpatialSplit
+from .._vae import (
+    blend_tiles, check_chunk, check_split, check_tiling, GaussianPosterior, map_frames,
+    posterior, run_chunked, Tiling,
+)
+from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
+from ._config import WanVAEConfig
+from ._names import checkpoint_name
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+
+
+def _check_video(owner: str, config: WanVAEConfig, video) -> None:
+    c, f, h, w = _shape4(owner, "video", video)
+    factor = config.spatial_factor
+    if c != config.video_channels:
+        raise ValueError(f"{owner}: `video` must have {config.video_channels} channels (its first "
+                         f"axis, (C, F, H, W)); received shape {video.shape}.")
+    if (f - 1) % config.temporal_factor:
+        raise ValueError(f"{owner}: `video` must have 1 + {config.temporal_factor}k frames (axis 1); "
+                         f"received {f} frames (shape {video.shape}).")
+    if h % factor or w % factor:
+        raise ValueError(f"{owner}: the `video`'s height and width must be multiples of the VAE's "
+                         f"spatial factor {factor}; received {h} x {w} (shape {video.shape}).")
+
+
+def _shape4(owner, name, x):
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 4:
+        raise ValueError(f"{owner}: `{name}` must be one example (C, F, H, W) (vmap for a batch); "
+                         f"received {'shape ' + str(tuple(shape)) if shape is not None else type(x).__name__}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{owner}: `{name}` must be a floating array; received dtype {x.dtype}.")
+    return shape
+
+
+def _check_latents(owner: str, config: WanVAEConfig, latents) -> None:
+    shape = _shape4(owner, "latents", latents)
+    if shape[0] != config.z_dim:
+        raise ValueError(f"{owner}: `latents` must have z_dim = {config.z_dim} channels (axis 0 of "
+                         f"(z_dim, F, h, w)); received shape {tuple(shape)}.")
+
+
+class WanVAE(eqx.Module):
+    """Wan 2.1's and Wan 2.2's video VAE (diffusers' `AutoencoderKLWan`; Wan's `WanVAE_`).
+
+    One example per call, channels first: a video `(3, F, H, W)` in [-1, 1] with
+    `F = 1 + 4k` encodes to latents `(z_dim, 1 + k, H / s, W / s)` (`s` = 8, or 16 for
+    Wan 2.2), and back. Time runs in chunks (`chunk` latent frames per `lax.scan` step,
+    the causal convolutions' caches carried explicitly); with `mesh` and
+    `spatial_axes`, every frame is split over two mesh axes (height and width), each
+    convolution exchanging its edge rows with its neighbours. Both equal the whole video
+    on one device to float32 round-off; `tiling=` reproduces diffusers' tiled mode.
+
+    Parameter names are diffusers' (`load_state_dict` / `state_dict` with
+    `naming="diffusers"`), or for Wan 2.1 the original Wan names (`naming="wan"`).
+    """
+
+    encoder: WanEncoder3d
+    quant_conv: CausalConv3d
+    post_quant_conv: CausalConv3d
+    decoder: WanDecoder3d
+    config: WanVAEConfig = eqx.field(static=True)
+
+    def __init__(self, config: WanVAEConfig | None = None, *, dtype=jnp.float32, key):
+        """**Arguments:**
+
+        - `config`: the architecture (default: Wan 2.1's, [`WanVAEConfig.wan21`][]).
+        - `dtype`: the parameters' dtype.
+        - `key`: a PRNG key for the random initial weights.
+        """
+        config = WanVAEConfig() if config is None else config
+        if not isinstance(config, WanVAEConfig):
+            raise ValueError(f"WanVAE: `config` must be a WanVAEConfig; received {type(config).__name__}.")
+        k1, k2, k3, k4 = nn_internal.init.split(key, 4)
+        self.config = config
+        self.encoder = WanEncoder3d(config, dtype=dtype, key=k1)
+        self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1, dtype=dtype, key=k2)
+        self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1, dtype=dtype, key=k3)
+        self.decoder = WanDecoder3d(config, dtype=dtype, key=k4)
+
+    # -- latent statistics ----------------------------------------------------------------
+
+    @property
+    def latents_mean(self) -> jax.Array:
+        """The config's per-channel latent mean `(z_dim,)` (the pipelines' normalisation)."""
+        return self._stat("latents_mean")
+
+    @property
+    def latents_std(self) -> jax.Array:
+        """The config's per-channel latent standard deviation `(z_dim,)`."""
+        return self._stat("latents_std")
+
+    def _stat(self, name):
+        value = getattr(self.config, name)
+        if value is None:
+            raise ValueError(f"WanVAE: this config has no `{name}` (load the VAE's config.json "
+                             "with from_pretrained, or give it to WanVAEConfig).")
+        return jnp.asarray(value, jnp.float32)
+
+    def normalize_latents(self, latents: Float[Array, "z F h w"]) -> Float[Array, "z F h w"]:
+        """`(latents - mean) / std` per channel: the encoder's latents as the transformer
+        takes them (diffusers' Wan pipelines)."""
+        shape = (-1, 1, 1, 1)
+        return ((latents - self.latents_mean.reshape(shape)) / self.latents_std.reshape(shape)
+                ).astype(latents.dtype)
+
+    def denormalize_latents(self, latents: Float[Array, "z F h w"]) -> Float[Array, "z F h w"]:
+        """`latents * std + mean`: the transformer's latents as the decoder takes them."""
+        shape = (-1, 1, 1, 1)
+        return (latents * self.latents_std.reshape(shape) + self.latents_mean.reshape(shape)
+                ).astype(latents.dtype)
+
+    # -- encode / decode ------------------------------------------------------------------
+
+    def encode(self, video: Float[Array, "C F H W"], *, chunk: int = 1, mesh=None,
+               spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
+               tiling: Tiling | None = None) -> GaussianPosterior:
+        """The posterior over the latents of `video`.
+
+        **Arguments:**
+
+        - `video`: one video `(3, F, H, W)` in [-1, 1], `F = 1 + 4k`, `H` and `W`
+            multiples of the spatial factor.
+        - `chunk`: latent frames per `lax.scan` step after the first (memory against
+            steps); any value gives the same result.
+        - `mesh`, `spatial_axes`: split every frame's height and width over the mesh axes
+            `(height_axis, width_axis)` (either may be `None`); each device's block must
+            be a whole number of latent pixels. The posterior comes back placed over the
+            mesh the same way.
+        - `tiling`: diffusers' tiled encode ([`Tiling`][vidax_eqx.models.Tiling]), one device.
+
+        **Returns:**
+
+        A [`GaussianPosterior`][vidax_eqx.models.GaussianPosterior]: `mean`, `logvar`,
+        `sample(key)`, each `(z_dim, 1 + k, H / s, W / s)`.
+        """
+        owner = "WanVAE.encode"
+        _check_video(owner, self.config, video)
+        chunk = check_chunk(owner, chunk)
+        if tiling is not None:
+            if mesh is not None:
+                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
+            return self._tiled_encode(video, check_tiling(owner, tiling), chunk)
+        split = check_split(owner, mesh, spatial_axes, video.shape[2], video.shape[3],
+                            self.config.spatial_factor, "video")
+        return posterior(_encode(self, video, chunk, mesh, split))
+
+    def decode(self, latents: Float[Array, "z T h w"], *, chunk: int = 1, mesh=None,
+               spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
+               tiling: Tiling | None = None) -> Float[Array, "C F H W"]:
+        """The video of `latents`, clamped to [-1, 1].
+
+        **Arguments:**
+
+        - `latents`: `(z_dim, T, h, w)` (not normalised: see
+            [`denormalize_latents`][vidax_eqx.models.WanVAE.denormalize_latents]).
+        - `chunk`: latent frames per `lax.scan` step after the first.
+        - `mesh`, `spatial_axes`: as for [`encode`][vidax_eqx.models.WanVAE.encode]; the
+            latents' height and width must divide among the axes' devices. The video comes
+            back placed over the mesh.
+        - `tiling`: diffusers' tiled decode ([`Tiling`][vidax_eqx.models.Tiling]), one device.
+
+        **Returns:**
+
+        The video `(3, 1 + 4 (T - 1), h s, w s)`.
+        """
+        owner = "WanVAE.decode"
+        _check_latents(owner, self.config, latents)
+        chunk = check_chunk(owner, chunk)
+        if tiling is not None:
+            if mesh is not None:
+                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
+            return self._tiled_decode(latents, check_tiling(owner, tiling), chunk)
+        split = check_split(owner, mesh, spatial_axes, latents.shape[2], latents.shape[3], 1, "latents")
+        return _decode(self, latents, chunk, mesh, split)
+
+    # The per-device bodies: `x` is this device's block of every frame.
+
+    def _encode_block(self, video, chunk: int, split: SpatialSplit):
+        x = patchify(video, self.config.patch_size)
+        frames = self.config.temporal_factor
+
+        def step(x, cache, first):
+            return self.encoder(x, cache, first=first, split=split)
+
+        moments = run_chunked(step, x, first=1, size=frames * chunk)
+        return self.quant_conv(moments, split=split)[0]
+
+    def _decode_block(self, latents, chunk: int, split: SpatialSplit):
+        x = self.post_quant_conv(latents, split=split)[0]
+
+        def step(x, cache, first):
+            return self.decoder(x, cache, first=first, split=split)
+
+        out = run_chunked(step, x, first=1, size=chunk)
+        return jnp.clip(unpatchify(out, self.config.patch_size), -1.0, 1.0)
+
+    # -- diffusers' tiled mode ------------------------------------------------------------
+
+    def _tiled_encode(self, video, tiling: Tiling, chunk: int) -> GaussianPosterior:
+        p = self.config.patch_size or 1
+        x_h, x_w = video.shape[2] // p, video.shape[3] // p  # diffusers tiles the patched video
+        factor = self.config.spatial_factor // p
+        if x_w <= tiling.min_width and x_h <= tiling.min_height:
+            return self.encode(video, chunk=chunk)
+        th, tw = tiling.min_height, tiling.min_width
+        lat = (th // factor, tw // factor)
+        stride = (tiling.stride_height // factor, tiling.stride_width // factor)
+        rows = []
+        for i in range(0, x_h, tiling.stride_height):
+            rows.append([_encode(self, video[:, :, i * p:(i + th) * p, j * p:(j + tw) * p],
+                                 chunk, None, SpatialSplit())
+                         for j in range(0, x_w, tiling.stride_width)])
+        moments = blend_tiles(rows, (lat[0] - stride[0], lat[1] - stride[1]), stride,
+                              (x_h // factor, x_w // factor))
+        return posterior(moments)
+
+    def _tiled_decode(self, latents, tiling: Tiling, chunk: int):
+        p = self.config.patch_size or 1
+        s = self.config.spatial_factor
+        h, w = latents.shape[2:]
+        lat = (tiling.min_height // s, tiling.min_width // s)
+        if w <= lat[1] and h <= lat[0]:
+            return self.decode(latents, chunk=chunk)
+        lat_stride = (tiling.stride_height // s, tiling.stride_width // s)
+        stride = (tiling.stride_height // p, tiling.stride_width // p)
+        blend = (tiling.min_height // p - stride[0], tiling.min_width // p - stride[1])
+        rows = []
+        for i in range(0, h, lat_stride[0]):
+            rows.append([_decode_patched(self, latents[:, :, i:i + lat[0], j:j + lat[1]], chunk)
+                         for j in range(0, w, lat_stride[1])])
+        out = blend_tiles(rows, blend, stride, (h * s // p, w * s // p))
+        return jnp.clip(unpatchify(out, self.config.patch_size), -1.0, 1.0)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, *, config: WanVAEConfig | None = None, dtype=jnp.float32,
+                        mesh=None) -> "WanVAE":
+        """A VAE from a checkpoint: diffusers' `vae/` folder (`config.json` and
+        `diffusion_pytorch_model.safetensors`, or its shards with the index), or a
+        `.safetensors` file of the original Wan 2.1 VAE (Wan's names; the architecture
+        Wan 2.1's). A Hub repository id works through
+        [`vidax_eqx.interop.resolve_checkpoint`][].
+
+        **Arguments:**
+
+        - `path`: the folder or file.
+        - `config`: the architecture of a single file (default Wan 2.1's); a folder's is
+            its `config.json` (a different `config` given with it is refused).
+        - `dtype`: the parameters' dtype (tensors of any float dtype are cast).
+        - `mesh`: place the parameters on this mesh (replicated).
+
+        **Raises:**
+
+        `ValueError` naming every tensor that is missing, unexpected or of the wrong shape
+        for the config.
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            path = os.fspath(interop.resolve_checkpoint(path))
+        if os.path.isdir(path):
+            found = WanVAEConfig.from_file(os.path.join(path, CONFIG_FILE))
+            if config is not None and config != found:
+                raise ValueError(f"WanVAE.from_pretrained: `config` {config} differs from the "
+                                 f"folder's config.json {found}; leave `config` out.")
+            config = found
+        elif config is None:
+            config = WanVAEConfig()
+        source = path
+        vae = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+            replicated = NamedSharding(mesh, PartitionSpec())
+            vae = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), vae)
+        return interop.load_state_dict(vae, source, rename=checkpoint_name(config))
+
+    def save_pretrained(self, path) -> None:
+        """Writes diffusers' `vae/` layout: `config.json` and
+        `diffusion_pytorch_model.safetensors` (diffusers' names)."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.config.to_dict(), f, indent=2)
+        interop.save_safetensors(self, os.path.join(path, WEIGHTS_FILE), naming="diffusers",
+                                 rename=checkpoint_name(self.config))
+
+
+@eqx.filter_jit
+def _run(vae, x, chunk: int, mesh, split: SpatialSplit, which: str):
+    """The compiled encode or decode body, on one device or mapped over `mesh`."""
+    def body(vae, x, split):
+        return (vae._encode_block if which == "encode" else vae._decode_block)(x, chunk, split)
+
+    return map_frames(body, vae, x, mesh, split)
+
+
+def _encode(vae, video, chunk, mesh, split):
+    return _run(vae, video, chunk, mesh, split, "encode")
+
+
+def _decode(vae, latents, chunk, mesh, split):
+    return _run(vae, latents, chunk, mesh, split, "decode")
+
+
+@eqx.filter_jit
+def _decode_patched(vae, latents, chunk):
+    """A tile's decode before unpatching and clamping (diffusers blends those)."""
+    x = vae.post_quant_conv(latents)[0]
+    return run_chunked(lambda x, c, first: vae.decoder(x, c, first=first, split=SpatialSplit()),
+                       x, first=1, size=chunk)
