@@ -35,11 +35,15 @@ def _triple(value, name: str, what: str) -> tuple[int, int, int]:
 
 def _conv(x, weight, bias, stride):
     """`x` `(C, T, H, W)` (already padded) convolved with `weight` `(O, I, kt, kh, kw)`."""
+    # Products summed in float32 whatever the input dtype (as cuDNN and the TPU do), the
+    # bias added there, one rounding to the input's dtype.
     y = jax.lax.conv_general_dilated(
         x[None], weight.astype(x.dtype), window_strides=stride, padding="VALID",
-        dimension_numbers=("NCDHW", "OIDHW", "NCDHW"),
+        dimension_numbers=("NCDHW", "OIDHW", "NCDHW"), preferred_element_type=jnp.float32,
     )[0]
-    return y if bias is None else y + bias.astype(y.dtype)[:, None, None, None]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[:, None, None, None]
+    return y.astype(x.dtype)
 
 
 def _conv_init(key, out_channels, in_channels, kernel, use_bias, dtype):

@@ -22,6 +22,11 @@ def _at(cache, i):
     return None if cache is None else cache[i]
 
 
+def _silu(x):
+    """SiLU computed in float32 and rounded once (PyTorch's for a bfloat16 input)."""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
 class WanResidualBlock(eqx.Module):
     """norm, SiLU, causal 3x3x3 conv, twice, plus the (1x1x1-convolved) input."""
 
@@ -42,8 +47,8 @@ class WanResidualBlock(eqx.Module):
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
         h = x if self.conv_shortcut is None else self.conv_shortcut(x, split=split)[0]
-        x, c1 = self.conv1(jax.nn.silu(self.norm1(x)), _at(cache, 0), split=split)
-        x, c2 = self.conv2(jax.nn.silu(self.norm2(x)), _at(cache, 1), split=split)
+        x, c1 = self.conv1(_silu(self.norm1(x)), _at(cache, 0), split=split)
+        x, c2 = self.conv2(_silu(self.norm2(x)), _at(cache, 1), split=split)
         return x + h, (c1, c2)
 
 
@@ -249,7 +254,7 @@ class WanMidBlock(eqx.Module):
 
 
 def _head(norm, conv, x, cache, split):
-    return conv(jax.nn.silu(norm(x)), cache, split=split)
+    return conv(_silu(norm(x)), cache, split=split)
 
 
 class WanEncoder3d(eqx.Module):
