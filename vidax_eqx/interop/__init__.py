@@ -6,7 +6,9 @@ strict reader of the documented format: no pickle, nothing executed, bounded
 allocation, every header field checked before any tensor data is read. A model
 placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices hold,
 reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
-repository id (`resolve_checkpoint`; `huggingface_hub` is optional).
+repository id (`resolve_checkpoint`; `huggingface_hub` is optional). Video files go in
+and out as frames (`read_video`, `write_video`; PyAV is optional), converted to and from
+the VAEs' layout by `frames_to_video` and `video_to_frames`.
 """
 
 from ._checkpoint import (
@@ -30,4 +32,10 @@ from ._state_dict import (
     load_state_dict as load_state_dict,
     save_safetensors as save_safetensors,
     state_dict as state_dict,
+)
+from ._video import (
+    frames_to_video as frames_to_video,
+    read_video as read_video,
+    video_to_frames as video_to_frames,
+    write_video as write_video,
 )
