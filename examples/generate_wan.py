@@ -4,7 +4,7 @@
         --embeddings prompt.safetensors --frames 81 --height 480 --width 832 \\
         --output latents.safetensors --video out.mp4
     python examples/generate_wan.py --checkpoint Wan-AI/Wan2.1-T2V-1.3B-Diffusers \\
-        --prompt "A cat walks on the grass" --video out.mp4          # needs torch + transformers
+        --prompt "A cat walks on the grass" --video out.mp4          # --prompt needs torch
     python examples/generate_wan.py --checkpoint /path/to/Wan2.2-T2V-A14B-Diffusers \\
         --embeddings prompt.safetensors --guidance-scale 4 --guidance-scale-2 3 --mesh sp=4,tp=2
 
@@ -44,15 +44,17 @@ with `--first-block-cache THRESHOLD` or `--static-step-cache INTERVAL` (after
 initial latents are `jax.random.normal(jax.random.key(seed), (B, C, F, H, W), float32)`
 (or `--noise FILE` with a `noise` tensor, e.g. diffusers' own draw), where
 `F = (frames - 1) // 4 + 1`, `H = height // s`, `W = width // s` with the VAE's scale
-factors (read from `vae/config.json` when there is one; else Wan 2.1's VAE, `s = 8`,
-or Wan 2.2 TI2V's for a 48-channel model, `s = 16`), or `--latent-shape C F H W`.
+factors (read from `vae/config.json`, or `--vae`'s, when there is one; else Wan 2.1's
+VAE, `s = 8`, or Wan 2.2 TI2V's for a 48-channel model, `s = 16`), or
+`--latent-shape C F H W`.
 
 **Output.** `--output` writes the final latents `(B, C, F, H, W)` float32 (`.safetensors`
-under the key `latents`, or `.npy`). `--video out.mp4` decodes them with the pipeline's
-`vae/` (diffusers' `AutoencoderKLWan`, needs `torch`, `diffusers` and `imageio` with
-`imageio-ffmpeg`) as `WanPipeline` does: `latents / (1 / latents_std) + latents_mean`,
-`vae.decode`, `(video / 2 + 0.5).clamp(0, 1)`, and writes the first video (`--fps`);
-several videos get `_1`, `_2`, ... suffixes.
+under the key `latents`, or `.npy`). `--video out.mp4` decodes them without torch, with
+`models.WanVAE.from_pretrained` of the pipeline's `vae/` (or `--vae DIR`), as
+`WanPipeline` does: `WanVAE.denormalize_latents` (`latents * latents_std +
+latents_mean`), `WanVAE.decode`, `interop.video_to_frames` (`(video / 2 + 0.5)` clipped
+to [0, 1]), rounded to uint8, and `interop.write_video` (H.264 through PyAV: `pip install
+'vidax_eqx[video]'`) at `--fps`; several videos get `_1`, `_2`, ... suffixes.
 """
 
 import argparse
@@ -131,8 +133,8 @@ def parse_args(argv=None):
     o.add_argument("--output", default="latents.safetensors",
                    help="the final latents, .safetensors (key 'latents') or .npy "
                    "(default latents.safetensors)")
-    o.add_argument("--video", help="decode with the pipeline's vae/ to this .mp4 "
-                   "(torch + diffusers + imageio)")
+    o.add_argument("--video", help="decode with the pipeline's vae/ (models.WanVAE) to this "
+                   ".mp4 (PyAV: pip install 'vidax_eqx[video]')")
     o.add_argument("--vae", help="the VAE directory (default: the pipeline's vae/)")
     o.add_argument("--fps", type=int, default=16, help="the video's frame rate (default 16)")
     args = p.parse_args(argv)
@@ -276,29 +278,26 @@ def encode_prompts(text_encoder_dir, tokenizer_dir, prompts, max_sequence_length
 
 
 def decode_video(vae_dir, latents):
-    """diffusers' `WanPipeline` decode: uint8 frames `(B, F, H, W, 3)`."""
+    """diffusers' `WanPipeline` decode, without torch: uint8 frames `(B, F, H, W, 3)`."""
+    import jax.numpy as jnp
     import numpy as np
-    import torch
-    from diffusers import AutoencoderKLWan
+    from vidax_eqx import interop, models
 
-    vae = AutoencoderKLWan.from_pretrained(vae_dir, torch_dtype=torch.float32).eval()
-    z_dim = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-    z = torch.from_numpy(np.array(latents, np.float32)) / inv_std + mean  # a writable copy
-    with torch.no_grad():
-        video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-    video = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
-    return (video * 255).round().astype(np.uint8)
+    vae = models.WanVAE.from_pretrained(vae_dir)
+    videos = []
+    for z in np.asarray(latents, np.float32):  # one video at a time: (C, F, H, W)
+        video = vae.decode(vae.denormalize_latents(jnp.asarray(z)))  # (3, F, H, W) in [-1, 1]
+        videos.append(np.round(interop.video_to_frames(video) * 255).astype(np.uint8))
+    return np.stack(videos)
 
 
 def write_videos(path, frames, fps):
-    import imageio
+    from vidax_eqx import interop
 
     stem, ext = os.path.splitext(path)
     paths = [path if i == 0 else f"{stem}_{i}{ext}" for i in range(len(frames))]
     for p, video in zip(paths, frames):
-        imageio.mimwrite(p, list(video), fps=fps)
+        interop.write_video(video, p, fps=fps)
     return paths
 
 
@@ -375,7 +374,8 @@ def main(argv=None):
         if args.latent_shape is not None:
             shape = tuple(args.latent_shape)
         else:
-            shape = latent_shape(config, _read_json(os.path.join(find("vae") or "", "config.json")),
+            vae_dir = args.vae or find("vae") or ""
+            shape = latent_shape(config, _read_json(os.path.join(vae_dir, "config.json")),
                                  args.frames, args.height, args.width)
         noise = jax.random.normal(jax.random.key(args.seed), (batch, *shape), jnp.float32)
     context = jnp.asarray(context, model_dtype)
