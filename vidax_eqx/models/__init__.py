@@ -1,6 +1,6 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
-call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][]
-and [`vidax_eqx.models.cogvideox`][]; the names below are theirs, re-exported.
+call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][],
+[`vidax_eqx.models.cogvideox`][] and [`vidax_eqx.models.wan_vae`][]; the names below are theirs, re-exported.
 
 - [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
     timestep per token), from diffusers or original Wan checkpoints;
@@ -9,6 +9,9 @@ and [`vidax_eqx.models.cogvideox`][]; the names below are theirs, re-exported.
     timestep.
 - [`CogVideoXTransformer3D`][]: CogVideoX 1.0's video DiT (2B and 5B, T2V and I2V),
     from diffusers checkpoints.
+- [`WanVAE`][]: Wan 2.1's and 2.2's video VAE ([`WanVAEConfig`][]): video to latents
+    ([`GaussianPosterior`][]) and back, time in chunks, frames split over a mesh or
+    tiled ([`Tiling`][]).
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once

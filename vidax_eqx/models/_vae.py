@@ -203,3 +203,23 @@ def blend_tiles(rows: list[list[jax.Array]], blend: tuple[int, int],
             out_row.append(tile[..., :stride[0], :stride[1]])
         out_rows.append(jnp.concatenate(out_row, axis=-1))
     return jnp.concatenate(out_rows, axis=-2)[..., :size[0], :size[1]]
+
+
+def vae_program(vae, which: str, x, *, chunk: int = 1, mesh=None, spatial_axes=None):
+    """`(fn, args)`: a VAE's encode or decode body (`vae._encode_block` /
+    `vae._decode_block`, without the public method's checks) as a `jax.jit` function of
+    the VAE's arrays and `x`, split over `mesh` like the public call; `fn.lower(*args)`
+    compiles it, `jax.make_jaxpr(fn)(*args)` traces it. `vae` and `x` may be abstract
+    (`jax.ShapeDtypeStruct`s): what the memory benchmark measures."""
+    split = check_split(f"vae_program({which})", mesh, spatial_axes, x.shape[2], x.shape[3], 1,
+                        "input")
+    is_leaf = lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct))  # noqa: E731
+    params, static = eqx.partition(vae, is_leaf, is_leaf=is_leaf)
+
+    def body(m, x, split):
+        return getattr(m, f"_{which}_block")(x, chunk, split)
+
+    def fn(params, x):
+        return map_frames(body, eqx.combine(params, static, is_leaf=is_leaf), x, mesh, split)
+
+    return jax.jit(fn), (params, x)

@@ -5,6 +5,9 @@ with: the one documented door into `models`' private modules. Not part of the pu
     [`vidax_eqx.models.export`][] (a call's signature of static and array arguments,
     the message naming where two signatures differ, and the serialized bytes with their
     settings), which the exported sampler reuses.
+- `vae_program`: a VAE's encode or decode body as a `jax.jit` function of abstract
+    arguments, for the memory benchmark (`benchmarks/vae_memory.py`).
 """
 
 from ._export import mismatch as mismatch, pack as pack, signature as signature, unpack as unpack
+from ._vae import vae_program as vae_program
