@@ -7,10 +7,12 @@ torch 2.13.0 (CPU) and diffusers 0.42.1:
     pip install torch diffusers safetensors
     python scripts/make_vae_fixtures.py
 
-Each model directory `<name>/diffusers/` is diffusers' own `save_pretrained`. For Wan 2.1,
-`<name>/wan/Wan2.1_VAE.safetensors` holds the same tensors under the original Wan names
-(`WanVAE_` of Wan's `vae.py`: `encoder.downsamples.*.residual.*`, `middle`, `head`,
-`conv1` / `conv2`), written with a name map of this script's own.
+Each model directory `<name>/diffusers/` is diffusers' own `save_pretrained`;
+`<name>/wan/Wan2.1_VAE.safetensors` (or `Wan2.2_VAE.safetensors`) holds the same tensors
+under the original Wan names (`WanVAE_` of Wan 2.1's `vae.py`: `encoder.downsamples.*.
+residual.*`, `middle`, `head`, `conv1` / `conv2`; Wan 2.2's `vae2_2.py` nests each level's
+blocks as `downsamples.{i}.downsamples.{j}` / `upsamples.{i}.upsamples.{j}`), written
+with a name map of this script's own.
 
 `<name>/io.npz` holds, for videos of 5 and 9 frames (1 + 4k for k = 1, 2): the video in
 [-1, 1] (`video_5`), the posterior's `mean_5` and `logvar_5` (diffusers' `encode`), and
@@ -70,8 +72,9 @@ def build(spec: dict, seed: int) -> AutoencoderKLWan:
     return model
 
 
-# Wan 2.1's original names (its `WanVAE_`): diffusers name -> original name.
-def to_wan21_name(name: str, num_res_blocks: int, levels: int) -> str:
+# The original Wan names (`WanVAE_` of Wan 2.1's `vae.py` and Wan 2.2's `vae2_2.py`):
+# diffusers name -> original name.
+def to_wan_name(name: str, num_res_blocks: int, residual: bool) -> str:
     def resnet(rest: str) -> str:
         for d, w in (("norm1", "residual.0"), ("conv1", "residual.2"), ("norm2", "residual.3"),
                      ("conv2", "residual.6"), ("conv_shortcut", "shortcut")):
@@ -96,6 +99,17 @@ def to_wan21_name(name: str, num_res_blocks: int, levels: int) -> str:
         if kind == "attentions":
             return f"{side}.middle.1.{tail}"
         return f"{side}.middle.{2 * int(i)}.{resnet(tail)}"
+    if residual:  # Wan 2.2: Down_ResidualBlock / Up_ResidualBlock, each a `downsamples` /
+        # `upsamples` sequence of residual blocks then the resampling
+        m = re.match(r"(down|up)_blocks\.(\d+)\.(resnets\.(\d+)|downsampler|upsampler)\.(.*)", rest)
+        if m:
+            kind, i, part, j, tail = m.groups()
+            seq = f"{kind}samples"
+            if part.startswith("resnets"):
+                return f"{side}.{seq}.{i}.{seq}.{j}.{resnet(tail)}"
+            last = num_res_blocks if kind == "down" else num_res_blocks + 1
+            return f"{side}.{seq}.{i}.{seq}.{last}.{tail}"
+        raise KeyError(name)
     m = re.match(r"down_blocks\.(\d+)\.(.*)", rest)
     if m:
         i, tail = int(m.group(1)), m.group(2)
@@ -125,12 +139,13 @@ def main():
         root = os.path.join(args.out, name)
         model = build(spec, seed=10 * place)
         model.save_pretrained(os.path.join(root, "diffusers"))
-        if name == "wan21":
-            cfg = spec["config"]
-            tensors = {to_wan21_name(k, cfg["num_res_blocks"], len(cfg["dim_mult"])): v.contiguous()
-                       for k, v in model.state_dict().items()}
-            os.makedirs(os.path.join(root, "wan"), exist_ok=True)
-            save_file(tensors, os.path.join(root, "wan", "Wan2.1_VAE.safetensors"))
+        cfg = spec["config"]
+        residual = cfg.get("is_residual", False)
+        tensors = {to_wan_name(k, cfg["num_res_blocks"], residual): v.contiguous()
+                   for k, v in model.state_dict().items()}
+        os.makedirs(os.path.join(root, "wan"), exist_ok=True)
+        save_file(tensors, os.path.join(root, "wan", "Wan2.2_VAE.safetensors" if residual
+                                        else "Wan2.1_VAE.safetensors"))
         g = torch.Generator().manual_seed(10 * place + 1)
         z_dim = spec["config"]["z_dim"]
         factor = spec["config"].get("scale_factor_spatial", 8)

@@ -94,15 +94,25 @@ def test_posterior_sample_and_statistics(case):
     assert vae.latents_mean.shape == (vae.config.z_dim,)
 
 
-def test_original_wan_names_and_save_pretrained(tmp_path):
-    """Wan 2.1's original tensor names load to the same model; save_pretrained writes
-    diffusers' names and config, which load back."""
-    root = os.path.join(FIXTURES, "wan21")
+@pytest.mark.parametrize("name", ["wan21", "wan22"])
+def test_original_wan_names(name):
+    """The original Wan releases' tensor names (Wan 2.1's flat sequences, Wan 2.2's
+    per-level blocks) load to the same model."""
+    root = os.path.join(FIXTURES, name)
     io = harness.load_io(os.path.join(root, "io.npz"))
     config = WanVAEConfig.from_file(os.path.join(root, "diffusers", "config.json"))
-    vae = WanVAE.from_pretrained(os.path.join(root, "wan", "Wan2.1_VAE.safetensors"), config=config)
-    out = vae.decode(jnp.asarray(io["latents_2"]))
-    assert rel(out, io["decoded_2"]) < TOL
+    file = "Wan2.2_VAE.safetensors" if config.is_residual else "Wan2.1_VAE.safetensors"
+    vae = WanVAE.from_pretrained(os.path.join(root, "wan", file), config=config)
+    ref = WanVAE.from_pretrained(os.path.join(root, "diffusers"))
+    for a, b in zip(jax.tree.leaves(vae), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_save_pretrained(tmp_path):
+    """save_pretrained writes diffusers' names and config, which load back."""
+    root = os.path.join(FIXTURES, "wan21")
+    config = WanVAEConfig.from_file(os.path.join(root, "diffusers", "config.json"))
+    vae = WanVAE.from_pretrained(os.path.join(root, "diffusers"))
     vae.save_pretrained(tmp_path)
     from safetensors.numpy import load_file
     saved = load_file(os.path.join(tmp_path, "diffusion_pytorch_model.safetensors"))

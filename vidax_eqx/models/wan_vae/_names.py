@@ -1,6 +1,6 @@
 """The Wan VAE's parameter names: this library's field paths to diffusers' names and to
-the original Wan 2.1 VAE's (`WanVAE_` of Wan's `vae.py`, the `Wan2.1_VAE.pth` release
-converted to `.safetensors`)."""
+the original Wan VAEs' (`WanVAE_` of Wan 2.1's `vae.py` and Wan 2.2's `vae2_2.py`, the
+`Wan2.1_VAE.pth` / `Wan2.2_VAE.pth` releases converted to `.safetensors`)."""
 
 import re
 from collections.abc import Callable
@@ -17,9 +17,11 @@ _RESNET = (("norm1", "residual.0"), ("conv1", "residual.2"), ("norm2", "residual
            ("conv2", "residual.6"), ("conv_shortcut", "shortcut"))
 
 
-def _wan21(name: str, num_res_blocks: int) -> str:
-    """diffusers' name -> Wan 2.1's original name (flat `downsamples` / `upsamples`
-    sequences, `residual.N` inside a residual block, `middle`, `head`, `conv1` / `conv2`)."""
+def _wan(name: str, num_res_blocks: int, residual: bool) -> str:
+    """diffusers' name -> the original Wan name: `residual.N` inside a residual block,
+    `middle`, `head`, `conv1` / `conv2`; Wan 2.1's levels flat `downsamples` / `upsamples`
+    sequences, Wan 2.2's one block per level holding its own `downsamples` / `upsamples`
+    sequence (the residual blocks, then the resampling)."""
 
     def resnet(rest: str) -> str:
         for ours, theirs in _RESNET:
@@ -39,6 +41,16 @@ def _wan21(name: str, num_res_blocks: int) -> str:
     if m:
         kind, i, tail = m.groups()
         return f"{side}.middle.1.{tail}" if kind == "attentions" else f"{side}.middle.{2 * int(i)}.{resnet(tail)}"
+    if residual:
+        m = re.match(r"(down|up)_blocks\.(\d+)\.(resnets\.(\d+)|downsampler|upsampler)\.(.*)", rest)
+        if m:
+            kind, i, part, j, tail = m.groups()
+            seq = f"{kind}samples"
+            if part.startswith("resnets"):
+                return f"{side}.{seq}.{i}.{seq}.{j}.{resnet(tail)}"
+            last = num_res_blocks if kind == "down" else num_res_blocks + 1
+            return f"{side}.{seq}.{i}.{seq}.{last}.{tail}"
+        return name
     m = re.match(r"down_blocks\.(\d+)\.(.*)", rest)
     if m:
         return f"{side}.downsamples.{m.group(1)}.{resnet(m.group(2))}"
@@ -53,13 +65,14 @@ def _wan21(name: str, num_res_blocks: int) -> str:
 
 def checkpoint_name(config: WanVAEConfig) -> Callable[[str, str], str]:
     """The `rename` of `load_state_dict` / `state_dict` for a Wan VAE of `config`: under
-    `"diffusers"` diffusers' names, under `"wan"` the original Wan 2.1 names (Wan 2.2's
-    residual layout has only diffusers' names here)."""
+    `"diffusers"` diffusers' names, under `"wan"` the original Wan names (Wan 2.1's or
+    2.2's layout; a config with `attn_scales`, which no release has, keeps diffusers'
+    names)."""
 
     def rename(name: str, naming: str) -> str:
         name = _diffusers(name)
-        if naming == "wan" and not config.is_residual and not config.attn_scales:
-            return _wan21(name, config.num_res_blocks)
+        if naming == "wan" and not config.attn_scales:
+            return _wan(name, config.num_res_blocks, config.is_residual)
         return name
 
     return rename
