@@ -1,6 +1,7 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
 call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][],
-[`vidax_eqx.models.cogvideox`][] and [`vidax_eqx.models.wan_vae`][]; the names below are theirs, re-exported.
+[`vidax_eqx.models.cogvideox`][], [`vidax_eqx.models.wan_vae`][] and
+[`vidax_eqx.models.cogvideox_vae`][]; the names below are theirs, re-exported.
 
 - [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
     timestep per token), from diffusers or original Wan checkpoints;
@@ -12,6 +13,8 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
 - [`WanVAE`][]: Wan 2.1's and 2.2's video VAE ([`WanVAEConfig`][]): video to latents
     ([`GaussianPosterior`][]) and back, time in chunks, frames split over a mesh or
     tiled ([`Tiling`][]).
+- [`CogVideoXVAE`][]: CogVideoX's video VAE ([`CogVideoXVAEConfig`][]), diffusers'
+    frame chunks, frames split over a mesh or tiled.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
@@ -35,16 +38,17 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
 - [`AbstractModel`][], [`AbstractCachedModel`][], [`AbstractExperts`][],
     [`AbstractBatchedInput`][], [`AbstractPerExpert`][]: what `run_sharded`, LoRA, the
     caches and the samplers need of a model and of its inputs; a new model subclasses
-    them.
+    them. [`AbstractVideoVAE`][]: what a pipeline needs of a video VAE.
 """
 
-from . import cogvideox as cogvideox, wan as wan, wan_vae as wan_vae
+from . import cogvideox as cogvideox, cogvideox_vae as cogvideox_vae, wan as wan, wan_vae as wan_vae
 from ._base import (
     AbstractBatchedInput as AbstractBatchedInput,
     AbstractCachedModel as AbstractCachedModel,
     AbstractExperts as AbstractExperts,
     AbstractModel as AbstractModel,
     AbstractPerExpert as AbstractPerExpert,
+    AbstractVideoVAE as AbstractVideoVAE,
 )
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
@@ -64,6 +68,7 @@ from .cogvideox import (
     rope_crop_positions as rope_crop_positions,
 )
 from .wan_vae import WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
+from .cogvideox_vae import CogVideoXVAE as CogVideoXVAE, CogVideoXVAEConfig as CogVideoXVAEConfig
 from .wan import (
     sharded_text_cache as sharded_text_cache,
     WanBlock as WanBlock,

@@ -124,3 +124,50 @@ def expert_kwargs(kwargs: dict, index: int) -> dict:
     by that expert's."""
     return {k: v.for_expert(index) if isinstance(v, AbstractPerExpert) else v
             for k, v in kwargs.items()}
+
+
+class AbstractVideoVAE(eqx.Module):
+    """A video VAE: one example per call, channels first, causal in time (the first
+    frame alone, then `temporal_factor` frames per latent frame), each frame splittable
+    over two mesh axes. What a pipeline and the dataset script need of a VAE.
+
+    **Declares:**
+
+    - `config`: the static configuration (a frozen dataclass).
+    - `z_dim`, `spatial_factor`, `temporal_factor`: latent channels, video pixels per
+        latent pixel (each side), video frames per latent frame after the first.
+    """
+
+    config: eqx.AbstractVar[Any]
+
+    @property
+    @abc.abstractmethod
+    def z_dim(self) -> int:
+        """Latent channels."""
+
+    @property
+    @abc.abstractmethod
+    def spatial_factor(self) -> int:
+        """Video pixels per latent pixel, each side."""
+
+    @property
+    @abc.abstractmethod
+    def temporal_factor(self) -> int:
+        """Video frames per latent frame after the first."""
+
+    @abc.abstractmethod
+    def encode(self, video, *, mesh=None, spatial_axes=None, tiling=None):
+        """`video` `(C, 1 + temporal_factor k, H, W)` in [-1, 1] -> the posterior over its
+        latents `(z_dim, 1 + k, H / s, W / s)`."""
+
+    @abc.abstractmethod
+    def decode(self, latents, *, mesh=None, spatial_axes=None, tiling=None):
+        """Latents `(z_dim, T, h, w)` -> the video in [-1, 1]."""
+
+    @abc.abstractmethod
+    def normalize_latents(self, latents):
+        """The encoder's latents as the transformer takes them."""
+
+    @abc.abstractmethod
+    def denormalize_latents(self, latents):
+        """The transformer's latents as the decoder takes them."""

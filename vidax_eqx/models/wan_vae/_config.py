@@ -40,7 +40,8 @@ class WanVAEConfig:
     - `scale_factor_temporal`, `scale_factor_spatial`: video frames and pixels per
         latent frame and pixel, checked against the architecture.
     - `latents_mean`, `latents_std`: per-channel latent statistics for the pipelines'
-        normalisation (`None` if the config has none).
+        normalisation (`None`: none; [`wan21`][vidax_eqx.models.WanVAEConfig.wan21] has
+        Wan 2.1's).
     """
 
     base_dim: int = 96
@@ -56,8 +57,8 @@ class WanVAEConfig:
     patch_size: int | None = None
     scale_factor_temporal: int = 4
     scale_factor_spatial: int = 8
-    latents_mean: tuple[float, ...] | None = _WAN21_MEAN
-    latents_std: tuple[float, ...] | None = _WAN21_STD
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
 
     def __post_init__(self):
         def fail(name, expected):
@@ -112,8 +113,8 @@ class WanVAEConfig:
 
     @classmethod
     def wan21(cls, **overrides) -> "WanVAEConfig":
-        """Wan 2.1's VAE (diffusers' defaults)."""
-        return cls(**overrides)
+        """Wan 2.1's VAE (diffusers' defaults, with its latent statistics)."""
+        return cls(**{**dict(latents_mean=_WAN21_MEAN, latents_std=_WAN21_STD), **overrides})
 
     @classmethod
     def wan22(cls, **overrides) -> "WanVAEConfig":
@@ -126,14 +127,17 @@ class WanVAEConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> "WanVAEConfig":
-        """From diffusers' `config.json` of an `AutoencoderKLWan`; an unknown key is
-        refused by name."""
+        """From diffusers' `config.json` of an `AutoencoderKLWan` (a missing key takes
+        diffusers' default); an unknown key is refused by name."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - fields - _IGNORED)
         if unknown:
             raise ValueError(f"WanVAEConfig: unknown config keys {unknown} (known: "
                              f"{sorted(fields)}).")
         values = {k: v for k, v in config.items() if k in fields}
+        if values.get("z_dim", 16) == 16:  # diffusers' defaults: Wan 2.1's statistics
+            values.setdefault("latents_mean", _WAN21_MEAN)
+            values.setdefault("latents_std", _WAN21_STD)
         if config.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
             raise ValueError(f"WanVAEConfig: the config is a {config['_class_name']!r}, not an "
                              "'AutoencoderKLWan'.")

@@ -14,6 +14,7 @@ from ... import interop
 from ...nn import CausalConv3d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
+from .._base import AbstractVideoVAE
 from .._vae import (
     blend_tiles, check_chunk, check_split, check_tiling, GaussianPosterior, map_frames,
     posterior, run_chunked, Tiling,
@@ -58,7 +59,7 @@ def _check_latents(owner: str, config: WanVAEConfig, latents) -> None:
                          f"(z_dim, F, h, w)); received shape {tuple(shape)}.")
 
 
-class WanVAE(eqx.Module):
+class WanVAE(AbstractVideoVAE):
     """Wan 2.1's and Wan 2.2's video VAE (diffusers' `AutoencoderKLWan`; Wan's `WanVAE_`).
 
     One example per call, channels first: a video `(3, F, H, W)` in [-1, 1] with
@@ -86,7 +87,7 @@ class WanVAE(eqx.Module):
         - `dtype`: the parameters' dtype.
         - `key`: a PRNG key for the random initial weights.
         """
-        config = WanVAEConfig() if config is None else config
+        config = WanVAEConfig.wan21() if config is None else config
         if not isinstance(config, WanVAEConfig):
             raise ValueError(f"WanVAE: `config` must be a WanVAEConfig; received {type(config).__name__}.")
         k1, k2, k3, k4 = nn_internal.init.split(key, 4)
@@ -95,6 +96,21 @@ class WanVAE(eqx.Module):
         self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1, dtype=dtype, key=k2)
         self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1, dtype=dtype, key=k3)
         self.decoder = WanDecoder3d(config, dtype=dtype, key=k4)
+
+    @property
+    def z_dim(self) -> int:
+        """Latent channels."""
+        return self.config.z_dim
+
+    @property
+    def spatial_factor(self) -> int:
+        """Video pixels per latent pixel, each side: 8 (Wan 2.1), 16 (Wan 2.2)."""
+        return self.config.spatial_factor
+
+    @property
+    def temporal_factor(self) -> int:
+        """Video frames per latent frame after the first: 4."""
+        return self.config.temporal_factor
 
     # -- latent statistics ----------------------------------------------------------------
 
@@ -284,7 +300,7 @@ class WanVAE(eqx.Module):
                                  f"folder's config.json {found}; leave `config` out.")
             config = found
         elif config is None:
-            config = WanVAEConfig()
+            config = WanVAEConfig.wan21()
         source = path
         vae = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
         if mesh is not None:
