@@ -23,6 +23,7 @@ from ._video_sparse import VideoSparse as VideoSparse
 from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as TimestepEmbedding
 from ._patch import PatchEmbedding as PatchEmbedding
 from ._conv import CausalConv3d as CausalConv3d, FrameConv2d as FrameConv2d
+from ._group_norm import GroupNorm as GroupNorm
 from ._lora import (
     LoRA as LoRA,
     LoRALinear as LoRALinear,

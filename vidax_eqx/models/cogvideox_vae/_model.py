@@ -15,6 +15,7 @@ from ... import interop
 from ...nn import CausalConv3d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
+from .._base import AbstractVideoVAE
 from .._vae import (
     blend_tiles, check_split, check_tiling, GaussianPosterior, map_frames, posterior,
     run_chunked, Tiling,
@@ -68,15 +69,7 @@ def first_chunk(frames: int, batch: int) -> int:
     return batch + frames % batch if frames >= batch else frames
 
 
-def decoded_frames(latent_frames: int, temporal_factor: int = 4) -> int:
-    """The video frames diffusers' decode makes of `latent_frames`: an odd chunk's first
-    frame stays one frame, every other latent frame becomes `temporal_factor` frames."""
-    first = first_chunk(latent_frames, LATENT_FRAMES)
-    head = 1 + temporal_factor * (first - 1) if first % 2 else temporal_factor * first
-    return head + temporal_factor * (latent_frames - first)
-
-
-class CogVideoXVAE(eqx.Module):
+class CogVideoXVAE(AbstractVideoVAE):
     """CogVideoX's video VAE (diffusers' `AutoencoderKLCogVideoX`; CogVideoX 1.0's 2B and 5B,
     CogVideoX 1.5 with its config).
 
@@ -93,7 +86,9 @@ class CogVideoXVAE(eqx.Module):
 
     Parameter names are diffusers' (`interop.load_state_dict` loads its state dict as
     it is). The pipelines scale the latents by
-    [`scaling_factor`][vidax_eqx.models.CogVideoXVAE.scaling_factor] (not done here).
+    [`scaling_factor`][vidax_eqx.models.CogVideoXVAE.scaling_factor]
+    ([`normalize_latents`][vidax_eqx.models.CogVideoXVAE.normalize_latents]); encode and
+    decode do not.
     """
 
     encoder: CogVideoXEncoder3D
@@ -123,6 +118,35 @@ class CogVideoXVAE(eqx.Module):
                            if config.use_quant_conv else None)
         self.post_quant_conv = (CausalConv3d(out, out, 1, dtype=dtype, key=k4)
                                 if config.use_post_quant_conv else None)
+
+    @property
+    def z_dim(self) -> int:
+        """Latent channels (`latent_channels`)."""
+        return self.config.latent_channels
+
+    @property
+    def spatial_factor(self) -> int:
+        """Video pixels per latent pixel, each side: 8."""
+        return self.config.spatial_factor
+
+    @property
+    def temporal_factor(self) -> int:
+        """Video frames per latent frame after the first: 4."""
+        return self.config.temporal_factor
+
+    def normalize_latents(self, latents: Float[Array, "z F h w"]) -> Float[Array, "z F h w"]:
+        """`(latents - shift_factor) * scaling_factor` (no shift in CogVideoX's configs):
+        the encoder's latents as the transformer takes them (diffusers' CogVideoX
+        pipelines; CogVideoX 1.5's `invert_scale_latents` concerns the image-to-video
+        pipeline's image latents and is not applied here)."""
+        shift = self.config.shift_factor or 0.0
+        return ((latents - shift) * self.config.scaling_factor).astype(latents.dtype)
+
+    def denormalize_latents(self, latents: Float[Array, "z F h w"]) -> Float[Array, "z F h w"]:
+        """`latents / scaling_factor + shift_factor`: the transformer's latents as the
+        decoder takes them."""
+        shift = self.config.shift_factor or 0.0
+        return (latents / self.config.scaling_factor + shift).astype(latents.dtype)
 
     @property
     def scaling_factor(self) -> float:
