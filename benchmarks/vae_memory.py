@@ -67,7 +67,7 @@ def _walk(jaxpr, in_scan: bool, tally: dict) -> None:
 
 
 def measure(vae, which: str, x, chunk: int, mesh):
-    fn, args = vae_program(vae, which, x, chunk=chunk, mesh=mesh, spatial_axes=("h", "w") if mesh else None)
+    fn, args = vae_program(vae, which, x, chunk, mesh=mesh, spatial_axes=("h", "w") if mesh else None)
     t = time.perf_counter()
     compiled = fn.lower(*args).compile()
     seconds = time.perf_counter() - t

@@ -13,7 +13,9 @@ Space is split over two mesh axes inside `shard_map` (a
 convolutions borrow their neighbours' edge rows, and the result is the whole frame's.
 """
 
-from collections.abc import Callable, Hashable
+import json
+import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -23,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
+from .. import interop
 from .._checks import is_int
 from .._vma import as_varying, varying_axes
 from ..nn.sharding import filter_shard_map
@@ -88,6 +91,42 @@ def run_chunked(step: Step, x: Float[Array, "C T H W"], *, first: int, size: int
     return jnp.concatenate([head, out[:, :keep]], axis=1)
 
 
+def _example(owner: str, name: str, x) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 4:
+        got = f"shape {tuple(shape)}" if shape is not None else type(x).__name__
+        raise ValueError(f"{owner}: `{name}` must be one example (C, F, H, W) (vmap for a "
+                         f"batch); received {got}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{owner}: `{name}` must be a floating array; received dtype {x.dtype}.")
+    return tuple(shape)
+
+
+def check_video(owner: str, video, *, channels: int, temporal_factor: int,
+                spatial_factor: int) -> None:
+    """Raises naming `video` unless it is one example `(channels, 1 + temporal_factor k,
+    H, W)` with `H` and `W` multiples of `spatial_factor`."""
+    c, f, h, w = _example(owner, "video", video)
+    if c != channels:
+        raise ValueError(f"{owner}: `video` must have {channels} channels (its first axis, "
+                         f"(C, F, H, W)); received shape {tuple(video.shape)}.")
+    if (f - 1) % temporal_factor:
+        raise ValueError(f"{owner}: `video` must have 1 + {temporal_factor}k frames (axis 1); "
+                         f"received {f} frames (shape {tuple(video.shape)}).")
+    if h % spatial_factor or w % spatial_factor:
+        raise ValueError(f"{owner}: the `video`'s height and width must be multiples of the VAE's "
+                         f"spatial factor {spatial_factor}; received {h} x {w} (shape "
+                         f"{tuple(video.shape)}).")
+
+
+def check_latents(owner: str, latents, *, channels: int, name: str = "z_dim") -> None:
+    """Raises naming `latents` unless it is one example with `channels` channels."""
+    shape = _example(owner, "latents", latents)
+    if shape[0] != channels:
+        raise ValueError(f"{owner}: `latents` must have {name} = {channels} channels (axis 0 of "
+                         f"(z_dim, F, h, w)); received shape {shape}.")
+
+
 def check_chunk(owner: str, chunk) -> int:
     if not is_int(chunk) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"{owner}: `chunk` (latent frames per scan step) must be an int >= 1; "
@@ -123,6 +162,13 @@ def check_split(owner: str, mesh, spatial_axes, height: int, width: int,
                 f"{' pixels' if unit > 1 else ''} ({extent} is not a multiple of {n * unit}). "
                 f"Pad the {what}, or split over an axis whose size divides it.")
     return SpatialSplit(*spatial_axes)
+
+
+def check_one_device(owner: str, tiling, mesh):
+    """`tiling` checked, and refused together with a `mesh`."""
+    if tiling is not None and mesh is not None:
+        raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
+    return None if tiling is None else check_tiling(owner, tiling)
 
 
 def frame_spec(split: SpatialSplit) -> P:
@@ -205,21 +251,58 @@ def blend_tiles(rows: list[list[jax.Array]], blend: tuple[int, int],
     return jnp.concatenate(out_rows, axis=-2)[..., :size[0], :size[1]]
 
 
-def vae_program(vae, which: str, x, *, chunk: int = 1, mesh=None, spatial_axes=None):
-    """`(fn, args)`: a VAE's encode or decode body (`vae._encode_block` /
-    `vae._decode_block`, without the public method's checks) as a `jax.jit` function of
-    the VAE's arrays and `x`, split over `mesh` like the public call; `fn.lower(*args)`
-    compiles it, `jax.make_jaxpr(fn)(*args)` traces it. `vae` and `x` may be abstract
+def _block(vae, which: str, options: tuple):
+    def body(vae, x, split):
+        return getattr(vae, f"_{which}_block")(x, split, *options)
+
+    return body
+
+
+@eqx.filter_jit
+def run_blocks(vae, x, mesh, split: SpatialSplit, which: str, *options):
+    """The compiled `vae._encode_block(x, split, *options)` (or `_decode_block`), on one
+    device or mapped over `mesh` by [`map_frames`][]: the body of a VAE's public calls.
+    `options` are static (a chunk size)."""
+    return map_frames(_block(vae, which, options), vae, x, mesh, split)
+
+
+def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None):
+    """`(fn, args)`: [`run_blocks`][]'s body (without the public call's checks) as a
+    `jax.jit` function of the VAE's arrays and `x`; `fn.lower(*args)` compiles it,
+    `jax.make_jaxpr(fn)(*args)` traces it. `vae` and `x` may be abstract
     (`jax.ShapeDtypeStruct`s): what the memory benchmark measures."""
     split = check_split(f"vae_program({which})", mesh, spatial_axes, x.shape[2], x.shape[3], 1,
                         "input")
     is_leaf = lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct))  # noqa: E731
     params, static = eqx.partition(vae, is_leaf, is_leaf=is_leaf)
-
-    def body(m, x, split):
-        return getattr(m, f"_{which}_block")(x, chunk, split)
+    body = _block(vae, which, options)
 
     def fn(params, x):
         return map_frames(body, eqx.combine(params, static, is_leaf=is_leaf), x, mesh, split)
 
     return jax.jit(fn), (params, x)
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+
+
+def load_vae(cls, config, source, *, dtype, mesh, rename=None):
+    """`cls(config)` built abstractly (no initial weights), replicated over `mesh` if one is
+    given, filled from `source` by `interop.load_state_dict` (every tensor's name and shape
+    checked against the config)."""
+    vae = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
+    if mesh is not None:
+        replicated = NamedSharding(mesh, P())
+        vae = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), vae)
+    return interop.load_state_dict(vae, source, rename=rename)
+
+
+def save_vae(vae, path, *, rename=None) -> None:
+    """diffusers' `vae/` layout: `config.json` (`vae.config.to_dict()`) and
+    `diffusion_pytorch_model.safetensors` under diffusers' names."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(vae.config.to_dict(), f, indent=2)
+    interop.save_safetensors(vae, os.path.join(path, WEIGHTS_FILE), naming="diffusers", rename=rename)

@@ -2,12 +2,10 @@
 per call, time in diffusers' chunks through a `lax.scan`, space split over a mesh or
 tiled."""
 
-import json
 import os
 from collections.abc import Hashable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -17,49 +15,17 @@ from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, check_split, check_tiling, GaussianPosterior, map_frames, posterior,
-    run_chunked, Tiling,
+    blend_tiles, check_latents, check_one_device, check_split, check_tiling, check_video,
+    CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks, run_chunked, save_vae,
+    Tiling,
 )
 from ._blocks import CogVideoXDecoder3D, CogVideoXEncoder3D
 from ._config import CogVideoXVAEConfig
 
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 # diffusers' `num_sample_frames_batch_size` and `num_latent_frames_batch_size`: the frames
 # of one chunk, whose GroupNorm statistics they share (so part of the numbers).
 SAMPLE_FRAMES, LATENT_FRAMES = 8, 2
-
-
-def _shape4(owner, name, x):
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) != 4:
-        raise ValueError(f"{owner}: `{name}` must be one example (C, F, H, W) (vmap for a batch); "
-                         f"received {'shape ' + str(tuple(shape)) if shape is not None else type(x).__name__}.")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{owner}: `{name}` must be a floating array; received dtype {x.dtype}.")
-    return tuple(shape)
-
-
-def _check_video(owner: str, config: CogVideoXVAEConfig, video) -> None:
-    c, f, h, w = _shape4(owner, "video", video)
-    factor, frames = config.spatial_factor, config.temporal_factor
-    if c != config.in_channels:
-        raise ValueError(f"{owner}: `video` must have {config.in_channels} channels (its first "
-                         f"axis, (C, F, H, W)); received shape {tuple(video.shape)}.")
-    if (f - 1) % frames:
-        raise ValueError(f"{owner}: `video` must have 1 + {frames}k frames (axis 1); received "
-                         f"{f} frames (shape {tuple(video.shape)}).")
-    if h % factor or w % factor:
-        raise ValueError(f"{owner}: the `video`'s height and width must be multiples of the VAE's "
-                         f"spatial factor {factor}; received {h} x {w} (shape {tuple(video.shape)}).")
-
-
-def _check_latents(owner: str, config: CogVideoXVAEConfig, latents) -> None:
-    shape = _shape4(owner, "latents", latents)
-    if shape[0] != config.latent_channels:
-        raise ValueError(f"{owner}: `latents` must have latent_channels = {config.latent_channels} "
-                         f"channels (axis 0 of (z_dim, T, h, w)); received shape {shape}.")
 
 
 def first_chunk(frames: int, batch: int) -> int:
@@ -179,14 +145,14 @@ class CogVideoXVAE(AbstractVideoVAE):
         `sample(key)`, each `(latent_channels, 1 + k, H / 8, W / 8)`.
         """
         owner = "CogVideoXVAE.encode"
-        _check_video(owner, self.config, video)
+        check_video(owner, video, channels=self.config.in_channels,
+                    temporal_factor=self.temporal_factor, spatial_factor=self.spatial_factor)
+        tiling = check_one_device(owner, tiling, mesh)
         if tiling is not None:
-            if mesh is not None:
-                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
-            return self._tiled_encode(video, check_tiling(owner, tiling))
+            return self._tiled_encode(video, tiling)
         split = check_split(owner, mesh, spatial_axes, video.shape[2], video.shape[3],
                             self.config.spatial_factor, "video")
-        return posterior(_run(self, video, mesh, split, "encode"))
+        return posterior(run_blocks(self, video, mesh, split, "encode"))
 
     def decode(self, latents: Float[Array, "z T h w"], *, mesh=None,
                spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
@@ -208,13 +174,12 @@ class CogVideoXVAE(AbstractVideoVAE):
         `4 T` for an even `T` (diffusers' first chunk is then two whole latent frames).
         """
         owner = "CogVideoXVAE.decode"
-        _check_latents(owner, self.config, latents)
+        check_latents(owner, latents, channels=self.z_dim, name="latent_channels")
+        tiling = check_one_device(owner, tiling, mesh)
         if tiling is not None:
-            if mesh is not None:
-                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
-            return self._tiled_decode(latents, check_tiling(owner, tiling))
+            return self._tiled_decode(latents, tiling)
         split = check_split(owner, mesh, spatial_axes, latents.shape[2], latents.shape[3], 1, "latents")
-        return _run(self, latents, mesh, split, "decode")
+        return run_blocks(self, latents, mesh, split, "decode")
 
     # The per-device bodies: `x` is this device's block of every frame.
 
@@ -281,7 +246,7 @@ class CogVideoXVAE(AbstractVideoVAE):
             return self.encode(video)
         th, tw = tiling.min_height, tiling.min_width
         lat, stride = (th // s, tw // s), (tiling.stride_height // s, tiling.stride_width // s)
-        rows = [[_run(self, video[:, :, i:i + th, j:j + tw], None, SpatialSplit(), "encode")
+        rows = [[run_blocks(self, video[:, :, i:i + th, j:j + tw], None, SpatialSplit(), "encode")
                  for j in range(0, w, tiling.stride_width)]
                 for i in range(0, h, tiling.stride_height)]
         moments = blend_tiles(rows, (lat[0] - stride[0], lat[1] - stride[1]), stride, (h // s, w // s))
@@ -296,7 +261,7 @@ class CogVideoXVAE(AbstractVideoVAE):
         lat_stride = (tiling.stride_height // s, tiling.stride_width // s)
         stride = (tiling.stride_height, tiling.stride_width)
         blend = (tiling.min_height - stride[0], tiling.min_width - stride[1])
-        rows = [[_run(self, latents[:, :, i:i + lat[0], j:j + lat[1]], None, SpatialSplit(), "decode")
+        rows = [[run_blocks(self, latents[:, :, i:i + lat[0], j:j + lat[1]], None, SpatialSplit(), "decode")
                  for j in range(0, w, lat_stride[1])]
                 for i in range(0, h, lat_stride[0])]
         return blend_tiles(rows, blend, stride, (h * s, w * s))
@@ -324,27 +289,9 @@ class CogVideoXVAE(AbstractVideoVAE):
         if not os.path.isdir(path):
             path = os.fspath(interop.resolve_checkpoint(path))
         config = CogVideoXVAEConfig.from_file(os.path.join(path, CONFIG_FILE))
-        vae = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
-        if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-            replicated = NamedSharding(mesh, PartitionSpec())
-            vae = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), vae)
-        return interop.load_state_dict(vae, path)
+        return load_vae(cls, config, path, dtype=dtype, mesh=mesh)
 
     def save_pretrained(self, path) -> None:
         """Writes diffusers' `vae/` layout: `config.json` and
         `diffusion_pytorch_model.safetensors` (diffusers' names)."""
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        interop.save_safetensors(self, os.path.join(path, WEIGHTS_FILE), naming="diffusers")
-
-
-@eqx.filter_jit
-def _run(vae, x, mesh, split: SpatialSplit, which: str):
-    """The compiled encode or decode body, on one device or mapped over `mesh`."""
-    def body(vae, x, split):
-        return (vae._encode_block if which == "encode" else vae._decode_block)(x, split)
-
-    return map_frames(body, vae, x, mesh, split)
+        save_vae(self, path)

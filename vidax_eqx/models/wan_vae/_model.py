@@ -1,7 +1,6 @@
 """`WanVAE`: Wan 2.1's and 2.2's video VAE (diffusers' `AutoencoderKLWan`), one example
 per call, time in chunks through a `lax.scan`, space split over a mesh or tiled."""
 
-import json
 import os
 from collections.abc import Hashable
 
@@ -16,47 +15,13 @@ from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, check_chunk, check_split, check_tiling, GaussianPosterior, map_frames,
-    posterior, run_chunked, Tiling,
+    blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
+    CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks, run_chunked, save_vae,
+    Tiling,
 )
 from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
 from ._config import WanVAEConfig
 from ._names import checkpoint_name
-
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-
-
-def _check_video(owner: str, config: WanVAEConfig, video) -> None:
-    c, f, h, w = _shape4(owner, "video", video)
-    factor = config.spatial_factor
-    if c != config.video_channels:
-        raise ValueError(f"{owner}: `video` must have {config.video_channels} channels (its first "
-                         f"axis, (C, F, H, W)); received shape {video.shape}.")
-    if (f - 1) % config.temporal_factor:
-        raise ValueError(f"{owner}: `video` must have 1 + {config.temporal_factor}k frames (axis 1); "
-                         f"received {f} frames (shape {video.shape}).")
-    if h % factor or w % factor:
-        raise ValueError(f"{owner}: the `video`'s height and width must be multiples of the VAE's "
-                         f"spatial factor {factor}; received {h} x {w} (shape {video.shape}).")
-
-
-def _shape4(owner, name, x):
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) != 4:
-        raise ValueError(f"{owner}: `{name}` must be one example (C, F, H, W) (vmap for a batch); "
-                         f"received {'shape ' + str(tuple(shape)) if shape is not None else type(x).__name__}.")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{owner}: `{name}` must be a floating array; received dtype {x.dtype}.")
-    return shape
-
-
-def _check_latents(owner: str, config: WanVAEConfig, latents) -> None:
-    shape = _shape4(owner, "latents", latents)
-    if shape[0] != config.z_dim:
-        raise ValueError(f"{owner}: `latents` must have z_dim = {config.z_dim} channels (axis 0 of "
-                         f"(z_dim, F, h, w)); received shape {tuple(shape)}.")
 
 
 class WanVAE(AbstractVideoVAE):
@@ -169,15 +134,15 @@ class WanVAE(AbstractVideoVAE):
         `sample(key)`, each `(z_dim, 1 + k, H / s, W / s)`.
         """
         owner = "WanVAE.encode"
-        _check_video(owner, self.config, video)
+        check_video(owner, video, channels=self.config.video_channels,
+                    temporal_factor=self.temporal_factor, spatial_factor=self.spatial_factor)
         chunk = check_chunk(owner, chunk)
+        tiling = check_one_device(owner, tiling, mesh)
         if tiling is not None:
-            if mesh is not None:
-                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
-            return self._tiled_encode(video, check_tiling(owner, tiling), chunk)
+            return self._tiled_encode(video, tiling, chunk)
         split = check_split(owner, mesh, spatial_axes, video.shape[2], video.shape[3],
-                            self.config.spatial_factor, "video")
-        return posterior(_encode(self, video, chunk, mesh, split))
+                            self.spatial_factor, "video")
+        return posterior(run_blocks(self, video, mesh, split, "encode", chunk))
 
     def decode(self, latents: Float[Array, "z T h w"], *, chunk: int = 1, mesh=None,
                spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
@@ -199,18 +164,17 @@ class WanVAE(AbstractVideoVAE):
         The video `(3, 1 + 4 (T - 1), h s, w s)`.
         """
         owner = "WanVAE.decode"
-        _check_latents(owner, self.config, latents)
+        check_latents(owner, latents, channels=self.z_dim)
         chunk = check_chunk(owner, chunk)
+        tiling = check_one_device(owner, tiling, mesh)
         if tiling is not None:
-            if mesh is not None:
-                raise ValueError(f"{owner}: `tiling` runs on one device; pass `mesh` or `tiling`, not both.")
-            return self._tiled_decode(latents, check_tiling(owner, tiling), chunk)
+            return self._tiled_decode(latents, tiling, chunk)
         split = check_split(owner, mesh, spatial_axes, latents.shape[2], latents.shape[3], 1, "latents")
-        return _decode(self, latents, chunk, mesh, split)
+        return run_blocks(self, latents, mesh, split, "decode", chunk)
 
     # The per-device bodies: `x` is this device's block of every frame.
 
-    def _encode_block(self, video, chunk: int, split: SpatialSplit):
+    def _encode_block(self, video, split: SpatialSplit, chunk: int):
         x = patchify(video, self.config.patch_size)
         frames = self.config.temporal_factor
 
@@ -220,7 +184,7 @@ class WanVAE(AbstractVideoVAE):
         moments = run_chunked(step, x, first=1, size=frames * chunk)
         return self.quant_conv(moments, split=split)[0]
 
-    def _decode_block(self, latents, chunk: int, split: SpatialSplit):
+    def _decode_block(self, latents, split: SpatialSplit, chunk: int):
         x = self.post_quant_conv(latents, split=split)[0]
 
         def step(x, cache, first):
@@ -242,8 +206,8 @@ class WanVAE(AbstractVideoVAE):
         stride = (tiling.stride_height // factor, tiling.stride_width // factor)
         rows = []
         for i in range(0, x_h, tiling.stride_height):
-            rows.append([_encode(self, video[:, :, i * p:(i + th) * p, j * p:(j + tw) * p],
-                                 chunk, None, SpatialSplit())
+            rows.append([run_blocks(self, video[:, :, i * p:(i + th) * p, j * p:(j + tw) * p],
+                                    None, SpatialSplit(), "encode", chunk)
                          for j in range(0, x_w, tiling.stride_width)])
         moments = blend_tiles(rows, (lat[0] - stride[0], lat[1] - stride[1]), stride,
                               (x_h // factor, x_w // factor))
@@ -302,39 +266,12 @@ class WanVAE(AbstractVideoVAE):
         elif config is None:
             config = WanVAEConfig.wan21()
         source = path
-        vae = eqx.filter_eval_shape(cls, config, dtype=dtype, key=jax.random.key(0))
-        if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-            replicated = NamedSharding(mesh, PartitionSpec())
-            vae = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), vae)
-        return interop.load_state_dict(vae, source, rename=checkpoint_name(config))
+        return load_vae(cls, config, source, dtype=dtype, mesh=mesh, rename=checkpoint_name(config))
 
     def save_pretrained(self, path) -> None:
         """Writes diffusers' `vae/` layout: `config.json` and
         `diffusion_pytorch_model.safetensors` (diffusers' names)."""
-        path = os.fspath(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(self.config.to_dict(), f, indent=2)
-        interop.save_safetensors(self, os.path.join(path, WEIGHTS_FILE), naming="diffusers",
-                                 rename=checkpoint_name(self.config))
-
-
-@eqx.filter_jit
-def _run(vae, x, chunk: int, mesh, split: SpatialSplit, which: str):
-    """The compiled encode or decode body, on one device or mapped over `mesh`."""
-    def body(vae, x, split):
-        return (vae._encode_block if which == "encode" else vae._decode_block)(x, chunk, split)
-
-    return map_frames(body, vae, x, mesh, split)
-
-
-def _encode(vae, video, chunk, mesh, split):
-    return _run(vae, video, chunk, mesh, split, "encode")
-
-
-def _decode(vae, latents, chunk, mesh, split):
-    return _run(vae, latents, chunk, mesh, split, "decode")
+        save_vae(self, path, rename=checkpoint_name(self.config))
 
 
 @eqx.filter_jit
