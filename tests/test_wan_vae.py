@@ -233,3 +233,17 @@ def test_checkpoint_that_disagrees_with_its_config_names_the_tensor():
     config = WanVAEConfig.from_file(os.path.join(FIXTURES, "wan21", "diffusers", "config.json"))
     with pytest.raises(ValueError, match=r"encoder\.conv_in\.weight"):
         WanVAE.from_pretrained(os.path.join(root, "diffusion_pytorch_model.safetensors"), config=config)
+
+
+def test_max_frames_gives_the_same_video(wan21):
+    """One program for any frame count up to `max_frames`: zero frames after the video
+    change none of its outputs."""
+    io = harness.load_io(os.path.join(FIXTURES, "wan21", "io.npz"))
+    out = wan21.decode(jnp.asarray(io["latents_2"]), max_frames=3)
+    assert out.shape == io["decoded_2"].shape and rel(out, io["decoded_2"]) < TOL
+    post = wan21.encode(jnp.asarray(io["video_5"]), max_frames=9)
+    assert post.mean.shape == io["mean_5"].shape and rel(post.mean, io["mean_5"]) < TOL
+    with pytest.raises(ValueError, match=r"`max_frames` must be None or an int of the form 1 \+ 4k"):
+        wan21.encode(jnp.asarray(io["video_5"]), max_frames=8)
+    with pytest.raises(ValueError, match=r"at least the input's 2; received 1"):
+        wan21.decode(jnp.asarray(io["latents_2"]), max_frames=1)

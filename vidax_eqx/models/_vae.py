@@ -127,6 +127,20 @@ def check_latents(owner: str, latents, *, channels: int, name: str = "z_dim") ->
                          f"(z_dim, F, h, w)); received shape {shape}.")
 
 
+def pad_frames(owner: str, x, max_frames, step: int, what: str):
+    """`x` `(C, F, H, W)` with zero frames after its own up to `max_frames` (`1 + step k`,
+    at least `F`); `x` itself for `None`. A causal VAE's outputs for the real frames do not
+    change: one compiled program serves every frame count up to `max_frames`."""
+    if max_frames is None:
+        return x
+    frames = x.shape[1]
+    if (not is_int(max_frames) or isinstance(max_frames, bool) or max_frames < frames
+            or (max_frames - 1) % step):
+        raise ValueError(f"{owner}: `max_frames` must be None or an int of the form 1 + {step}k "
+                         f"({what}) at least the input's {frames}; received {max_frames!r}.")
+    return jnp.pad(x, ((0, 0), (0, max_frames - frames), (0, 0), (0, 0)))
+
+
 def check_chunk(owner: str, chunk) -> int:
     if not is_int(chunk) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"{owner}: `chunk` (latent frames per scan step) must be an int >= 1; "

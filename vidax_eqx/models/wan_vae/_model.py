@@ -16,8 +16,8 @@ from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
     blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
-    CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks, run_chunked, save_vae,
-    Tiling,
+    CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_chunked,
+    save_vae, Tiling,
 )
 from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
 from ._config import WanVAEConfig
@@ -113,7 +113,7 @@ class WanVAE(AbstractVideoVAE):
 
     def encode(self, video: Float[Array, "C F H W"], *, chunk: int = 1, mesh=None,
                spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
-               tiling: Tiling | None = None) -> GaussianPosterior:
+               tiling: Tiling | None = None, max_frames: int | None = None) -> GaussianPosterior:
         """The posterior over the latents of `video`.
 
         **Arguments:**
@@ -127,6 +127,9 @@ class WanVAE(AbstractVideoVAE):
             be a whole number of latent pixels. The posterior comes back placed over the
             mesh the same way.
         - `tiling`: diffusers' tiled encode ([`Tiling`][vidax_eqx.models.Tiling]), one device.
+        - `max_frames`: run the program of a `max_frames`-frame video (`1 + 4k`, at least
+            `F`; zero frames after the video, whose latents are cut off): one compiled
+            program for every frame count up to it. The result is the same.
 
         **Returns:**
 
@@ -142,11 +145,14 @@ class WanVAE(AbstractVideoVAE):
             return self._tiled_encode(video, tiling, chunk)
         split = check_split(owner, mesh, spatial_axes, video.shape[2], video.shape[3],
                             self.spatial_factor, "video")
-        return posterior(run_blocks(self, video, mesh, split, "encode", chunk))
+        frames = video.shape[1]
+        video = pad_frames(owner, video, max_frames, self.temporal_factor, "video frames")
+        moments = run_blocks(self, video, mesh, split, "encode", chunk)
+        return posterior(moments[:, :1 + (frames - 1) // self.temporal_factor])
 
     def decode(self, latents: Float[Array, "z T h w"], *, chunk: int = 1, mesh=None,
                spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
-               tiling: Tiling | None = None) -> Float[Array, "C F H W"]:
+               tiling: Tiling | None = None, max_frames: int | None = None) -> Float[Array, "C F H W"]:
         """The video of `latents`, clamped to [-1, 1].
 
         **Arguments:**
@@ -158,6 +164,9 @@ class WanVAE(AbstractVideoVAE):
             latents' height and width must divide among the axes' devices. The video comes
             back placed over the mesh.
         - `tiling`: diffusers' tiled decode ([`Tiling`][vidax_eqx.models.Tiling]), one device.
+        - `max_frames`: run the program of `max_frames` latent frames (at least `T`; zero
+            latents after these, whose frames are cut off): one compiled program for every
+            latent frame count up to it. The result is the same.
 
         **Returns:**
 
@@ -170,7 +179,10 @@ class WanVAE(AbstractVideoVAE):
         if tiling is not None:
             return self._tiled_decode(latents, tiling, chunk)
         split = check_split(owner, mesh, spatial_axes, latents.shape[2], latents.shape[3], 1, "latents")
-        return run_blocks(self, latents, mesh, split, "decode", chunk)
+        frames = latents.shape[1]
+        latents = pad_frames(owner, latents, max_frames, 1, "latent frames")
+        video = run_blocks(self, latents, mesh, split, "decode", chunk)
+        return video[:, :1 + self.temporal_factor * (frames - 1)]
 
     # The per-device bodies: `x` is this device's block of every frame.
 
