@@ -39,3 +39,4 @@ from ._video import (
     video_to_frames as video_to_frames,
     write_video as write_video,
 )
+from ._tokenizer import prompt_clean as prompt_clean, TextTokenizer as TextTokenizer
