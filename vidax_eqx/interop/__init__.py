@@ -8,7 +8,9 @@ placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices h
 reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
 repository id (`resolve_checkpoint`; `huggingface_hub` is optional). Video files go in
 and out as frames (`read_video`, `write_video`; PyAV is optional), converted to and from
-the VAEs' layout by `frames_to_video` and `video_to_frames`.
+the VAEs' layout by `frames_to_video` and `video_to_frames`. Prompts become token ids
+and masks as transformers' tokenizers give them (`TextTokenizer`, over the `tokenizers`
+library; `prompt_clean`, diffusers' cleaning), without torch or transformers.
 """
 
 from ._checkpoint import (
