@@ -36,14 +36,19 @@ def _triple(value, name: str, what: str) -> tuple[int, int, int]:
 def _conv(x, weight, bias, stride):
     """`x` `(C, T, H, W)` (already padded) convolved with `weight` `(O, I, kt, kh, kw)`."""
     # Products summed in float32 whatever the input dtype (as cuDNN and the TPU do), the
-    # bias added there, one rounding to the input's dtype.
+    # bias added there, one rounding to the input's dtype. Channels last for the
+    # convolution itself: XLA's CPU backend runs an NCDHW convolution inside a loop body
+    # (the VAEs' lax.scan over chunks) by its naive emitter, about 30x slower than its
+    # library path, which it takes for NDHWC; on GPU / TPU layout assignment makes the
+    # transposes free.
     y = jax.lax.conv_general_dilated(
-        x[None], weight.astype(x.dtype), window_strides=stride, padding="VALID",
-        dimension_numbers=("NCDHW", "OIDHW", "NCDHW"), preferred_element_type=jnp.float32,
+        jnp.moveaxis(x, 0, -1)[None], jnp.transpose(weight, (2, 3, 4, 1, 0)).astype(x.dtype),
+        window_strides=stride, padding="VALID", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+        preferred_element_type=jnp.float32,
     )[0]
     if bias is not None:
-        y = y + bias.astype(jnp.float32)[:, None, None, None]
-    return y.astype(x.dtype)
+        y = y + bias.astype(jnp.float32)
+    return jnp.moveaxis(y, -1, 0).astype(x.dtype)
 
 
 def _conv_init(key, out_channels, in_channels, kernel, use_bias, dtype):
