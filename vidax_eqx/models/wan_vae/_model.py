@@ -148,7 +148,9 @@ class WanVAE(AbstractVideoVAE):
         frames = video.shape[1]
         video = pad_frames(owner, video, max_frames, self.temporal_factor, "video frames")
         moments = run_blocks(self, video, mesh, split, "encode", chunk)
-        return posterior(moments[:, :1 + (frames - 1) // self.temporal_factor])
+        if max_frames is not None:  # the padding's latents cut off
+            moments = moments[:, :1 + (frames - 1) // self.temporal_factor]
+        return posterior(moments)
 
     def decode(self, latents: Float[Array, "z T h w"], *, chunk: int = 1, mesh=None,
                spatial_axes: tuple[Hashable | None, Hashable | None] | None = None,
@@ -182,7 +184,9 @@ class WanVAE(AbstractVideoVAE):
         frames = latents.shape[1]
         latents = pad_frames(owner, latents, max_frames, 1, "latent frames")
         video = run_blocks(self, latents, mesh, split, "decode", chunk)
-        return video[:, :1 + self.temporal_factor * (frames - 1)]
+        if max_frames is not None:  # the padding's frames cut off
+            video = video[:, :1 + self.temporal_factor * (frames - 1)]
+        return video
 
     # The per-device bodies: `x` is this device's block of every frame.
 
