@@ -133,9 +133,10 @@ class AbstractVideoVAE(eqx.Module):
 
     **Declares:**
 
-    - `config`: the static configuration (a frozen dataclass).
-    - `z_dim`, `spatial_factor`, `temporal_factor`: latent channels, video pixels per
-        latent pixel (each side), video frames per latent frame after the first.
+    - `config`: the static configuration (a frozen dataclass with `spatial_factor` and
+        `temporal_factor`: video pixels per latent pixel, each side, and video frames per
+        latent frame after the first).
+    - `z_dim`: latent channels.
     """
 
     config: eqx.AbstractVar[Any]
@@ -146,14 +147,14 @@ class AbstractVideoVAE(eqx.Module):
         """Latent channels."""
 
     @property
-    @abc.abstractmethod
     def spatial_factor(self) -> int:
-        """Video pixels per latent pixel, each side."""
+        """Video pixels per latent pixel, each side (the config's `spatial_factor`)."""
+        return self.config.spatial_factor
 
     @property
-    @abc.abstractmethod
     def temporal_factor(self) -> int:
-        """Video frames per latent frame after the first."""
+        """Video frames per latent frame after the first (the config's `temporal_factor`)."""
+        return self.config.temporal_factor
 
     @abc.abstractmethod
     def encode(self, video, *, mesh=None, spatial_axes=None, tiling=None):

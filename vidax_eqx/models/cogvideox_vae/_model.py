@@ -90,16 +90,6 @@ class CogVideoXVAE(AbstractVideoVAE):
         """Latent channels (`latent_channels`)."""
         return self.config.latent_channels
 
-    @property
-    def spatial_factor(self) -> int:
-        """Video pixels per latent pixel, each side: 8."""
-        return self.config.spatial_factor
-
-    @property
-    def temporal_factor(self) -> int:
-        """Video frames per latent frame after the first: 4."""
-        return self.config.temporal_factor
-
     def normalize_latents(self, latents: Float[Array, "z F h w"]) -> Float[Array, "z F h w"]:
         """`(latents - shift_factor) * scaling_factor` (no shift in CogVideoX's configs):
         the encoder's latents as the transformer takes them (diffusers' CogVideoX

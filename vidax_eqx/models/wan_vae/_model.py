@@ -67,16 +67,6 @@ class WanVAE(AbstractVideoVAE):
         """Latent channels."""
         return self.config.z_dim
 
-    @property
-    def spatial_factor(self) -> int:
-        """Video pixels per latent pixel, each side: 8 (Wan 2.1), 16 (Wan 2.2)."""
-        return self.config.spatial_factor
-
-    @property
-    def temporal_factor(self) -> int:
-        """Video frames per latent frame after the first: 4."""
-        return self.config.temporal_factor
-
     # -- latent statistics ----------------------------------------------------------------
 
     @property
