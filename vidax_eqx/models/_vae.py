@@ -64,6 +64,21 @@ def posterior(moments: Float[Array, "z2 T h w"]) -> GaussianPosterior:
 Step = Callable[[jax.Array, object, bool], tuple[jax.Array, object]]
 
 
+def cache_at(cache, i):
+    """Entry `i` of a block's cache tuple; `None` before the first chunk (no cache yet)."""
+    return None if cache is None else cache[i]
+
+
+def run_layers(layers, x, cache, **kwargs):
+    """`x` through `layers` in order, each `layer(x, cache_i, **kwargs) -> (x, cache_i)`:
+    the output and the tuple of the layers' new caches."""
+    caches = []
+    for i, layer in enumerate(layers):
+        x, c = layer(x, cache_at(cache, i), **kwargs)
+        caches.append(c)
+    return x, tuple(caches)
+
+
 def run_chunked(step: Step, x: Float[Array, "C T H W"], *, first: int, size: int) -> jax.Array:
     """`step` over the frames of `x`: the first `first` frames as the first chunk
     (`step(chunk, None, True)`), then chunks of `size` frames in a `lax.scan` carrying the
@@ -299,6 +314,13 @@ def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None):
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+
+
+def checkpoint_path(path) -> str:
+    """A local file or folder as it is; anything else a Hugging Face Hub id, downloaded by
+    `interop.resolve_checkpoint`."""
+    path = os.fspath(path)
+    return path if os.path.exists(path) else os.fspath(interop.resolve_checkpoint(path))
 
 
 def load_vae(cls, config, source, *, dtype, mesh, rename=None):

@@ -19,10 +19,7 @@ from jaxtyping import Array, Float
 from ...nn import CausalConv3d, FrameConv2d, GroupNorm
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
-
-
-def _at(cache, i):
-    return None if cache is None else cache[i]
+from .._vae import cache_at, run_layers
 
 
 class CogVideoXCausalConv3d(eqx.Module):
@@ -129,9 +126,9 @@ class CogVideoXResnetBlock3D(eqx.Module):
 
     def __call__(self, x, cache, *, zq=None, split: SpatialSplit):
         h = jax.nn.silu(_norm(self.norm1, x, zq, split))
-        h, c1 = self.conv1(h, _at(cache, 0), split=split)
+        h, c1 = self.conv1(h, cache_at(cache, 0), split=split)
         h = jax.nn.silu(_norm(self.norm2, h, zq, split))
-        h, c2 = self.conv2(h, _at(cache, 1), split=split)
+        h, c2 = self.conv2(h, cache_at(cache, 1), split=split)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, split=split)[0]
         return h + x, (c1, c2)
@@ -192,14 +189,6 @@ class CogVideoXUpsample3D(eqx.Module):
         return self.conv(x, split=split)
 
 
-def _resnets(resnets, x, cache, zq, split):
-    caches = []
-    for i, resnet in enumerate(resnets):
-        x, c = resnet(x, _at(cache, i), zq=zq, split=split)
-        caches.append(c)
-    return x, tuple(caches)
-
-
 class CogVideoXDownBlock3D(eqx.Module):
     """Residual blocks, then (but at the last level) a downsampling."""
 
@@ -216,7 +205,7 @@ class CogVideoXDownBlock3D(eqx.Module):
                                                     dtype=dtype, key=keys[-1])] if down else None)
 
     def __call__(self, x, cache, *, split: SpatialSplit):
-        x, caches = _resnets(self.resnets, x, cache, None, split)
+        x, caches = run_layers(self.resnets, x, cache, zq=None, split=split)
         if self.downsamplers is not None:
             x = self.downsamplers[0](x, split=split)
         return x, caches
@@ -234,7 +223,7 @@ class CogVideoXMidBlock3D(eqx.Module):
                         for k in keys]
 
     def __call__(self, x, cache, *, zq=None, split: SpatialSplit):
-        return _resnets(self.resnets, x, cache, zq, split)
+        return run_layers(self.resnets, x, cache, zq=zq, split=split)
 
 
 class CogVideoXUpBlock3D(eqx.Module):
@@ -255,7 +244,7 @@ class CogVideoXUpBlock3D(eqx.Module):
                                                 dtype=dtype, key=keys[-1])] if up else None)
 
     def __call__(self, x, cache, *, zq, split: SpatialSplit):
-        x, caches = _resnets(self.resnets, x, cache, zq, split)
+        x, caches = run_layers(self.resnets, x, cache, zq=zq, split=split)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x, split=split)
         return x, caches
@@ -292,15 +281,12 @@ class CogVideoXEncoder3D(eqx.Module):
                                               dtype=dtype, key=keys[-1])
 
     def __call__(self, x, cache, *, split: SpatialSplit):
-        x, c_in = self.conv_in(x, _at(cache, 0), split=split)
-        c_down = []
-        for i, block in enumerate(self.down_blocks):
-            x, c = block(x, _at(_at(cache, 1), i), split=split)
-            c_down.append(c)
-        x, c_mid = self.mid_block(x, _at(cache, 2), split=split)
+        x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
+        x, c_down = run_layers(self.down_blocks, x, cache_at(cache, 1), split=split)
+        x, c_mid = self.mid_block(x, cache_at(cache, 2), split=split)
         x = jax.nn.silu(self.norm_out(x, split=split))
-        x, c_out = self.conv_out(x, _at(cache, 3), split=split)
-        return x, (c_in, tuple(c_down), c_mid, c_out)
+        x, c_out = self.conv_out(x, cache_at(cache, 3), split=split)
+        return x, (c_in, c_down, c_mid, c_out)
 
 
 class CogVideoXDecoder3D(eqx.Module):
@@ -331,12 +317,9 @@ class CogVideoXDecoder3D(eqx.Module):
                                               key=keys[-1])
 
     def __call__(self, zq, cache, *, split: SpatialSplit):
-        x, c_in = self.conv_in(zq, _at(cache, 0), split=split)
-        x, c_mid = self.mid_block(x, _at(cache, 1), zq=zq, split=split)
-        c_up = []
-        for i, block in enumerate(self.up_blocks):
-            x, c = block(x, _at(_at(cache, 2), i), zq=zq, split=split)
-            c_up.append(c)
+        x, c_in = self.conv_in(zq, cache_at(cache, 0), split=split)
+        x, c_mid = self.mid_block(x, cache_at(cache, 1), zq=zq, split=split)
+        x, c_up = run_layers(self.up_blocks, x, cache_at(cache, 2), zq=zq, split=split)
         x = jax.nn.silu(self.norm_out(x, zq, split=split))
-        x, c_out = self.conv_out(x, _at(cache, 3), split=split)
-        return x, (c_in, c_mid, tuple(c_up), c_out)
+        x, c_out = self.conv_out(x, cache_at(cache, 3), split=split)
+        return x, (c_in, c_mid, c_up, c_out)

@@ -9,13 +9,12 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ... import interop
 from ...nn import CausalConv3d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, check_latents, check_one_device, check_split, check_tiling, check_video,
+    blend_tiles, checkpoint_path, check_latents, check_one_device, check_split, check_tiling, check_video,
     CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks, run_chunked, save_vae,
     Tiling,
 )
@@ -275,9 +274,7 @@ class CogVideoXVAE(AbstractVideoVAE):
         `ValueError` naming every tensor that is missing, unexpected or of the wrong shape
         for the config.
         """
-        path = os.fspath(path)
-        if not os.path.isdir(path):
-            path = os.fspath(interop.resolve_checkpoint(path))
+        path = checkpoint_path(path)
         config = CogVideoXVAEConfig.from_file(os.path.join(path, CONFIG_FILE))
         return load_vae(cls, config, path, dtype=dtype, mesh=mesh)
 

@@ -16,10 +16,7 @@ from ...kernels import attention
 from ...nn import CausalConv3d, ChannelRMSNorm, FrameConv2d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
-
-
-def _at(cache, i):
-    return None if cache is None else cache[i]
+from .._vae import cache_at, run_layers
 
 
 def _silu(x):
@@ -47,8 +44,8 @@ class WanResidualBlock(eqx.Module):
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
         h = x if self.conv_shortcut is None else self.conv_shortcut(x, split=split)[0]
-        x, c1 = self.conv1(_silu(self.norm1(x)), _at(cache, 0), split=split)
-        x, c2 = self.conv2(_silu(self.norm2(x)), _at(cache, 1), split=split)
+        x, c1 = self.conv1(_silu(self.norm1(x)), cache_at(cache, 0), split=split)
+        x, c2 = self.conv2(_silu(self.norm2(x)), cache_at(cache, 1), split=split)
         return x + h, (c1, c2)
 
 
@@ -150,14 +147,6 @@ def dup_up(x, out_channels: int, factor_t: int, factor_s: int, first: bool):
     return x[:, factor_t - 1:] if first else x
 
 
-def _run(layers, x, cache, *, first, split):
-    caches = []
-    for i, layer in enumerate(layers):
-        x, c = layer(x, _at(cache, i), first=first, split=split)
-        caches.append(c)
-    return x, tuple(caches)
-
-
 class WanResidualDownBlock(eqx.Module):
     """Wan 2.2's down block: residual blocks and a downsampling, plus the input averaged
     down to the same shape (`avg_shortcut`, no parameters)."""
@@ -178,10 +167,10 @@ class WanResidualDownBlock(eqx.Module):
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
         shortcut = avg_down(x, self.out_dim, self.factor_t, self.factor_s)
-        x, caches = _run(self.resnets, x, _at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.downsampler is not None:
-            x, c = self.downsampler(x, _at(cache, 1), first=first, split=split)
+            x, c = self.downsampler(x, cache_at(cache, 1), first=first, split=split)
         return x + shortcut, (caches, c)
 
 
@@ -199,10 +188,10 @@ class WanUpBlock(eqx.Module):
                            else [WanResample(out_dim, upsample_mode, dtype=dtype, key=keys[-1])])
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        x, caches = _run(self.resnets, x, _at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.upsamplers is not None:
-            x, c = self.upsamplers[0](x, _at(cache, 1), first=first, split=split)
+            x, c = self.upsamplers[0](x, cache_at(cache, 1), first=first, split=split)
         return x, (caches, c)
 
 
@@ -227,10 +216,10 @@ class WanResidualUpBlock(eqx.Module):
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
         shortcut = (dup_up(x, self.out_dim, self.factor_t, 2, first)
                     if self.upsampler is not None else None)
-        x, caches = _run(self.resnets, x, _at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.upsampler is not None:
-            x, c = self.upsampler(x, _at(cache, 1), first=first, split=split)
+            x, c = self.upsampler(x, cache_at(cache, 1), first=first, split=split)
             x = x + shortcut
         return x, (caches, c)
 
@@ -247,9 +236,9 @@ class WanMidBlock(eqx.Module):
         self.attentions = [WanAttentionBlock(dim, dtype=dtype, key=k2)]
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        x, c0 = self.resnets[0](x, _at(cache, 0), first=first, split=split)
+        x, c0 = self.resnets[0](x, cache_at(cache, 0), first=first, split=split)
         x, _ = self.attentions[0](x, split=split)
-        x, c1 = self.resnets[1](x, _at(cache, 1), first=first, split=split)
+        x, c1 = self.resnets[1](x, cache_at(cache, 1), first=first, split=split)
         return x, (c0, c1)
 
 
@@ -295,10 +284,10 @@ class WanEncoder3d(eqx.Module):
         self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3, padding=1, dtype=dtype, key=next(keys))
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        x, c_in = self.conv_in(x, _at(cache, 0), split=split)
-        x, c_down = _run(self.down_blocks, x, _at(cache, 1), first=first, split=split)
-        x, c_mid = self.mid_block(x, _at(cache, 2), first=first, split=split)
-        x, c_out = _head(self.norm_out, self.conv_out, x, _at(cache, 3), split)
+        x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
+        x, c_down = run_layers(self.down_blocks, x, cache_at(cache, 1), first=first, split=split)
+        x, c_mid = self.mid_block(x, cache_at(cache, 2), first=first, split=split)
+        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), split)
         return x, (c_in, c_down, c_mid, c_out)
 
 
@@ -337,10 +326,10 @@ class WanDecoder3d(eqx.Module):
                                      key=keys[-1])
 
     def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        x, c_in = self.conv_in(x, _at(cache, 0), split=split)
-        x, c_mid = self.mid_block(x, _at(cache, 1), first=first, split=split)
-        x, c_up = _run(self.up_blocks, x, _at(cache, 2), first=first, split=split)
-        x, c_out = _head(self.norm_out, self.conv_out, x, _at(cache, 3), split)
+        x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
+        x, c_mid = self.mid_block(x, cache_at(cache, 1), first=first, split=split)
+        x, c_up = run_layers(self.up_blocks, x, cache_at(cache, 2), first=first, split=split)
+        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), split)
         return x, (c_in, c_mid, c_up, c_out)
 
 

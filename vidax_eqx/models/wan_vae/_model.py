@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ... import interop
 from ...nn import CausalConv3d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
+    blend_tiles, checkpoint_path, check_chunk, check_latents, check_one_device, check_split, check_video,
     CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_chunked,
     save_vae, Tiling,
 )
@@ -260,9 +259,7 @@ class WanVAE(AbstractVideoVAE):
         `ValueError` naming every tensor that is missing, unexpected or of the wrong shape
         for the config.
         """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            path = os.fspath(interop.resolve_checkpoint(path))
+        path = checkpoint_path(path)
         if os.path.isdir(path):
             found = WanVAEConfig.from_file(os.path.join(path, CONFIG_FILE))
             if config is not None and config != found:
