@@ -14,9 +14,9 @@ from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, checkpoint_path, check_latents, check_one_device, check_split, check_tiling, check_video,
-    CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks, run_chunked, save_vae,
-    Tiling,
+    blend_tiles, check_latents, check_one_device, check_split, check_tiling, check_video,
+    checkpoint_path, CONFIG_FILE, GaussianPosterior, load_vae, posterior, run_blocks,
+    run_chunked, save_vae, Tiling,
 )
 from ._blocks import CogVideoXDecoder3D, CogVideoXEncoder3D
 from ._config import CogVideoXVAEConfig

@@ -14,7 +14,8 @@ from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
 from .._base import AbstractVideoVAE
 from .._vae import (
-    blend_tiles, checkpoint_path, check_chunk, check_latents, check_one_device, check_split, check_video,
+    blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
+    checkpoint_path,
     CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_chunked,
     save_vae, Tiling,
 )
