@@ -4,7 +4,8 @@ Four rules, read from the source with `ast` (imports inside functions count: tha
 is where cycles hide):
 
 1. Arrows only point down the floors `kernels` <- `parallel` <- `nn` <-
-   `core` / `flax` / `ring_splash` / `interop` <- `models` <- `sampling`; the private top-level
+   `core` / `flax` / `ring_splash` / `interop` <- `models` <- `sampling` <- `pipelines` <-
+   `generate` (the command); the private top-level
    modules (`vidax_eqx/_order.py`, ...) are the floor under all of them.
 2. No import cycle between modules. A package's `__init__.py` re-exporting its own
    children is not an edge of the cycle check (that is how a facade is built).
@@ -31,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 # Floor of each top-level part of the package. The private top-level modules
 # (`_order`, `_vma`, `_jax_private`) are floor 0; the package's own `__init__` is above all.
 FLOORS = {"kernels": 1, "parallel": 2, "nn": 3, "core": 4, "flax": 4, "interop": 4, "ring_splash": 4,
-          "models": 5, "sampling": 6}
+          "models": 5, "sampling": 6, "pipelines": 7, "generate": 8}
 # Imports between different parts of one floor that the design names: the linen
 # shim is a thin layer over `core`'s functions.
 SIDEWAYS = {("flax", "core")}

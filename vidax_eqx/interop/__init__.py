@@ -6,7 +6,8 @@ strict reader of the documented format: no pickle, nothing executed, bounded
 allocation, every header field checked before any tensor data is read. A model
 placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices hold,
 reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
-repository id (`resolve_checkpoint`; `huggingface_hub` is optional). Video files go in
+repository id (`resolve_checkpoint`, and a whole diffusers pipeline by
+`resolve_pipeline`; `huggingface_hub` is optional). Video files go in
 and out as frames (`read_video`, `write_video`; PyAV is optional), converted to and from
 the VAEs' layout by `frames_to_video` and `video_to_frames`. Prompts become token ids
 and masks as transformers' tokenizers give them (`TextTokenizer`, over the `tokenizers`
@@ -19,7 +20,7 @@ from ._checkpoint import (
     SafetensorsShards as SafetensorsShards,
     write_checkpoint as write_checkpoint,
 )
-from ._hub import resolve_checkpoint as resolve_checkpoint
+from ._hub import resolve_checkpoint as resolve_checkpoint, resolve_pipeline as resolve_pipeline
 from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES, SafetensorsFile as SafetensorsFile
 from ._lora import (
     LORA_FILE as LORA_FILE,

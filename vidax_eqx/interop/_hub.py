@@ -76,6 +76,25 @@ def resolve_checkpoint(path, *, subfolder: str | None = None, revision: str | No
 
 
 def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
+    prefix = f"{sub}/" if sub else ""
+    snapshot = _download(
+        repo_id, revision, cache_dir,
+        # and a pipeline's model_index.json (what a pipeline of several models,
+        # e.g. Wan 2.2 A14B's two experts, says about them)
+        [prefix + p for p in CHECKPOINT_FILES] + ["model_index.json"],
+        [prefix + "*/*"])  # not the folders below it
+    folder = os.path.join(snapshot, sub) if sub else snapshot
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"the Hugging Face Hub repository {repo_id!r} (revision {revision or 'main'!r}) "
+            f"has no folder {sub!r} with a checkpoint; its snapshot {snapshot!r} holds "
+            f"{sorted(os.listdir(snapshot))[:12]}. Pass the right `subfolder`."
+        )
+    return folder
+
+
+def _download(repo_id: str, revision, cache_dir, allow: list, ignore: list) -> str:
+    """The local snapshot of the files `allow` (not `ignore`) of a Hub repository."""
     try:
         import huggingface_hub
         from huggingface_hub import constants
@@ -85,15 +104,10 @@ def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
             "repository id, which needs huggingface_hub, an optional dependency: pip install "
             "huggingface_hub (or pip install 'vidax_eqx[hub]'). Or pass a local directory."
         ) from e
-    prefix = f"{sub}/" if sub else ""
     try:
-        snapshot = huggingface_hub.snapshot_download(
+        return huggingface_hub.snapshot_download(
             repo_id, revision=revision, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            # and a pipeline's model_index.json (what a pipeline of several models,
-            # e.g. Wan 2.2 A14B's two experts, says about them)
-            allow_patterns=[prefix + p for p in CHECKPOINT_FILES] + ["model_index.json"],
-            ignore_patterns=[prefix + "*/*"],  # not the folders below it
-        )
+            allow_patterns=allow, ignore_patterns=ignore)
     except Exception as e:  # huggingface_hub's errors: not found, offline, no access, ...
         offline = constants.HF_HUB_OFFLINE
         raise ValueError(
@@ -103,11 +117,58 @@ def _from_hub(repo_id: str, sub: str | None, revision, cache_dir) -> str:
             f"{type(e).__name__}: {str(e)[:300]}. Check the repository id and revision, the "
             "cache (`cache_dir`, HF_HUB_CACHE) and the network, or pass a local directory."
         ) from e
-    folder = os.path.join(snapshot, sub) if sub else snapshot
-    if not os.path.isdir(folder):
+
+
+PIPELINE_FILES = ("model_index.json", "*/config.json", "*/*.safetensors",
+                  "*/*.safetensors.index.json", "*/*.json", "*/*.model", "*/*.txt")
+"""The files of a diffusers pipeline fetched from the Hub (glob patterns): the index, each
+component's configuration, safetensors weights and tokenizer files; never pickle-based
+weights (`*.bin`, `*.pth`) nor the folders below the components."""
+
+
+def resolve_pipeline(path, *, revision: str | None = None, cache_dir=None) -> str:
+    """The local directory of a diffusers pipeline: a directory on disk, or a Hub
+    repository (`"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`) fetched from the local cache or
+    downloaded: `model_index.json` and, in each component's folder, its JSON files,
+    safetensors weights and tokenizer files ([`PIPELINE_FILES`][]).
+
+    **Arguments:**
+
+    - `path`: a local directory, or the id of a Hugging Face Hub repository.
+    - `revision`, `cache_dir`: as for [`resolve_checkpoint`][] (Hub only).
+
+    **Returns:**
+
+    The directory, as a string. It holds `model_index.json`, checked here.
+
+    **Raises:**
+
+    `ValueError` for a path that is neither a directory nor a repository id, a
+    repository the cache and the Hub do not have, or a directory without
+    `model_index.json`; `ImportError` when a repository id needs `huggingface_hub`.
+    """
+    text = os.fspath(path)
+    if os.path.exists(text) or not _REPO_ID.match(text):
+        if revision is not None or cache_dir is not None:
+            raise ValueError(
+                f"`revision` and `cache_dir` are for Hub repositories; `path` {text!r} is a "
+                "local path. Drop them, or pass a repository id ('owner/name')."
+            )
+        root = text
+        if not os.path.isdir(root):
+            raise ValueError(
+                f"`path` must be a diffusers pipeline directory (model_index.json and a "
+                f"folder per component) or a Hugging Face Hub repository id ('owner/name'); "
+                f"{text!r} is not a directory on disk"
+                + ("" if _REPO_ID.match(text) else ", nor a repository id") + "."
+            )
+    else:
+        root = _download(text, revision, cache_dir, list(PIPELINE_FILES), ["*/*/*"])
+    if not os.path.isfile(os.path.join(root, "model_index.json")):
         raise ValueError(
-            f"the Hugging Face Hub repository {repo_id!r} (revision {revision or 'main'!r}) "
-            f"has no folder {sub!r} with a checkpoint; its snapshot {snapshot!r} holds "
-            f"{sorted(os.listdir(snapshot))[:12]}. Pass the right `subfolder`."
+            f"`path` must be a diffusers pipeline holding model_index.json (what "
+            f"`DiffusionPipeline.save_pretrained` writes); {text!r} holds "
+            f"{sorted(os.listdir(root))[:12]}. For a single model's folder use its "
+            "class's from_pretrained."
         )
-    return folder
+    return root

@@ -1,0 +1,148 @@
+"""`vidax-generate` (or `python -m vidax_eqx.generate`): a prompt (and an image) to an
+`.mp4` with a Wan diffusers pipeline, without PyTorch.
+
+    vidax-generate Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "A cat walks on the grass" \\
+        --height 480 --width 832 --num-frames 81 --output cat.mp4
+    vidax-generate /models/Wan2.1-I2V-14B-480P-Diffusers --image first.png \\
+        --prompt "The cat turns its head" --dtype bfloat16 --sp 4 --tp 2 --output i2v.mp4
+
+The pipeline ([`vidax_eqx.pipelines.WanPipeline`][]) is read from a folder saved by
+diffusers or a Hub id. `--sp`, `--tp`, `--dp` and `--cfg` build the device mesh
+(Ulysses over `sp`, Megatron over `tp`, the batch over `dp`, guidance's two passes over
+`cfg`); on a CPU the devices are simulated. Each stage's time is printed as it ends.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="vidax-generate",
+        description="Generate a video from a prompt (and an image) with a Wan diffusers "
+                    "pipeline, in JAX, without PyTorch.")
+    p.add_argument("model", help="a diffusers pipeline folder (model_index.json) or a Hugging "
+                   "Face Hub id, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="the prompt; repeat for several videos")
+    p.add_argument("--negative-prompt", default=None,
+                   help="the negative prompt, used when --guidance-scale > 1 (default '')")
+    p.add_argument("--image", help="image-to-video: the first frame (an image file)")
+    p.add_argument("--last-image", help="FLF2V: the last frame (an image file)")
+    v = p.add_argument_group("video")
+    v.add_argument("--height", type=int, default=480, help="pixels (default 480)")
+    v.add_argument("--width", type=int, default=832, help="pixels (default 832)")
+    v.add_argument("--num-frames", type=int, default=81, help="frames, 1 + 4k (default 81)")
+    v.add_argument("--fps", type=float, default=16, help="frames per second (default 16)")
+    v.add_argument("--output", default="video.mp4",
+                   help="the .mp4 to write (several videos: _1, _2, ... suffixes; default "
+                        "video.mp4)")
+    v.add_argument("--latents", help="also write the final latents (B, C, F, h, w) to this .npy")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
+    s.add_argument("--guidance-scale", type=float, default=5.0, help="CFG scale (default 5.0)")
+    s.add_argument("--guidance-scale-2", type=float,
+                   help="Wan 2.2 A14B: the low-noise expert's scale (default --guidance-scale)")
+    s.add_argument("--seed", type=int, default=0, help="the initial latents' seed (default 0)")
+    s.add_argument("--num-videos-per-prompt", type=int, default=1, help="default 1")
+    s.add_argument("--max-sequence-length", type=int, default=512,
+                   help="the prompt's tokens (default 512)")
+    m = p.add_argument_group("model and devices")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the transformer's and encoders' dtype (default: the checkpoint's)")
+    m.add_argument("--vae-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the VAE's dtype (default float32)")
+    for axis, what in (("sp", "sequence parallelism (Ulysses)"),
+                       ("tp", "tensor parallelism (Megatron)"),
+                       ("dp", "the batch"), ("cfg", "guidance's two passes: 1 or 2")):
+        m.add_argument(f"--{axis}", type=int, default=1, metavar="N",
+                       help=f"devices for {what} (default 1)")
+    args = p.parse_args(argv)
+    for axis in ("sp", "tp", "dp", "cfg"):
+        if getattr(args, axis) < 1:
+            p.error(f"--{axis} must be >= 1; received {getattr(args, axis)}")
+    if args.cfg not in (1, 2):
+        p.error(f"--cfg must be 1 or 2 (the conditional and unconditional passes); received "
+                f"{args.cfg}")
+    if args.last_image and not args.image:
+        p.error("--last-image needs --image (the first frame)")
+    if not args.output.endswith(".mp4"):
+        p.error(f"--output must end in .mp4; received {args.output!r}")
+    return args
+
+
+def _simulate_devices(count: int) -> None:
+    """On a CPU, `count` simulated devices (the flag is read by the CPU backend only, when
+    JAX starts)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+
+
+def _read_image(path: str):
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise SystemExit("--image needs Pillow: pip install 'vidax_eqx[video]'") from e
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def _report(stage: str, seconds: float) -> None:
+    print(f"{stage:<10} {seconds:8.1f} s", flush=True)
+
+
+def main(argv=None) -> list[str]:
+    """Runs the command; returns the paths of the videos written."""
+    args = parse_args(argv)
+    devices = args.sp * args.tp * args.dp * args.cfg
+    if devices > 1 and "jax" not in sys.modules:
+        _simulate_devices(devices)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from . import parallel
+    from .pipelines import save_video, WanPipeline
+
+    mesh = None
+    if devices > 1:
+        if jax.device_count() < devices:
+            raise SystemExit(f"--sp {args.sp} --tp {args.tp} --dp {args.dp} --cfg {args.cfg} "
+                             f"needs {devices} devices; JAX sees {jax.device_count()}.")
+        extra = {"cfg": args.cfg} if args.cfg > 1 else None
+        mesh = parallel.make_mesh(args.dp, args.sp, args.tp, extra_axes=extra)
+    start = time.perf_counter()
+    pipe = WanPipeline.from_pretrained(
+        args.model, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
+        vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh)
+    where = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"
+    print(f"{'load':<10} {time.perf_counter() - start:8.1f} s  ({type(pipe.transformer).__name__}, "
+          f"{pipe.transformer_dtype}, {type(pipe.scheduler).__name__}, {where})", flush=True)
+    image = None if args.image is None else _read_image(args.image)
+    last = None if args.last_image is None else _read_image(args.last_image)
+    prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
+    out = pipe(prompt, args.negative_prompt, image=image, last_image=last, height=args.height,
+               width=args.width, num_frames=args.num_frames, num_inference_steps=args.steps,
+               guidance_scale=args.guidance_scale, guidance_scale_2=args.guidance_scale_2,
+               num_videos_per_prompt=args.num_videos_per_prompt, seed=args.seed,
+               max_sequence_length=args.max_sequence_length, report=_report)
+    start = time.perf_counter()
+    stem, ext = os.path.splitext(args.output)
+    paths = [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(len(out.frames))]
+    for path, frames in zip(paths, out.frames):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_video(frames, path, fps=args.fps)
+    if args.latents:
+        np.save(args.latents, out.latents)
+    _report("write", time.perf_counter() - start)
+    total = sum(out.timings.values())
+    print(f"{'total':<10} {total:8.1f} s  ({', '.join(out.timings)}); videos: "
+          f"{', '.join(paths)}", flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""What a pipeline call returns, the stage timer, and `save_video`."""
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from .. import interop
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOutput:
+    """A pipeline call's result (diffusers' `WanPipelineOutput`, with the latents and the
+    stage timings beside the frames).
+
+    **Fields:**
+
+    - `frames`: `(B, F, H, W, 3)` float32 NumPy in [0, 1], diffusers' `output_type="np"`
+        (`frames[0]` is the first video); `None` with `output_type="latent"`.
+    - `latents`: the final latents `(B, C, F, h, w)` float32 NumPy, as the transformer
+        produces them (diffusers' `output_type="latent"`: not denormalized).
+    - `timings`: seconds per stage, in order (`"text"`, `"image"`, `"denoise"`,
+        `"decode"`), each from its start to its arrays being ready (compilation
+        included on a first call).
+    """
+
+    frames: np.ndarray | None
+    latents: np.ndarray
+    timings: dict[str, float]
+
+
+class StageTimer:
+    """Times the stages of a call: `with timer("text"): ...`; the arrays a stage returns
+    are waited for by `timer.ready(x)`."""
+
+    def __init__(self, report=None):
+        self.timings: dict[str, float] = {}
+        self.report = report
+
+    def __call__(self, stage: str):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if exc[0] is None:
+                    seconds = time.perf_counter() - self.start
+                    timer.timings[stage] = timer.timings.get(stage, 0.0) + seconds
+                    if timer.report is not None:
+                        timer.report(stage, seconds)
+
+        return _Stage()
+
+    @staticmethod
+    def ready(x):
+        return jax.block_until_ready(x)
+
+
+def save_video(frames, path, *, fps: float = 16) -> None:
+    """Writes one video's frames to an `.mp4` (H.264 through PyAV: `pip install
+    'vidax_eqx[video]'`).
+
+    **Arguments:**
+
+    - `frames`: `(F, H, W, 3)` float in [0, 1] (a pipeline's `frames[b]`), rounded to
+        uint8 (`round(255 x)`; diffusers' `export_to_video` truncates), or uint8.
+    - `path`: the file to write.
+    - `fps`: frames per second (16: Wan's; CogVideoX's is 8).
+    """
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"save_video: `frames` must be one video (F, H, W, 3); received shape "
+                         f"{frames.shape}. For a pipeline's output pass `output.frames[b]`.")
+    if frames.dtype != np.uint8:
+        lo, hi = float(frames.min()), float(frames.max())
+        if lo < 0 or hi > 1 or not np.isfinite(frames).all():
+            raise ValueError(f"save_video: float `frames` must be in [0, 1]; received values "
+                             f"in [{lo}, {hi}].")
+        frames = np.round(frames * 255).astype(np.uint8)
+    interop.write_video(frames, path, fps=fps)
