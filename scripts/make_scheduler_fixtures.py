@@ -55,7 +55,7 @@ NOISE_FREQS = (0.83, 0.71, 0.2)
 
 # The scheduler_config.json of the Wan 2.1 / 2.2 diffusers pipelines (UniPC, flow
 # prediction), with `flow_shift` set per configuration.
-_WAN_UNIPC = dict(
+WAN_UNIPC = dict(
     num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
     solver_order=2, predict_x0=True, solver_type="bh2", lower_order_final=True,
     disable_corrector=[], final_sigmas_type="zero", timestep_spacing="linspace",
@@ -64,7 +64,7 @@ _WAN_UNIPC = dict(
 )
 # THUDM/CogVideoX-2b's scheduler_config.json (CogVideoXDDIMScheduler); the 5B models
 # ship the same with snr_shift_scale 1.0 and are run with CogVideoXDPMScheduler.
-_COGVIDEOX = dict(
+COGVIDEOX = dict(
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
     beta_schedule="scaled_linear", clip_sample=False, prediction_type="v_prediction",
     rescale_betas_zero_snr=True, set_alpha_to_one=True, snr_shift_scale=3.0,
@@ -74,16 +74,16 @@ _COGVIDEOX = dict(
 CONFIGS = {
     "euler_shift3": (FlowMatchEulerDiscreteScheduler, dict(shift=3.0)),
     "euler_shift5": (FlowMatchEulerDiscreteScheduler, dict(shift=5.0)),
-    "unipc_shift3": (UniPCMultistepScheduler, dict(_WAN_UNIPC, flow_shift=3.0)),
-    "unipc_shift5": (UniPCMultistepScheduler, dict(_WAN_UNIPC, flow_shift=5.0)),
+    "unipc_shift3": (UniPCMultistepScheduler, dict(WAN_UNIPC, flow_shift=3.0)),
+    "unipc_shift5": (UniPCMultistepScheduler, dict(WAN_UNIPC, flow_shift=5.0)),
     # Options the Wan pipelines leave at their defaults: third order, B(h) = h,
     # a disabled corrector step, and a last step to sigma_min instead of 0.
     "unipc_order3_bh1": (UniPCMultistepScheduler, dict(
-        _WAN_UNIPC, flow_shift=3.0, solver_order=3, solver_type="bh1",
+        WAN_UNIPC, flow_shift=3.0, solver_order=3, solver_type="bh1",
         disable_corrector=[2], final_sigmas_type="sigma_min")),
-    "cogvideox_ddim_2b": (CogVideoXDDIMScheduler, dict(_COGVIDEOX)),
-    "cogvideox_ddim_5b": (CogVideoXDDIMScheduler, dict(_COGVIDEOX, snr_shift_scale=1.0)),
-    "cogvideox_dpm_5b": (CogVideoXDPMScheduler, dict(_COGVIDEOX, snr_shift_scale=1.0)),
+    "cogvideox_ddim_2b": (CogVideoXDDIMScheduler, dict(COGVIDEOX)),
+    "cogvideox_ddim_5b": (CogVideoXDDIMScheduler, dict(COGVIDEOX, snr_shift_scale=1.0)),
+    "cogvideox_dpm_5b": (CogVideoXDPMScheduler, dict(COGVIDEOX, snr_shift_scale=1.0)),
 }
 STEPS = {name: (4, 20, 50) for name in CONFIGS}
 STEPS["unipc_order3_bh1"] = (4, 20)

@@ -10,6 +10,9 @@ above [`vidax_eqx.models`][].
 - [`CogVideoXDDIM`][], [`CogVideoXDPM`][]: CogVideoX's (diffusers'
     `CogVideoXDDIMScheduler`, CogVideoX-2B's default, and `CogVideoXDPMScheduler`,
     which CogVideoX runs its 5B models with).
+- [`scheduler_from_config`][]: the scheduler, with its settings, that a diffusers
+    pipeline's `scheduler/scheduler_config.json` describes (`flow_shift`, solver
+    options, ...); each scheduler's `from_config` reads its own class's.
 - [`export_sample`][], [`ExportedSampler`][]: `sample`'s compiled loop exported
     (`jax.export`) and serialized, for a server that reloads it instead of tracing.
 - [`StaticStepCache`][], [`FirstBlockCache`][]: step caching, `sample`'s opt-in
@@ -21,6 +24,7 @@ above [`vidax_eqx.models`][].
 """
 
 from ._cogvideox import CogVideoXDDIM as CogVideoXDDIM, CogVideoXDPM as CogVideoXDPM
+from ._config import scheduler_from_config as scheduler_from_config
 from ._flow_match import FlowMatchEuler as FlowMatchEuler, UniPC as UniPC
 from ._schedulers import (
     AbstractScheduler as AbstractScheduler,

@@ -1,12 +1,15 @@
 """CogVideoX's schedulers: diffusers' `CogVideoXDDIMScheduler` (CogVideoX-2B's) and
 `CogVideoXDPMScheduler` (the one CogVideoX's own demos run the 5B models with)."""
 
+import os
+
 import equinox as eqx
 import jax
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
 from .._shapes import checked
+from ._diffusers_keys import build_from_config
 from ._schedulers import (
     AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
     check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
@@ -131,6 +134,18 @@ class CogVideoXDDIM(AbstractScheduler):
     def __check_init__(self):
         _check_schedule(self)
 
+    @classmethod
+    def from_config(cls, config: dict | str | os.PathLike) -> "CogVideoXDDIM":
+        """From a diffusers `CogVideoXDDIMScheduler` config, as
+        [`scheduler_from_config`][] reads it: every field above, under its own name,
+        diffusers' defaults where a key is absent (`prediction_type="epsilon"`,
+        `timestep_spacing="leading"`, `rescale_betas_zero_snr=False`,
+        `snr_shift_scale=3.0`: not CogVideoX's). `beta_schedule` must be
+        `"scaled_linear"` and `trained_betas` null; `clip_sample`, `clip_sample_range`
+        and `sample_max_value` have no effect (diffusers' step does not clip).
+        """
+        return build_from_config(cls, config)
+
     def plan(self, steps: int) -> SchedulerPlan:
         """diffusers' `set_timesteps(steps)`, `sigmas = sqrt(1 - alphas_cumprod)`; the
         coefficients are the update's four scalars (float64, from diffusers' float64
@@ -190,6 +205,13 @@ class CogVideoXDPM(AbstractScheduler):
 
     def __check_init__(self):
         _check_schedule(self)
+
+    @classmethod
+    def from_config(cls, config: dict | str | os.PathLike) -> "CogVideoXDPM":
+        """From a diffusers `CogVideoXDPMScheduler` config, read as
+        [`CogVideoXDDIM.from_config`][] reads `CogVideoXDDIMScheduler`'s.
+        """
+        return build_from_config(cls, config)
 
     def plan(self, steps: int) -> SchedulerPlan:
         """As [`CogVideoXDDIM.plan`][]; the coefficients are the update's seven scalars,

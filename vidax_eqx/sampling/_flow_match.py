@@ -1,6 +1,8 @@
 """The flow-matching schedulers of Wan: diffusers' `FlowMatchEulerDiscreteScheduler`
 and `UniPCMultistepScheduler` in its flow-prediction form."""
 
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import numpy as np
 from jaxtyping import PRNGKeyArray
 
 from .._shapes import checked
+from ._diffusers_keys import build_from_config
 from ._schedulers import (
     AbstractScheduler, Latents, SchedulerPlan, SchedulerState, StepIndex, check_bool,
     check_choice, check_finite, check_int, check_positive, check_steps, make_plan, step_inputs,
@@ -61,6 +64,18 @@ class FlowMatchEuler(AbstractScheduler):
         check_positive("FlowMatchEuler", "shift", self.shift,
                        " (3.0 for Wan 480p, 5.0 for 720p; 1.0 is no shift)")
         check_int("FlowMatchEuler", "num_train_timesteps", self.num_train_timesteps, 1)
+
+    @classmethod
+    def from_config(cls, config: dict | str | os.PathLike) -> "FlowMatchEuler":
+        """From a diffusers `FlowMatchEulerDiscreteScheduler` config, as
+        [`scheduler_from_config`][] reads it: `shift` and `num_train_timesteps` (diffusers'
+        defaults, 1.0 and 1000, where a key is absent); the other options at the values
+        that change nothing (the dynamic-shifting parameters `base_shift`, `max_shift`,
+        `base_image_seq_len`, `max_image_seq_len` and `time_shift_type` are unused without
+        `use_dynamic_shifting`). Refused: `use_dynamic_shifting`, `invert_sigmas`,
+        `stochastic_sampling`, Karras / exponential / beta sigmas, `shift_terminal`.
+        """
+        return build_from_config(cls, config)
 
     def plan(self, steps: int) -> SchedulerPlan:
         """diffusers' `set_timesteps(steps)`; the coefficients are the step sizes
@@ -157,6 +172,22 @@ class UniPC(AbstractScheduler):
         for index in self.disable_corrector:
             check_int("UniPC", "disable_corrector (each step index)", index, 0)
         check_choice("UniPC", "final_sigmas_type", self.final_sigmas_type, {"zero", "sigma_min"})
+
+    @classmethod
+    def from_config(cls, config: dict | str | os.PathLike) -> "UniPC":
+        """From a diffusers `UniPCMultistepScheduler` config in its flow-prediction form,
+        as [`scheduler_from_config`][] reads it: `flow_shift` (the field `shift`),
+        `solver_order`, `solver_type` (`"midpoint"`, `"heun"`, `"logrho"` are diffusers'
+        aliases of `"bh2"`), `lower_order_final`, `disable_corrector`,
+        `final_sigmas_type`, `num_train_timesteps`, diffusers' defaults where a key is
+        absent (`flow_shift` 1.0). `prediction_type` must be `"flow_prediction"`,
+        `use_flow_sigmas` and `predict_x0` true; the betas (`beta_start`, `beta_end`,
+        `beta_schedule`, `trained_betas`, `rescale_betas_zero_snr`), `timestep_spacing`
+        and `steps_offset` have no effect on flow sigmas, and are accepted at any of
+        diffusers' values. Refused: thresholding, Karras / exponential / beta sigmas,
+        dynamic shifting, `shift_terminal`, `solver_p`.
+        """
+        return build_from_config(cls, config)
 
     def _sigmas(self, steps: int):
         n = self.num_train_timesteps
