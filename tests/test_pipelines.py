@@ -18,13 +18,14 @@ import jax
 import numpy as np
 import pytest
 
-from vidax_eqx import parallel, pipelines, sampling
+from vidax_eqx import models, parallel, pipelines, sampling
 from vidax_eqx.pipelines import WanPipeline
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline")
 T2V, I2V = os.path.join(FIXTURES, "t2v"), os.path.join(FIXTURES, "i2v")
+FLF2V = os.path.join(FIXTURES, "flf2v")  # the transformer; the rest is I2V's
 FRAMES_TOL = 2e-4  # the issue's bound on frames in [0, 1], float32
 
 
@@ -40,7 +41,7 @@ def _relative(a, b):
 
 def _call(pipe, io, call, **extra):
     """The pipeline called as diffusers was: the call's keywords, arrays by name."""
-    kwargs = {k: v for k, v in call.items() if k != "scheduler"}
+    kwargs = {k: v for k, v in call.items() if k not in ("scheduler", "pipeline", "transformer")}
     for name in ("latents", "image", "last_image"):
         if name in kwargs:
             kwargs[name] = io[kwargs[name]]
@@ -77,15 +78,14 @@ def test_t2v_equals_diffusers(t2v, t2v_main):
 def test_t2v_euler_scheduler_and_batch(t2v):
     """The scheduler from a FlowMatchEuler `scheduler_config.json` (shift 5), and a batch of
     two prompts with a negative prompt each (diffusers' per-prompt zeroing past each
-    prompt's length)."""
+    prompt's length; the second prompt truncated)."""
     io, calls = _io(T2V)
     scheduler = sampling.scheduler_from_config(os.path.join(T2V, calls["euler"]["scheduler"]))
     assert isinstance(scheduler, sampling.FlowMatchEuler)
     euler = WanPipeline(tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder,
                         transformer=t2v.transformer, vae=t2v.vae, scheduler=scheduler)
-    out = _call(euler, io, calls["euler"])
+    out = _call(euler, io, calls["euler"], output_type="latent")
     assert _relative(out.latents, io["euler_final_latents"]) < 1e-5
-    assert np.abs(out.frames[0] - io["euler_frames"]).max() < FRAMES_TOL
     out = _call(t2v, io, calls["batch2"])
     assert _relative(out.latents, io["batch2_final_latents"]) < 1e-5
     assert np.abs(out.frames - io["batch2_frames"]).max() < FRAMES_TOL
@@ -98,6 +98,45 @@ def test_prompt_embeds_and_latent_output(t2v, t2v_main):
                 output_type="latent", progress=False)
     assert again.frames is None and _relative(again.latents, io["final_latents"]) < 1e-5
     assert list(again.timings) == ["text", "denoise"]
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return WanPipeline.from_pretrained(I2V)
+
+
+def test_i2v_equals_diffusers(i2v):
+    io, calls = _io(I2V)
+    assert _relative(i2v.encode_image(io["image"]), io["image_embeds"]) < 1e-5
+    condition = i2v.prepare_condition(io["image"], None, 32, 48, 5, 1)
+    assert _relative(condition, io["condition"]) < 1e-5
+    out = _call(i2v, io, calls["main"])
+    assert _relative(out.latents, io["final_latents"]) < 1e-5
+    assert np.abs(out.frames[0] - io["frames"]).max() < FRAMES_TOL
+    assert list(out.timings) == ["text", "image", "denoise", "decode"]
+    small = dict(height=32, width=48, num_frames=5, num_inference_steps=1, progress=False)
+    with pytest.raises(ValueError, match=r"this pipeline's transformer is image-to-video .* "
+                                         r"pass `image`"):
+        i2v("a", **small)
+    with pytest.raises(ValueError, match=r"`last_image` needs an FLF2V transformer"):
+        i2v("a", image=io["image"], last_image=io["image"], **small)
+
+
+def test_flf2v_equals_diffusers(i2v):
+    """FLF2V: the first and last frames' CLIP tokens one after the other, the mask's last
+    latent frame [0, 0, 0, 1]."""
+    io, calls = _io(FLF2V)
+    transformer = models.WanTransformer3D.from_pretrained(os.path.join(FLF2V, "transformer"))
+    pipe = WanPipeline(tokenizer=i2v.tokenizer, text_encoder=i2v.text_encoder,
+                       transformer=transformer, vae=i2v.vae, scheduler=i2v.scheduler,
+                       image_encoder=i2v.image_encoder, image_processor=i2v.image_processor)
+    features = pipe.encode_image(io["image"], io["last_image"])
+    assert _relative(features, io["image_embeds"].reshape(1, -1, features.shape[-1])) < 1e-5
+    condition = pipe.prepare_condition(io["image"], io["last_image"], 32, 48, 5, 1)
+    assert _relative(condition, io["condition"]) < 1e-5
+    out = _call(pipe, io, calls["main"])
+    assert _relative(out.latents, io["final_latents"]) < 1e-5
+    assert np.abs(out.frames[0] - io["frames"]).max() < FRAMES_TOL
 
 
 # -- errors ------------------------------------------------------------------------------
