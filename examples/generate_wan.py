@@ -1,10 +1,15 @@
 """Generates a Wan video from a checkpoint: text embeddings -> latents -> (optionally) .mp4.
 
+The whole pipeline (a diffusers folder: prompt and image in, `.mp4` out) is the installed
+command `vidax-generate` (`vidax_eqx.generate`, over `pipelines.WanPipeline`). This
+example is its lower-level sibling: a transformer directory or pipeline and precomputed
+embeddings in, the latents out (with step caching and `--mesh` axis options).
+
     python examples/generate_wan.py --checkpoint /path/to/Wan2.1-T2V-1.3B-Diffusers \\
         --embeddings prompt.safetensors --frames 81 --height 480 --width 832 \\
         --output latents.safetensors --video out.mp4
     python examples/generate_wan.py --checkpoint Wan-AI/Wan2.1-T2V-1.3B-Diffusers \\
-        --prompt "A cat walks on the grass" --video out.mp4          # --prompt needs torch
+        --prompt "A cat walks on the grass" --video out.mp4
     python examples/generate_wan.py --checkpoint /path/to/Wan2.2-T2V-A14B-Diffusers \\
         --embeddings prompt.safetensors --guidance-scale 4 --guidance-scale-2 3 --mesh sp=4,tp=2
 
@@ -30,9 +35,10 @@ conditional / unconditional passes over `cfg` (size 2). On CPU the devices are s
     required when `--guidance-scale` > 1.
 
 Without `--embeddings`, `--prompt` (and `--negative-prompt`, default "") are encoded
-with the pipeline's `text_encoder/` and `tokenizer/` (needs `torch` and
-`transformers`), as diffusers' `WanPipeline._get_t5_prompt_embeds` does: whitespace
-cleaned, tokenized to 512 tokens, the encoder's output zeroed past each prompt's length.
+with the pipeline's `text_encoder/` and `tokenizer/` by `models.T5Encoder` and
+`interop.TextTokenizer` (no torch; `pip install 'vidax_eqx[text]'`), as diffusers'
+`WanPipeline._get_t5_prompt_embeds` does: the prompt cleaned, tokenized to 512 tokens,
+the encoder's output zeroed past each prompt's length.
 The embeddings are cast to the model's dtype (as diffusers casts them to the
 transformer's).
 
@@ -58,10 +64,8 @@ to [0, 1]), rounded to uint8, and `interop.write_video` (H.264 through PyAV: `pi
 """
 
 import argparse
-import html
 import json
 import os
-import re
 import sys
 import time
 
@@ -95,7 +99,7 @@ def parse_args(argv=None):
     text.add_argument("--embeddings", help="a .safetensors file with prompt_embeds "
                       "[(B,) L, text_dim] and negative_prompt_embeds")
     text.add_argument("--prompt", action="append",
-                      help="a prompt, encoded with the pipeline's UMT5 (torch + transformers); "
+                      help="a prompt, encoded with the pipeline's UMT5 (models.T5Encoder); "
                       "repeat for a batch")
     text.add_argument("--negative-prompt", default="", help="the negative prompt (default '')")
     text.add_argument("--max-sequence-length", type=int, default=512,
@@ -241,37 +245,20 @@ def read_embeddings(path):
     return context, negative
 
 
-def _prompt_clean(text: str) -> str:
-    """diffusers' Wan `prompt_clean`: HTML unescaped (and ftfy-fixed where installed),
-    whitespace collapsed."""
-    try:
-        import ftfy
-        text = ftfy.fix_text(text)
-    except ImportError:
-        pass
-    text = html.unescape(html.unescape(text)).strip()
-    return re.sub(r"\s+", " ", text).strip()
-
-
 def encode_prompts(text_encoder_dir, tokenizer_dir, prompts, max_sequence_length=512):
-    """diffusers' `WanPipeline._get_t5_prompt_embeds` in float32: `(B, L, text_dim)` NumPy."""
-    try:
-        import torch
-        from transformers import AutoTokenizer, UMT5EncoderModel
-    except ImportError as e:
-        raise ImportError("--prompt needs torch and transformers (pip install torch "
-                          "transformers); or pass precomputed --embeddings.") from e
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    encoder = UMT5EncoderModel.from_pretrained(text_encoder_dir, torch_dtype=torch.float32).eval()
-    inputs = tokenizer([_prompt_clean(p) for p in prompts], padding="max_length",
-                       max_length=max_sequence_length, truncation=True, add_special_tokens=True,
-                       return_attention_mask=True, return_tensors="pt")
-    lengths = inputs.attention_mask.gt(0).sum(dim=1)
-    with torch.no_grad():
-        out = encoder(inputs.input_ids, inputs.attention_mask).last_hidden_state.float()
-    for row, n in zip(out, lengths):
-        row[int(n):] = 0
-    return out.numpy()
+    """diffusers' `WanPipeline._get_t5_prompt_embeds` in float32, without torch: the
+    prompts cleaned (`interop.prompt_clean`), tokenized (`interop.TextTokenizer`) and
+    encoded by `models.T5Encoder`, each row zero past its tokens. `(B, L, text_dim)` NumPy."""
+    import jax
+    import numpy as np
+    from vidax_eqx import interop, models
+
+    tokenizer = interop.TextTokenizer.from_pretrained(tokenizer_dir)
+    encoder = models.T5Encoder.from_pretrained(text_encoder_dir)
+    ids, mask = tokenizer([interop.prompt_clean(p) for p in prompts],
+                          max_length=max_sequence_length)
+    out = jax.jit(jax.vmap(encoder))(ids, mask)
+    return np.asarray(out, np.float32) * (mask[..., None] > 0)
 
 
 # -- the video ---------------------------------------------------------------------------

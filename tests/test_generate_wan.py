@@ -271,3 +271,21 @@ def test_video_decoded_as_diffusers_does(tmp_path, example):
 
     read = np.stack(imageio.mimread(str(video)))
     assert read.shape == (5, 32, 48, 3)
+
+
+def test_prompt_without_torch(tmp_path, example, monkeypatch):
+    """`--prompt` through the library's tokenizer and UMT5 (no torch): the latents of
+    `pipelines.WanPipeline` on the same prompt, noise and scheduler."""
+    from vidax_eqx import pipelines
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` would raise
+    root = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "t2v")
+    out = tmp_path / "latents.npy"
+    example.main(["--checkpoint", root, "--prompt", "A  cat &amp; a dog", "--negative-prompt",
+                  "blurry", "--steps", "2", "--max-sequence-length", "16", *VIDEO,
+                  "--output", str(out)])
+    pipe = pipelines.WanPipeline.from_pretrained(root)
+    expected = pipe("A  cat &amp; a dog", "blurry", height=32, width=48, num_frames=5,
+                    num_inference_steps=2, max_sequence_length=16, seed=0,
+                    output_type="latent", progress=False).latents
+    np.testing.assert_allclose(np.load(out), expected, rtol=0, atol=1e-5)
