@@ -1,74 +1,19 @@
 """`WanPipeline`: prompt (and image) to video with Wan 2.1 / 2.2, diffusers' `WanPipeline`
 and `WanImageToVideoPipeline` in one class, without PyTorch."""
 
-import numbers
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, models, nn, sampling
+from .. import interop, models, sampling
+from ._common import as_prompts, check_int, dtype_of, parallel_for, spatial_axes
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer
 
 
 _CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
-
-
-def _dtype_of(module) -> jnp.dtype:
-    return next(x.dtype for x in jax.tree.leaves(module) if eqx.is_inexact_array(x))
-
-
-def parallel_for(mesh) -> nn.sharding.ParallelConfig:
-    """The transformer's parallelism on a mesh of the library's axis names
-    ([`vidax_eqx.parallel.make_mesh`][]): Ulysses over `"sp"`, Megatron over `"tp"`
-    (each when the mesh has it with more than one device)."""
-    if mesh is None:
-        return nn.sharding.ParallelConfig()
-    sizes = dict(mesh.shape)
-    return nn.sharding.ParallelConfig(
-        sequence="ulysses" if sizes.get("sp", 1) > 1 else "none",
-        tp_axis="tp" if sizes.get("tp", 1) > 1 else None)
-
-
-def _spatial_axes(mesh, h: int, w: int):
-    """The mesh axes the VAE splits a frame's latent `(h, w)` over: the pair (or single
-    axis) of the mesh's axes of more than one device that uses the most devices and
-    divides the sizes; `None` when none does."""
-    if mesh is None:
-        return None
-    axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
-    best, most = None, 1
-    candidates = [(a, b) for a in axes for b in axes if a != b]
-    candidates += [(a, None) for a in axes] + [(None, a) for a in axes]
-    for a, b in candidates:
-        n_h = 1 if a is None else mesh.shape[a]
-        n_w = 1 if b is None else mesh.shape[b]
-        if h % n_h == 0 and w % n_w == 0 and n_h * n_w > most:
-            best, most = (a, b), n_h * n_w
-    return best
-
-
-def _as_prompts(name: str, value, required: bool) -> list[str] | None:
-    if value is None:
-        if required:
-            raise ValueError(f"WanPipeline: `{name}` is required (a str or a list of str) "
-                             "when no prompt embeddings are given; received None.")
-        return None
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
-        return list(value)
-    raise ValueError(f"WanPipeline: `{name}` must be a str or a non-empty list of str; "
-                     f"received {value!r:.200}.")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"WanPipeline: `{name}` must be an int >= {minimum}; received "
-                         f"{value!r}.")
-    return int(value)
 
 
 def _image_array(name: str, image) -> np.ndarray:
@@ -232,7 +177,7 @@ class WanPipeline:
 
     @property
     def transformer_dtype(self) -> jnp.dtype:
-        return _dtype_of(self.transformer)
+        return dtype_of(self.transformer)
 
     @property
     def image_conditioned(self) -> bool:
@@ -245,9 +190,9 @@ class WanPipeline:
         """The latent `(F, h, w)` of a `num_frames x height x width` video; a
         `ValueError` naming the nearest sizes that work when the VAE and the patch size do
         not divide them."""
-        height = _check_int("height", height, 1)
-        width = _check_int("width", width, 1)
-        num_frames = _check_int("num_frames", num_frames, 1)
+        height = check_int("WanPipeline", "height", height, 1)
+        width = check_int("WanPipeline", "width", width, 1)
+        num_frames = check_int("WanPipeline", "num_frames", num_frames, 1)
         s, t = self.vae.spatial_factor, self.vae.temporal_factor
         _, ph, pw = self.transformer_config.patch_size
         for name, value, multiple in (("height", height, s * ph), ("width", width, s * pw)):
@@ -273,13 +218,13 @@ class WanPipeline:
         encoder's dtype, each row zero past its prompt's tokens; the negative `None`
         without guidance. The prompts are cleaned ([`vidax_eqx.interop.prompt_clean`][])
         and encoded in one compiled call (the negative ones with them)."""
-        prompts = _as_prompts("prompt", prompt, True)
-        n = _check_int("num_videos_per_prompt", num_videos_per_prompt, 1)
-        length = _check_int("max_sequence_length", max_sequence_length, 1)
+        prompts = as_prompts("WanPipeline", "prompt", prompt, True)
+        n = check_int("WanPipeline", "num_videos_per_prompt", num_videos_per_prompt, 1)
+        length = check_int("WanPipeline", "max_sequence_length", max_sequence_length, 1)
         negatives = []
         if do_classifier_free_guidance:
             negative = "" if negative_prompt is None else negative_prompt
-            negatives = _as_prompts("negative_prompt", negative, True)
+            negatives = as_prompts("WanPipeline", "negative_prompt", negative, True)
             if isinstance(negative, str):
                 negatives = negatives * len(prompts)
             elif len(negatives) != len(prompts):
@@ -327,7 +272,7 @@ class WanPipeline:
             if last_image is not None:
                 parts.append(interop.frames_to_video(_image_array("last_image", last_image)[None],
                                                      size=(height, width)))
-        video = jnp.asarray(np.concatenate(parts, axis=1), _dtype_of(self.vae))
+        video = jnp.asarray(np.concatenate(parts, axis=1), dtype_of(self.vae))
         latents = self.vae.normalize_latents(self._vae_call("encode", video).mode())
         latents = latents.astype(jnp.float32)
         if not self.expand_timesteps:
@@ -342,7 +287,7 @@ class WanPipeline:
         float32 in [0, 1], one video at a time through the VAE (split over the mesh)."""
         videos = []
         for z in latents:
-            z = self.vae.denormalize_latents(jnp.asarray(z, _dtype_of(self.vae)))
+            z = self.vae.denormalize_latents(jnp.asarray(z, dtype_of(self.vae)))
             videos.append(interop.video_to_frames(self._vae_call("decode", z)))
         return np.stack(videos)
 
@@ -350,7 +295,7 @@ class WanPipeline:
         h, w = x.shape[-2:]
         if method == "encode":
             h, w = h // self.vae.spatial_factor, w // self.vae.spatial_factor
-        axes = _spatial_axes(self.mesh, h, w)
+        axes = spatial_axes(self.mesh, h, w)
         kwargs = {} if axes is None else dict(mesh=self.mesh, spatial_axes=axes)
         return getattr(self.vae, method)(x, **kwargs)
 
