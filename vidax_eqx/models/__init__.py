@@ -1,7 +1,8 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
 call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][],
 [`vidax_eqx.models.cogvideox`][], [`vidax_eqx.models.wan_vae`][],
-[`vidax_eqx.models.cogvideox_vae`][] and [`vidax_eqx.models.t5`][]; the names below are theirs, re-exported.
+[`vidax_eqx.models.cogvideox_vae`][], [`vidax_eqx.models.t5`][] and
+[`vidax_eqx.models.clip`][]; the names below are theirs, re-exported.
 
 - [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
     timestep per token), from diffusers or original Wan checkpoints;
@@ -17,6 +18,9 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
     frame chunks, frames split over a mesh or tiled.
 - [`T5Encoder`][]: the pipelines' text encoders ([`T5EncoderConfig`][]): UMT5 (Wan 2.1 /
     2.2) and T5 v1.1 (CogVideoX), from transformers checkpoints.
+- [`CLIPVisionEncoder`][]: Wan 2.1 I2V / FLF2V's image encoder ([`CLIPVisionConfig`][]),
+    transformers' `CLIPVisionModelWithProjection`, and [`CLIPImageProcessor`][], its
+    `pixel_values` from images as transformers' processor gives them.
 - [`run_sharded`][]: a model over a device mesh (sequence, tensor and data parallelism)
     with global inputs and outputs.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
@@ -44,7 +48,8 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
 """
 
 from . import (
-    cogvideox as cogvideox, cogvideox_vae as cogvideox_vae, t5 as t5, wan as wan, wan_vae as wan_vae,
+    clip as clip, cogvideox as cogvideox, cogvideox_vae as cogvideox_vae, t5 as t5, wan as wan,
+    wan_vae as wan_vae,
 )
 from ._base import (
     AbstractBatchedInput as AbstractBatchedInput,
@@ -74,6 +79,11 @@ from .cogvideox import (
 from .wan_vae import WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
 from .cogvideox_vae import CogVideoXVAE as CogVideoXVAE, CogVideoXVAEConfig as CogVideoXVAEConfig
 from .t5 import T5Encoder as T5Encoder, T5EncoderConfig as T5EncoderConfig
+from .clip import (
+    CLIPImageProcessor as CLIPImageProcessor,
+    CLIPVisionConfig as CLIPVisionConfig,
+    CLIPVisionEncoder as CLIPVisionEncoder,
+)
 from .wan import (
     sharded_text_cache as sharded_text_cache,
     WanBlock as WanBlock,
