@@ -50,6 +50,8 @@ PACKAGES = (
     "vidax_eqx.models.wan",
     "vidax_eqx.models.cogvideox",
     "vidax_eqx.sampling",
+    "vidax_eqx.pipelines",
+    "vidax_eqx.generate",
 )
 # Packages that only re-export, under their own name, objects that another package of
 # PACKAGES documents: an entry for the same object under either package covers them.

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+__all__ = ["main"]
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(

@@ -130,7 +130,7 @@ def resolve_pipeline(path, *, revision: str | None = None, cache_dir=None) -> st
     """The local directory of a diffusers pipeline: a directory on disk, or a Hub
     repository (`"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`) fetched from the local cache or
     downloaded: `model_index.json` and, in each component's folder, its JSON files,
-    safetensors weights and tokenizer files ([`PIPELINE_FILES`][]).
+    safetensors weights and tokenizer files (`PIPELINE_FILES`).
 
     **Arguments:**
 
