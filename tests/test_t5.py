@@ -7,6 +7,7 @@ two examples, the second padded. Every position is compared, padded ones include
 transformers masks keys only, so a padded position attends to the valid tokens, as here.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -119,3 +120,94 @@ def test_sharded_with_tied_embed_tokens(tmp_path):
     assert len(files) > 2
     shutil.copy(os.path.join(FIXTURES, "t5", "config.json"), folder)
     assert eqx.tree_equal(T5Encoder.from_pretrained(folder), model)
+
+
+# -- over a mesh: tensor parallelism and FSDP ------------------------------------------
+
+
+@functools.cache
+def _one_device(name):
+    """The fixture's encoder and its one-device output of both examples (one compile)."""
+    model, io = _load(name)
+    ids, mask = jnp.asarray(io["input_ids"]), jnp.asarray(io["attention_mask"])
+    return model, ids, mask, np.asarray(jax.jit(lambda i, m: model.encode(i, m))(ids, mask))
+
+
+def _placed_as_specs(model, mesh) -> bool:
+    from jax.sharding import PartitionSpec as P
+    from vidax_eqx.nn import sharding
+
+    specs = sharding.partition_specs(model, mesh)
+    placed = jax.tree.map(
+        lambda spec, x: spec is None or (x.sharding.mesh == mesh and x.sharding.spec == spec),
+        specs, model, is_leaf=lambda s: s is None or isinstance(s, P))
+    return all(jax.tree.leaves(placed))
+
+
+# (fixture, mesh sizes, tp_axis, fsdp_axes, batch_axis): Megatron over 2 and 4 devices;
+# FSDP over 8 with the batch over 2 of them; tp=2 x fsdp=4 with the batch on every
+# device (the FSDP devices encode the same texts), and with it over dp (T5's shared bias).
+SHARDED = [
+    ("umt5", dict(tp=2), "tp", (), None),
+    ("umt5", dict(tp=4), "tp", (), None),
+    ("umt5", dict(dp=2, sp=4), None, ("dp", "sp"), "dp"),
+    ("umt5", dict(sp=4, tp=2), "tp", ("sp",), None),
+    ("t5", dict(dp=2, sp=2, tp=2), "tp", ("dp", "sp"), "dp"),
+]
+
+
+@pytest.mark.parametrize("name, sizes, tp_axis, fsdp_axes, batch_axis", SHARDED)
+def test_sharded_equals_one_device(name, sizes, tp_axis, fsdp_axes, batch_axis):
+    """from_pretrained(mesh=) places every parameter as partition_specs says (the token
+    table split over every device of the mesh), and encode over the mesh gives the one-device
+    output on both examples (the second padded)."""
+    from harness import mesh as make_mesh
+    from vidax_eqx.nn import sharding
+
+    _, ids, mask, ref = _one_device(name)
+    mesh = make_mesh(**sizes)
+    parallel = sharding.ParallelConfig(tp_axis=tp_axis, fsdp_axes=fsdp_axes)
+    placed = T5Encoder.from_pretrained(os.path.join(FIXTURES, name), parallel=parallel, mesh=mesh)
+    assert placed.parallel == parallel and _placed_as_specs(placed, mesh)
+    table = placed.embeddings.shared.weight
+    assert table.addressable_shards[0].data.size * mesh.size == table.size
+    out = eqx.filter_jit(lambda m, i, k: m.encode(i, k, mesh=mesh, batch_axis=batch_axis))(
+        placed, ids, mask)
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    for b in range(2):
+        assert _relative(out[b], ref[b]) < 1e-5
+
+
+def test_parallel_refusals(tmp_path):
+    from harness import mesh as make_mesh
+    from vidax_eqx.nn import sharding
+
+    folder = os.path.join(FIXTURES, "umt5")
+    model, io = _load("umt5")
+    ids = jnp.asarray(io["input_ids"])
+    tp = sharding.ParallelConfig(tp_axis="tp")
+    # 4 heads, d_ff 48, vocab 64 do not split over 3 devices
+    sizes = "num_heads=4, d_ff=48, vocab_size=64 \\(num_heads, vocab_size not\\)"
+    with pytest.raises(ValueError, match=f"3 devices of the axis 'tp'.*{sizes}.*\\(2, 4\\)"):
+        T5Encoder.from_pretrained(folder, parallel=tp, mesh=make_mesh(tp=3))
+    with pytest.raises(ValueError, match=sizes):
+        sharding.with_parallel(model, tp).encode(ids, mesh=make_mesh(tp=3))
+    with pytest.raises(NotImplementedError, match="sequence parallelism.*fsdp_axes=\\('sp',\\)"):
+        T5Encoder.from_pretrained(folder, parallel=sharding.ParallelConfig(ulysses_axis="sp"))
+    with pytest.raises(ValueError, match="configured for a mesh.*pass mesh="):
+        sharding.with_parallel(model, tp).encode(ids)
+    with pytest.raises(ValueError, match="`batch_axis` 'tp' contains the tensor-parallel axis"):
+        sharding.with_parallel(model, tp).encode(ids, mesh=make_mesh(tp=2), batch_axis="tp")
+    with pytest.raises(ValueError, match="names the axis 'tp', which the mesh.*lacks"):
+        other = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+        sharding.with_parallel(model, tp).encode(ids, mesh=other)
+    with pytest.raises(ValueError, match="`input_ids` must be a batch"):
+        model.encode(ids[0])
+    # with the tied copy of shared.weight stored (left unread), the names are checked
+    from vidax_eqx import interop
+    tensors = dict(interop.open_checkpoint(folder))
+    tensors["encoder.embed_tokens.weight"] = tensors.pop("shared.weight")
+    interop.write_checkpoint(tmp_path, tensors, name="model")
+    shutil.copy(os.path.join(folder, "config.json"), tmp_path)
+    with pytest.raises(ValueError, match="Missing \\(1\\): \\['shared.weight'\\]"):
+        T5Encoder.from_pretrained(tmp_path)

@@ -17,14 +17,21 @@ class MegatronSplit(NamedTuple):
     - `row`: the row-parallel ones: weight `P(None, tp)`, bias `P()` (added once, after
         the `psum`);
     - `sharded_norms`: norms over the column-parallel features, whose `weight` is split
-        like them (`P(tp)`: Wan's qk RMSNorm over the whole inner dim).
+        like them (`P(tp)`: Wan's qk RMSNorm over the whole inner dim); also any table
+        whose last axis is the heads (T5's relative position bias `(buckets, heads)`).
+    - `vocab`: embedding tables (`eqx.nn.Embedding`, weight `(num_embeddings, dim)`)
+        split over their rows, Megatron's vocabulary-parallel embedding: weight
+        `P(tp, None)`; the layer looks up the ids that fall in its rows (zeros for the
+        others) and sums over `tp`, so no device ever holds the whole table.
 
-    Every other parameter of the layer (per-head norms, ...) is replicated over `tp`.
+    A linear layer without a bias has only its weight placed. Every other parameter of
+    the layer (per-head norms, ...) is replicated over `tp`.
     """
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
     sharded_norms: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
 
 
 class AbstractParallelLayer(eqx.Module):

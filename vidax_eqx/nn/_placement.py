@@ -39,7 +39,7 @@ def _module_specs(m):
     tp = m.parallel.tp_axis
     if tp is None:
         return specs
-    column, row, norms = type(m).megatron
+    column, row, norms, vocab = type(m).megatron
 
     def spec(x, *axes):
         # Leading axes beyond the parameter's own are stacked layers (`eqx.filter_vmap`
@@ -51,8 +51,11 @@ def _module_specs(m):
         lin = getattr(m, name)
         if lin is None:
             continue
-        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [spec(lin.weight, tp, None), spec(lin.bias, tp)]
+        where.append(lambda s, n=name: getattr(s, n).weight)
+        values.append(spec(lin.weight, tp, None))
+        if lin.bias is not None:
+            where.append(lambda s, n=name: getattr(s, n).bias)
+            values.append(spec(lin.bias, tp))
         for a in _adapters(lin):  # B holds the output features: split like them
             where.append(lambda s, n=name, a=a: getattr(s, n).adapters[a].lora_B)
             values.append(spec(lin.adapters[a].lora_B, tp, None))
@@ -60,8 +63,11 @@ def _module_specs(m):
         lin = getattr(m, name)
         if lin is None:
             continue
-        where += [lambda s, n=name: getattr(s, n).weight, lambda s, n=name: getattr(s, n).bias]
-        values += [spec(lin.weight, None, tp), P()]
+        where.append(lambda s, n=name: getattr(s, n).weight)
+        values.append(spec(lin.weight, None, tp))
+        if lin.bias is not None:
+            where.append(lambda s, n=name: getattr(s, n).bias)
+            values.append(P())
         for a in _adapters(lin):  # A takes the input features: split like them
             where.append(lambda s, n=name, a=a: getattr(s, n).adapters[a].lora_A)
             values.append(spec(lin.adapters[a].lora_A, None, tp))
@@ -69,6 +75,10 @@ def _module_specs(m):
         if getattr(m, name) is not None:
             where.append(lambda s, n=name: getattr(s, n).weight)
             values.append(spec(getattr(m, name).weight, tp))
+    for name in vocab:
+        if getattr(m, name) is not None:
+            where.append(lambda s, n=name: getattr(s, n).weight)
+            values.append(spec(getattr(m, name).weight, tp, None))
     return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
 
 
@@ -88,7 +98,10 @@ def partition_specs(module, mesh=None, *, max_replicated: int = FSDP_MAX_REPLICA
     weights, over the inner dim, `P(tp)`; CogVideoX's per-head LayerNorms `P()`;
     [`DualStreamAttention`][]'s six q/k/v projections (video and text) column-parallel,
     `to_out` and `to_add_out` row-parallel, its per-head RMSNorms `P()`; a
-    [`FeedForward`][]'s `fc1` column-parallel and `fc2` row-parallel likewise.
+    [`FeedForward`][]'s `fc1` column-parallel and `fc2` row-parallel likewise; a
+    layer's vocabulary-parallel embedding tables (its
+    [`MegatronSplit`][vidax_eqx.nn.sharding.MegatronSplit]`.vocab`, T5's token
+    embedding) `P(tp, None)`, split over their rows.
     Sequence parallelism never shards a parameter. A [`LoRALinear`][]'s adapters
     follow their layer: column-parallel, `lora_B` `P(tp, None)` (its output
     features) and `lora_A` whole; row-parallel, `lora_A` `P(None, tp)` (its input

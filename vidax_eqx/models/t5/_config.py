@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 
 from ..._checks import is_int
@@ -118,3 +119,21 @@ class T5EncoderConfig:
             path = os.path.join(path, "config.json")
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def check_tensor_parallel(owner: str, config: T5EncoderConfig, tp_axis: str, tp: int) -> None:
+    """Raises unless tensor parallelism over the `tp` devices of `tp_axis` splits the
+    encoder evenly: its heads, its feed-forward's hidden units and its vocabulary."""
+    sizes = {"num_heads": config.num_heads, "d_ff": config.d_ff, "vocab_size": config.vocab_size}
+    bad = [name for name, size in sizes.items() if size % tp]
+    if bad:
+        received = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        common = math.gcd(*sizes.values())
+        fits = [n for n in range(2, common + 1) if common % n == 0]
+        hint = (f"a tensor-parallel size that divides them ({', '.join(map(str, fits))})"
+                if fits else "no tensor parallelism (tp_axis=None; FSDP over fsdp_axes)")
+        raise ValueError(
+            f"{owner}: tensor parallelism splits the attention heads, the feed-forward's "
+            f"hidden units (d_ff) and the vocabulary over the {tp} devices of the axis "
+            f"{tp_axis!r}, so each must be a multiple of {tp}; received {received} "
+            f"({', '.join(bad)} not). Use {hint}.")
