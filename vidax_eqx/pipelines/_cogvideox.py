@@ -2,13 +2,15 @@
 `CogVideoXPipeline` and `CogVideoXImageToVideoPipeline` in one class, without PyTorch."""
 
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, models, sampling
-from ._common import as_prompts, check_int, dtype_of, parallel_for, spatial_axes
+from ._common import (
+    as_prompts, check_int, dtype_of, encode_text, image_array, load_text_encoder, parallel_for,
+    spatial_axes,
+)
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer
 
@@ -17,17 +19,6 @@ _CLASSES = ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")
 _OWNER = "CogVideoXPipeline"
 # What `seed` draws besides the initial latents: the streams folded into its key.
 _POSTERIOR_STREAM, _SCHEDULER_STREAM = 1, 2
-
-
-def _image_array(image) -> np.ndarray:
-    """A PIL image or an `(H, W, 3)` array (uint8, or float in [0, 1]) as a NumPy array."""
-    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
-        image = np.asarray(image.convert("RGB"))
-    array = np.asarray(image)
-    if array.ndim != 3 or array.shape[-1] != 3:
-        raise ValueError(f"{_OWNER}: `image` must be an RGB image: a PIL image or an (H, W, 3) "
-                         f"array, uint8 or float in [0, 1]; received shape {array.shape}.")
-    return array
 
 
 def _nearest(value: int, multiple: int, offset: int) -> str:
@@ -123,7 +114,6 @@ class CogVideoXPipeline:
                 f"{_OWNER}: the text encoder's width d_model ({text_encoder.config.d_model}) "
                 f"must be the transformer's text_embed_dim ({config.text_embed_dim}): they "
                 "are not one pipeline's.")
-        self._encode_text = eqx.filter_jit(_encode_text)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -169,9 +159,9 @@ class CogVideoXPipeline:
             tokenizer = interop.TextTokenizer.from_pretrained(
                 folder.path("tokenizer", needed_for="a prompt"))
         if folder.has("text_encoder"):
-            text_encoder = models.T5Encoder.from_pretrained(
-                folder.path("text_encoder", needed_for="a prompt"),
-                dtype=text_encoder_dtype or dtype or jnp.float32)
+            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
+                                             dtype=text_encoder_dtype or dtype or jnp.float32,
+                                             mesh=mesh)
         return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                    vae=vae, scheduler=scheduler, mesh=mesh)
 
@@ -268,7 +258,7 @@ class CogVideoXPipeline:
                              "text_encoder, which it was built without; pass `prompt_embeds` "
                              "(and `negative_prompt_embeds`) instead.")
         ids, _ = self.tokenizer(prompts + negatives, max_length=length)
-        embeds = self._encode_text(self.text_encoder, jnp.asarray(ids))
+        embeds = encode_text(self.text_encoder, jnp.asarray(ids), None, self.mesh, False)
         embeds = jnp.repeat(embeds, n, axis=0) if n > 1 else embeds
         if not negatives:
             return embeds, None
@@ -289,7 +279,7 @@ class CogVideoXPipeline:
         - `key`: a PRNG key: the latents are a sample of the VAE's posterior, as
             diffusers draws them with its `generator`; `None`: the posterior's mean.
         """
-        pixels = interop.frames_to_video(_image_array(image)[None], size=(height, width))
+        pixels = interop.frames_to_video(image_array(_OWNER, "image", image)[None], size=(height, width))
         video = jnp.asarray(pixels, dtype_of(self.vae))
         dist = self._vae_call("encode", video)
         latents = dist.mode() if key is None else dist.sample(key)
@@ -484,9 +474,3 @@ class CogVideoXPipeline:
             with timer("decode"):
                 frames = self.decode(out)
         return PipelineOutput(frames=frames, latents=out, timings=dict(timer.timings))
-
-
-def _encode_text(encoder, ids):
-    """The encoder's output of each row, every position (no attention mask, as diffusers'
-    CogVideoX pipelines call T5)."""
-    return jax.vmap(encoder)(ids)

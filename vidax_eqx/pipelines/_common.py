@@ -2,12 +2,14 @@
 axes map to the transformer's parallelism and the VAE's split."""
 
 import numbers
+import os
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .. import nn
+from .. import models, nn
 
 
 def dtype_of(module) -> jnp.dtype:
@@ -64,3 +66,56 @@ def check_int(owner: str, name: str, value, minimum: int) -> int:
         raise ValueError(f"{owner}: `{name}` must be an int >= {minimum}; received "
                          f"{value!r}.")
     return int(value)
+
+
+def image_array(owner: str, name: str, image) -> np.ndarray:
+    """A PIL image or an `(H, W, 3)` array (uint8, or float in [0, 1]) as a NumPy array."""
+    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
+        image = np.asarray(image.convert("RGB"))
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] != 3:
+        raise ValueError(f"{owner}: `{name}` must be an RGB image: a PIL image or an (H, W, 3) "
+                         f"array, uint8 or float in [0, 1]; received shape {array.shape}.")
+    return array
+
+
+# -- the text encoder over a mesh ------------------------------------------------------
+
+
+def text_parallel(mesh, config: models.T5EncoderConfig) -> nn.sharding.ParallelConfig:
+    """The T5 encoder's parallelism on a pipeline's mesh: Megatron over `"tp"` (when its
+    size divides the heads, `d_ff` and the vocabulary), FSDP over every other axis of more
+    than one device (and over `"tp"` when it cannot split the layers), so that the
+    weights are split over every device. The encoder has no sequence parallelism: a
+    prompt is 226 or 512 tokens."""
+    if mesh is None:
+        return nn.sharding.ParallelConfig()
+    sizes = dict(mesh.shape)
+    n = sizes.get("tp", 1)
+    divides = all(v % n == 0 for v in (config.num_heads, config.d_ff, config.vocab_size))
+    tp = "tp" if n > 1 and divides else None
+    fsdp = tuple(a for a in mesh.axis_names if a != tp and sizes[a] > 1)
+    return nn.sharding.ParallelConfig(tp_axis=tp, fsdp_axes=fsdp)
+
+
+def load_text_encoder(path: str, *, dtype, mesh) -> models.T5Encoder:
+    """A pipeline's `text_encoder/`, straight into its sharded layout on `mesh`."""
+    if mesh is None:
+        return models.T5Encoder.from_pretrained(path, dtype=dtype)
+    config = models.T5EncoderConfig.from_file(os.path.join(path, "config.json"))
+    return models.T5Encoder.from_pretrained(path, dtype=dtype, parallel=text_parallel(mesh, config),
+                                            mesh=mesh)
+
+
+@eqx.filter_jit
+def encode_text(encoder: models.T5Encoder, ids, mask, mesh, zero_padding: bool):
+    """The encoder's output of a batch of token rows, over `mesh` when given (its batch
+    split over `"dp"` when that divides it); with `zero_padding`, each row zero past its
+    tokens (diffusers' Wan pipelines' `u[:v]` padded with zeros)."""
+    batch_axis = None
+    if mesh is not None and dict(mesh.shape).get("dp", 1) > 1 and ids.shape[0] % mesh.shape["dp"] == 0:
+        batch_axis = "dp"
+    out = encoder.encode(ids, mask, mesh=mesh, batch_axis=batch_axis)
+    if zero_padding:
+        out = out * (mask[..., None] > 0).astype(out.dtype)
+    return out

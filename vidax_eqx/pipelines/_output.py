@@ -18,8 +18,9 @@ class PipelineOutput:
 
     - `frames`: `(B, F, H, W, 3)` float32 NumPy in [0, 1], diffusers' `output_type="np"`
         (`frames[0]` is the first video); `None` with `output_type="latent"`.
-    - `latents`: the final latents `(B, C, F, h, w)` float32 NumPy, as the transformer
-        produces them (diffusers' `output_type="latent"`: not denormalized).
+    - `latents`: the final latents float32 NumPy in the transformer's layout, Wan's
+        `(B, C, F, h, w)`, CogVideoX's `(B, F, C, h, w)` (diffusers'
+        `output_type="latent"`: not denormalized nor unscaled).
     - `timings`: seconds per stage, in order (`"text"`, `"image"`, `"denoise"`,
         `"decode"`), each from its start to its arrays being ready (compilation
         included on a first call).

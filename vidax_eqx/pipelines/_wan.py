@@ -8,24 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, models, sampling
-from ._common import as_prompts, check_int, dtype_of, parallel_for, spatial_axes
+from ._common import (
+    as_prompts, check_int, dtype_of, encode_text, image_array, load_text_encoder, parallel_for,
+    spatial_axes,
+)
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer
 
 
 _CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
-
-
-def _image_array(name: str, image) -> np.ndarray:
-    """A PIL image or an `(H, W, 3)` array (uint8, or float in [0, 1]) as a NumPy array."""
-    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
-        image = np.asarray(image.convert("RGB"))
-    array = np.asarray(image)
-    if array.ndim != 3 or array.shape[-1] != 3:
-        raise ValueError(f"WanPipeline: `{name}` must be an RGB image: a PIL image or an "
-                         f"(H, W, 3) array, uint8 or float in [0, 1]; received shape "
-                         f"{array.shape}.")
-    return array
+_OWNER = "WanPipeline"
 
 
 def image_mask(num_frames: int, temporal: int, latent_frames: int, h: int, w: int,
@@ -101,7 +93,6 @@ class WanPipeline:
             raise ValueError(
                 f"WanPipeline: the transformer's out_channels ({config.out_channels}) must be "
                 f"the VAE's z_dim ({vae.config.z_dim}): they are not one pipeline's.")
-        self._encode_text = eqx.filter_jit(_encode_text)
         self._encode_image = eqx.filter_jit(_encode_image)
 
     # -- loading ------------------------------------------------------------------------
@@ -155,8 +146,8 @@ class WanPipeline:
             tokenizer = interop.TextTokenizer.from_pretrained(
                 folder.path("tokenizer", needed_for="a prompt"))
         if folder.has("text_encoder"):
-            text_encoder = models.T5Encoder.from_pretrained(
-                folder.path("text_encoder", needed_for="a prompt"), dtype=encoder_dtype)
+            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
+                                             dtype=encoder_dtype, mesh=mesh)
         if folder.has("image_encoder"):
             image_encoder = models.CLIPVisionEncoder.from_pretrained(
                 folder.path("image_encoder", needed_for="an image"), dtype=encoder_dtype)
@@ -237,7 +228,8 @@ class WanPipeline:
                              "(and `negative_prompt_embeds`) instead.")
         ids, mask = self.tokenizer([interop.prompt_clean(p) for p in prompts + negatives],
                                    max_length=length)
-        embeds = self._encode_text(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask))
+        embeds = encode_text(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask),
+                             self.mesh, True)
         embeds = jnp.repeat(embeds, n, axis=0) if n > 1 else embeds
         if not negatives:
             return embeds, None
@@ -264,13 +256,13 @@ class WanPipeline:
         of the image followed by zero frames (and the last image), normalized,
         `(batch, 4 + z, F, h, w)`; for Wan 2.2 TI2V the image's normalized latents
         `(batch, z, 1, h, w)`."""
-        first = interop.frames_to_video(_image_array("image", image)[None], size=(height, width))
+        first = interop.frames_to_video(image_array(_OWNER, "image", image)[None], size=(height, width))
         parts = [first]
         if not self.expand_timesteps:
             gap = num_frames - 1 - (last_image is not None)
             parts.append(np.zeros((3, gap, height, width), np.float32))
             if last_image is not None:
-                parts.append(interop.frames_to_video(_image_array("last_image", last_image)[None],
+                parts.append(interop.frames_to_video(image_array(_OWNER, "last_image", last_image)[None],
                                                      size=(height, width)))
         video = jnp.asarray(np.concatenate(parts, axis=1), dtype_of(self.vae))
         latents = self.vae.normalize_latents(self._vae_call("encode", video).mode())
@@ -437,13 +429,6 @@ class WanPipeline:
             with timer("decode"):
                 frames = self.decode(out)
         return PipelineOutput(frames=frames, latents=out, timings=dict(timer.timings))
-
-
-def _encode_text(encoder, ids, mask):
-    """The encoder's output of each row, zero past its tokens (diffusers' `u[:v]` padded
-    with zeros)."""
-    out = jax.vmap(encoder)(ids, mask)
-    return out * (mask[..., None] > 0).astype(out.dtype)
 
 
 def _encode_image(encoder, pixels):
