@@ -275,3 +275,24 @@ def test_sharded_equals_one_device(t2v_main):
     assert _relative(sharded.latents, out.latents) < 1e-5
     assert np.abs(sharded.frames - out.frames).max() < 1e-4
     assert np.abs(sharded.frames[0] - io["frames"]).max() < FRAMES_TOL
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def test_command(tmp_path, t2v):
+    """`vidax-generate` on a CogVideoX folder: CogVideoXPipeline, its prompt length (the
+    transformer's 16 positions) and frame rate by default; Wan's flags refused."""
+    from vidax_eqx import generate, interop
+
+    video, latents = tmp_path / "panda.mp4", tmp_path / "latents.npy"
+    args = [T2V, "--prompt", "A panda plays a guitar", "--height", "32", "--width", "48",
+            "--num-frames", "9", "--steps", "2", "--seed", "1", "--output", str(video),
+            "--latents", str(latents)]
+    assert generate.main(args) == [str(video)]
+    expected = t2v("A panda plays a guitar", height=32, width=48, num_frames=9,
+                   num_inference_steps=2, seed=1, max_sequence_length=16, progress=False)
+    np.testing.assert_allclose(np.load(latents), expected.latents, rtol=0, atol=1e-5)
+    assert interop.read_video(video).shape == (9, 32, 48, 3)
+    with pytest.raises(SystemExit, match=r"--guidance-scale-2 is for Wan pipelines"):
+        generate.main(args + ["--guidance-scale-2", "3"])

@@ -11,8 +11,8 @@ from .. import interop
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOutput:
-    """A pipeline call's result (diffusers' `WanPipelineOutput`, with the latents and the
-    stage timings beside the frames).
+    """A pipeline call's result (diffusers' `WanPipelineOutput` / `CogVideoXPipelineOutput`,
+    with the latents and the stage timings beside the frames).
 
     **Fields:**
 
