@@ -288,3 +288,47 @@ def test_save_video(tmp_path):
         pipelines.save_video(np.zeros((1, 5, 8, 8, 3)), tmp_path / "x.mp4")
     with pytest.raises(ValueError, match=r"float `frames` must be in \[0, 1\]"):
         pipelines.save_video(np.full((5, 8, 8, 3), 2.0), tmp_path / "x.mp4")
+
+
+# -- Wan 2.2: two experts, TI2V ----------------------------------------------------------
+
+
+def test_wan22_experts_folder(tmp_path, t2v):
+    """A14B's layout (`transformer_2/`, `boundary_ratio`): `WanExperts`, and the latents
+    of `sampling.sample` on them with both guidance scales; two videos per prompt."""
+    def experts(root, index):
+        shutil.copytree(root / "transformer", root / "transformer_2")
+        index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+        index["boundary_ratio"] = 0.875
+
+    pipe = WanPipeline.from_pretrained(_copy(tmp_path, experts))
+    assert isinstance(pipe.transformer, models.WanExperts) and pipe.transformer.boundary == 0.875
+    kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=3, seed=4,
+                  guidance_scale=5.0, guidance_scale_2=2.0, max_sequence_length=16,
+                  num_videos_per_prompt=2, output_type="latent", progress=False)
+    out = pipe("a cat", "blurry", **kwargs)
+    context, negative = t2v.encode_prompt("a cat", "blurry", num_videos_per_prompt=2,
+                                          max_sequence_length=16)
+    noise = jax.random.normal(jax.random.key(4), (2, 16, 2, 4, 6))
+    expected = sampling.sample(pipe.transformer, noise, context, negative_context=negative,
+                               guidance_scale=5.0, guidance_scale_2=2.0, steps=3,
+                               scheduler=pipe.scheduler)
+    assert out.latents.shape == (2, 16, 2, 4, 6)
+    assert _relative(out.latents, np.asarray(expected)) < 1e-6
+
+
+def test_ti2v_image_is_the_first_latent_frame(tmp_path, t2v):
+    """Wan 2.2 TI2V (`expand_timesteps`): the image's normalized latents replace the first
+    latent frame and come back unchanged; without an image it is text-to-video."""
+    def ti2v(root, index):
+        index["expand_timesteps"] = True
+
+    pipe = WanPipeline.from_pretrained(_copy(tmp_path, ti2v))
+    io, _ = _io(I2V)
+    kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=2,
+                  max_sequence_length=16, output_type="latent", progress=False)
+    out = pipe("a cat", image=io["image"], **kwargs)
+    condition = pipe.prepare_condition(io["image"], None, 32, 48, 5, 1)
+    assert condition.shape == (1, 16, 1, 4, 6)
+    np.testing.assert_allclose(out.latents[:, :, :1], condition, rtol=0, atol=1e-6)
+    assert pipe("a cat", **kwargs).latents.shape == (1, 16, 2, 4, 6)
