@@ -8,8 +8,8 @@ import numpy as np
 
 from .. import interop, models, sampling
 from ._common import (
-    as_prompts, check_int, dtype_of, encode_text, image_array, load_text_encoder, parallel_for,
-    spatial_axes,
+    check_int, dtype_of, encode_prompts, given_embeddings, image_array, load_text_encoder,
+    parallel_for, vae_call,
 )
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer
@@ -240,30 +240,11 @@ class CogVideoXPipeline:
         `max_sequence_length` and encoded without an attention mask, so every position,
         padding included, holds the encoder's output (as in diffusers); the negative
         prompts are encoded in the same compiled call."""
-        prompts = as_prompts(_OWNER, "prompt", prompt, True)
-        n = check_int(_OWNER, "num_videos_per_prompt", num_videos_per_prompt, 1)
-        length = check_int(_OWNER, "max_sequence_length", max_sequence_length, 1)
-        negatives = []
-        if do_classifier_free_guidance:
-            negative = "" if negative_prompt is None else negative_prompt
-            negatives = as_prompts(_OWNER, "negative_prompt", negative, True)
-            if isinstance(negative, str):
-                negatives = negatives * len(prompts)
-            elif len(negatives) != len(prompts):
-                raise ValueError(
-                    f"{_OWNER}: `negative_prompt` must be one str or a list of one per "
-                    f"prompt ({len(prompts)}); received a list of {len(negatives)}.")
-        if self.tokenizer is None or self.text_encoder is None:
-            raise ValueError(f"{_OWNER}: a prompt needs the pipeline's tokenizer and "
-                             "text_encoder, which it was built without; pass `prompt_embeds` "
-                             "(and `negative_prompt_embeds`) instead.")
-        ids, _ = self.tokenizer(prompts + negatives, max_length=length)
-        embeds = encode_text(self.text_encoder, jnp.asarray(ids), None, self.mesh, False)
-        embeds = jnp.repeat(embeds, n, axis=0) if n > 1 else embeds
-        if not negatives:
-            return embeds, None
-        b = len(prompts) * n
-        return embeds[:b], embeds[b:]
+        return encode_prompts(_OWNER, self, prompt, negative_prompt,
+                              guided=do_classifier_free_guidance,
+                              num_videos_per_prompt=num_videos_per_prompt,
+                              max_sequence_length=max_sequence_length, clean=False,
+                              masked=False)
 
     def encode_image(self, image, height: int, width: int, *, key=None) -> jax.Array:
         """The image's latents as diffusers' `CogVideoXImageToVideoPipeline.prepare_latents`
@@ -313,12 +294,7 @@ class CogVideoXPipeline:
         return np.stack(videos)
 
     def _vae_call(self, method: str, x):
-        h, w = x.shape[-2:]
-        if method == "encode":
-            h, w = h // self.vae.spatial_factor, w // self.vae.spatial_factor
-        axes = spatial_axes(self.mesh, h, w)
-        kwargs = {} if axes is None else dict(mesh=self.mesh, spatial_axes=axes)
-        return getattr(self.vae, method)(x, **kwargs)
+        return vae_call(self.vae, self.mesh, method, x)
 
     # -- the call -----------------------------------------------------------------------
 
@@ -402,26 +378,10 @@ class CogVideoXPipeline:
                     prompt, negative_prompt, do_classifier_free_guidance=guided,
                     num_videos_per_prompt=n, max_sequence_length=max_sequence_length)
             else:
-                if prompt is not None or negative_prompt is not None:
-                    raise ValueError(f"{_OWNER}: pass either `prompt` (and `negative_prompt`) "
-                                     "or `prompt_embeds` (and `negative_prompt_embeds`), not "
-                                     "both.")
-                context = jnp.asarray(prompt_embeds)
-                negative = None if negative_prompt_embeds is None else jnp.asarray(
-                    negative_prompt_embeds)
-                if guided and negative is None:
-                    raise ValueError(f"{_OWNER}: `guidance_scale` > 1 needs "
-                                     "`negative_prompt_embeds` with `prompt_embeds`.")
-                if context.ndim != 3 or (negative is not None and negative.shape != context.shape):
-                    raise ValueError(
-                        f"{_OWNER}: `prompt_embeds` must be (B, L, text_dim) and "
-                        f"`negative_prompt_embeds` the same shape; received "
-                        f"{context.shape} and "
-                        f"{None if negative is None else negative.shape}.")
+                context, negative = given_embeddings(
+                    _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
+                    guided=guided, num_videos_per_prompt=n)
                 self._check_text_length("prompt_embeds.shape[1]", context.shape[1])
-                context = jnp.repeat(context, n, axis=0)
-                if negative is not None:
-                    negative = jnp.repeat(negative, n, axis=0)
             context = timer.ready(context.astype(dtype))
             negative = None if not guided or negative is None else negative.astype(dtype)
         batch = context.shape[0]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import models, nn
+from .. import interop, models, nn
 
 
 def dtype_of(module) -> jnp.dtype:
@@ -119,3 +119,77 @@ def encode_text(encoder: models.T5Encoder, ids, mask, mesh, zero_padding: bool):
     if zero_padding:
         out = out * (mask[..., None] > 0).astype(out.dtype)
     return out
+
+
+# -- the stages both pipelines run ------------------------------------------------------
+
+
+def encode_prompts(owner: str, pipe, prompt, negative_prompt, *, guided: bool,
+                   num_videos_per_prompt, max_sequence_length, clean: bool, masked: bool):
+    """A pipeline's `encode_prompt`: the prompts (and, with guidance, the negative ones:
+    `""` by default, one str for all or one per prompt) tokenized to
+    `max_sequence_length` and encoded in one compiled call, each repeated
+    `num_videos_per_prompt` times. `clean`: diffusers' Wan prompt cleaning first;
+    `masked`: the encoder takes the attention mask and each row is zero past its
+    tokens (Wan), else the encoder sees the padding (CogVideoX)."""
+    prompts = as_prompts(owner, "prompt", prompt, True)
+    n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
+    length = check_int(owner, "max_sequence_length", max_sequence_length, 1)
+    negatives = []
+    if guided:
+        negative = "" if negative_prompt is None else negative_prompt
+        negatives = as_prompts(owner, "negative_prompt", negative, True)
+        if isinstance(negative, str):
+            negatives = negatives * len(prompts)
+        elif len(negatives) != len(prompts):
+            raise ValueError(
+                f"{owner}: `negative_prompt` must be one str or a list of one per prompt "
+                f"({len(prompts)}); received a list of {len(negatives)}.")
+    if pipe.tokenizer is None or pipe.text_encoder is None:
+        raise ValueError(f"{owner}: a prompt needs the pipeline's tokenizer and text_encoder, "
+                         "which it was built without; pass `prompt_embeds` (and "
+                         "`negative_prompt_embeds`) instead.")
+    texts = prompts + negatives
+    if clean:
+        texts = [interop.prompt_clean(t) for t in texts]
+    ids, mask = pipe.tokenizer(texts, max_length=length)
+    embeds = encode_text(pipe.text_encoder, jnp.asarray(ids),
+                         jnp.asarray(mask) if masked else None, pipe.mesh, masked)
+    embeds = jnp.repeat(embeds, n, axis=0) if n > 1 else embeds
+    if not negatives:
+        return embeds, None
+    b = len(prompts) * n
+    return embeds[:b], embeds[b:]
+
+
+def given_embeddings(owner: str, prompt, negative_prompt, prompt_embeds,
+                     negative_prompt_embeds, *, guided: bool, num_videos_per_prompt: int):
+    """`prompt_embeds` / `negative_prompt_embeds` passed to a call instead of prompts,
+    checked and repeated `num_videos_per_prompt` times."""
+    if prompt is not None or negative_prompt is not None:
+        raise ValueError(f"{owner}: pass either `prompt` (and `negative_prompt`) or "
+                         "`prompt_embeds` (and `negative_prompt_embeds`), not both.")
+    context = jnp.asarray(prompt_embeds)
+    negative = None if negative_prompt_embeds is None else jnp.asarray(negative_prompt_embeds)
+    if guided and negative is None:
+        raise ValueError(f"{owner}: `guidance_scale` > 1 needs `negative_prompt_embeds` with "
+                         "`prompt_embeds`.")
+    if context.ndim != 3 or (negative is not None and negative.shape != context.shape):
+        raise ValueError(
+            f"{owner}: `prompt_embeds` must be (B, L, text_dim) and `negative_prompt_embeds` "
+            f"the same shape; received {context.shape} and "
+            f"{None if negative is None else negative.shape}.")
+    n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
+    context = jnp.repeat(context, n, axis=0)
+    return context, None if negative is None else jnp.repeat(negative, n, axis=0)
+
+
+def vae_call(vae, mesh, method: str, x):
+    """`vae.encode(x)` or `vae.decode(x)`, each frame split over the mesh's axes that
+    divide its latent size ([`spatial_axes`][]) when there is a mesh."""
+    h, w = x.shape[-2:]
+    if method == "encode":
+        h, w = h // vae.spatial_factor, w // vae.spatial_factor
+    axes = spatial_axes(mesh, h, w)
+    kwargs = {} if axes is None else dict(mesh=mesh, spatial_axes=axes)
+    return getattr(vae, method)(x, **kwargs)

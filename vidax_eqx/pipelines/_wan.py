@@ -9,8 +9,8 @@ import numpy as np
 
 from .. import interop, models, sampling
 from ._common import (
-    as_prompts, check_int, dtype_of, encode_text, image_array, load_text_encoder, parallel_for,
-    spatial_axes,
+    check_int, dtype_of, encode_prompts, given_embeddings, image_array, load_text_encoder,
+    parallel_for, vae_call,
 )
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer
@@ -181,9 +181,9 @@ class WanPipeline:
         """The latent `(F, h, w)` of a `num_frames x height x width` video; a
         `ValueError` naming the nearest sizes that work when the VAE and the patch size do
         not divide them."""
-        height = check_int("WanPipeline", "height", height, 1)
-        width = check_int("WanPipeline", "width", width, 1)
-        num_frames = check_int("WanPipeline", "num_frames", num_frames, 1)
+        height = check_int(_OWNER, "height", height, 1)
+        width = check_int(_OWNER, "width", width, 1)
+        num_frames = check_int(_OWNER, "num_frames", num_frames, 1)
         s, t = self.vae.spatial_factor, self.vae.temporal_factor
         _, ph, pw = self.transformer_config.patch_size
         for name, value, multiple in (("height", height, s * ph), ("width", width, s * pw)):
@@ -209,39 +209,17 @@ class WanPipeline:
         encoder's dtype, each row zero past its prompt's tokens; the negative `None`
         without guidance. The prompts are cleaned ([`vidax_eqx.interop.prompt_clean`][])
         and encoded in one compiled call (the negative ones with them)."""
-        prompts = as_prompts("WanPipeline", "prompt", prompt, True)
-        n = check_int("WanPipeline", "num_videos_per_prompt", num_videos_per_prompt, 1)
-        length = check_int("WanPipeline", "max_sequence_length", max_sequence_length, 1)
-        negatives = []
-        if do_classifier_free_guidance:
-            negative = "" if negative_prompt is None else negative_prompt
-            negatives = as_prompts("WanPipeline", "negative_prompt", negative, True)
-            if isinstance(negative, str):
-                negatives = negatives * len(prompts)
-            elif len(negatives) != len(prompts):
-                raise ValueError(
-                    f"WanPipeline: `negative_prompt` must be one str or a list of one per "
-                    f"prompt ({len(prompts)}); received a list of {len(negatives)}.")
-        if self.tokenizer is None or self.text_encoder is None:
-            raise ValueError("WanPipeline: a prompt needs the pipeline's tokenizer and "
-                             "text_encoder, which it was built without; pass `prompt_embeds` "
-                             "(and `negative_prompt_embeds`) instead.")
-        ids, mask = self.tokenizer([interop.prompt_clean(p) for p in prompts + negatives],
-                                   max_length=length)
-        embeds = encode_text(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask),
-                             self.mesh, True)
-        embeds = jnp.repeat(embeds, n, axis=0) if n > 1 else embeds
-        if not negatives:
-            return embeds, None
-        b = len(prompts) * n
-        return embeds[:b], embeds[b:]
+        return encode_prompts(_OWNER, self, prompt, negative_prompt,
+                              guided=do_classifier_free_guidance,
+                              num_videos_per_prompt=num_videos_per_prompt,
+                              max_sequence_length=max_sequence_length, clean=True, masked=True)
 
     def encode_image(self, image, last_image=None) -> jax.Array:
         """diffusers' `WanImageToVideoPipeline.encode_image`: the CLIP features of the
         penultimate layer, `(1, L_img, image_dim)` (257 tokens for Wan 2.1's CLIP); with
         `last_image` (FLF2V) the two images' tokens one after the other."""
         if self.image_encoder is None or self.image_processor is None:
-            raise ValueError("WanPipeline: the transformer takes CLIP image features, and "
+            raise ValueError(f"{_OWNER}: the transformer takes CLIP image features, and "
                              "the pipeline has no image_encoder / image_processor; pass "
                              "`image_embeds`.")
         images = [image] if last_image is None else [image, last_image]
@@ -284,12 +262,7 @@ class WanPipeline:
         return np.stack(videos)
 
     def _vae_call(self, method: str, x):
-        h, w = x.shape[-2:]
-        if method == "encode":
-            h, w = h // self.vae.spatial_factor, w // self.vae.spatial_factor
-        axes = spatial_axes(self.mesh, h, w)
-        kwargs = {} if axes is None else dict(mesh=self.mesh, spatial_axes=axes)
-        return getattr(self.vae, method)(x, **kwargs)
+        return vae_call(self.vae, self.mesh, method, x)
 
     # -- the call -----------------------------------------------------------------------
 
@@ -346,25 +319,15 @@ class WanPipeline:
             if prompt_embeds is None:
                 n = num_videos_per_prompt
                 if negative_prompt_embeds is not None:
-                    raise ValueError("WanPipeline: `negative_prompt_embeds` goes with "
+                    raise ValueError(f"{_OWNER}: `negative_prompt_embeds` goes with "
                                      "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
                 context, negative = self.encode_prompt(
                     prompt, negative_prompt, do_classifier_free_guidance=guided,
                     num_videos_per_prompt=n, max_sequence_length=max_sequence_length)
             else:
-                if prompt is not None or negative_prompt is not None:
-                    raise ValueError("WanPipeline: pass either `prompt` (and "
-                                     "`negative_prompt`) or `prompt_embeds` (and "
-                                     "`negative_prompt_embeds`), not both.")
-                context = jnp.asarray(prompt_embeds)
-                negative = None if negative_prompt_embeds is None else jnp.asarray(
-                    negative_prompt_embeds)
-                if guided and negative is None:
-                    raise ValueError("WanPipeline: `guidance_scale` > 1 needs "
-                                     "`negative_prompt_embeds` with `prompt_embeds`.")
-                context = jnp.repeat(context, num_videos_per_prompt, axis=0)
-                if negative is not None:
-                    negative = jnp.repeat(negative, num_videos_per_prompt, axis=0)
+                context, negative = given_embeddings(
+                    _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
+                    guided=guided, num_videos_per_prompt=num_videos_per_prompt)
             context = timer.ready(context.astype(dtype))
             negative = None if not guided or negative is None else negative.astype(dtype)
         batch = context.shape[0]
@@ -372,7 +335,7 @@ class WanPipeline:
         kwargs = dict(sample_kwargs)
         condition = None
         if image is None and last_image is not None:
-            raise ValueError("WanPipeline: `last_image` (FLF2V) needs `image`, the first frame.")
+            raise ValueError(f"{_OWNER}: `last_image` (FLF2V) needs `image`, the first frame.")
         if image is not None or image_embeds is not None:
             if not self.image_conditioned:
                 raise ValueError(
