@@ -150,7 +150,7 @@ class CogVideoXPipeline:
             folder.path("transformer", needed_for="every call"), dtype=dtype,
             parallel=parallel, mesh=mesh)
         vae = models.CogVideoXVAE.from_pretrained(
-            folder.path("vae", needed_for="decoding"), dtype=vae_dtype)
+            folder.path("vae", needed_for="decoding"), dtype=vae_dtype, mesh=mesh)
         if scheduler is None:
             scheduler = sampling.scheduler_from_config(
                 folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))

@@ -137,7 +137,7 @@ class WanPipeline:
             transformer = models.WanTransformer3D.from_pretrained(
                 folder.path("transformer", needed_for="every call"), **kwargs)
         vae = models.WanVAE.from_pretrained(folder.path("vae", needed_for="decoding"),
-                                            dtype=vae_dtype)
+                                            dtype=vae_dtype, mesh=mesh)
         if scheduler is None:
             scheduler = sampling.scheduler_from_config(
                 folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
@@ -336,6 +336,9 @@ class WanPipeline:
         condition = None
         if image is None and last_image is not None:
             raise ValueError(f"{_OWNER}: `last_image` (FLF2V) needs `image`, the first frame.")
+        if last_image is not None and num_frames < 2:
+            raise ValueError(f"{_OWNER}: `last_image` needs a video of at least 2 frames (the "
+                             f"first and the last); received num_frames={num_frames}.")
         if image is not None or image_embeds is not None:
             if not self.image_conditioned:
                 raise ValueError(
