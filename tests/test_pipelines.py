@@ -248,21 +248,35 @@ def test_hub_repository(tmp_path, monkeypatch, t2v):
         WanPipeline.from_pretrained("vidax/missing", cache_dir=tmp_path)
 
 
-def test_command_without_torch(tmp_path, t2v):
-    """`python -m vidax_eqx.generate` in a process where `import torch` (and transformers,
-    diffusers) fails: the .mp4 and the latents of the same call made here."""
+def test_without_torch(tmp_path, t2v):
+    """In a process where `import torch` (and transformers, diffusers) fails: the T2V and
+    I2V parity runs (diffusers' frames from its latents, within 2e-4), then `python -m
+    vidax_eqx.generate`'s .mp4 and latents, equal to the same call made here."""
     video, latents = tmp_path / "out.mp4", tmp_path / "latents.npy"
     args = [T2V, "--prompt", "A cat walks on the grass", "--height", "32", "--width", "48",
             "--num-frames", "5", "--steps", "2", "--max-sequence-length", "16", "--seed", "3",
             "--output", str(video), "--latents", str(latents), "--fps", "8"]
-    code = ("import sys\n"
-            "for name in ('torch', 'transformers', 'diffusers'): sys.modules[name] = None\n"
-            "from vidax_eqx.generate import main\n"
-            f"main({args!r})\n")
+    code = f"""
+import json, sys
+for name in ("torch", "transformers", "diffusers"):
+    sys.modules[name] = None  # `import torch` raises
+import numpy as np
+from vidax_eqx.pipelines import WanPipeline
+errors = {{}}
+for folder, call in (({T2V!r}, {_io(T2V)[1]["main"]!r}), ({I2V!r}, {_io(I2V)[1]["main"]!r})):
+    io = dict(np.load(folder + "/io.npz"))
+    arrays = {{k: io[v] for k, v in call.items() if k in ("latents", "image")}}
+    out = WanPipeline.from_pretrained(folder)(**dict(call, **arrays), progress=False)
+    errors[folder] = float(np.abs(out.frames[0] - io["frames"]).max())
+print(json.dumps(errors))
+from vidax_eqx.generate import main
+main({args!r})
+"""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert all(e < FRAMES_TOL for e in json.loads(run.stdout.splitlines()[0]).values())
     for stage in ("load", "text", "denoise", "decode", "write", "total"):
         assert f"\n{stage}" in "\n" + run.stdout, run.stdout
     expected = t2v("A cat walks on the grass", height=32, width=48, num_frames=5,
