@@ -105,3 +105,130 @@ def test_folder_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"vidax_eqx\[text\]"):
         TextTokenizer.from_pretrained(tmp_path)
+
+
+# -- SentencePiece folders (`spiece.model`, no `tokenizer.json`) ---------------------------
+# tests/fixtures/tokenizer/spm/ (scripts/make_spm_tokenizer_fixtures.py): a tiny T5
+# SentencePiece model with CogVideoX's config files, and transformers 5's ids and masks
+# for it and for two other configurations of the same model (the older Hub T5 files, a
+# bare tokenizer_config.json), written here beside a copy of the model.
+
+SPM = pathlib.Path(__file__).resolve().parent / "fixtures" / "tokenizer" / "spm"
+SPM_IO = json.loads((SPM / "io.json").read_text(encoding="utf-8"))
+SPM_VARIANTS = {v["name"]: v for v in SPM_IO["variants"]}
+
+
+def _spm_folder(root: pathlib.Path, files: dict, model: bytes | None = None) -> pathlib.Path:
+    """A tokenizer folder: `model` (the fixture's spiece.model by default) and `files`."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "spiece.model").write_bytes((SPM / "spiece.model").read_bytes() if model is None
+                                        else model)
+    for name, content in files.items():
+        (root / name).write_text(json.dumps(content), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def spm_toks(tmp_path_factory):
+    out = {}
+    for name, variant in SPM_VARIANTS.items():
+        folder = SPM if variant["files"] is None else _spm_folder(
+            tmp_path_factory.mktemp(name), variant["files"])
+        assert not (folder / "tokenizer.json").exists()
+        out[name] = TextTokenizer.from_pretrained(folder)
+    return out
+
+
+@pytest.mark.parametrize("name, case", [(v["name"], c) for v in SPM_IO["variants"]
+                                        for c in v["cases"]],
+                         ids=lambda x: x if isinstance(x, str) else f"L{x['max_length']}")
+def test_spiece_matches_transformers(spm_toks, name, case):
+    ids, mask = spm_toks[name](SPM_IO["prompts"], max_length=case["max_length"])
+    assert ids.shape == mask.shape == (len(SPM_IO["prompts"]), case["max_length"])
+    np.testing.assert_array_equal(ids, case["input_ids"])
+    np.testing.assert_array_equal(mask, case["attention_mask"])
+
+
+@pytest.mark.parametrize("name", list(SPM_VARIANTS))
+def test_spiece_vocabulary_and_added_tokens(spm_toks, name):
+    variant, tok = SPM_VARIANTS[name], spm_toks[name].tokenizer
+    assert tok.get_vocab_size() == variant["vocab_size"]
+    added = [[i, t.content, t.single_word, t.lstrip, t.rstrip, t.normalized, t.special]
+             for i, t in sorted(tok.get_added_tokens_decoder().items())]
+    assert added == variant["added_tokens"]
+    if "unigram" in variant:  # the pieces, their scores and the sentinels, as transformers'
+        model = json.loads(tok.to_str())["model"]
+        assert model["type"] == "Unigram"
+        assert model["unk_id"] == variant["unigram"]["unk_id"]
+        assert model["byte_fallback"] == variant["unigram"]["byte_fallback"]
+        assert model["vocab"] == variant["unigram"]["vocab"]
+
+
+def test_spiece_config_read(spm_toks):
+    tok = spm_toks["cogvideox"]
+    assert tok.pad_token == "<pad>" and tok.pad_token_id == 0 and tok.model_max_length == 226
+
+
+def test_tokenizer_json_preferred_over_spiece(tmp_path):
+    folder = tmp_path / "both"
+    shutil.copytree(FOLDER, folder)
+    shutil.copy(SPM / "spiece.model", folder / "spiece.model")
+    case = IO["cases"][0]
+    ids, mask = TextTokenizer.from_pretrained(folder)(IO["prompts"], max_length=case["max_length"])
+    np.testing.assert_array_equal(ids, case["input_ids"])
+    np.testing.assert_array_equal(mask, case["attention_mask"])
+
+
+def _message(field: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (payload under 128 bytes)."""
+    return bytes([field << 3 | 2, len(payload)]) + payload
+
+
+_PIECES = b"".join(_message(1, _message(1, p.encode())) for p in ("<pad>", "</s>", "<unk>", "▁a"))
+_T5 = {"tokenizer_config.json": {"tokenizer_class": "T5Tokenizer", "extra_ids": 2}}
+
+
+@pytest.mark.parametrize("model, why", [
+    (b"", "the file is empty"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 791656\n", "Git LFS pointer"),
+    (b"version 1\n", "wire type 6"),
+    (b"<!DOCTYPE html><html>", "wire type 4"),
+    ((SPM / "spiece.model").read_bytes()[:5000], "bytes; .* are left"),
+    (bytes(8), "number 0"),
+    (_message(3, _message(1, b"nmt_nfkc")), "holds no pieces"),
+    (_message(1, _message(1, b"")), "piece 0 is empty"),
+    (_message(1, _message(1, b"\xff\xfe")), "piece 0 is not UTF-8"),
+    (_PIECES + _message(3, _message(2, b"\x05\x00\x00\x00abcdefgh")), "trie size 5"),
+    (_PIECES + _message(3, _message(2, b"\x04\x00\x00\x00\x00\x00\x00\xff")), "reads past"),
+])
+def test_spiece_corrupt(tmp_path, model, why):
+    folder = _spm_folder(tmp_path, _T5, model)
+    with pytest.raises(ValueError, match=rf"spiece.model` is not a SentencePiece model: .*{why}"
+                                         rf".*Download it again"):
+        TextTokenizer.from_pretrained(folder)
+
+
+def test_spiece_minimal_model(tmp_path):
+    # Four pieces and no normalizer table (SentencePiece's identity normalization); the
+    # ids are transformers 5.25's for this folder: `<extra_id_1>`, `<extra_id_0>` = 4, 5
+    # after the pieces, text without a piece -> `<unk>` = 2.
+    tok = TextTokenizer.from_pretrained(_spm_folder(tmp_path, _T5, _PIECES))
+    assert tok.tokenizer.normalizer is None and tok.tokenizer.get_vocab_size() == 6
+    ids, mask = tok("a  aa\tb <extra_id_0>", max_length=8)
+    assert ids.tolist() == [[3, 3, 2, 2, 5, 1, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]]
+
+
+def test_spiece_folder_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="`tokenizer.json` or SentencePiece's `spiece.model`; "
+                                         "received .*, which holds neither"):
+        TextTokenizer.from_pretrained(tmp_path / "empty")
+    with pytest.raises(ValueError, match="needs a `tokenizer_class`"):
+        TextTokenizer.from_pretrained(_spm_folder(tmp_path / "no_class", {}))
+    llama = {"tokenizer_config.json": {"tokenizer_class": "LlamaTokenizer"}}
+    with pytest.raises(NotImplementedError, match="T5Tokenizer.*names 'LlamaTokenizer'"):
+        TextTokenizer.from_pretrained(_spm_folder(tmp_path / "llama", llama))
+    bad = {"tokenizer_config.json": {"tokenizer_class": "T5Tokenizer", "extra_ids": -1}}
+    with pytest.raises(ValueError, match="`extra_ids`.*int >= 0; received -1"):
+        TextTokenizer.from_pretrained(_spm_folder(tmp_path / "extra_ids", bad))

@@ -4,9 +4,10 @@ and CogVideoX pipelines do it, through the `tokenizers` library alone.
 The pipelines call transformers' `AutoTokenizer` on their `tokenizer/` folder with
 `padding="max_length", truncation=True, add_special_tokens=True` (max_length 512 for
 Wan's UMT5, 226 for CogVideoX's T5), after diffusers' `prompt_clean`. `TextTokenizer`
-reads the same folder's `tokenizer.json` and gives the same ids and attention masks;
-`prompt_clean` is diffusers' cleaning. `tokenizers` is optional:
-`pip install 'vidax_eqx[text]'`.
+reads the same folder's `tokenizer.json`, or for a T5 folder without one (CogVideoX's)
+its SentencePiece `spiece.model` (read by `_spiece.py`, converted as transformers
+converts it), and gives the same ids and attention masks; `prompt_clean` is diffusers'
+cleaning. `tokenizers` is optional: `pip install 'vidax_eqx[text]'`.
 """
 
 import functools
@@ -20,12 +21,11 @@ import re
 import numpy as np
 
 from .._checks import is_int
+from ._spiece import SPIECE_FILE
+from ._t5_tokenizer import read_json, rebuild_as_t5, T5_CLASSES, t5_from_spiece, token_content
 
 
 _INSTALL = "pip install 'vidax_eqx[text]'"
-# `tokenizer_class` values of `tokenizer_config.json` for which transformers (>= 5)
-# rebuilds the backend as its T5 class does (UMT5 folders name `T5Tokenizer` too).
-_T5_CLASSES = ("T5Tokenizer", "T5TokenizerFast")
 _PADDINGS = ("max_length", "longest")
 
 
@@ -33,7 +33,7 @@ def _import_tokenizers(owner: str):
     try:
         import tokenizers
     except ImportError as e:
-        raise ImportError(f"{owner} reads `tokenizer.json` through Hugging Face's `tokenizers` "
+        raise ImportError(f"{owner} builds the tokenizer with Hugging Face's `tokenizers` "
                           f"library, which is not installed: {_INSTALL}.") from e
     return tokenizers
 
@@ -85,58 +85,16 @@ def prompt_clean(text: str) -> str:
 # -- the tokenizer -----------------------------------------------------------------------
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
-
-
-def _token(value) -> str | None:
-    """A special token as written in the config files: a string or `{"content": ...}`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _rebuild_as_t5(tokenizers, tok, spec: dict, eos_token: str) -> None:
-    """What transformers >= 5 `T5Tokenizer` does with a `tokenizer.json`: keeps the model
-    (vocabulary) and the SentencePiece `Precompiled` normalizer, drops any other
-    normalizer, splits on whitespace then Metaspace, and appends `</s>`."""
-    normalizer = spec.get("normalizer") or None
-    parts = []
-    if normalizer is not None:
-        parts = normalizer["normalizers"] if normalizer.get("type") == "Sequence" else [normalizer]
-    charsmap = next((p["precompiled_charsmap"] for p in parts
-                     if p.get("type") == "Precompiled" and "precompiled_charsmap" in p), None)
-    if charsmap is not None:
-        import base64
-
-        tok.normalizer = tokenizers.normalizers.Precompiled(base64.b64decode(charsmap))
-    else:
-        tok.normalizer = None
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
-        tokenizers.pre_tokenizers.WhitespaceSplit(),
-        tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-    ])
-    eos_id = tok.token_to_id(eos_token)
-    if eos_id is None:
-        raise ValueError(f"TextTokenizer.from_pretrained: the eos token {eos_token!r} is not in "
-                         f"the vocabulary of `tokenizer.json`.")
-    tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single=["$A", eos_token], pair=["$A", eos_token, "$B", eos_token],
-        special_tokens=[(eos_token, eos_id)])
-
-
 class TextTokenizer:
-    """A `tokenizer.json` (Hugging Face's `tokenizers` library) with transformers'
+    """A `tokenizers.Tokenizer` (Hugging Face's `tokenizers` library) with transformers'
     batch call: padded to `max_length`, truncated, `</s>` appended, as NumPy arrays.
 
     Build it with [`TextTokenizer.from_pretrained`][vidax_eqx.interop.TextTokenizer.from_pretrained]
-    on a pipeline's `tokenizer/` folder. For T5 / UMT5 folders (`tokenizer_class`
-    `T5Tokenizer` in `tokenizer_config.json`) the ids and masks are those of
-    transformers 5's `AutoTokenizer`, which rebuilds the file's tokenizer as its T5 class:
+    on a pipeline's `tokenizer/` folder: its `tokenizer.json`, or a T5 folder's
+    SentencePiece `spiece.model` (CogVideoX's), converted as transformers 5 converts it.
+    For T5 / UMT5 folders (`tokenizer_class` `T5Tokenizer` in `tokenizer_config.json`)
+    the ids and masks are those of transformers 5's `AutoTokenizer`, which rebuilds the
+    file's tokenizer as its T5 class:
     only a SentencePiece `Precompiled` normalizer is kept, text is split on whitespace
     (so runs of spaces count as one), and `</s>` is appended. transformers 4's
     `T5TokenizerFast` used the file as written; the two agree on prompts after
@@ -173,49 +131,74 @@ class TextTokenizer:
 
         **Arguments:**
 
-        - `folder`: a directory with `tokenizer.json`, and optionally
-            `tokenizer_config.json` and `special_tokens_map.json` (pad and eos tokens,
-            `model_max_length`, `tokenizer_class`). A diffusers pipeline's `tokenizer/`
-            folder, after `huggingface_hub.snapshot_download` for a Hub repository.
+        - `folder`: a directory with `tokenizer.json` or SentencePiece's `spiece.model`,
+            and optionally `tokenizer_config.json`, `special_tokens_map.json` and
+            `added_tokens.json` (pad and eos tokens, `model_max_length`,
+            `tokenizer_class`, `extra_ids`, the added tokens). A diffusers pipeline's
+            `tokenizer/` folder, after `huggingface_hub.snapshot_download` for a Hub
+            repository.
 
         **Returns:**
 
         A `TextTokenizer`.
 
-        A folder with only SentencePiece's `spiece.model` is refused: convert it once
-        where transformers is installed, `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`,
-        which writes `tokenizer.json`.
+        `tokenizer.json` is read when the folder has it, as transformers does. A folder
+        with only `spiece.model` (CogVideoX's and T5's on the Hub) must name
+        `T5Tokenizer` as its `tokenizer_class`: the model is converted as transformers 5
+        converts it (a Unigram model of the pieces and their scores, the
+        `<extra_id_*>` sentinels appended, the model's normalizer table, the special and
+        added tokens of the config files), so the ids are transformers'. The file is
+        read directly (a strict reader of its protobuf format): neither `sentencepiece`
+        nor `protobuf` is needed. SentencePiece models of other tokenizer classes raise
+        `NotImplementedError`; write `tokenizer.json` for them once where transformers is
+        installed, `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`.
         """
         owner = "TextTokenizer.from_pretrained"
         folder = os.fspath(folder)
         if not os.path.isdir(folder):
-            raise ValueError(f"{owner}: `folder` must be a directory with `tokenizer.json`; "
-                             f"received {folder!r}, which is not a directory.")
+            raise ValueError(f"{owner}: `folder` must be a directory with `tokenizer.json` or "
+                             f"`{SPIECE_FILE}`; received {folder!r}, which is not a directory.")
         path = os.path.join(folder, "tokenizer.json")
-        if not os.path.isfile(path):
-            hint = (" It has SentencePiece's `spiece.model`, which is not read here: write "
-                    "`tokenizer.json` once where transformers is installed, with "
-                    "`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`."
-                    if os.path.isfile(os.path.join(folder, "spiece.model")) else "")
-            raise ValueError(f"{owner}: `folder` must hold `tokenizer.json`; received "
-                             f"{folder!r}, which does not.{hint}")
+        from_json = os.path.isfile(path)
+        if not from_json and not os.path.isfile(os.path.join(folder, SPIECE_FILE)):
+            raise ValueError(f"{owner}: `folder` must hold `tokenizer.json` or SentencePiece's "
+                             f"`{SPIECE_FILE}`; received {folder!r}, which holds neither.")
+        config = read_json(os.path.join(folder, "tokenizer_config.json"))
+        t5 = config.get("tokenizer_class") in T5_CLASSES
+        if not from_json and not t5:
+            fix = ("write `tokenizer.json` once where transformers is installed, with "
+                   "`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`")
+            if "tokenizer_class" not in config:
+                raise ValueError(
+                    f"{owner}: {folder!r} has no `tokenizer.json`, and its `{SPIECE_FILE}` "
+                    f"needs a `tokenizer_class` in `tokenizer_config.json` (the folder has "
+                    f"none) to be read as transformers reads it: add the file of the "
+                    f"model's tokenizer folder (`\"tokenizer_class\": \"T5Tokenizer\"` for T5), "
+                    f"or {fix}.")
+            raise NotImplementedError(
+                f"{owner} reads `{SPIECE_FILE}` as transformers' T5Tokenizer converts it, for "
+                f"folders whose `tokenizer_config.json` names `tokenizer_class` T5Tokenizer; "
+                f"{folder!r} names {config['tokenizer_class']!r} and has no `tokenizer.json`: "
+                f"{fix}.")
         tokenizers = _import_tokenizers(owner)
-        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        special = _read_json(os.path.join(folder, "special_tokens_map.json"))
+        special = read_json(os.path.join(folder, "special_tokens_map.json"))
 
         def special_token(name: str, default: str) -> str:
-            return _token(config.get(name)) or _token(special.get(name)) or default
+            return token_content(config.get(name)) or token_content(special.get(name)) or default
 
         pad_token = special_token("pad_token", "<pad>")
         eos_token = special_token("eos_token", "</s>")
         max_len = config.get("model_max_length")
         # transformers writes a huge sentinel (int(1e30)) when the length is unknown.
         max_len = int(max_len) if is_int(max_len) and 0 < max_len < 1 << 40 else None
+        if not from_json:
+            tok = t5_from_spiece(tokenizers, folder, config, special, eos_token)
+            return cls(tok, pad_token=pad_token, model_max_length=max_len)
         tok = tokenizers.Tokenizer.from_file(path)
-        if config.get("tokenizer_class") in _T5_CLASSES:
+        if t5:
             with open(path, encoding="utf-8") as f:
                 spec = json.load(f)
-            _rebuild_as_t5(tokenizers, tok, spec, eos_token)
+            rebuild_as_t5(tokenizers, tok, spec, eos_token)
         return cls(tok, pad_token=pad_token, model_max_length=max_len)
 
     def __call__(self, prompts: str | list[str], *, max_length: int, padding: str = "max_length",
