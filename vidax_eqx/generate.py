@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     v.add_argument("--output", default="video.mp4",
                    help="the .mp4 to write (several videos: _1, _2, ... suffixes; default "
                         "video.mp4)")
-    v.add_argument("--latents", help="also write the final latents (B, C, F, h, w) to this .npy")
+    v.add_argument("--latents",
+                   help="also write the final latents (the transformer's layout) to this .npy")
     s = p.add_argument_group("sampling")
     s.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
     s.add_argument("--guidance-scale", type=float,

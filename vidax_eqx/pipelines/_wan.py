@@ -1,7 +1,6 @@
 """`WanPipeline`: prompt (and image) to video with Wan 2.1 / 2.2, diffusers' `WanPipeline`
 and `WanImageToVideoPipeline` in one class, without PyTorch."""
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
