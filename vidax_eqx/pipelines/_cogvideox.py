@@ -382,7 +382,7 @@ class CogVideoXPipeline:
                     _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
                     guided=guided, num_videos_per_prompt=n)
                 self._check_text_length("prompt_embeds.shape[1]", context.shape[1])
-            context = timer.ready(context.astype(dtype))
+            context = jax.block_until_ready(context.astype(dtype))
             negative = None if not guided or negative is None else negative.astype(dtype)
         batch = context.shape[0]
 
@@ -404,7 +404,7 @@ class CogVideoXPipeline:
                         f"(the image's frame, or diffusers' padded image_latents) for "
                         f"{batch} videos of {num_frames} x {height} x {width}; received shape "
                         f"{image_latents.shape}.")
-                condition = timer.ready(self.prepare_condition(image_latents, f, batch))
+                condition = jax.block_until_ready(self.prepare_condition(image_latents, f, batch))
 
         shape = (batch, f, config.out_channels, h, w)
         if latents is None:
@@ -428,7 +428,7 @@ class CogVideoXPipeline:
                 scheduler=self.scheduler, mesh=self.mesh, batch_axis=self.batch_axis,
                 cfg_axis=self.cfg_axis if guided else None, use_dynamic_cfg=use_dynamic_cfg,
                 progress=progress, condition=condition, **kwargs)
-            out = np.asarray(jax.device_get(timer.ready(out)), np.float32)
+            out = np.asarray(jax.device_get(jax.block_until_ready(out)), np.float32)
         frames = None
         if output_type == "np":
             with timer("decode"):

@@ -1,9 +1,9 @@
 """What a pipeline call returns, the stage timer, and `save_video`."""
 
+import contextlib
 import dataclasses
 import time
 
-import jax
 import numpy as np
 
 from .. import interop
@@ -32,32 +32,22 @@ class PipelineOutput:
 
 
 class StageTimer:
-    """Times the stages of a call: `with timer("text"): ...`; the arrays a stage returns
-    are waited for by `timer.ready(x)`."""
+    """Times the stages of a call: `with timer("text"): ...` adds the block's seconds to
+    `timings[stage]` and passes them to `report(stage, seconds)` when given. A stage
+    waits for the arrays it returns (`jax.block_until_ready`) before it ends."""
 
     def __init__(self, report=None):
         self.timings: dict[str, float] = {}
         self.report = report
 
+    @contextlib.contextmanager
     def __call__(self, stage: str):
-        timer = self
-
-        class _Stage:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if exc[0] is None:
-                    seconds = time.perf_counter() - self.start
-                    timer.timings[stage] = timer.timings.get(stage, 0.0) + seconds
-                    if timer.report is not None:
-                        timer.report(stage, seconds)
-
-        return _Stage()
-
-    @staticmethod
-    def ready(x):
-        return jax.block_until_ready(x)
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+        if self.report is not None:
+            self.report(stage, seconds)
 
 
 def save_video(frames, path, *, fps: float = 16) -> None:

@@ -92,7 +92,6 @@ class WanPipeline:
             raise ValueError(
                 f"WanPipeline: the transformer's out_channels ({config.out_channels}) must be "
                 f"the VAE's z_dim ({vae.config.z_dim}): they are not one pipeline's.")
-        self._encode_image = eqx.filter_jit(_encode_image)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -222,8 +221,8 @@ class WanPipeline:
                              "the pipeline has no image_encoder / image_processor; pass "
                              "`image_embeds`.")
         images = [image] if last_image is None else [image, last_image]
-        pixels = np.stack([self.image_processor(i) for i in images])
-        features = self._encode_image(self.image_encoder, jnp.asarray(pixels))
+        pixels = self.image_processor(images)  # (N, 3, size, size)
+        features = _encode_image(self.image_encoder, jnp.asarray(pixels))
         return features.reshape(1, -1, features.shape[-1])
 
     def prepare_condition(self, image, last_image, height: int, width: int,
@@ -327,7 +326,7 @@ class WanPipeline:
                 context, negative = given_embeddings(
                     _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
                     guided=guided, num_videos_per_prompt=num_videos_per_prompt)
-            context = timer.ready(context.astype(dtype))
+            context = jax.block_until_ready(context.astype(dtype))
             negative = None if not guided or negative is None else negative.astype(dtype)
         batch = context.shape[0]
 
@@ -367,7 +366,7 @@ class WanPipeline:
                             f"image_dim); received shape {features.shape}.")
                     kwargs["context_image"] = jnp.broadcast_to(
                         features, (batch, *features.shape[1:])).astype(dtype)
-                condition = timer.ready(self.prepare_condition(
+                condition = jax.block_until_ready(self.prepare_condition(
                     image, last_image, height, width, num_frames, batch))
 
         shape = (batch, config.out_channels, f, h, w)
@@ -388,7 +387,7 @@ class WanPipeline:
                 steps=num_inference_steps, scheduler=self.scheduler, mesh=self.mesh,
                 batch_axis=self.batch_axis, cfg_axis=self.cfg_axis if guided else None,
                 progress=progress, condition=condition, **kwargs)
-            out = np.asarray(jax.device_get(timer.ready(out)), np.float32)
+            out = np.asarray(jax.device_get(jax.block_until_ready(out)), np.float32)
         frames = None
         if output_type == "np":
             with timer("decode"):
@@ -396,5 +395,6 @@ class WanPipeline:
         return PipelineOutput(frames=frames, latents=out, timings=dict(timer.timings))
 
 
+@eqx.filter_jit
 def _encode_image(encoder, pixels):
     return jax.vmap(encoder.penultimate_hidden_states)(pixels)
