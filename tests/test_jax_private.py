@@ -92,18 +92,22 @@ def _resolve(obj, path: str):
 
 def test_splash_kernel_reads():
     """The attributes the TPU backward reads on a splash kernel, on tiny causal ones
-    built as `"pallas_tpu"` builds them: by `make_splash_mha`, and from a sliding tile
-    mask's mask infos (`SplashAttentionKernel`)."""
+    built as `"pallas_tpu"` builds them (`SplashAttentionKernel` from mask infos of a
+    positions mask and of a sliding tile mask, unfused and fused)."""
     from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for
 
     tm = kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1), text_len=32)
     for tile_mask in (None, tm):
-        kernel = splash_kernel_for(1, (256, 256), True, None, None, 128, 128, True, tile_mask)
-        for path in ENTRY_POINTS["make_splash_mha"].returns:
-            try:
-                _resolve(kernel, path)
-            except (AttributeError, KeyError, TypeError) as e:
-                _fail("make_splash_mha", f"the kernel it returns has no {path} ({type(e).__name__}: {e})")
+        for fused in (False, True):
+            blocks = kernels.SplashBlocks(128, 128, fused_bwd=fused)
+            kernel = splash_kernel_for((256, 256), 256, True, None, None, blocks, True, tile_mask)
+            for path in ENTRY_POINTS["SplashAttentionKernel"].returns:
+                if fused and path.startswith("dq_mask_info"):
+                    continue  # a fused backward has no dQ kernel
+                try:
+                    _resolve(kernel, path)
+                except (AttributeError, KeyError, TypeError) as e:
+                    _fail("SplashAttentionKernel", f"the kernel has no {path} ({type(e).__name__}: {e})")
 
 
 def test_splash_computable_mask_reads():

@@ -26,9 +26,9 @@ import oracle
 from vidax_eqx import kernels
 from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
 from vidax_eqx.kernels import _pallas_tpu_mask
-from vidax_eqx.kernels._args import Options
+from vidax_eqx.kernels._args import Operands, Options
 from vidax_eqx.kernels._pallas_tpu import _head_groups
-from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for, SplashTileMask
+from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for, SplashPositionsMask, SplashTileMask
 
 
 F32 = np.float32
@@ -189,7 +189,7 @@ def test_block_map():
                [2, 0, 0, 1]],
     }
     for causal, kinds in expected.items():
-        kernel = splash_kernel_for(2, (512, 512), causal, None, None, 128, 128, True, tm)
+        kernel = splash_kernel_for((512, 512), 512, causal, None, None, kernels.SplashBlocks(128, 128), True, tm)
         for name, dkv in (("fwd_mask_info", False), ("dq_mask_info", False), ("dkv_mask_info", True)):
             info = getattr(kernel, name)
             np.testing.assert_array_equal(_block_map(info, (4, 4), dkv), kinds, err_msg=f"{causal=} {name}")
@@ -197,30 +197,69 @@ def test_block_map():
             longest = max(np.count_nonzero(np.asarray(kinds), axis=0 if dkv else 1))
             assert np.asarray(info.block_mask).shape[2 if not dkv else 1] == longest
             assert info.partial_mask_blocks is None and info.mask_next is None
-        assert kernel.kwargs["mask_function"] is not None
+        # Partially visible blocks (only with causal here) need the mask in the kernel.
+        assert (kernel.kwargs["mask_function"] is not None) == causal
+
+
+def _assert_same_kernel_infos(mask, blocks: kernels.SplashBlocks):
+    """The mask infos `_pallas_tpu_mask` builds from `mask`'s block kinds are those
+    splash's `make_splash_mha` builds by evaluating every block of it in NumPy."""
+    with jax.ensure_compile_time_eval():
+        ours = _pallas_tpu_mask._kernel(mask, blocks, None, True)
+        theirs = make_splash_mha(
+            MultiHeadMask([mask] * 3), block_sizes=_pallas_tpu_mask._splash_block_sizes(blocks),
+            head_shards=1, q_seq_shards=1, save_residuals=True, attn_logits_soft_cap=None,
+            interpret=True,
+        )
+    if ours.kwargs["mask_function"] is None:  # no partially visible block: no mask needed
+        theirs.kwargs["mask_function"] = None
+        theirs = type(theirs)(*(None if i is None else i._replace(q_sequence=None) for i in (
+            theirs.fwd_mask_info, theirs.dq_mask_info, theirs.dkv_mask_info)), **theirs.kwargs)
+    assert ours.kwargs == theirs.kwargs
+    for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+        assert (getattr(ours, name) is None) == (getattr(theirs, name) is None), name
+        if getattr(ours, name) is None:
+            continue
+        for field, a, b in zip(ours.fwd_mask_info._fields, getattr(ours, name), getattr(theirs, name)):
+            assert (a is None) == (b is None), (name, field)
+            if a is not None:
+                a, b = np.asarray(a), np.asarray(b)
+                assert a.dtype == b.dtype and a.shape == b.shape, (name, field, a.dtype, b.dtype, a.shape, b.shape)
+                np.testing.assert_array_equal(a, b, err_msg=f"{name}.{field}")
 
 
 @pytest.mark.parametrize("tm, S_pad, local", MASKS)
 def test_mask_info_is_splash_own(tm, S_pad, local):
-    """The mask infos `_pallas_tpu_mask` builds from the block kinds are those splash's
-    `make_splash_mha` builds by evaluating every block of the same mask in NumPy."""
+    """The sliding tile mask's mask infos are splash's own (at two tilings)."""
     mask = SplashTileMask(tm, (S_pad, S_pad), local)
-    for bq, bk in ((128, 128), (S_pad // 2, 128)):
-        block_sizes = _pallas_tpu_mask._block_sizes(bq, bk)
-        with jax.ensure_compile_time_eval():
-            ours = _pallas_tpu_mask._tile_kernel(mask, block_sizes, None, True)
-            theirs = make_splash_mha(
-                MultiHeadMask([mask] * 3), block_sizes=block_sizes, head_shards=1, q_seq_shards=1,
-                save_residuals=True, attn_logits_soft_cap=None, interpret=True,
-            )
-        assert ours.kwargs == theirs.kwargs
-        for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
-            for field, a, b in zip(ours.fwd_mask_info._fields, getattr(ours, name), getattr(theirs, name)):
-                assert (a is None) == (b is None), (name, field)
-                if a is not None:
-                    a, b = np.asarray(a), np.asarray(b)
-                    assert a.dtype == b.dtype and a.shape == b.shape, (name, field, a.dtype, b.dtype, a.shape, b.shape)
-                    np.testing.assert_array_equal(a, b, err_msg=f"{name}.{field}")
+    for bq, bk in ((128, 128), (max(128, S_pad // 2), 128)):
+        _assert_same_kernel_infos(mask, kernels.SplashBlocks(bq, bk))
+
+
+@pytest.mark.parametrize(
+    "shape, kv_len, window",
+    [((512, 512), 512, None), ((512, 512), 500, None), ((512, 768), 700, (None, 0)),
+     ((768, 512), 390, (None, 0)), ((1024, 1024), 1000, (200, 50)), ((512, 512), 512, (None, 100))],
+)
+@pytest.mark.parametrize("fused", [False, True])
+def test_positions_mask_info_is_splash_own(shape, kv_len, window, fused):
+    """The positions mask (causal / window / padding keys) at a configuration with
+    separate backward tiles, unfused and fused (whose dK/dV grid is not shrunk), gives
+    splash's own mask infos; the NumPy blocks and the in-kernel function agree with the
+    dense definition."""
+    mask = SplashPositionsMask(shape, kv_len, window)
+    blocks = kernels.SplashBlocks(256, 256, 128, block_q_dkv=128, block_kv_dkv=256, block_kv_dkv_compute=128,
+                                  block_q_dq=256, block_kv_dq=128, fused_bwd=fused)
+    _assert_same_kernel_infos(mask, blocks)
+    q, k = np.arange(shape[0])[:, None], np.arange(shape[1])[None, :]
+    left, right = (None, None) if window is None else window
+    dense = np.broadcast_to((k < kv_len) & (left is None or k >= q - left) & (right is None or k <= q + right), shape)
+    np.testing.assert_array_equal(mask[:, :], dense)
+    kinds = mask.block_kinds(128, 256)
+    for i in range(kinds.shape[0]):
+        for j in range(kinds.shape[1]):
+            block = dense[i * 128:(i + 1) * 128, j * 256:(j + 1) * 256]
+            assert kinds[i, j] == (2 if block.all() else 1 if block.any() else 0), (i, j)
 
 
 def test_head_groups():
@@ -242,12 +281,18 @@ def test_tile_aligned_blocks():
     """Tiles of a multiple of 128 tokens give blocks of whole tiles; others keep the
     configured blocks."""
     impl = kernels.PallasTpu(block_q=512, block_kv=256)
-    opts = lambda tm: Options(False, None, 1.0, None, True, tile_mask=tm)
+
+    def tiles(tm):
+        q = jnp.zeros((1, tm.seq_len, 1, 8), jnp.float32)
+        blocks = impl.splash_blocks(Operands(q, q, q), Options(False, None, 1.0, None, True, tile_mask=tm))
+        assert (blocks.block_kv_compute, blocks.block_kv_dkv_compute) == (blocks.block_kv, blocks.block_kv_dkv)
+        return blocks.block_q, blocks.block_kv
+
     aligned = kernels.SlidingTileMask((6, 8, 16), (2, 8, 24), (1, 1, 1), text_len=384)  # 384-token tiles
-    assert impl._splash_blocks(opts(aligned)) == (384, 384)
-    assert impl._splash_blocks(opts(kernels.SlidingTileMask((6, 8, 16), (1, 8, 16), (1, 1, 1)))) == (512, 256)
-    assert impl._splash_blocks(opts(dataclasses.replace(aligned, text_len=100))) == (512, 256)
-    assert impl._splash_blocks(opts(kernels.SlidingTileMask((21, 30, 52), (3, 6, 13), (3, 3, 3)))) == (512, 256)
+    assert tiles(aligned) == (384, 384)
+    assert tiles(kernels.SlidingTileMask((6, 8, 16), (1, 8, 16), (1, 1, 1))) == (512, 256)
+    assert tiles(dataclasses.replace(aligned, text_len=100)) == (512, 256)
+    assert tiles(kernels.SlidingTileMask((21, 30, 52), (3, 6, 13), (3, 3, 3))) == (512, 256)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -83,16 +83,12 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     # ---------------------------------------------- TPU splash attention (no bias)
     "make_splash_mha": EntryPoint(
         _SPLASH, "make_splash_mha",
-        "builds the splash kernel for one static mask, with the lse as a residual "
-        "(`kernels/_pallas_tpu_mask.py: splash_kernel_for`); its backward is rebuilt from "
-        "the kernel's settings and dK/dV mask info",
+        "splash's own kernel builder: the tests compare the mask infos "
+        "`kernels/_pallas_tpu_mask.py` builds from block kinds with the ones it builds "
+        "(the library builds its kernels itself, `SplashAttentionKernel`)",
         positional=("mask",),
         keyword=("block_sizes", "head_shards", "q_seq_shards", "save_residuals",
                  "attn_logits_soft_cap", "interpret"),
-        returns=("dkv_mask_info", "dkv_mask_info.partial_mask_blocks", "dkv_mask_info._replace",
-                 "dq_mask_info", "dq_mask_info.partial_mask_blocks", "dq_mask_info._replace",
-                 "fwd_mask_info.block_mask", "fwd_mask_info.data_next",
-                 "kwargs[block_sizes]", "kwargs[mask_value]", "kwargs[mask_function]"),
     ),
     "SplashComputableMask": EntryPoint(
         _SPLASH_MASK, "_ComputableMask",
@@ -106,10 +102,15 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     ),
     "SplashAttentionKernel": EntryPoint(
         _SPLASH_KERNEL, "SplashAttentionKernel",
-        "the splash kernel of a sliding tile mask, built from its mask infos "
-        "(`kernels/_pallas_tpu.py: _tile_kernel`) with the settings `make_splash_mha` "
-        "gives it (the keywords of `splash_attention`)",
+        "every splash kernel of `\"pallas_tpu\"`, built from the mask infos of its mask "
+        "(`kernels/_pallas_tpu_mask.py: _kernel`) with the settings `make_splash_mha` "
+        "gives it (the keywords of `splash_attention`); its backward is rebuilt from the "
+        "kernel's settings and mask infos",
         positional=("fwd_mask_info", "dq_mask_info", "dkv_mask_info"),
+        returns=("dkv_mask_info", "dkv_mask_info.partial_mask_blocks", "dkv_mask_info._replace",
+                 "dq_mask_info", "dq_mask_info.partial_mask_blocks", "dq_mask_info._replace",
+                 "fwd_mask_info.block_mask", "fwd_mask_info.data_next",
+                 "kwargs[block_sizes]", "kwargs[mask_value]", "kwargs[mask_function]"),
     ),
     "SplashMaskInfo": EntryPoint(
         _SPLASH_MASK_INFO, "MaskInfo",
@@ -124,18 +125,6 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "MultiHeadMask": EntryPoint(
         _SPLASH, "MultiHeadMask", "one mask per head for `make_splash_mha`",
         positional=("masks",),
-    ),
-    "FullMask": EntryPoint(
-        _SPLASH, "FullMask", "the splash mask of a request without causal mask or window",
-        positional=("_shape",),
-    ),
-    "CausalMask": EntryPoint(
-        _SPLASH, "CausalMask", "the splash mask of a causal request (hidden tiles skipped)",
-        positional=("shape",), keyword=("offset",),
-    ),
-    "LocalMask": EntryPoint(
-        _SPLASH, "LocalMask", "the splash mask of a sliding window (with causal: its right side at 0)",
-        positional=("shape", "window_size"), keyword=("offset",),
     ),
     "SplashBlockSizes": EntryPoint(
         _SPLASH, "BlockSizes",
@@ -174,6 +163,14 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
         positional=("q", "k", "v", "segment_ids", "sinks", "logsumexp", "do", "di"),
         keyword=("bq", "bkv", "is_mqa", "mask_info", "mask_value", "attn_logits_soft_cap",
                  "q_layout", "k_layout", "v_layout", "mask_function", "interpret"),
+    ),
+    "splash_kernel_module_pltpu": EntryPoint(
+        _SPLASH_KERNEL, "pltpu",
+        "the `pltpu` module the splash kernels build their `CompilerParams` from: "
+        "`splash_vmem_limit` swaps it, while a kernel is traced, for one whose "
+        "`CompilerParams` also sets `vmem_limit_bytes` (splash takes no VMEM limit of its "
+        "own, and its larger tiles need more than the default scoped limit)",
+        attributes=("CompilerParams",),
     ),
     # ------------------------------------------- TPU flash attention (bias or mask)
     "flash_attention_impl": EntryPoint(
@@ -349,6 +346,38 @@ def gpu_lowering(device_kind: str | None):
             mesh = jax.sharding.get_abstract_mesh().update(abstract_device=device)
             stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
         yield
+
+
+class _PltpuWithVmemLimit:
+    """`jax.experimental.pallas.tpu` whose `CompilerParams` sets `vmem_limit_bytes`."""
+
+    def __init__(self, module, limit: int):
+        self._module, self._limit = module, limit
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def CompilerParams(self, *args, **kwargs):  # noqa: N802 (the name it stands in for)
+        kwargs.setdefault("vmem_limit_bytes", self._limit)
+        return self._module.CompilerParams(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def splash_vmem_limit(limit_bytes: int | None):
+    """The splash kernels traced inside this context get a scoped VMEM limit of
+    `limit_bytes` (`None`: the compiler's default), through their module's `pltpu`
+    (`ENTRY_POINTS["splash_kernel_module_pltpu"]`). Not thread-safe: trace one such
+    kernel at a time (tracing is, in JAX)."""
+    if limit_bytes is None or "splash_kernel_module_pltpu" in MISSING:
+        yield
+        return
+    module = importlib.import_module(_SPLASH_KERNEL)
+    original = module.pltpu
+    module.pltpu = _PltpuWithVmemLimit(original, int(limit_bytes))
+    try:
+        yield
+    finally:
+        module.pltpu = original
 
 
 def __getattr__(name: str):

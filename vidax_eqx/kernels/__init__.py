@@ -21,6 +21,7 @@ from ._api import (
     attention_fwd as attention_fwd,
     implementation_report as implementation_report,
     select_implementation as select_implementation,
+    splash_blocks as splash_blocks,
 )
 from ._args import SegmentIds as SegmentIds
 from ._base import (
@@ -37,6 +38,7 @@ from ._registry import (
     register as register,
 )
 from ._registry import PallasGpu as PallasGpu, PallasTpu as PallasTpu
+from ._pallas_tpu_tuning import SplashBlocks as SplashBlocks
 from ._table import feature_table as feature_table
 from ._tile import (
     SlidingTileMask as SlidingTileMask,

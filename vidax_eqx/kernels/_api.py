@@ -373,3 +373,37 @@ def implementation_report(
         return report(_on_platform(Request.of(ops, opts, needs_lse=needs_lse, platform=platform)))
 
     return _on_abstract(explain, q, k, v, kwargs)
+
+
+def splash_blocks(
+    q: Float[Array, "B S_q H D"],
+    k: Float[Array, "B S_k H_kv D"],
+    v: Float[Array, "B S_k H_kv D"],
+    *,
+    implementation: str | AbstractImplementation = "pallas_tpu",
+    **kwargs,
+):
+    """The [`SplashBlocks`][vidax_eqx.kernels.SplashBlocks] that `"pallas_tpu"` runs the
+    splash kernels with for these arguments (those of [`attention`][]; arrays or
+    `jax.ShapeDtypeStruct`s): the chip's table row fitted to the problem, or the
+    configuration `implementation` (a [`PallasTpu`][vidax_eqx.kernels.PallasTpu]) was
+    given. On a host without a TPU, the default table's (TPU v5e). `None` when the
+    request runs the flash kernel (a bias or a boolean mask).
+    """
+
+    def blocks(q, k, v, **kw):
+        ops, opts = normalize(q, k, v, **kw)
+        impl = implementation
+        if isinstance(impl, str):
+            impl = dict(choices(impl, dataclasses.replace(
+                Request.of(ops, opts, platform="tpu"), platform="tpu")))["tpu"]
+        if not hasattr(impl, "splash_blocks"):
+            raise ValueError(
+                f"splash_blocks: `implementation` must be 'pallas_tpu' or a PallasTpu; received "
+                f"{implementation!r}."
+            )
+        if ops.bias is not None or ops.mask is not None:
+            return None
+        return impl.splash_blocks(ops, opts)
+
+    return _on_abstract(blocks, q, k, v, kwargs)

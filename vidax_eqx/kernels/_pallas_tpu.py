@@ -4,17 +4,18 @@ Two kernels, chosen per request:
 
 - **splash attention** (`jax.experimental.pallas.ops.tpu.splash_attention`) for
   every request without a bias or a boolean mask: GQA without repeating K/V,
-  causal and sliding-window masks (static `CausalMask` / `LocalMask`, whose fully
-  hidden tiles are skipped), the sliding tile mask (`SplashTileMask`: its
-  block-sparse structure, computed at trace time, skips the hidden blocks and
-  evaluates the mask in the kernel only on partially visible ones), segment ids
-  and the logit soft cap;
+  causal and sliding-window masks and the padding keys (`SplashPositionsMask`),
+  the sliding tile mask (`SplashTileMask`), each a static mask whose block-sparse
+  structure, computed at trace time, skips the hidden blocks and evaluates the mask
+  in the kernel only on partially visible ones; segment ids and the logit soft cap.
+  Its tiles, the fused backward and the VMEM limit come from the chip's tuning table
+  (`_pallas_tpu_tuning.py`) unless given;
 - **flash attention** (`jax.experimental.pallas.ops.tpu.flash_attention`) when a
   bias or a boolean mask is given (the mask is folded into the bias); it takes
   causal masks and segment ids too, but neither a window nor a soft cap.
 
-Both are adapted by `_adapt`: sequences are padded to multiples of 128 and the
-padding excluded through segment ids, rows that see nothing give 0 and
+Both are adapted by `_adapt`: sequences are padded to multiples of the tiles (the
+flash kernel excludes the padding through segment ids), rows that see nothing give 0 and
 `lse = -inf`, sinks are added exactly from the lse, and the backward runs the
 kernels' own backward passes from the contract's (possibly ring-merged) `lse`
 and `delta - dlse`. The softmax scale is folded into `q` (splash takes none, and
@@ -44,6 +45,7 @@ from .._jax_private import (
     flash_attention_impl,
     splash_attention_bwd_dkv,
     splash_attention_bwd_dq,
+    splash_vmem_limit,
     SplashSegmentIds,
 )
 from .._vma import opaque_to_vma
@@ -53,11 +55,11 @@ from . import _pallas_tpu_sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
 from ._pallas_tpu_mask import splash_kernel_for
+from ._pallas_tpu_tuning import choose_blocks, LANES as _LANES, SplashBlocks
 from ._tile import SlidingTileMask
 
 
 F32 = jnp.float32
-_LANES = 128  # TPU tiles are multiples of the 128-lane vector width.
 
 
 def _heads_major(x: jax.Array, length: int) -> jax.Array:
@@ -135,11 +137,25 @@ class PallasTpu(AbstractImplementation):
 
     **Arguments:**
 
-    - `block_q`, `block_kv`: tile sizes (multiples of 128; shrunk for short sequences;
-        with a sliding tile mask whose tiles are multiples of 128 tokens, rounded to
-        whole tiles).
+    - `block_q`, `block_kv`: one tile size for every kernel, forward and backward
+        (multiples of 128; shrunk for short sequences). `None` (the default): the
+        tiles of the chip's tuning table (see `blocks`).
+    - `blocks`: the splash kernels' whole configuration, a
+        [`SplashBlocks`][vidax_eqx.kernels.SplashBlocks] (each kernel's tiles, the key
+        sub-block computed at a time, the fused backward, the scoped VMEM limit), used as
+        given. `None` and no `block_q` / `block_kv`: chosen per chip generation and
+        problem from the table measured on that chip
+        ([`splash_blocks`][vidax_eqx.kernels.splash_blocks] tells which).
+    - `fused_bwd_max_bytes`: the most memory the fused backward's partial dQ (one per
+        key tile) may take when the table asks for it; above it the dK/dV and dQ
+        kernels run instead. `None`: an eighth of the chip's memory.
     - `interpret`: run the kernels in Pallas interpret mode (on any platform,
-        e.g. to test on CPU; slow).
+        e.g. to test on CPU; slow). Then the default tiles are 512, unfused.
+
+    With a sliding tile mask whose tiles are multiples of 128 tokens, the tiles are
+    rounded to whole tiles. A length that is not a multiple of the tiles is padded; the
+    padding keys are hidden by the kernel's mask (one column of partially visible
+    blocks), not by segment ids compared on every block.
 
     A [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] runs the splash kernel
     with the mask's block-sparse structure (built in NumPy when the kernel is first
@@ -148,8 +164,10 @@ class PallasTpu(AbstractImplementation):
     the kernel. Per-head windows run one kernel per distinct window.
     """
 
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int | None = None
+    block_kv: int | None = None
+    blocks: SplashBlocks | None = None
+    fused_bwd_max_bytes: int | None = None
     interpret: bool = False
 
     name = "pallas_tpu"
@@ -165,8 +183,8 @@ class PallasTpu(AbstractImplementation):
         notes=(
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
-            "lengths are padded to multiples of 128, the padding excluded by segment ids "
-            "(as are the keys beyond kv_lengths)",
+            "lengths are padded to the tiles, the padding keys hidden by the kernel's mask "
+            "(segment ids and keys beyond kv_lengths by segment ids)",
             "no custom positions, yet ring attention runs on it when causal or unmasked "
             "(its steps then need none)",
             "a sliding tile mask runs the splash kernel over the whole sequence: not with "
@@ -180,10 +198,29 @@ class PallasTpu(AbstractImplementation):
     def __post_init__(self):
         for field in ("block_q", "block_kv"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0 or value % _LANES:
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % _LANES
+            ):
                 raise ValueError(
-                    f"PallasTpu `{field}` must be a positive multiple of {_LANES}; received {value!r}."
+                    f"PallasTpu `{field}` must be None or a positive multiple of {_LANES}; "
+                    f"received {value!r}."
                 )
+        if self.blocks is not None:
+            if not isinstance(self.blocks, SplashBlocks):
+                raise ValueError(
+                    f"PallasTpu `blocks` must be a SplashBlocks or None; received {self.blocks!r}."
+                )
+            if self.block_q is not None or self.block_kv is not None:
+                raise ValueError(
+                    "PallasTpu: give either `blocks` (every kernel's tiles) or `block_q` / "
+                    f"`block_kv` (one tile for all), not both; received blocks={self.blocks!r}, "
+                    f"block_q={self.block_q!r}, block_kv={self.block_kv!r}."
+                )
+        budget = self.fused_bwd_max_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(
+                f"PallasTpu `fused_bwd_max_bytes` must be None or a non-negative int; received {budget!r}."
+            )
 
     def unsupported(self, request: Request) -> list[str]:
         missing = self.capabilities.unsupported(request, any_platform=self.interpret)
@@ -208,52 +245,77 @@ class PallasTpu(AbstractImplementation):
 
     # -------------------------------------------------------------- splash (no bias)
 
-    def _splash_blocks(self, opts: Options) -> tuple[int, int]:
-        """`(block_q, block_kv)`: with a sliding tile mask whose tiles are multiples of
-        128 tokens (and whose video starts on a tile), whole tiles, so that every
-        block of video is fully visible or hidden (no mask evaluated in the kernel)."""
+    def splash_blocks(self, ops: Operands, opts: Options) -> SplashBlocks:
+        """The configuration the splash kernels run `ops` / `opts` with: the explicit
+        one, else the chip's table; fitted to the lengths, and with a sliding tile
+        mask whose tiles are multiples of 128 tokens (and whose video starts on a
+        tile), rounded to whole tiles, so that every block of video is fully visible
+        or hidden (no mask evaluated in the kernel)."""
+        B, S_q, H, D = ops.q.shape
+        S_k = ops.k.shape[1]
+        if self.blocks is not None:
+            blocks = self.blocks
+        elif self.block_q is not None or self.block_kv is not None or self.interpret:
+            blocks = SplashBlocks(self.block_q or 512, self.block_kv or 512)
+        else:
+            tm = opts.tile_mask
+            mask = ("tile" if tm is not None else "causal" if opts.causal and opts.window is None
+                    else "local" if opts.causal or opts.window is not None else "full")
+            blocks = choose_blocks(
+                mask=mask, batch=B, heads=H, S_q=S_q, S_k=S_k, head_dim=D,
+                itemsize=jnp.dtype(ops.q.dtype).itemsize, fused_bwd_max_bytes=self.fused_bwd_max_bytes,
+            )
         tm = opts.tile_mask
-        if tm is None or tm.tile_size % _LANES or tm.video_start % tm.tile_size:
-            return self.block_q, self.block_kv
-        return tuple(tm.tile_size * max(1, round(b / tm.tile_size)) for b in (self.block_q, self.block_kv))
+        if tm is not None and not (tm.tile_size % _LANES or tm.video_start % tm.tile_size):
+            whole = lambda b: tm.tile_size * max(1, round(b / tm.tile_size))  # noqa: E731
+            changes = {f: whole(getattr(blocks, f)) for f in (
+                "block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")}
+            changes["block_kv_compute"] = changes["block_kv"]
+            changes["block_kv_dkv_compute"] = changes["block_kv_dkv"]
+            blocks = dataclasses.replace(blocks, **changes)
+        return blocks.fit(S_q, S_k)
 
     def _splash_setup(self, ops: Operands, opts: Options):
-        """`(groups, q, k, v, seg)`: the kernels' operands, and one `_Group` per splash
-        kernel (one unless a sliding tile mask has several distinct head windows)."""
+        """`(groups, q, k, v, seg, blocks)`: the kernels' operands, one `_Group` per splash
+        kernel (one unless a sliding tile mask has several distinct head windows), and
+        the configuration."""
         B, S_q, H, D = ops.q.shape
         S_k, H_kv = ops.k.shape[1:3]
-        block_q, block_kv = self._splash_blocks(opts)
-        bq, S_qp = a.tile(S_q, block_q, _LANES)
-        bkv, S_kp = a.tile(S_k, block_kv, _LANES)
+        blocks = self.splash_blocks(ops, opts)
+        S_qp, S_kp = blocks.padded(S_q, S_k)
         groups = [
             _Group(
                 splash_kernel_for(
-                    len(heads) if heads is not None else H, (S_qp, S_kp), opts.causal, opts.window,
-                    opts.logits_soft_cap, bq, bkv, self.interpret, head_mask,
+                    (S_qp, S_kp), S_k, opts.causal, opts.window, opts.logits_soft_cap, blocks,
+                    self.interpret, head_mask,
                 ),
                 heads,
                 kv_heads,
             )
             for head_mask, heads, kv_heads in _head_groups(opts.tile_mask, H, H_kv)
         ]
-        seg = a.kernel_segment_ids(ops, S_qp, S_kp)
-        if seg is None:  # the kernel's batch of one example takes ids of shape (S,)
-            seg = (jnp.zeros((B, S_qp), jnp.int32), jnp.zeros((B, S_kp), jnp.int32))
+        # Padding keys are hidden by the kernel's mask; segment ids only for the request's
+        # own (and the keys beyond kv_lengths).
+        seg = None
+        if ops.seg_q is not None or ops.kv_lengths is not None:
+            seg = a.kernel_segment_ids(ops, S_qp, S_kp)
         q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
-        return groups, q, _heads_major(ops.k, S_kp), _heads_major(ops.v, S_kp), seg
+        return groups, q, _heads_major(ops.k, S_kp), _heads_major(ops.v, S_kp), seg, blocks
 
     def _splash_fwd(self, ops, opts):
-        groups, q, k, v, seg = self._splash_setup(ops, opts)
+        groups, q, k, v, seg, blocks = self._splash_setup(ops, opts)
         outs, lses = [], []
         for group in groups:
 
-            def one(q, k, v, seg_q, seg_kv, kernel=group.kernel):
-                out, (lse,) = kernel(q, k, v, SplashSegmentIds(seg_q, seg_kv))
+            def one(q, k, v, seg, kernel=group.kernel):
+                out, (lse,) = kernel(q, k, v, None if seg is None else SplashSegmentIds(*seg))
                 return out, lse
 
-            out, lse = opaque_to_vma(
-                jax.vmap(one), _take(q, group.heads), _take(k, group.kv_heads), _take(v, group.kv_heads), *seg
-            )
+            with splash_vmem_limit(blocks.vmem_limit_bytes):
+                out, lse = opaque_to_vma(
+                    jax.vmap(one, in_axes=(0, 0, 0, None if seg is None else 0)),
+                    _take(q, group.heads), _take(k, group.kv_heads), _take(v, group.kv_heads), seg,
+                )
             outs.append(out)
             lses.append(lse)
         out, lse = _merge(outs, groups), _merge(lses, groups)
@@ -261,7 +323,7 @@ class PallasTpu(AbstractImplementation):
         return jnp.swapaxes(out[:, :, :S_q], 1, 2), lse[:, :, :S_q]
 
     def _splash_bwd(self, ops, opts, kernel_lse, delta, dout):
-        groups, q, k, v, seg = self._splash_setup(ops, opts)
+        groups, q, k, v, seg, blocks = self._splash_setup(ops, opts)
         S_q, S_k = ops.q.shape[1], ops.k.shape[1]
         S_qp = q.shape[2]
         do = _heads_major(dout.astype(ops.q.dtype), S_qp)
@@ -282,31 +344,34 @@ class PallasTpu(AbstractImplementation):
                 interpret=self.interpret,
             )
 
-            def one(q, k, v, seg_q, seg_kv, lse, do, delta, kernel=kernel, bs=bs, common=common):
-                seg = SplashSegmentIds(seg_q, seg_kv)
-                _, dk, dv = splash_attention_bwd_dkv(
+            def one(q, k, v, seg, lse, do, delta, kernel=kernel, bs=bs, common=common):
+                seg = None if seg is None else SplashSegmentIds(*seg)
+                dq, dk, dv = splash_attention_bwd_dkv(
                     q, k, v, seg, None, lse, do, delta,
                     bq=bs.block_q_dkv,
                     bkv=bs.block_kv_dkv,
                     bkv_compute=bs.block_kv_dkv_compute,
                     mask_info=_collapse(kernel.dkv_mask_info),
-                    use_fused_bwd_kernel=False,
+                    use_fused_bwd_kernel=bs.use_fused_bwd_kernel,
                     **common,
                 )
-                dq = splash_attention_bwd_dq(
-                    q, k, v, seg, None, lse, do, delta,
-                    bq=bs.block_q_dq,
-                    bkv=bs.block_kv_dq,
-                    mask_info=_collapse(kernel.dq_mask_info),
-                    **common,
-                )
+                if not bs.use_fused_bwd_kernel:
+                    dq = splash_attention_bwd_dq(
+                        q, k, v, seg, None, lse, do, delta,
+                        bq=bs.block_q_dq,
+                        bkv=bs.block_kv_dq,
+                        mask_info=_collapse(kernel.dq_mask_info),
+                        **common,
+                    )
                 return dq, dk, dv
 
             heads, kv_heads = group.heads, group.kv_heads
-            dq_g, dk_g, dv_g = opaque_to_vma(
-                jax.vmap(one), _take(q, heads), _take(k, kv_heads), _take(v, kv_heads), *seg,
-                _take(lse, heads), _take(do, heads), _take(delta, heads),
-            )
+            with splash_vmem_limit(blocks.vmem_limit_bytes):
+                dq_g, dk_g, dv_g = opaque_to_vma(
+                    jax.vmap(one, in_axes=(0, 0, 0, None if seg is None else 0, 0, 0, 0)),
+                    _take(q, heads), _take(k, kv_heads), _take(v, kv_heads), seg,
+                    _take(lse, heads), _take(do, heads), _take(delta, heads),
+                )
             dqs.append(dq_g)
             if kv_heads is None:
                 dk, dv = dk_g, dv_g
@@ -324,8 +389,8 @@ class PallasTpu(AbstractImplementation):
     def _flash_setup(self, ops: Operands, opts: Options):
         B, S_q, H, D = ops.q.shape
         S_k = ops.k.shape[1]
-        bq, S_qp = a.tile(S_q, self.block_q, _LANES)
-        bkv, S_kp = a.tile(S_k, self.block_kv, _LANES)
+        bq, S_qp = a.tile(S_q, self.block_q or 512, _LANES)
+        bkv, S_kp = a.tile(S_k, self.block_kv or 512, _LANES)
         ab = jnp.zeros((), F32) if ops.bias is None else ops.bias.astype(F32)
         if ops.mask is not None:
             ab = jnp.where(ops.mask, ab, a.MASKED_LOGIT)

@@ -1,7 +1,17 @@
-"""The sliding tile mask as a splash attention mask: its block-sparse structure computed at
-trace time (fully hidden blocks skipped, fully visible ones unmasked, the mask evaluated
-in the kernel only on partially visible blocks), and the splash kernels of one static
-mask, cached."""
+"""Splash attention masks and the splash kernels of one static mask, cached.
+
+Two masks, each with its block-sparse structure computed at trace time from intervals
+and token classes (fully hidden blocks skipped, fully visible ones unmasked, the mask
+evaluated in the kernel only on partially visible blocks), never materialized:
+
+- `SplashPositionsMask`: a causal mask or sliding window on positions, and the padding
+  keys beyond the real length (a sequence padded to the kernels' tiles costs one column
+  of partially visible blocks, not a segment-id comparison on every block);
+- `SplashTileMask`: the sliding tile mask.
+
+`splash_kernel_for` builds the kernels (forward, dQ and dK/dV, or the fused backward)
+of one mask at one configuration ([`SplashBlocks`][vidax_eqx.kernels.SplashBlocks]).
+"""
 
 import functools
 from typing import NamedTuple
@@ -11,17 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._jax_private import (
-    CausalMask,
-    FullMask,
-    LocalMask,
-    make_splash_mha,
-    MultiHeadMask,
     SPLASH_DEFAULT_MASK_VALUE,
     SplashAttentionKernel,
     SplashBlockSizes,
     SplashComputableMask,
     SplashMaskInfo,
 )
+from ._pallas_tpu_tuning import SplashBlocks
 from ._tile import SlidingTileMask
 
 
@@ -200,15 +206,7 @@ class SplashTileMask(SplashComputableMask):
         return vis
 
     def __getitem__(self, idx) -> np.ndarray:
-        if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx)):
-            raise NotImplementedError(f"Unsupported slice: {idx}")
-        bounds = []
-        for i, n in zip(idx, self.shape):
-            start = 0 if i.start is None else i.start
-            stop = n if i.stop is None else i.stop
-            if i.step not in (None, 1) or not 0 <= start <= stop <= n:
-                raise NotImplementedError(f"Unsupported slice: {idx}")
-            bounds.append((start, stop))
+        bounds = _bounds(idx, self.shape)
         (q0, q1), (k0, k1) = bounds
         kind = self._kind(q0, q1, k0, k1)
         if kind is not None:
@@ -250,6 +248,83 @@ class SplashTileMask(SplashComputableMask):
         )
 
 
+class SplashPositionsMask(SplashComputableMask):
+    """A window on positions (`(left, right)`, a `None` side unbounded; causal is
+    `(None, 0)`; `None`: no window) and the padding keys at index `>= kv_len`, as a
+    splash mask over the kernels' padded `shape`.
+
+    Its blocks are classified from intervals (`block_kinds`); `mask_function`
+    evaluates it in the kernel on the partially visible ones. `mask[q_slice, kv_slice]`
+    (splash's `process_mask` reads it; the tests compare) is the dense block.
+    """
+
+    def __init__(self, shape: tuple[int, int], kv_len: int, window=None):
+        self.kv_len = int(kv_len)
+        self.window = window
+        self._key = (type(self), tuple(shape), self.kv_len, window)
+        left, right = (None, None) if window is None else window
+        kv_len = self.kv_len
+
+        def mask_function(q_ids, kv_ids):
+            vis = kv_ids < kv_len
+            if left is not None:
+                vis = vis & (kv_ids >= q_ids - left)
+            if right is not None:
+                vis = vis & (kv_ids <= q_ids + right)
+            return vis
+
+        super().__init__(tuple(shape), mask_function)
+
+    def __eq__(self, other):
+        if not isinstance(other, SplashPositionsMask):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self):
+        return f"SplashPositionsMask(shape={self.shape}, kv_len={self.kv_len}, window={self.window})"
+
+    def __getitem__(self, idx) -> np.ndarray:
+        (q0, q1), (k0, k1) = _bounds(idx, self.shape)
+        block = self.mask_function(np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
+        return np.broadcast_to(block, (q1 - q0, k1 - k0))
+
+    def block_kinds(self, block_q: int, block_kv: int) -> np.ndarray:
+        """As `SplashTileMask.block_kinds`: int32 `(S_q / block_q, S_k / block_kv)`, 0
+        hidden, 1 partially visible, 2 fully visible."""
+        S_q, S_k = self.shape
+        q0 = np.arange(0, S_q, block_q)[:, None]
+        q1 = q0 + block_q - 1  # last query of the block
+        k0 = np.arange(0, S_k, block_kv)[None, :]
+        k1 = k0 + block_kv - 1
+        hidden = np.broadcast_to(k0 >= self.kv_len, (len(q0), k0.shape[1]))
+        full = np.broadcast_to(k1 < self.kv_len, hidden.shape)
+        left, right = (None, None) if self.window is None else self.window
+        if left is not None:  # visible keys: k >= q - left
+            hidden = hidden | (k1 < q0 - left)
+            full = full & (k0 >= q1 - left)
+        if right is not None:  # and k <= q + right
+            hidden = hidden | (k0 > q1 + right)
+            full = full & (k1 <= q0 + right)
+        return np.where(hidden, 0, np.where(full, 2, 1)).astype(np.int32)
+
+
+def _bounds(idx, shape) -> list[tuple[int, int]]:
+    """The `(start, stop)` of a 2D slice of a mask of `shape` (splash reads blocks so)."""
+    if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx)):
+        raise NotImplementedError(f"Unsupported slice: {idx}")
+    bounds = []
+    for i, n in zip(idx, shape):
+        start = 0 if i.start is None else i.start
+        stop = n if i.stop is None else i.stop
+        if i.step not in (None, 1) or not 0 <= start <= stop <= n:
+            raise NotImplementedError(f"Unsupported slice: {idx}")
+        bounds.append((start, stop))
+    return bounds
+
+
 def _downcast(x: np.ndarray) -> np.ndarray:
     """The smallest of int8 / int16 / int32 that holds `x` (splash's scalar-memory
     arrays, as its `process_mask` downcasts them)."""
@@ -260,9 +335,9 @@ def _downcast(x: np.ndarray) -> np.ndarray:
     return x.astype(np.int32)
 
 
-def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
+def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool, shrink: bool = True):
     """Splash's `MaskInfo` of one mask shared by every head and computed in the
-    kernel (`mask_function`), from its block kinds (`SplashTileMask.block_kinds`).
+    kernel (`mask_function`), from its block kinds (`block_kinds`).
 
     What splash's `process_mask` (forward, dQ) / `process_mask_dkv` (dK/dV) return
     for such a mask (one head shard, one query shard, the grid shrunk to the
@@ -273,9 +348,24 @@ def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
 
     Forward / dQ: row `i` lists the visible kv blocks `j` of query block `i`
     (`data_next`) with their kinds (`block_mask`), left-aligned and padded with 0.
-    dK/dV: column `j` lists the visible query blocks of kv block `j`, bottom-aligned.
+    dK/dV: column `j` lists the visible query blocks of kv block `j`, bottom-aligned;
+    unshrunk (`shrink=False`, what the fused backward needs: it writes one partial dQ
+    per grid step, at the step's own query block), every query block in order.
     """
     lines = kinds.T if dkv else kinds
+    if not shrink:
+        # Every block in grid order (lines outer); a hidden one points at the next visible
+        # block in that order (wrapping to the first), whose data the kernel prefetches.
+        visible = np.flatnonzero(lines.reshape(-1))
+        data = np.zeros(lines.size, np.int32)
+        if len(visible):
+            at = np.searchsorted(visible, np.arange(lines.size))
+            data = visible[np.where(at == len(visible), 0, at)] % lines.shape[1]
+        data = data.reshape(lines.shape)
+        block = lines
+        if dkv:
+            block, data = block.T, data.T
+        return _info(data, block, q_len)
     visible = [np.flatnonzero(line) for line in lines]
     width = max(1, max(len(v) for v in visible))
     index = np.full((len(lines), width), -1, np.int32)
@@ -288,6 +378,11 @@ def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
     data = np.maximum(index, 0)
     if dkv:
         block, data = block.T, data.T
+    return _info(data, block, q_len)
+
+
+def _info(data: np.ndarray, block: np.ndarray, q_len: int):
+    """A `MaskInfo` of one head shard from its `data_next` and `block_mask` tables."""
     return SplashMaskInfo(
         data_next=_downcast(np.ascontiguousarray(data[None]).astype(np.int32)),
         mask_next=None,
@@ -297,95 +392,80 @@ def _mask_info(kinds: np.ndarray, q_len: int, dkv: bool):
     )
 
 
-def _tile_kernel(mask: "SplashTileMask", block_sizes, soft_cap, interpret: bool):
-    """The splash kernel `make_splash_mha(MultiHeadMask([mask] * heads), ...)` returns
-    (for any number of heads, as `splash_kernel_for` calls it), its mask infos built
-    by `_mask_info`."""
-    bs = block_sizes
-    infos = {}
-    for name, blocks, dkv in (
-        ("fwd", (bs.block_q, bs.block_kv), False),
-        ("dq", (bs.block_q_dq, bs.block_kv_dq), False),
-        ("dkv", (bs.block_q_dkv, bs.block_kv_dkv), True),
-    ):
-        same = [info for (b, d), info in infos.values() if (b, d) == (blocks, dkv)]
-        info = same[0] if same else _mask_info(mask.block_kinds(*blocks), mask.shape[0], dkv)
-        infos[name] = ((blocks, dkv), info)
-    fwd, dq, dkv = (jax.tree.map(jnp.array, infos[n][1]) for n in ("fwd", "dq", "dkv"))
+def _splash_block_sizes(blocks: SplashBlocks):
+    """Splash's `BlockSizes` of a configuration."""
+    dq = {} if blocks.fused_bwd else dict(block_q_dq=blocks.block_q_dq, block_kv_dq=blocks.block_kv_dq)
+    return SplashBlockSizes(
+        block_q=blocks.block_q,
+        block_kv=blocks.block_kv,
+        block_kv_compute=blocks.block_kv_compute,
+        block_q_dkv=blocks.block_q_dkv,
+        block_kv_dkv=blocks.block_kv_dkv,
+        block_kv_dkv_compute=blocks.block_kv_dkv_compute,
+        use_fused_bwd_kernel=blocks.fused_bwd,
+        **dq,
+    )
+
+
+def _kernel(mask, blocks: SplashBlocks, soft_cap, interpret: bool):
+    """The splash kernel of `mask` (one head's; the kernel serves any number of heads
+    with it) at `blocks`, its mask infos built by `_mask_info` from the mask's block
+    kinds; the mask is evaluated in the kernel only where a block is partially visible
+    (no `mask_function` at all when none is)."""
+    specs = {
+        "fwd": ((blocks.block_q, blocks.block_kv), False, True),
+        "dkv": ((blocks.block_q_dkv, blocks.block_kv_dkv), True, not blocks.fused_bwd),
+    }
+    if not blocks.fused_bwd:
+        specs["dq"] = ((blocks.block_q_dq, blocks.block_kv_dq), False, True)
+    kinds = {shape: mask.block_kinds(*shape) for shape, _, _ in specs.values()}
+    infos = {name: _mask_info(kinds[shape], mask.shape[0], dkv, shrink) for name, (shape, dkv, shrink) in specs.items()}
+    partial = any((k == 1).any() for k in kinds.values())
+    if not partial:  # no mask in the kernel: splash then takes no query positions either
+        infos = {name: info._replace(q_sequence=None) for name, info in infos.items()}
+    infos = {name: jax.tree.map(jnp.array, info) for name, info in infos.items()}
     return SplashAttentionKernel(
-        fwd,
-        dq,
-        dkv,
-        block_sizes=bs,
+        infos["fwd"],
+        infos.get("dq"),
+        infos["dkv"],
+        block_sizes=_splash_block_sizes(blocks),
         is_mqa=False,
         save_residuals=True,
         mask_value=SPLASH_DEFAULT_MASK_VALUE,
         attn_logits_soft_cap=soft_cap,
         residual_checkpoint_name=None,
-        mask_function=mask.mask_function,
+        mask_function=mask.mask_function if partial else None,
         interpret=interpret,
-    )
-
-
-def _block_sizes(block_q: int, block_kv: int):
-    """Splash's tiles: the same `(block_q, block_kv)` forward and backward (unfused)."""
-    return SplashBlockSizes(
-        block_q=block_q,
-        block_kv=block_kv,
-        block_kv_compute=block_kv,
-        block_q_dkv=block_q,
-        block_kv_dkv=block_kv,
-        block_kv_dkv_compute=block_kv,
-        block_q_dq=block_q,
-        block_kv_dq=block_kv,
-        use_fused_bwd_kernel=False,
     )
 
 
 @functools.lru_cache(maxsize=64)
 def splash_kernel_for(
-    heads: int,
     shape: tuple[int, int],
+    kv_len: int,
     causal: bool,
     window,
     soft_cap: float | None,
-    block_q: int,
-    block_kv: int,
+    blocks: SplashBlocks,
     interpret: bool,
     tile_mask: SlidingTileMask | None = None,
 ):
-    """A splash kernel (forward with lse; dK/dV and dQ backward blocks) for one static mask.
+    """A splash kernel (forward with lse; dK/dV and dQ, or fused, backward blocks) for
+    one static mask over the kernels' padded `shape`, at `blocks`.
 
-    `tile_mask`: one head's sliding tile mask (a shared window), ANDed with the
-    causal mask / window, for every head of the kernel.
-
-    The backward is unfused: JAX's fused splash backward writes one partial dQ per
-    key block, `(S_k / block_kv, H, S_q, D)`, which is O(S^2) memory (6.4 GB for
-    Wan 1.3B at 32,760 tokens); separate dK/dV and dQ kernels keep it O(S).
+    `kv_len`: the real key length (keys beyond it are padding, hidden by the mask);
+    `tile_mask`: one head's sliding tile mask (a shared window; it hides the padding
+    itself), ANDed with the causal mask / window, for every head of the kernel.
     """
     left, right = (None, None) if window is None else window
     if causal:  # causal and a window: the window with its right side cut at 0
         right = 0 if right is None else min(right, 0)
+    local = None if left is None and right is None else (left, right)
     if tile_mask is not None:
-        mask = SplashTileMask(tile_mask, shape, None if left is None and right is None else (left, right))
-    elif left is None and right is None:
-        mask = FullMask(shape)
-    elif left is None and right == 0:
-        mask = CausalMask(shape, offset=0)
+        mask = SplashTileMask(tile_mask, shape, local)
     else:
-        mask = LocalMask(shape, (left, right), offset=0)
-    block_sizes = _block_sizes(block_q, block_kv)
+        mask = SplashPositionsMask(shape, kv_len, local)
     # The mask metadata are constants: built eagerly even when first asked for
     # under a trace, so the cached kernel holds no tracer.
     with jax.ensure_compile_time_eval():
-        if tile_mask is not None:
-            return _tile_kernel(mask, block_sizes, soft_cap, interpret)
-        return make_splash_mha(
-            MultiHeadMask([mask] * heads),
-            block_sizes=block_sizes,
-            head_shards=1,
-            q_seq_shards=1,
-            save_residuals=True,
-            attn_logits_soft_cap=soft_cap,
-            interpret=interpret,
-        )
+        return _kernel(mask, blocks, soft_cap, interpret)
