@@ -2,11 +2,12 @@
 
 Marked `device`: skipped unless `VIDAX_TEST_DEVICE=1` on a TPU (`harness/_device.py`);
 `VIDAX_TEST_DEVICE=interpret` runs the same bodies on the CPU with the kernels in Pallas
-interpret mode. `tests/test_pallas.py` checks the kernels' logic in interpret mode on CPU;
-here Mosaic compiles them and the chip runs them, under
-`jax.default_matmul_precision("highest")` (float32 products as float32: otherwise the MXU
-takes them in bfloat16 and they agree with the oracle to about three digits), against the
-float64 oracle with the suite's tolerance table (`oracle.TOLERANCES`):
+interpret mode (`interpret-full`: at the chip's sizes). `tests/test_pallas.py` checks the
+kernels' logic in interpret mode on every CI run; here Mosaic compiles them and the chip
+runs them, under `jax.default_matmul_precision("highest")` (float32 products as float32:
+otherwise the TPU's matrix units take them in bfloat16 and they agree with the oracle to
+about three digits), against the float64 oracle with the suite's tolerance table
+(`oracle.TOLERANCES`):
 
 - every case of `cases.CASES`, float32, on `"pallas_tpu"` and on `"auto"`: forward, lse
     and the gradients of q, k, v, bias and sinks (a random cotangent); where the capability
@@ -15,10 +16,12 @@ float64 oracle with the suite's tolerance table (`oracle.TOLERANCES`):
 - a subset in bfloat16, on both;
 - the gradient through the lse (`attention_fwd` with `dlse`: the path ring attention takes);
 - sequences over several kernel blocks with ragged ends (128-token blocks, and the
-    registered blocks over a longer sequence), rows that see nothing, determinism.
+    registered blocks over a longer sequence), rows that see nothing, head size 64,
+    determinism.
 
-On the chip the cases run at Wan's head size (`D = 128`); in interpret mode at their own
-(`D = 16`), so that the whole file stays a few minutes on a CPU.
+On the chip the cases run at Wan's head size (`D = 128`) and the registered `"pallas_tpu"`'s
+own blocks; in interpret mode at their own (`D = 16`) and 128-token blocks, so that the
+whole file stays about two minutes on a CPU.
 """
 
 import dataclasses
@@ -133,7 +136,8 @@ def test_lse_gradient(case):
 # -- several blocks -------------------------------------------------------------------------
 
 # (case, blocks): `None` takes the registered "pallas_tpu" and its own blocks, over a
-# sequence longer than them on the chip (ragged: 1100 tokens).
+# sequence longer than them at the chip's sizes (ragged: 1100 tokens).
+LONG = 1100 if CHIP_SIZES else 300
 TILED = [
     pytest.param(Case("splash_128_blocks", B=1, S_q=300, S_k=260, H=4, H_kv=2, D=16, causal=True,
                       window=(90, 0), segments="split", sinks=True, soft_cap=5.0), (128, 128),
@@ -141,9 +145,8 @@ TILED = [
     pytest.param(Case("flash_128_blocks", B=1, S_q=260, S_k=300, H=2, H_kv=1, D=16, causal=True,
                       bias=(1, 2, 260, 300), mask=(1, 1, 260, 300), segments="split"), (128, 128),
                  id="flash_128_blocks"),
-    pytest.param(Case("registered_blocks", B=1, S_q=1100 if CHIP_SIZES else 300, S_k=1100 if CHIP_SIZES else 300,
-                      H=4, H_kv=2, D=16, causal=True, segments="shared", sinks=True), None,
-                 id="registered_blocks"),
+    pytest.param(Case("registered_blocks", B=1, S_q=LONG, S_k=LONG, H=4, H_kv=2, D=16, causal=True,
+                      segments="shared", sinks=True), None, id="registered_blocks"),
 ]
 
 

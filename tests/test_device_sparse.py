@@ -3,9 +3,9 @@
 Marked `device`: skipped unless `VIDAX_TEST_DEVICE=1` on a TPU (`harness/_device.py`);
 `VIDAX_TEST_DEVICE=interpret` runs the same bodies on the CPU, the kernels in Pallas
 interpret mode, at the sizes of `tests/test_sparse_pallas.py` and `tests/test_vsa_pallas.py`
-(which check the kernels' logic so on every CI run). Here Mosaic compiles them and the
-chip runs them, at Wan's head size (`D = 128`) and over many kernel blocks, under
-`jax.default_matmul_precision("highest")`, against the float64 oracle:
+(which check the kernels' logic so on every CI run); `interpret-full` at the chip's. Here
+Mosaic compiles them and the chip runs them, at Wan's head size (`D = 128`) and over many
+kernel blocks, under `jax.default_matmul_precision("highest")`, against the float64 oracle:
 
 - **sliding tile attention** (`kernels.SlidingTileMask` on `"pallas_tpu"`: the splash
     kernel with the mask's block-sparse structure): tiles of 128 tokens (whole kernel
@@ -35,7 +35,6 @@ import pytest
 import harness
 import oracle
 from vidax_eqx import kernels
-from vidax_eqx.kernels import _vsa
 
 
 pytestmark = pytest.mark.device
@@ -74,20 +73,22 @@ if CHIP_SIZES:
         # 32-token tiles ragged along every dimension (5, 9, 14 over 2, 4, 4), a text
         # suffix, per-head windows, a window on positions and a soft cap: 1,192 tokens.
         Config("ragged-suffix-perhead-window-softcap",
-               kernels.SlidingTileMask((5, 9, 14), (2, 4, 4), PER_HEAD, text_len=40, text_position="suffix"),
+               kernels.SlidingTileMask((5, 9, 14), (2, 4, 4), PER_HEAD, text_len=40,
+                                       text_position="suffix"),
                options=(("window", (400, 200)), ("logits_soft_cap", 5.0))),
         # 24-token tiles, ragged along W, a text prefix, segment ids with padding: 452 tokens.
-        Config("ragged-prefix-segments", kernels.SlidingTileMask((3, 10, 10), (1, 4, 6), (3, 3, 3), text_len=20),
-               segments=True),
+        Config("ragged-prefix-segments",
+               kernels.SlidingTileMask((3, 10, 10), (1, 4, 6), (3, 3, 3), text_len=20), segments=True),
     ]
 else:  # interpret mode: test_sparse_pallas's sizes
     STA_CONFIGS = [
-        Config("aligned-prefix", kernels.SlidingTileMask((3, 8, 16), (1, 8, 16), (1, 1, 1), text_len=128), D=8),
+        Config("aligned-prefix", kernels.SlidingTileMask((3, 8, 16), (1, 8, 16), (1, 1, 1), text_len=128),
+               D=8),
         Config("ragged-suffix-perhead-window-softcap",
                kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), PER_HEAD, text_len=30, text_position="suffix"),
                D=8, options=(("window", (60, 20)), ("logits_soft_cap", 5.0))),
-        Config("ragged-prefix-segments", kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), (1, 1, 3), text_len=12),
-               D=8, segments=True),
+        Config("ragged-prefix-segments",
+               kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), (1, 1, 3), text_len=12), D=8, segments=True),
     ]
 
 
@@ -128,7 +129,10 @@ def test_sliding_tile_attention(cfg):
 
 # Chip: 2 x 3 x 3 tiles of 4 x 4 x 4 tokens (FastVideo's) over a grid partial along H and W,
 # 1,152 tokens, 5 of 18 key tiles per query tile. Interpret mode: test_vsa_pallas's.
-GRID, TILE, TOPK, VSA_D, VSA_SEED = ((6, 10, 12), (4, 4, 4), 5, 128, 4) if CHIP_SIZES else ((3, 5, 6), (2, 2, 3), 4, 8, 1)
+if CHIP_SIZES:
+    GRID, TILE, TOPK, VSA_D, VSA_SEED = (6, 10, 12), (4, 4, 4), 5, 128, 4
+else:
+    GRID, TILE, TOPK, VSA_D, VSA_SEED = (3, 5, 6), (2, 2, 3), 4, 8, 1
 
 
 def test_video_sparse_attention():
@@ -136,7 +140,7 @@ def test_video_sparse_attention():
     on out and lse), GQA (4 query heads over 2), partial tiles, against the float64 VSA
     oracle; the seed's top-k margin is far above float32's error in the coarse scores, so
     the kernel cannot select other tiles than the oracle."""
-    S = _vsa.VsaLayout(GRID, TILE).video_len
+    S = len(oracle.vsa_layout(GRID, TILE)[0])  # tokens of the tile layout, padding included
     rng = np.random.default_rng(VSA_SEED)
     q, q64 = harness.rounded(rng, (1, S, 4, VSA_D))
     k, k64 = harness.rounded(rng, (1, S, 2, VSA_D))

@@ -2,27 +2,26 @@
 
 Marked `device`: skipped unless `VIDAX_TEST_DEVICE=1` on a TPU (`harness/_device.py`);
 `VIDAX_TEST_DEVICE=interpret` runs the same body on the CPU, the TPU side's kernels in
-Pallas interpret mode, at smaller sizes.
+Pallas interpret mode, at smaller sizes (`interpret-full`: at these).
 
-`models.WanTransformer3D` with two blocks at Wan's head size (2 heads of 128), float32,
-on a video of 3 x 10 x 12 patches (360 tokens: not a multiple of the kernels' 128), 20
+`models.WanTransformer3D` with two blocks at Wan's head size (2 heads of 128), float32, on
+a video of 3 x 10 x 12 patches (360 tokens: not a multiple of the kernels' 128) and 20
 text tokens: its patch embedding, time embedding and modulation, RoPE, the blocks'
-self-attention (on the chip `"auto"`, which takes the Pallas TPU kernels), cross-attention
-and FFN, and the head. The output and the gradients of every parameter and of the latents
-(a random cotangent on the output) must equal those of the same model on the CPU backend
-(`"auto"` there: the XLA reference attention), both under
+self-attention and cross-attention on `"pallas_tpu"` (the splash kernel, which `"auto"`
+takes on a TPU), the FFN, and the head. The output and the gradients of every parameter
+and of the latents (a random cotangent on the output) must equal those of the same model
+on the CPU backend (`"auto"` there: the XLA reference attention), both under
 `jax.default_matmul_precision("highest")`; with full attention and with sliding tile
-attention (`sliding_tile=`, the splash kernel's block-sparse mask).
+attention (`sliding_tile=`: the splash kernel with the mask's block-sparse structure).
 """
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import harness
-from vidax_eqx import kernels, models
+from vidax_eqx import models
 
 
 pytestmark = pytest.mark.device
@@ -85,11 +84,9 @@ def _rel_error(got, ref) -> float:
 @pytest.mark.parametrize("attention", ["full", "sliding_tile"])
 def test_wan_matches_cpu(attention):
     cpu = harness.cpu()
-    # On the chip "auto" (what a user gets: the Pallas TPU kernels); off it, the interpret-
-    # mode kernel in its place (on the CPU, "auto" would be the reference itself).
-    impl = "auto" if harness.on_chip() else harness.pallas_tpu()
     with jax.default_device(cpu):  # both built on one backend: the same bits
-        device_model = models.WanTransformer3D(CONFIG, implementation=impl, key=jax.random.key(0))
+        device_model = models.WanTransformer3D(CONFIG, implementation=harness.pallas_tpu(),
+                                               key=jax.random.key(0))
         cpu_model = models.WanTransformer3D(CONFIG, implementation="auto", key=jax.random.key(0))
     assert harness.same_arrays(device_model, cpu_model)
     rng = np.random.default_rng(1)
@@ -99,11 +96,6 @@ def test_wan_matches_cpu(attention):
     timestep = np.asarray(500.0, np.float32)
     sliding_tile = SLIDING_TILE if attention == "sliding_tile" else None
     inputs = (x, timestep, context, cotangent)
-
-    if harness.on_chip():  # "auto" takes the TPU kernels for the blocks' attention
-        S = np.prod(LATENTS[1:]) // 4
-        q = jax.device_put(jnp.zeros((1, S, CONFIG.num_heads, 128)), harness.accelerator())
-        assert kernels.select_implementation(q, q, q) == "pallas_tpu"
 
     got = _forward_and_grads(_on(harness.accelerator(), device_model),
                              *_on(harness.accelerator(), inputs), sliding_tile)
