@@ -8,7 +8,7 @@ the float64 oracle. The environment variable `VIDAX_TEST_DEVICE` selects the mod
 - `1`: they run on the TPU, the default backend; skipped, with the reason, where that
     is not a TPU;
 - `interpret`: they run on the CPU with the kernels in Pallas interpret mode, at smaller
-    sizes: the same test bodies, to check them without a chip (about 5 minutes on 2 cores);
+    sizes: the same test bodies, to check them without a chip (5 to 7 minutes on 2 cores);
 - `interpret-full`: the same at the chip's sizes (slower still): the chip's inputs,
     configurations and tolerances checked on the CPU.
 
