@@ -23,6 +23,14 @@ the determinism check across fresh processes, the whole-model sharded gradients
 The default run, and CI, run everything; the quick developer loop leaves them out:
 
     python -m pytest -q -m "not slow" tests
+
+The `device` marker (also registered in `pyproject.toml`) marks the tests that run the
+Pallas TPU kernels for real on a TPU (`tests/test_device_*.py`). They are skipped unless
+`VIDAX_TEST_DEVICE=1` on a TPU machine (or `=interpret`: the same tests on the CPU, the
+kernels in Pallas interpret mode); `pytest_collection_modifyitems` below adds the skip,
+`tests/harness/_device.py` decides it. On the chip, in one process:
+
+    VIDAX_TEST_DEVICE=1 python -m pytest -o addopts="" -ra -m device tests/test_device_*.py
 """
 
 import gc
@@ -48,6 +56,23 @@ jax.config.update("jax_enable_x64", False)
 
 
 import pytest  # noqa: E402
+
+
+# -- the device tests ------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips the `device` tests outside the device mode (`harness.device_skip_reason`:
+    `VIDAX_TEST_DEVICE` unset, or set to 1 where the default backend is not a TPU)."""
+    device = [item for item in items if item.get_closest_marker("device") is not None]
+    if not device:
+        return
+    import harness
+
+    reason = harness.device_skip_reason()
+    if reason is not None:
+        for item in device:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # -- how XLA compiles in the test processes --------------------------------------------------

@@ -38,6 +38,10 @@ concern per module; this file only re-exports, so every test reads `harness.X`:
   against its own scale).
 - **Weight files** (`_weights.py`). `safetensors_file`, `safetensors_entry`: files built
   byte by byte.
+- **The device mode** (`_device.py`). `device_mode`, `device_skip_reason`, `on_chip`,
+  `chip_sizes`: whether the `device` tests run, on the TPU or in Pallas interpret mode, and
+  at which sizes (`VIDAX_TEST_DEVICE`); `pallas_tpu`, `registered_pallas_tpu`, `accelerator`, `cpu`:
+  the kernels and devices they run on.
 - **Processes** (`_processes.py`). `NUM_PROCESSES`, `LOCAL_DEVICES`, `free_port`,
   `child_env`, `global_array` for the multi-process tests and their workers.
 
@@ -55,6 +59,16 @@ from ._compare import (
     check_sharded as check_sharded,
     named as named,
     shape_re as shape_re,
+)
+from ._device import (
+    accelerator as accelerator,
+    chip_sizes as chip_sizes,
+    cpu as cpu,
+    device_mode as device_mode,
+    device_skip_reason as device_skip_reason,
+    on_chip as on_chip,
+    pallas_tpu as pallas_tpu,
+    registered_pallas_tpu as registered_pallas_tpu,
 )
 from ._inputs import (
     attention_inputs as attention_inputs,
