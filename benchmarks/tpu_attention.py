@@ -150,6 +150,9 @@ def splash_row(p: Problem, bs, args, interpret: bool, smoke: bool, passes=("fwd"
     S = p.splash_S
     mask = sm.CausalMask((S, S)) if p.causal else sm.FullMask((S, S))
     row = dict(impl="splash", config=shorten(bs), S=S)
+    if time.perf_counter() > DEADLINE[0]:
+        row["error"] = "not run: budget spent"
+        return row
     try:
         with splash_vmem_limit(None if bs is None else VMEM):
             kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * p.H), block_sizes=bs,
@@ -298,8 +301,14 @@ def markdown(rows: list[dict], head: str) -> str:
 # -- the sweep -------------------------------------------------------------------------------
 
 
+DEADLINE = [float("inf")]  # perf_counter time after which the sweep starts no configuration
+
+
 def sweep(p: Problem, interpret, smoke, lists) -> dict:
     fwd_list, dkv_list, dq_list, fused_list = lists
+    if time.perf_counter() > DEADLINE[0]:
+        print(f"SWEEP {p}: skipped (budget spent)", flush=True)
+        return dict(problem=str(p), skipped="budget")
     S = p.splash_S
     sp = dataclasses.replace(p, S=S)
     args = inputs(sp, S, True, smoke)
@@ -308,24 +317,28 @@ def sweep(p: Problem, interpret, smoke, lists) -> dict:
         r = splash_row(sp, block_sizes(f, (512, 512, 512), (512, 512)), args, interpret, smoke, passes=("fwd",))
         found["fwd"].append(dict(r, tiles=f))
     ok = [r for r in found["fwd"] if "fwd_s" in r]
+    if not ok:
+        return dict(found, skipped="no forward configuration ran")
     best_f = min(ok, key=lambda r: r["fwd_s"])["tiles"]
     for t in dkv_list:
         r = splash_row(sp, block_sizes(best_f, t, (1024, 1024) if S >= 1024 else (S, S)), args, interpret, smoke,
                        passes=("fwd_bwd",))
         found["dkv"].append(dict(r, tiles=t))
     ok = [r for r in found["dkv"] if "fwd_bwd_s" in r]
+    if not ok:
+        return dict(found, skipped="no backward configuration ran")
     best_dkv = min(ok, key=lambda r: r["fwd_bwd_s"])["tiles"]
     for t in dq_list:
         r = splash_row(sp, block_sizes(best_f, best_dkv, t), args, interpret, smoke, passes=("fwd_bwd",))
         found["dq"].append(dict(r, tiles=t))
-    ok = [r for r in found["dq"] if "fwd_bwd_s" in r]
-    best_dq = min(ok, key=lambda r: r["fwd_bwd_s"])["tiles"]
+    ok = [r for r in found["dq"] if "fwd_bwd_s" in r] or [dict(found["dkv"][0], tiles=(1024, 1024))]
+    best_dq = min(ok, key=lambda r: r.get("fwd_bwd_s", float("inf")))["tiles"]
     for t in fused_list:
         r = splash_row(sp, block_sizes(best_f, t), args, interpret, smoke, passes=("fwd_bwd",))
         found["fused"].append(dict(r, tiles=t))
     ok = [r for r in found["fused"] if "fwd_bwd_s" in r]
     best_fused = min(ok, key=lambda r: r["fwd_bwd_s"])["tiles"] if ok else None
-    unfused_s = min(r["fwd_bwd_s"] for r in found["dq"] if "fwd_bwd_s" in r)
+    unfused_s = min([r["fwd_bwd_s"] for r in found["dq"] + found["dkv"] if "fwd_bwd_s" in r])
     fused_s = min((r["fwd_bwd_s"] for r in ok), default=float("inf"))
     best = (block_sizes(best_f, best_fused) if fused_s < unfused_s
             else block_sizes(best_f, best_dkv, best_dq))
@@ -352,7 +365,10 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="the tuning sweep instead of the table")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode off a TPU")
     parser.add_argument("--quick", action="store_true", help="the table at 32,768 / 32,760 / 8,192, 12 heads only")
+    parser.add_argument("--budget", type=float, default=float("inf"), metavar="SECONDS",
+                        help="start no configuration after this many seconds")
     args = parser.parse_args()
+    DEADLINE[0] = time.perf_counter() + args.budget
     on_tpu = jax.default_backend() == "tpu"
     interpret = not on_tpu
     device = jax.devices()[0]
@@ -371,8 +387,8 @@ def main():
         else:
             full = (FWD, DKV, DQ, DKV[:4])
             small = (FWD[:6], DKV[:4], DQ[:3], DKV[:3])
-            plan = [(Problem(32760, 12, False), full), (Problem(32760, 12, True), small),
-                    (Problem(8192, 12, False), small), (Problem(8192, 12, True), small)]
+            plan = [(Problem(32760, 12, False), full), (Problem(8192, 12, False), small),
+                    (Problem(32760, 12, True), small), (Problem(8192, 12, True), small)]
         results = [sweep(p, interpret, args.smoke or not on_tpu, lists) for p, lists in plan]
         write_json(os.path.join(args.out, "tpu_attention_sweep.json"), dict(stamp, matmul_tflops=matmul,
                                                                            results=results))

@@ -1,0 +1,151 @@
+"""A Wan denoising step on an accelerator: where its time goes, and the 50-step estimate.
+
+    python benchmarks/tpu_wan_step.py --out DIR                   # Wan 2.1 1.3B, 480p x 81
+    python benchmarks/tpu_wan_step.py --model 14b --layers 1 --out DIR   # one 14B block
+    python benchmarks/tpu_wan_step.py --smoke --out DIR           # tiny, anywhere
+
+One forward of `models.WanTransformer3D` (random weights at the real size, bf16) on one
+video latent `(16, F, H/8, W/8)` with the 512-token text context, as a sampler runs it
+per step and guidance branch, compiled once and timed (best of 3); then the same model
+with its attention replaced by a stand-in that returns q (`--ablate`, the default): the
+difference is the attention's share. The step's dot FLOPs (`_model_flops.wan_flops`)
+against the bf16 matmul rate measured in the same process give the fraction of the
+chip's limit; `50 steps x 2 branches` of the step estimate a guided 50-step video.
+`--profile DIR` also writes a `jax.profiler` trace of two steps.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from _harness import write_json  # also puts this checkout first on sys.path
+from _model_flops import wan_flops
+from vidax_eqx import kernels, models
+
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class StandIn(kernels.AbstractImplementation):
+    """Attention replaced by `out = q` (lse 0): the step without its attention."""
+
+    name = "stand_in"
+    capabilities = kernels.Capabilities(platforms=("cpu", "gpu", "tpu"), tile_mask=True, kv_lengths=True)
+
+    def fwd(self, ops, opts):
+        B, S, H, D = ops.q.shape
+        return ops.q, jnp.zeros((B, H, S), F32)
+
+    def bwd(self, ops, opts, out, lse, dout, dlse):
+        return dout.astype(ops.q.dtype), jnp.zeros_like(ops.k), jnp.zeros_like(ops.v), None, None
+
+
+def seconds(fn, args, reps=3) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_tflops(n: int) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), BF16)
+    f = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(f(a, a))
+    start = time.perf_counter()
+    for _ in range(10):
+        out = f(a, a)
+    jax.block_until_ready(out)
+    return 2.0 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="1.3b", choices=("1.3b", "14b"))
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the model's)")
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--no-ablate", dest="ablate", action="store_false")
+    parser.add_argument("--profile", metavar="DIR", default=None)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=".", metavar="DIR")
+    args = parser.parse_args()
+    preset = {"1.3b": "t2v-1.3b", "14b": "t2v-14b"}[args.model]
+    overrides = {} if args.layers is None else dict(num_layers=args.layers)
+    if args.smoke:
+        config = models.WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32)
+        latent = (16, 2, 4, 8)
+        text = (8, 32)
+    else:
+        config = models.WanConfig.preset(preset, **overrides)
+        latent = (16, 1 + (args.frames - 1) // 4, args.height // 8, args.width // 8)
+        text = (512, config.text_dim)
+    grid = (latent[1], latent[2] // 2, latent[3] // 2)
+    tokens = math.prod(grid)
+    stamp = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
+                 device=jax.devices()[0].device_kind, model=preset, layers=config.num_layers,
+                 latent=latent, tokens=tokens)
+    print(stamp, flush=True)
+    matmul = matmul_tflops(1024 if args.smoke else 8192)
+    print(f"bf16 matmul {matmul:.1f} TFLOP/s", flush=True)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], latent, F32).astype(BF16)
+    context = jax.random.normal(keys[1], text, F32).astype(BF16)
+    t = jnp.asarray(500.0, F32)
+    flops = wan_flops(dict(dim=config.dim, ffn_dim=config.ffn_dim, num_layers=config.num_layers,
+                           num_heads=config.num_heads), tokens)["fwd_total"]
+    attn_flops = config.num_layers * 4 * tokens * tokens * config.dim
+    report = dict(stamp, matmul_tflops=matmul, fwd_flops=flops, attention_flops=attn_flops)
+
+    def step_of(implementation):
+        start = time.perf_counter()
+        model = models.WanTransformer3D(config, implementation=implementation, dtype=BF16, key=keys[2])
+        model = jax.block_until_ready(model)
+        built = time.perf_counter() - start
+        step = eqx.filter_jit(lambda m, x, t, c: m(x, t, c))
+        start = time.perf_counter()
+        compiled = step.lower(model, x, t, context).compile()
+        compile_s = time.perf_counter() - start
+        return model, compiled, built, compile_s
+
+    model, compiled, built, compile_s = step_of("auto")
+    step_s = seconds(lambda *a: compiled(*a), (model, x, t, context))
+    report.update(build_s=built, compile_s=compile_s, step_s=step_s, tflops=flops / step_s / 1e12,
+                  of_matmul=flops / step_s / 1e12 / matmul, guided_50_steps_s=100 * step_s,
+                  limit_50_steps_s=100 * flops / (matmul * 1e12))
+    print(json.dumps(report), flush=True)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        with jax.profiler.trace(args.profile):
+            for _ in range(2):
+                jax.block_until_ready(compiled(model, x, t, context))
+    del model, compiled
+    if args.ablate:
+        model, compiled, _, _ = step_of(StandIn())
+        rest_s = seconds(lambda *a: compiled(*a), (model, x, t, context))
+        rest_flops = flops - attn_flops
+        report.update(without_attention_s=rest_s, attention_s=step_s - rest_s,
+                      without_attention_tflops=rest_flops / rest_s / 1e12,
+                      without_attention_of_matmul=rest_flops / rest_s / 1e12 / matmul,
+                      attention_tflops=attn_flops / max(step_s - rest_s, 1e-9) / 1e12)
+        del model, compiled
+    print(json.dumps(report), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, f"tpu_wan_step_{args.model}_{config.num_layers}.json"), report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
