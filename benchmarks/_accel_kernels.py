@@ -1,8 +1,12 @@
 """The kernel part of `accelerator_check.py`: every attention path this platform serves,
 at Wan's shapes, against a float32 reference (forward and gradients, bf16, with each
-feature), and timed against the baselines a user would pick: `jax.nn.dot_product_attention`
-(its cuDNN path) and PyTorch's `scaled_dot_product_attention` with the flash and cuDNN
-backends, as ratios and as a fraction of a bf16 matmul measured in the same run."""
+feature), and timed against the baselines a user would pick, as ratios and as a fraction
+of a bf16 matmul measured in the same run: on a GPU `jax.nn.dot_product_attention` (its
+cuDNN path) and PyTorch's `scaled_dot_product_attention` with the flash and cuDNN
+backends; on a TPU JAX's splash kernel called directly, at its default tiles and at the
+best configuration measured on the chip (the tuning table's row for the problem). A path
+whose float32 scores do not fit the device (`"xla"` at Wan's lengths) is recorded as
+such, not run."""
 
 import dataclasses
 import math
@@ -13,6 +17,7 @@ import jax.numpy as jnp
 from _accel_common import (
     accuracy_status, BF16, custom_calls, error, F32, fmt, log, lowered, rel_error, Run, seconds,
 )
+from _splash import attend as splash_attend, block_sizes_of, compile_with
 from vidax_eqx import kernels
 
 
@@ -89,9 +94,20 @@ def implementations(run: Run) -> dict[str, object]:
     return impls
 
 
+XLA_MAX_SCORE_BYTES = 12 * 2**30  # of a 16 GB accelerator, beside the inputs
+
+
 def _xla_fits(shape: Shape, run: Run, backward: bool) -> bool:
-    """Whether the float32 score matrix (and for the backward its gradient) fits 16 GB."""
-    return run.smoke or shape.H * shape.S * shape.S * 4 * (3 if backward else 1) <= 16 * 2**30
+    """Whether the float32 score matrix (and for the backward its gradient) fits."""
+    return run.smoke or shape.H * shape.S * shape.S * 4 * (3 if backward else 1) <= XLA_MAX_SCORE_BYTES
+
+
+def _too_big(name: str, shape: Shape, run: Run, backward: bool) -> str | None:
+    """Why `name` is not run at `shape` (its scores do not fit), or `None`."""
+    if name != "xla" or _xla_fits(shape, run, backward):
+        return None
+    gb = shape.H * shape.S * shape.S * 4 * (3 if backward else 1) / 2**30
+    return f"not run: its float32 scores ({gb:.0f} GiB) do not fit the device"
 
 
 def inputs(shape: Shape, run: Run, dtype=BF16):
@@ -134,6 +150,12 @@ def accuracy_rows(run: Run, shape: Shape, grad_shape: Shape, feature: str) -> li
         if run.spent():
             break
         row = dict(part="kernels", what="accuracy", impl=name, feature=feature, shape=str(shape))
+        too_big = None if run.lower_only else _too_big(name, shape, run, False)
+        if too_big:
+            row["skipped"] = too_big
+            results.append(row)
+            log(row)
+            continue
         try:
             row["runs"] = kernels.select_implementation(q, k, v, implementation=impl,
                                                       platform=run.platform, **options)
@@ -263,6 +285,27 @@ def _torch_sdpa(shape: Shape, causal: bool, backend: str, reps: int) -> dict:
         return dict(skipped=error(e))
 
 
+def _splash_direct(shape: Shape, causal: bool, which: str, reps: int) -> dict:
+    """JAX's splash kernel called directly on `(B, H, S, D)` at the next multiple of 128
+    (splash takes no other length): `"default"` tiles (128), or the `"best"`
+    configuration measured on this chip (the tuning table's row that `"pallas_tpu"`
+    runs): `{"fwd_s", "fwd_bwd_s", "config"}`."""
+    S = -(-shape.S // 128) * 128
+    q, k, v, dout = (x.swapaxes(1, 2) for x in inputs(dataclasses.replace(shape, grid=(1, 1, S)),
+                                                        Run(mode="run", budget_s=0)))
+    if which == "default":
+        bs, vmem = None, None
+    else:
+        blocks = kernels.splash_blocks(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), causal=causal)
+        bs, vmem = block_sizes_of(blocks), blocks.vmem_limit_bytes
+    attend = splash_attend(S, shape.H, causal, bs)
+    loss = lambda q, k, v, d: jnp.sum(attend(q, k, v).astype(F32) * d.astype(F32))  # noqa: E731
+    fwd = compile_with(attend, (q, k, v), vmem)
+    grad = compile_with(jax.grad(loss, (0, 1, 2)), (q, k, v, dout), vmem)
+    return dict(fwd_s=seconds(fwd, q, k, v, reps=reps), fwd_bwd_s=seconds(grad, q, k, v, dout, reps=reps),
+                config="JAX default (128)" if bs is None else str(blocks), S_splash=S)
+
+
 def speed_rows(run: Run, shape: Shape, causal: bool) -> list[dict]:
     """Forward and forward+backward time of every implementation and baseline at
     `shape`, full or causal, as TFLOP/s, a fraction of the bf16 matmul, and a ratio to
@@ -276,6 +319,9 @@ def speed_rows(run: Run, shape: Shape, causal: bool) -> list[dict]:
         candidates["jax.nn cudnn"] = "jax.nn"
         candidates["torch flash"] = "torch:flash"
         candidates["torch cudnn"] = "torch:cudnn"
+    if run.platform == "tpu" and not run.lower_only:
+        candidates["splash default"] = "splash:default"
+        candidates["splash best measured"] = "splash:best"
     for name, impl in candidates.items():
         if run.spent():
             break
@@ -285,6 +331,8 @@ def speed_rows(run: Run, shape: Shape, causal: bool) -> list[dict]:
         try:
             if isinstance(impl, str) and impl.startswith("torch:"):
                 row.update(_torch_sdpa(shape, causal, impl.split(":")[1], run.reps))
+            elif isinstance(impl, str) and impl.startswith("splash:"):
+                row.update(_splash_direct(shape, causal, impl.split(":")[1], run.reps))
             else:
                 if impl == "jax.nn":
                     attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
@@ -313,7 +361,8 @@ def speed_rows(run: Run, shape: Shape, causal: bool) -> list[dict]:
             row["error"] = error(e)
         results.append(row)
         log(row)
-    baselines = [r for r in results if r["impl"] in ("jax.nn cudnn", "torch flash", "torch cudnn")]
+    baselines = [r for r in results if r["impl"] in ("jax.nn cudnn", "torch flash", "torch cudnn",
+                                                     "splash default", "splash best measured")]
     for key in ("fwd_s", "fwd_bwd_s"):
         best = min((r[key] for r in baselines if key in r), default=None)
         fastest = min((r[key] for r in results if key in r), default=None)

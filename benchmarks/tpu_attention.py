@@ -45,15 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from _harness import write_json, write_text  # also puts this checkout first on sys.path
+from _splash import attend as splash_attend, compile_with, sk, VMEM
 from vidax_eqx import kernels
-from vidax_eqx._jax_private import splash_vmem_limit
-
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-VMEM = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,24 +136,15 @@ def loss_grad(attend):
     return jax.grad(loss, (0, 1, 2))
 
 
-def compile_with(fn, args, vmem):
-    with splash_vmem_limit(vmem):
-        return jax.jit(fn).lower(*args).compile()
-
-
 def splash_row(p: Problem, bs, args, interpret: bool, smoke: bool, passes=("fwd", "fwd_bwd")) -> dict:
     """Splash called directly on `(1, H, S, D)`: `{fwd_s, fwd_bwd_s}` or `{error}`."""
     S = p.splash_S
-    mask = sm.CausalMask((S, S)) if p.causal else sm.FullMask((S, S))
     row = dict(impl="splash", config=shorten(bs), S=S)
     if time.perf_counter() > DEADLINE[0]:
         row["error"] = "not run: budget spent"
         return row
     try:
-        with splash_vmem_limit(None if bs is None else VMEM):
-            kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * p.H), block_sizes=bs,
-                                        head_shards=1, q_seq_shards=1, interpret=interpret)
-        attend = jax.vmap(kernel)
+        attend = splash_attend(S, p.H, p.causal, bs, interpret=interpret)
         q, k, v, d = args
         if "fwd" in passes:
             row["fwd_s"] = seconds(compile_with(attend, (q, k, v), VMEM), (q, k, v), iters=iters_for(p, smoke))
