@@ -137,6 +137,84 @@ def test_pallas_tpu_multiple_tiles(case):
     check_all(arrays, static, res, np.float32, dlse=True)
 
 
+# A configuration with every knob of the table (separate backward tiles, key sub-blocks,
+# the fused backward): 128-token tiles so that these short sequences span several.
+_SPLIT = kernels.SplashBlocks(128, 256, 128, block_q_dkv=256, block_kv_dkv=256, block_kv_dkv_compute=128,
+                              block_q_dq=128, block_kv_dq=256)
+_FUSED = kernels.SplashBlocks(256, 256, 128, block_q_dkv=128, block_kv_dkv=256, block_kv_dkv_compute=128,
+                              fused_bwd=True)
+
+
+@pytest.mark.parametrize("blocks", [_SPLIT, _FUSED], ids=["split", "fused"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # Full attention of 16-bit inputs, keys padded: the padding keys are copies of the
+        # last key, taken out of the result (`_remove_copies`); the last key dominates
+        # some rows (its share of the copies' correction is largest there).
+        Case("tpu_copied_padding", B=1, S_q=300, S_k=390, H=4, H_kv=2, D=16, sinks=True, soft_cap=30.0),
+        Case("tpu_causal_window", B=1, S_q=390, S_k=390, H=2, H_kv=2, D=16, causal=True, window=(200, 0)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+def test_pallas_tpu_configurations(blocks, case, dtype):
+    """The table's kinds of configuration against the oracle, forward and backward."""
+    impl = kernels.PallasTpu(blocks=blocks, interpret=True)
+    arrays, static = case.inputs(dtype, 7)
+    if case.name == "tpu_copied_padding":
+        # The last key aligned with the queries' mean: it takes most of the weight of
+        # many rows, where the correction of the copies is largest.
+        q, k = np.asarray(arrays["q"], np.float32), np.array(arrays["k"], np.float32)
+        mean = q.mean(axis=1).reshape(q.shape[0], case.H_kv, -1, q.shape[-1]).mean(axis=2)
+        k[:, -1] = 3.0 * mean / np.linalg.norm(mean, axis=-1, keepdims=True) * np.sqrt(q.shape[-1])
+        arrays = dict(arrays, k=k.astype(np.asarray(arrays["k"]).dtype))
+    arrays, static, res = run(impl, case, dtype=dtype, arrays=arrays, static=static, dlse=True)
+    check_all(arrays, static, res, dtype, dlse=True)
+
+
+def test_copied_padding_is_taken_only_where_exact():
+    """Keys padded with copies of the last key only for full attention of 16-bit inputs
+    (float32, masks, segment ids and key lengths hide the padding with the mask)."""
+    from vidax_eqx.kernels._pallas_tpu import _copied_padding
+
+    q16 = jnp.zeros((1, 300, 2, 16), jnp.bfloat16)
+    q32 = q16.astype(jnp.float32)
+    assert _copied_padding(*normalize(q16, q16, q16))
+    assert not _copied_padding(*normalize(q32, q32, q32))
+    assert not _copied_padding(*normalize(q16, q16, q16, causal=True))
+    assert not _copied_padding(*normalize(q16, q16, q16, window=(8, 8)))
+    assert not _copied_padding(*normalize(q16, q16, q16, segment_ids=jnp.zeros((1, 300), jnp.int32)))
+    assert not _copied_padding(*normalize(q16, q16, q16, kv_lengths=jnp.array([200], jnp.int32)))
+
+
+def test_splash_blocks_choice():
+    """The table's row for a problem, fitted: tiles no longer than the sequence, halved
+    where padding to them would cost more than their speed gains, the fused backward
+    switched off above its memory budget; explicit tiles and interpret mode as given."""
+    from vidax_eqx.kernels._pallas_tpu_tuning import choose_blocks, TABLES
+
+    kw = dict(batch=1, heads=12, head_dim=128, itemsize=2, kind="TPU v5 lite")
+    big = choose_blocks(mask="full", S_q=32760, S_k=32760, **kw)
+    assert big.padded(32760, 32760) == (32768, 32768)
+    assert big == TABLES["TPU v5 lite"].lookup("full", 32760).fit(32760, 32760)
+    short = choose_blocks(mask="full", S_q=300, S_k=300, **kw)
+    assert max(short.q_tiles + short.kv_tiles) == 384 or short.padded(300, 300)[0] <= 512
+    odd = choose_blocks(mask="causal", S_q=33000, S_k=33000, **kw)
+    assert odd.padded(33000, 33000)[0] <= 33792  # not 34816 (2048-token tiles)
+    if big.fused_bwd:
+        assert not choose_blocks(mask="full", S_q=32760, S_k=32760, fused_bwd_max_bytes=0, **kw).fused_bwd
+    q = jnp.zeros((1, 1000, 2, 128), jnp.bfloat16)
+    assert kernels.splash_blocks(q, q, q, implementation=kernels.PallasTpu(block_q=256, block_kv=512)) == \
+        kernels.SplashBlocks(256, 512)
+    assert kernels.splash_blocks(q, q, q, implementation=kernels.PallasTpu(interpret=True)) == kernels.SplashBlocks(512, 512)
+    assert kernels.splash_blocks(q, q, q, bias=jnp.zeros((1, 1, 1000, 1000))) is None
+    with pytest.raises(ValueError, match="block_kv_compute` must divide"):
+        kernels.SplashBlocks(512, 512, 384)
+    with pytest.raises(ValueError, match="not both"):
+        kernels.PallasTpu(block_q=256, blocks=kernels.SplashBlocks())
+
+
 def test_pallas_gpu_default_tiles():
     """The default 128-token (power-of-two) tiles over a ragged length, forward and backward."""
     case = Case("gpu_default_tiles", B=1, S_q=300, S_k=300, H=2, H_kv=1, D=16, causal=True,
