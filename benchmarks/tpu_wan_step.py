@@ -11,7 +11,9 @@ with its attention replaced by a stand-in that returns q (`--ablate`, the defaul
 difference is the attention's share. The step's dot FLOPs (`_model_flops.wan_flops`)
 against the bf16 matmul rate measured in the same process give the fraction of the
 chip's limit; `50 steps x 2 branches` of the step estimate a guided 50-step video.
-`--profile DIR` also writes a `jax.profiler` trace of two steps.
+`--profile DIR` also writes a `jax.profiler` trace of two steps; `--compile-cache DIR`
+switches on JAX's persistent compilation cache there (a second process then loads the
+step's program instead of compiling it: its `compile_s`).
 """
 
 import argparse
@@ -80,9 +82,16 @@ def main():
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--no-ablate", dest="ablate", action="store_false")
     parser.add_argument("--profile", metavar="DIR", default=None)
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="JAX's persistent compilation cache in DIR (run twice: the second "
+                             "process's compile_s is its load from the cache)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".", metavar="DIR")
     args = parser.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     preset = {"1.3b": "t2v-1.3b", "14b": "t2v-14b"}[args.model]
     overrides = {} if args.layers is None else dict(num_layers=args.layers)
     if args.smoke:
