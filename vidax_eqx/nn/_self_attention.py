@@ -33,8 +33,8 @@ class Attention(AbstractParallelLayer):
 
     **Parallelism** (`parallel=`, a [`ParallelConfig`][]): the call runs inside
     `jax.shard_map` with the module placed by [`partition_specs`][vidax_eqx.nn.sharding.partition_specs]`(module)` and `x`
-    this device's chunk of the sequence (`P(sp_axis)`; `P((ring_axis, sp_axis))` for
-    usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
+    this device's chunk of the sequence (`P(parallel.sequence_axes)`: `P(ulysses_axis)`,
+    `P(ring_axis)`, or `P((ring_axis, ulysses_axis))` for usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
     are column-parallel, `o` row-parallel (one `psum` over `tp_axis`, `o`'s bias added
     once after it), and `norm_q` / `norm_k` hold the global `RMSNorm(dim)` whose
     weight is sharded with the features; the statistic over the whole inner dim is

@@ -39,11 +39,13 @@ from jaxtyping import Array, Float, Int
 
 from .. import kernels
 from .._checks import static_int
+from .._deprecation import renamed_keywords
 from ._checks import check_no_text_lengths, check_text_position
 from ._joint import ring_joint_attention
 from ._ring_engine import run_ring
 
 
+@renamed_keywords(axis_name="ring_axis")  # 0.1.0's spelling, removed in 0.3.0
 def ring_attention(
     q: Float[Array, "B L H D"],
     k: Float[Array, "B L_k H_kv D"],
@@ -84,7 +86,8 @@ def ring_attention(
     - `q`: this device's queries `(B, L, H, D)`.
     - `k`, `v`: this device's keys and values `(B, L_k, H_kv, D)`, `H % H_kv == 0`
         (GQA / MQA: they travel with `H_kv` heads).
-    - `ring_axis`: the mesh axis of the ring.
+    - `ring_axis`: the mesh axis of the ring (`axis_name=`, its 0.1.0 spelling, still
+        works until 0.3.0, with a `DeprecationWarning`).
     - `causal`: a token attends to global positions at or before its own.
     - `segment_ids`: this device's ids, one `(B, L)` array or
         `SegmentIds(q=(B, L), kv=(B, L_k))`; the kv ids travel with their block.
