@@ -7,8 +7,8 @@ import functools
 
 import jax
 
-from .._deprecation import warn_deprecated
-from ..parallel import LAYOUTS, SP_AXIS
+from ..._deprecation import warn_deprecated
+from ...parallel import LAYOUTS, SP_AXIS
 
 
 SEQUENCE_MODES = ("none", "ulysses", "ring", "usp")
