@@ -140,3 +140,21 @@ def test_the_library_uses_no_deprecated_spelling():
         import vidax_eqx.core, vidax_eqx.interop, vidax_eqx.models, vidax_eqx.sampling  # noqa: E401, F401
         sharding.ParallelConfig(sequence="usp", ring_axis="ring", tp_axis="tp")
     assert vidax_eqx.__version__
+
+
+def test_the_changelog_lists_every_old_spelling_and_the_version():
+    """CHANGELOG.md's entry for this version lists each spelling tested here under
+    "Deprecated", with its replacement (the docs' conventions: no public name leaves
+    without a deprecation release)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "CHANGELOG.md").read_text()
+    entry = text.split(f"- {vidax_eqx.__version__}\n", 1)[1].split("\n## [", 1)[0]
+    deprecated = entry.split("### Deprecated", 1)[1].split("\n### ", 1)[0]
+    for (old_module, name), (new_module, new_name) in MOVED.items():
+        assert f"`{old_module.__name__}.{name}` -> `{new_module.__name__}.{new_name}`" in deprecated
+    for old, new in (("ParallelConfig(sp_axis=...)", "ring_axis="),
+                     ("ParallelConfig.sp_axis", "ParallelConfig.ulysses_axis"),
+                     ("parallel.ring_attention(axis_name=...)", "ring_axis=...")):
+        assert old in deprecated and new in deprecated
+    assert REMOVED_IN in deprecated
