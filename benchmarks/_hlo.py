@@ -371,7 +371,7 @@ def _collective(opcode: str) -> bool:
 
 def split_collectives(hlo: str, n_devices: int, marker: str) -> dict:
     """[`collective_bytes`][] of the program's collectives made under `marker` (a source
-    file on their call stack, e.g. `"vidax_eqx/nn/_fsdp.py"`) and of the others:
+    file on their call stack, e.g. `"vidax_eqx/nn/sharding/_fsdp.py"`) and of the others:
     `{"marked": ..., "other": ...}`."""
     module = parse(hlo)
     files = frame_files(hlo)

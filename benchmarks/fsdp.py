@@ -43,7 +43,7 @@ step without FSDP; tensor parallelism).
   reduce-scatter sends (g-1) results, an all-to-all (g-1)/g of it, an all-reduce
   2 (g-1)/g, a collective-permute its result), split by where each collective was
   made: *FSDP* (the call stack XLA records for it, the HLO's `StackFrames`, passes
-  through `vidax_eqx/nn/_fsdp.py`: the weights' all-gathers and their transposes, the
+  through `vidax_eqx/nn/sharding/_fsdp.py`: the weights' all-gathers and their transposes, the
   gradients' reduce-scatters) and *other* (Ulysses' all-to-alls, the ring's
   collective-permutes, Megatron's psums, the output tokens gathered over sp, the
   gradients of parameters FSDP leaves whole), by kind.
@@ -360,7 +360,7 @@ def memory_child(cases: list[Case], options: dict | None) -> None:
         compile_s = time.perf_counter() - t0
         mem = compiled.memory_analysis()
         hlo = compiled.as_text()
-        comm = split_collectives(hlo, case.devices, "vidax_eqx/nn/_fsdp.py")
+        comm = split_collectives(hlo, case.devices, "vidax_eqx/nn/sharding/_fsdp.py")
         comm = {"fsdp": comm["marked"], "other": comm["other"]}
         state = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                     for a in jax.tree.leaves((params, opt_state)))
@@ -603,7 +603,7 @@ def memory_markdown(rows: list[dict]) -> list[str]:
     out += [
         "",
         "Communication per device and step (GiB), from the compiled HLO: the FSDP collectives "
-        "(made in `nn/_fsdp.py`) against the ZeRO-3 minimum (module docstring) at bf16 and at "
+        "(made in `nn/sharding/_fsdp.py`) against the ZeRO-3 minimum (module docstring) at bf16 and at "
         "f32 (XLA's CPU backend runs bf16 collectives in f32); the other collectives by kind.",
         "",
         "| devices | mesh | video | FSDP all-gather | FSDP reduce-scatter | FSDP other | "

@@ -233,7 +233,7 @@ def test_interleaved_shuffles_every_round_and_pairs_the_rounds():
 
 
 def test_collectives_split_by_the_source_file_on_their_stack():
-    # An FSDP gather (made in vidax_eqx/nn/_fsdp.py) and a psum made here: the stack
+    # An FSDP gather (made in vidax_eqx/nn/sharding/_fsdp.py) and a psum made here: the stack
     # frames XLA records in the HLO tell them apart.
     from vidax_eqx import nn
 
@@ -248,7 +248,7 @@ def test_collectives_split_by_the_source_file_on_their_stack():
                               out_specs=P()))
     w = jax.ShapeDtypeStruct((16, 8 * n), jnp.float32, sharding=NamedSharding(mesh, P(None, "dp")))
     x = jax.ShapeDtypeStruct((n, 16), jnp.float32, sharding=NamedSharding(mesh, P("dp")))
-    split = _hlo.split_collectives(g.lower(w, x).compile().as_text(), n, "vidax_eqx/nn/_fsdp.py")
+    split = _hlo.split_collectives(g.lower(w, x).compile().as_text(), n, "vidax_eqx/nn/sharding/_fsdp.py")
     assert split["marked"]["ops"] == {"all-gather": 1}
     assert split["other"]["ops"].get("all-reduce", 0) >= 1
     assert "all-gather" not in split["other"]["ops"]

@@ -197,8 +197,10 @@ def test_the_graph_is_read(graph):
     imports, packages, facades = graph
     assert {"vidax_eqx.kernels", "vidax_eqx.parallel", "vidax_eqx.nn", "vidax_eqx.models"} <= packages
     assert "vidax_eqx.nn.functional" in facades
+    # A folder inside a part is a package of that part: `nn.sharding`'s files are `nn`'s.
+    assert "vidax_eqx.nn.sharding" in packages and _part("vidax_eqx.nn.sharding._fsdp") == "nn"
     # A relative import resolves to the module it names.
-    assert "vidax_eqx.kernels" in imports["vidax_eqx.parallel._ring"]
+    assert "vidax_eqx.kernels" in imports["vidax_eqx.parallel._fronts"]
     assert all(m in imports for ds in imports.values() for m in ds)
 
 

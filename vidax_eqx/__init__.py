@@ -11,4 +11,6 @@ from ._shapes import (
 )
 from .kernels import SegmentIds as SegmentIds
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it (`dynamic = ["version"]`);
+# CHANGELOG.md says what each version changed.
+__version__ = "0.2.0"

@@ -295,7 +295,7 @@ EMPTY_SHARD_MAP_INPUT_CRASHES = _jaxlib_version()[:2] == (0, 11)
 `jax.shard_map` one of whose inputs is an empty array sharded over a mesh axis (e.g. a
 joint layout's video part of length 0) and used inside; 0.10.2 and 0.12 compile it.
 The library's `shard_map` entry points refuse such an input there with a
-`ValueError` instead (`nn/_shard_map.py`, `parallel/_megatron.py`)."""
+`ValueError` instead (`nn/sharding/_shard_map.py`, `parallel/_megatron.py`)."""
 
 
 def refuse_empty_shard_map_inputs(owner: str, mesh, arrays) -> None:

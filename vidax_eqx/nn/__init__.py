@@ -5,7 +5,13 @@ The math lives in [`vidax_eqx.nn.functional`][]; how a layer runs over a mesh an
 its parameters are placed lives in [`vidax_eqx.nn.sharding`][]. The modules hold
 parameters (arrays) and static configuration, take one example per call and are batched
 with `jax.vmap`.
+
+The placement names that 0.1.0 exported here (`nn.ParallelConfig`, `nn.with_parallel`,
+`nn.partition_specs`, ...) live in [`vidax_eqx.nn.sharding`][]; the old spellings still
+work until 0.3.0, with a `DeprecationWarning`.
 """
+
+from .._deprecation import moved
 
 from . import functional as functional, sharding as sharding
 from ._norm import (
@@ -35,3 +41,14 @@ from ._lora import (
     unmerge_lora as unmerge_lora,
     with_lora as with_lora,
 )
+
+
+# 0.1.0 spellings: the placement names moved to `nn.sharding` (removed in 0.3.0).
+__getattr__ = moved(__name__, {
+    name: f"vidax_eqx.nn.sharding.{name}"
+    for name in (
+        "FSDPShard", "ParallelConfig", "filter_shard_map", "fsdp_axes_of", "fsdp_gather",
+        "gather_tokens", "partition_specs", "replicated_parameters", "shard_like",
+        "shard_module", "shard_tokens", "with_parallel",
+    )
+})

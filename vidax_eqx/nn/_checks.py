@@ -3,11 +3,11 @@ head counts, epsilons), checked once at construction with one message per rule.
 
 Each raises with the owner's name, the argument's name, the rule, and what was
 received. The check of a `ParallelConfig` argument, `check_parallel`, lives beside the class
-in `_config.py`.
+in `sharding/_config.py`.
 """
 
 from .._checks import check_positive
-from ._config import check_parallel
+from .sharding._config import check_parallel
 
 
 def check_heads(owner: str, dim: int, num_heads: int) -> int:

@@ -11,15 +11,15 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from .._shapes import checked
 from .. import kernels
 from .._checks import check_positive
-from ._call_checks import check_context, check_text
+from .sharding._call_checks import check_context, check_text
 from ._checks import check_attention
-from ._config import ParallelConfig
-from ._fsdp import fsdp_gather
+from .sharding._config import ParallelConfig
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import after_tp, linear, local_heads, qk_rms_norm, row_parallel, tp_input
 from ._norm import RMSNorm
 from ._padding import check_length
-from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
 
 
 class ContextKV(NamedTuple):

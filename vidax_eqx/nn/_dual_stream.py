@@ -21,17 +21,17 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._shapes import checked
 from .. import kernels
 from .._checks import check_positive
-from ._call_checks import check_context
+from .sharding._call_checks import check_context
 from ._checks import check_attention
-from ._config import ParallelConfig
+from .sharding._config import ParallelConfig
 from . import _init as init
-from ._fsdp import fsdp_gather
+from .sharding._fsdp import fsdp_gather
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import RMSNorm
 from ._padding import check_length
-from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
 from ._rope import apply_rope, Rope
-from ._sequence import attend, replicated_text
+from .sharding._sequence import attend, replicated_text
 
 
 class DualStreamAttention(AbstractParallelLayer):

@@ -11,11 +11,11 @@ from jaxtyping import Array, Float, PRNGKeyArray, Real
 from .._shapes import checked
 from ..parallel import axis_size
 from .._checks import check_positive
-from ._fsdp import fsdp_gather
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, row_parallel
-from ._config import check_parallel, ParallelConfig
-from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._config import check_parallel, ParallelConfig
+from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
 
 
 ACTIVATIONS = {

@@ -10,17 +10,17 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._shapes import checked
 from .. import kernels
-from ._call_checks import check_context
+from .sharding._call_checks import check_context
 from ._checks import check_attention
-from ._config import ParallelConfig
-from ._fsdp import fsdp_gather
+from .sharding._config import ParallelConfig
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import linear, local_heads, row_parallel, tp_input
 from ._norm import LayerNorm
 from ._padding import check_length
-from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
 from ._rope import apply_rope, Rope
-from ._sequence import attend, check_tile_mask
+from .sharding._sequence import attend, check_tile_mask
 
 
 class JointAttention(AbstractParallelLayer):

@@ -14,7 +14,7 @@ from .._shapes import checked
 from ..parallel import axis_size, TP_AXIS
 from .._checks import check_positive
 from ._checks import check_eps
-from ._fsdp import fsdp_gather
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 
 

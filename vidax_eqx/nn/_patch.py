@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._shapes import checked
 from .._checks import check_positive
-from ._fsdp import fsdp_gather
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 
 

@@ -10,17 +10,17 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._shapes import checked
 from .. import kernels
-from ._call_checks import check_context
+from .sharding._call_checks import check_context
 from ._checks import check_attention
-from ._config import ParallelConfig
-from ._fsdp import fsdp_gather
+from .sharding._config import ParallelConfig
+from .sharding._fsdp import fsdp_gather
 from . import _init as init
 from ._layers import after_tp, linear, local_columns, local_heads, qk_rms_norm, row_parallel, tp_input
 from ._norm import RMSNorm
 from ._padding import check_length
-from ._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
 from ._rope import apply_rope, Rope
-from ._sequence import attend, attend_sparse, check_tile_mask
+from .sharding._sequence import attend, attend_sparse, check_tile_mask
 from ._video_sparse import check_video_sparse, VideoSparse
 
 
@@ -33,8 +33,8 @@ class Attention(AbstractParallelLayer):
 
     **Parallelism** (`parallel=`, a [`ParallelConfig`][]): the call runs inside
     `jax.shard_map` with the module placed by [`partition_specs`][vidax_eqx.nn.sharding.partition_specs]`(module)` and `x`
-    this device's chunk of the sequence (`P(sp_axis)`; `P((ring_axis, sp_axis))` for
-    usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
+    this device's chunk of the sequence (`P(parallel.sequence_axes)`: `P(ulysses_axis)`,
+    `P(ring_axis)`, or `P((ring_axis, ulysses_axis))` for usp). Under tensor parallelism each device computes `num_heads / tp` heads: q/k/v
     are column-parallel, `o` row-parallel (one `psum` over `tp_axis`, `o`'s bias added
     once after it), and `norm_q` / `norm_k` hold the global `RMSNorm(dim)` whose
     weight is sharded with the features; the statistic over the whole inner dim is

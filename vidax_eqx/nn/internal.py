@@ -16,8 +16,8 @@ is Equinox's. Not part of the public API: names here may change without notice.
 """
 
 from . import _init as init
-from ._call_checks import check_text as check_text
-from ._fsdp import has_shards as has_shards, regather_policy as regather_policy
+from .sharding._call_checks import check_text as check_text
+from .sharding._fsdp import has_shards as has_shards, regather_policy as regather_policy
 from ._layers import linear as linear
 from ._lora import attach as attach
-from ._tokens import padded_tokens as padded_tokens, sequence_multiple as sequence_multiple
+from .sharding._tokens import padded_tokens as padded_tokens, sequence_multiple as sequence_multiple

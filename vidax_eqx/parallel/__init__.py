@@ -19,11 +19,13 @@ from ._mesh import (
 )
 from ._halo import halo_exchange as halo_exchange, SpatialSplit as SpatialSplit
 from ._megatron import tensor_parallel_attention as tensor_parallel_attention
-from ._ulysses import (
-    kv_head_repeats as kv_head_repeats,
+from ._fronts import (
+    ring_attention as ring_attention,
     sequence_parallel_joint_self_attention as sequence_parallel_joint_self_attention,
     sequence_parallel_self_attention as sequence_parallel_self_attention,
+    usp_attention as usp_attention,
 )
+from ._ulysses import kv_head_repeats as kv_head_repeats
 from ._layout import (
     LAYOUTS as LAYOUTS,
     ring_positions as ring_positions,
@@ -31,9 +33,7 @@ from ._layout import (
     zigzag_unpermute as zigzag_unpermute,
 )
 from ._replicate import replicated as replicated
-from ._ring import ring_attention as ring_attention
 from ._schedule import ring_work as ring_work
-from ._usp import usp_attention as usp_attention
 from ._sequence import sequence_attention as sequence_attention
 from ._masks import (
     AbstractMask as AbstractMask,

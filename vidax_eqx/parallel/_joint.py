@@ -31,7 +31,7 @@ text may see some visual token, and the reverse, is decided at trace time from
 the positions of every rank (`_joint_visibility`): a causal mask hides all the
 visual keys from the text rows, and that block is never computed.
 
-Used by [`ring_attention`][] (`text_len > 0`, through `ring_joint_attention`) and
+Used by [`ring_attention`][] (`text_len > 0`, through the worker `ring_joint`) and
 by [`usp_attention`][] (`joint_attention` on each device's heads after the
 Ulysses step).
 """
@@ -49,9 +49,7 @@ from .. import kernels
 from ..kernels.internal import check_request  # what `kernels.attention` would raise, once
 from .._order import after
 from .._vma import as_varying, varying_axes
-from ._checks import check_lengths, check_qkv, check_sinks, check_text_position, check_tile_mask
-from ._layout import block_positions, check_layout, check_zigzag_length, layout_parts, ring_positions
-from ._mesh import axis_size, check_sharded
+from ._layout import block_positions, ring_positions
 from ._rank_masks import attention_bwd, attention_fwd, RankMasks, tile_masks
 from ._keys import below, hide_keys
 from ._ring_engine import merge, ring_backward, ring_forward, RingConfig, seg_arg, segments
@@ -270,13 +268,14 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
                     text_len: int, axis_name: Hashable, sp_size: int, layout: str, causal,
                     window, scale, logits_soft_cap, implementation, tile_mask=None,
                     text_position: str = "prefix", text_lengths=None, kv_lengths=None):
-    """`(out_t, out_v)`: the joint core on split inputs, validated like `ring_attention`.
+    """`(out_t, out_v)`: the joint core on split inputs (of `ring_joint`, and of USP after
+    its Ulysses step).
 
     `q_t, k_t, v_t`: the text `(B, text_len, H(_kv), D)`; `q_v, k_v, v_v`: this
     device's visual share `(B, L, H(_kv), D)` on the ring `axis_name` of `sp_size`
     devices; segment ids int32 `(B, text_len)` / `(B, L)` or all `None`; `sinks`
-    `(H,)` or `None`. The arguments are checked by the caller; this checks that
-    the kernel serves the options (with positions, as the text blocks need).
+    `(H,)` or `None`. The arguments are checked by the caller (`_request.py`); this
+    checks that the kernel serves the options (with positions, as the text blocks need).
     `tile_mask`: a `SlidingTileMask` over the single-device sequence (text on the
     side `text_position` says), checked by the caller. `text_position`: the text
     before (`"prefix"`) or after (`"suffix"`) the global visual sequence.
@@ -287,13 +286,8 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     L_v = q_v.shape[1]
     text_first = text_position == "prefix"
     if not text_first and tile_mask is not None:
-        if causal or window is not None:
-            raise NotImplementedError(
-                f"the joint layout with text_position='suffix' and a SlidingTileMask does not "
-                f"serve causal or window masks (received causal={bool(causal)}, "
-                f"window={window}); use text_position='prefix' for that combination."
-            )
-        # No positional mask: the suffix is the prefix layout with the text moved.
+        # No positional mask (`_request.py` refuses one): the suffix is the prefix layout
+        # with the text moved.
         tile_mask, text_first = _as_prefix(tile_mask), True
 
     # Key-only padding. The hidden text keys are a tail of the text block (the kv of
@@ -340,27 +334,6 @@ def joint_attention(q_t, k_t, v_t, q_v, k_v, v_v, sinks, sq_t, skv_t, sq_v, skv_
     return _joint(cfg, *as_varying(args, axes), tkv_len)
 
 
-def check_joint_tile_mask(fn: str, tile_mask, text_len: int, visual_len: int, heads: int,
-                          unit: int, text_position: str = "prefix") -> None:
-    """A `SlidingTileMask` for the joint layout: text of `text_len` tokens on the side
-    `text_position` says, and the global visual sequence (`visual_len`) its video,
-    padded by fewer than `unit` tiles."""
-    if tile_mask is None:
-        return
-    if isinstance(tile_mask, RankMasks):
-        for mask in tile_mask.masks:
-            check_joint_tile_mask(fn, mask, text_len, visual_len, heads, unit, text_position)
-        return
-    check_tile_mask(fn, tile_mask, visual_len, heads, unit, what="video")
-    if tile_mask.text_len != text_len or (text_len and tile_mask.text_position != text_position):
-        raise ValueError(
-            f"{fn}: in the joint layout the text is a {text_position} of text_len={text_len} "
-            f"tokens, so the SlidingTileMask needs text_len={text_len}, "
-            f"text_position={text_position!r}; received text_len={tile_mask.text_len}, "
-            f"text_position={tile_mask.text_position!r}."
-        )
-
-
 def split_joint(x, text_len: int, text_position: str, axis: int = 1):
     """`(text, visual)` of a per-device array in the joint layout (`None`: both `None`)."""
     if x is None:
@@ -378,48 +351,15 @@ def join_joint(text, visual, text_position: str, axis: int = 1):
     return jnp.concatenate(parts, axis=axis)
 
 
-def ring_joint_attention(q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale,
-                         logits_soft_cap, layout, text_len: int, implementation, tile_mask=None,
-                         text_position: str = "prefix", text_lengths=None, kv_lengths=None):
-    """`ring_attention` with `text_len != 0` (validated as a Python int by the caller):
-    the per-device `[text; visual share]` (or `[visual share; text]`) arrays, checked and
-    split for the core."""
-    fn = "ring_attention"
-    n = axis_size(axis_name, what="Ring")
-    check_layout(layout)
-    check_text_position(fn, text_position)
+def ring_joint(q, k, v, *, axis_name, sp_size: int, causal, segment_ids, sinks, window,
+               scale, logits_soft_cap, layout, text_len: int, implementation, tile_mask=None,
+               text_position: str = "prefix", text_lengths=None, kv_lengths=None):
+    """The joint-layout ring worker of [`sequence_attention`][] (`ring_attention` with
+    `text_len > 0`), on a checked request (`_request.py`): the per-device
+    `[text; visual share]` (or `[visual share; text]`) arrays split for the core."""
+    n = sp_size
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    check_qkv(q, k, v, fn)
-    B, S_local, H, _ = q.shape
-    side = "text prefix + visual chunk" if text_position == "prefix" else "visual chunk + text suffix"
-    if not 0 <= text_len <= S_local:
-        raise ValueError(
-            f"{fn}: `text_len` must be between 0 and the per-device sequence length "
-            f"{S_local} ({side}, q.shape[1]); received text_len={text_len}."
-        )
-    T, L = text_len, S_local - text_len
-    text_lengths = check_lengths(fn, "text_lengths", text_lengths, B, T, "text tokens per device")
-    kv_lengths = check_lengths(fn, "kv_lengths", kv_lengths, B, T + n * L,
-                               "keys of the whole sequence: text_len + sp_size * visual local length")
-    if L:
-        vis = lambda x: split_joint(x, T, text_position)[1]  # noqa: E731
-        check_sharded(fn, (axis_name,), q=vis(q), k=vis(k), v=vis(v))
-    # The arguments themselves, as given (xla serves every feature): messages name them.
-    pos = jnp.arange(S_local, dtype=jnp.int32)
-    check_request(
-        q, k, v, segment_ids=segment_ids, q_positions=pos, kv_positions=pos, causal=causal,
-        window=window, scale=scale, logits_soft_cap=logits_soft_cap, implementation="xla",
-        needs_lse=True,
-    )
-    if layout == "zigzag":
-        check_zigzag_length(
-            L, "visual local length q.shape[1] - text_len",
-            f"Pad the global visual sequence to a multiple of 2 * sp_size = {2 * n} before "
-            "zigzag_permute (pad_to_multiple, padding_segment_ids); the text is "
-            "neither padded nor permuted.",
-        )
-    sinks = check_sinks(fn, sinks, H)
-    check_joint_tile_mask(fn, tile_mask, T, n * L, H, layout_parts(layout) * n, text_position)
+    T, L = text_len, q.shape[1] - text_len
     seg_q, seg_kv = segments(segment_ids)
     opts = dict(causal=bool(causal), window=None if window is None else tuple(window),
                 scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation)

@@ -15,9 +15,10 @@ Communication is the minimum: `n - 1` K/V hops forward; `n - 1` K/V hops and
 
 This module holds the static configuration (`RingConfig`), the two rings
 (`ring_forward`, `ring_backward`), the log-sum-exp `merge`, the custom VJP, and
-`run_ring`: the validated entry that [`ring_attention`][] (`_ring.py`), USP
-(`_usp.py`) and `make_ring_attention`'s kernels (`_ring_kernel.py`) call. The
-joint layout (`_joint.py`) builds on `ring_forward` / `ring_backward`.
+`ring`: the worker that [`sequence_attention`][] (for [`ring_attention`][]), USP
+(`_usp.py`) and `make_ring_attention`'s kernels (`_ring_kernel.py`) call on arguments
+checked once (`_request.py`). The joint layout (`_joint.py`) builds on `ring_forward` /
+`ring_backward`.
 """
 
 import dataclasses
@@ -34,10 +35,8 @@ from .. import kernels
 from ..kernels.internal import check_request  # what `kernels.attention` would raise, once
 from .._order import ppermute as ordered_ppermute
 from .._vma import as_varying, varying_axes
-from ._checks import check_lengths, check_sinks, check_tile_mask
 from ._keys import below, hide_keys
-from ._layout import check_layout, check_zigzag_length, layout_parts, ring_positions
-from ._mesh import axis_size, check_sharded
+from ._layout import layout_parts, ring_positions
 from ._rank_masks import attention_bwd, attention_fwd, tile_masks
 from ._schedule import (
     ALL_VISIBLE,
@@ -344,58 +343,26 @@ def _ring_bwd_rule(cfg, residuals, dout):
 _ring.defvjp(_ring_fwd_rule, _ring_bwd_rule)
 
 
-def run_ring(
-    q, k, v, *, axis_name, causal, segment_ids, sinks, window, scale, logits_soft_cap, layout,
-    implementation, step_mask=None, tile_mask=None, tile_unit=None, kv_lengths=None,
+def ring(
+    q, k, v, *, axis_name, sp_size: int, causal, segment_ids, sinks, window, scale,
+    logits_soft_cap, layout, implementation, step_mask=None, tile_mask=None, kv_lengths=None,
 ):
-    """`ring_attention`, and more: `step_mask(sp_size, L)`, when given, builds the
-    step mask of this call (see `_step_plan`) once the arguments are validated;
-    `make_ring_attention`'s kernels use it. `tile_mask`: a `SlidingTileMask` over
-    the global positions, given to every step's kernel; `tile_unit`: the padding it
-    allows, in tiles (default one per chunk; USP pads to whole tiles per device).
-    `kv_lengths`: int `(B,)`, key-only padding of the keys at a global index (their
-    ring position) `>= kv_lengths[b]`, checked here."""
-    n = axis_size(axis_name, what="Ring")
-    check_layout(layout)
+    """The ring worker of [`sequence_attention`][] (and of USP, and of
+    `make_ring_attention`'s kernels), on checked arguments (`_request.check_ring`):
+    `sp_size` the size of `axis_name`, `sinks` an array or `None`. `step_mask(sp_size,
+    L)`, when given, builds the step mask of this call (see `_step_plan`);
+    `make_ring_attention`'s kernels use it. `tile_mask`: a `SlidingTileMask` over the
+    global positions (or `RankMasks`), given to every step's kernel. `kv_lengths`: int32
+    `(B,)`, key-only padding of the keys at a global index (their ring position)
+    `>= kv_lengths[b]`.
+
+    What it asks of the kernel: that the implementation serves every step's call, with
+    positions where the steps pass them (an explicit implementation that cannot raises
+    here, naming the feature)."""
+    n = sp_size
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     L_q, L_k = q.shape[1], k.shape[1]
-    check_tile_mask("ring_attention", tile_mask, n * L_q, q.shape[2],
-                    tile_unit or layout_parts(layout) * n)
-    if tile_mask is not None and L_q != L_k:
-        raise ValueError(
-            "ring_attention: a SlidingTileMask is a self-attention mask: q and k/v must hold "
-            f"the same local length; received q: {q.shape}, k: {k.shape}."
-        )
-    check_sharded("ring_attention", (axis_name,), q=q if L_q else None, k=k if L_k else None,
-                  v=v if L_k else None)
-    # Validate the options once, exactly as every step's kernel call will see them.
     seg_q, seg_kv = segments(segment_ids)
-    kv_lengths = check_lengths("ring_attention", "kv_lengths", kv_lengths, k.shape[0], n * L_k,
-                               "keys of the whole sequence: sp_size * local length of k")
-
-    def validate(implementation, positions: bool, as_given: bool = False):
-        check_request(
-            q, k, v,
-            # As given (validated before any cast, with messages naming the argument),
-            # or as the steps pass them.
-            segment_ids=segment_ids if as_given else seg_arg(seg_q, seg_kv),
-            q_positions=jnp.arange(L_q, dtype=jnp.int32) if positions else None,
-            kv_positions=jnp.arange(L_k, dtype=jnp.int32) if positions else None,
-            causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
-            # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
-            mask=tile_masks(tile_mask)[0] if step_mask is None else jnp.ones((1, 1), bool),
-            implementation=implementation,
-            needs_lse=True,
-        )
-
-    validate("xla", positions=True, as_given=True)  # the arguments themselves (xla serves every feature)
-    if layout == "zigzag":
-        for what, length in (("local length of q", L_q), ("local length of k/v", L_k)):
-            check_zigzag_length(
-                length, what,
-                f"Pad the global sequence to a multiple of 2 * sp_size = {2 * n} before "
-                "zigzag_permute (pad_to_multiple, padding_segment_ids).",
-            )
     if kv_lengths is not None:  # key-only padding: those keys' ids -1 (`_keys.py`)
         index = ring_positions(L_k, n, lax.axis_index(axis_name), layout)
         seg_q, seg_kv = hide_keys(seg_q, seg_kv, below(kv_lengths, index), L_q)
@@ -404,8 +371,16 @@ def run_ring(
     positions = step_mask is not None or tile_mask is not None or not position_free(
         relation_plan(layout, n, L_q, L_k, bool(causal), None if window is None else tuple(window))
     )
-    validate(implementation, positions)
-    sinks = check_sinks("ring_attention", sinks, q.shape[2])
+    check_request(
+        q, k, v, segment_ids=seg_arg(seg_q, seg_kv),
+        q_positions=jnp.arange(L_q, dtype=jnp.int32) if positions else None,
+        kv_positions=jnp.arange(L_k, dtype=jnp.int32) if positions else None,
+        causal=causal, window=window, scale=scale, logits_soft_cap=logits_soft_cap,
+        # A step mask reaches every kernel call as `mask=`: the kernel must serve it.
+        mask=tile_masks(tile_mask)[0] if step_mask is None else jnp.ones((1, 1), bool),
+        implementation=implementation,
+        needs_lse=True,
+    )
     cfg = RingConfig(
         axis_name=axis_name,
         sp_size=n,

@@ -36,7 +36,8 @@ from ._checks import check_sp_size
 from ._layout import check_layout, check_zigzag_length, layout_parts
 from ._masks import AbstractMask, as_mask, block_tables, sliding_tile, split, Window
 from ._mesh import axis_size
-from ._ring_engine import run_ring
+from ._request import check_ring
+from ._ring_engine import ring
 from ._schedule import plan_from_table, plan_work, ring_work, tile_plan
 
 
@@ -242,9 +243,15 @@ class RingAttentionKernel(eqx.Module):
             causal, window = _kernel_window(window)
             step_mask = functools.partial(self._step_mask, rest)
         with jax.named_scope("vidax_ring_attention_kernel"):
-            return run_ring(
-                q, k, v, axis_name=self.ring_axis, causal=causal, segment_ids=segment_ids,
-                sinks=sinks, window=window, scale=self.scale,
+            _, sinks = check_ring(
+                "ring_attention", q, k, v, axis_name=self.ring_axis, sp_size=n,
+                layout=self.layout, segment_ids=segment_ids, causal=causal, window=window,
+                scale=self.scale, logits_soft_cap=self.logits_soft_cap, tile_mask=tile_mask,
+                kv_lengths=None, sinks=sinks, step_mask=step_mask is not None,
+            )
+            return ring(
+                q, k, v, axis_name=self.ring_axis, sp_size=n, causal=causal,
+                segment_ids=segment_ids, sinks=sinks, window=window, scale=self.scale,
                 logits_soft_cap=self.logits_soft_cap, layout=self.layout,
                 implementation=self._implementation(), step_mask=step_mask, tile_mask=tile_mask,
             )

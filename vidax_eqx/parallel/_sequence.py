@@ -1,5 +1,12 @@
 """The one sequence-parallel entry: attention over a sequence split by the role of each
-mesh axis (Ulysses, ring, both, or none), with a replicated text joined to it."""
+mesh axis (Ulysses, ring, both, or none), with a replicated text joined to it.
+
+`attend` checks the request once (`_request.py`) and calls the worker of its mode:
+the kernel alone (`_one_device`, here), Ulysses (`_ulysses.ulysses`), a ring
+(`_ring_engine.ring`, or `_joint.ring_joint` with a text) or USP (`_usp.usp`).
+[`sequence_attention`][] is `attend` under its own name; the documented fronts
+(`_fronts.py`) are `attend` under theirs, so that an error names the function called.
+"""
 
 from collections.abc import Hashable
 
@@ -7,34 +14,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .. import kernels
-from ._checks import check_text_position
-from ._mesh import axis_size
-from ._rank_masks import RankMasks, with_rank_mask
-from ._ring import ring_attention
-from ._ulysses import sequence_parallel_joint_self_attention, sequence_parallel_self_attention
-from ._usp import usp_attention
+from ._joint import ring_joint
+from ._rank_masks import with_rank_mask
+from ._request import check_attention_request
+from ._ring_engine import ring
+from ._ulysses import ulysses
+from ._usp import usp
 
 
 _FN = "sequence_attention"
-
-
-def _local_tile_mask(mask, heads_local: int, tp_axis, ulysses_axis):
-    """A `SlidingTileMask` with per-head windows, as the heads of this device's
-    tensor-parallel rank see it (`RankMasks` when the ranks' windows differ)."""
-    if not isinstance(mask, kernels.SlidingTileMask):
-        return mask
-    tp = 1 if tp_axis is None else axis_size(tp_axis, what="Tensor-parallel")
-    mask.check_heads(heads_local * tp, _FN)
-    if mask.heads is None or tp == 1:
-        return mask
-    masks = RankMasks.of(mask, heads_local, tp_axis, tp)
-    if isinstance(masks, RankMasks) and ulysses_axis is not None:
-        raise NotImplementedError(
-            f"{_FN}: per-head SlidingTileMask windows that differ between tensor-parallel "
-            "ranks under Ulysses (both split the heads) are not supported; use one window "
-            "for all heads, equal windows per TP rank, or a ring alone."
-        )
-    return masks
 
 
 def _one_device(q, k, v, *, text_len: int, text_position: str, text_lengths, kv_lengths,
@@ -119,36 +107,53 @@ def sequence_attention(
 
     **Raises:**
 
-    `ValueError` for an axis that is not bound, the same axis for both roles, and
-    whatever the function that runs raises; `NotImplementedError` for per-head tile
-    windows that differ between tensor-parallel ranks under Ulysses.
+    Every argument is checked once, before anything runs: `ValueError` for an axis that
+    is not bound, the same axis for both roles, `text_lengths` without a text, and the
+    errors of the mode's documented front (the table above) for the rest; `TypeError`
+    for a kernel option that a ring does not take (`bias`, positions); the kernel's
+    errors for what its implementation cannot serve; `NotImplementedError` for per-head
+    tile windows that differ between tensor-parallel ranks under Ulysses.
     """
-    if ulysses_axis is not None and ulysses_axis == ring_axis:
-        raise ValueError(
-            f"{_FN}: `ulysses_axis` and `ring_axis` must be two different mesh axes; "
-            f"received {ulysses_axis!r} for both."
-        )
-    check_text_position(_FN, text_position)
-    mask = _local_tile_mask(kernel_options.pop("mask", None), jnp.shape(q)[2], tp_axis,
-                            ulysses_axis)
-    text = {} if not text_len else dict(text_len=text_len, text_position=text_position,
-                                        text_lengths=text_lengths)
-    if ulysses_axis is None and ring_axis is None:
-        kv_lengths = kernel_options.pop("kv_lengths", None)
-        segment_ids = kernel_options.pop("segment_ids", None)
-        return _one_device(q, k, v, text_len=text_len, text_position=text_position,
-                           text_lengths=text_lengths, kv_lengths=kv_lengths,
-                           segment_ids=segment_ids, mask=mask, **kernel_options)
-    if ring_axis is None:
-        if not text_len:
-            return sequence_parallel_self_attention(q, k, v, ulysses_axis, mask=mask,
-                                                    **kernel_options)
-        text.pop("text_len")
-        return sequence_parallel_joint_self_attention(q, k, v, text_len, ulysses_axis,
-                                                      mask=mask, **text, **kernel_options)
-    if ulysses_axis is None:
-        return ring_attention(q, k, v, ring_axis=ring_axis, layout=layout, mask=mask, **text,
-                              **kernel_options)
-    return usp_attention(q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
-                         layout=layout, mask=mask, **text, **kernel_options)
+    return attend(_FN, q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
+                  tp_axis=tp_axis, layout=layout, text_len=text_len,
+                  text_position=text_position, text_lengths=text_lengths, **kernel_options)
 
+
+def attend(fn: str, q, k, v, *, ulysses_axis=None, ring_axis=None, tp_axis=None,
+           layout: str = "contiguous", text_len: int = 0, text_position: str = "prefix",
+           text_lengths=None, **kernel_options):
+    """[`sequence_attention`][] called as `fn` (its own name, or a front's): the request
+    checked once, then the worker of its mode."""
+    r = check_attention_request(
+        fn, q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis, tp_axis=tp_axis,
+        layout=layout, text_len=text_len, text_position=text_position,
+        text_lengths=text_lengths, options=kernel_options,
+    )
+    options = r.options
+    if ulysses_axis is None and ring_axis is None:
+        kv_lengths = options.pop("kv_lengths", None)
+        segment_ids = options.pop("segment_ids", None)
+        return _one_device(q, k, v, text_len=r.text_len, text_position=text_position,
+                           text_lengths=r.text_lengths, kv_lengths=kv_lengths,
+                           segment_ids=segment_ids, mask=r.mask, **options)
+    if ring_axis is None:
+        scale = options.pop("scale", None)
+        if r.mask is not None:
+            options["mask"] = r.mask
+        return ulysses(q, k, v, sp_axis_name=ulysses_axis, sp=r.U, text_len=r.text_len,
+                       text_position=text_position, text_lengths=r.text_lengths,
+                       kv_lengths=r.kv_lengths, scale=scale, kernel_options=options)
+    ring_options = dict(causal=False, segment_ids=None, sinks=None, window=None, scale=None,
+                        logits_soft_cap=None, implementation="auto")
+    ring_options.update(options)
+    if ulysses_axis is not None:
+        return usp(q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis, U=r.U, R=r.R,
+                   layout=layout, text_len=r.text_len, mask=r.mask,
+                   text_position=text_position, text_lengths=r.text_lengths,
+                   kv_lengths=r.kv_lengths, **ring_options)
+    if r.text_len:
+        return ring_joint(q, k, v, axis_name=ring_axis, sp_size=r.R, layout=layout,
+                          text_len=r.text_len, tile_mask=r.mask, text_position=text_position,
+                          text_lengths=r.text_lengths, kv_lengths=r.kv_lengths, **ring_options)
+    return ring(q, k, v, axis_name=ring_axis, sp_size=r.R, layout=layout, tile_mask=r.mask,
+                kv_lengths=r.kv_lengths, **ring_options)

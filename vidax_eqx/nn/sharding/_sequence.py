@@ -7,10 +7,10 @@ One example per call, `(S, H, D)` (the batched functions below take `(1, S, H, D
 
 import jax
 
-from .. import kernels
-from .. import parallel as par
+from ... import kernels
+from ... import parallel as par
 from ._config import ParallelConfig
-from ._video_sparse import VideoSparse
+from .._video_sparse import VideoSparse
 
 
 def check_tile_mask(owner: str, mask, num_heads: int) -> None:

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..parallel import axis_size, chunk_by_rank, vsa_padded_length, zigzag_permute, zigzag_unpermute
+from ...parallel import axis_size, chunk_by_rank, vsa_padded_length, zigzag_permute, zigzag_unpermute
 from ._config import check_parallel, ParallelConfig
-from ._video_sparse import VideoSparse
+from .._video_sparse import VideoSparse
 
 
 def _split(fn: str, parallel: ParallelConfig):

@@ -3,10 +3,12 @@ axis (static, hashable); and the one answer to "which axes is the sequence on, w
 axes are the heads on" that every layer and model reads."""
 
 import dataclasses
+import functools
 
 import jax
 
-from ..parallel import LAYOUTS, SP_AXIS
+from ..._deprecation import warn_deprecated
+from ...parallel import LAYOUTS, SP_AXIS
 
 
 SEQUENCE_MODES = ("none", "ulysses", "ring", "usp")
@@ -183,6 +185,43 @@ class ParallelConfig:
         `ulysses_axis` (the `all_to_all` splits each device's heads over it); `()` when
         every device computes every head."""
         return tuple(a for a in (self.tp_axis, self.ulysses_axis) if a is not None)
+
+    @property
+    def sp_axis(self) -> str:
+        """Deprecated (0.1.0's one sequence axis; removed in 0.3.0): `ulysses_axis` under
+        Ulysses and USP, `ring_axis` under a ring, `"sp"` on one device."""
+        warn_deprecated("ParallelConfig.sp_axis",
+                        "ParallelConfig.ulysses_axis / .ring_axis (or .sequence_axes)")
+        return self.ulysses_axis or self.ring_axis or SP_AXIS
+
+
+_UNSET = object()
+
+
+def _accept_sp_axis(init):
+    """`ParallelConfig(sp_axis=...)`, 0.1.0's spelling, as the axis of its role: Ulysses'
+    (`"ulysses"`, and `"usp"`, whose ring went to `ring_axis`) or the ring's (`"ring"`);
+    with one device (`"none"`, then the default) it named nothing."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, sp_axis=_UNSET, **kwargs):
+        if sp_axis is not _UNSET:
+            warn_deprecated("ParallelConfig(sp_axis=...)",
+                            "`ulysses_axis=` (Ulysses, USP) or `ring_axis=` (a ring)")
+            sequence = args[0] if args else kwargs.get("sequence")
+            role = {"ulysses": "ulysses_axis", "usp": "ulysses_axis", "ring": "ring_axis"}.get(
+                sequence)
+            if role is not None:
+                if kwargs.get(role) is not None or len(args) > (1 if role == "ulysses_axis" else 2):
+                    raise TypeError(f"ParallelConfig() got both `sp_axis` (deprecated) and "
+                                    f"`{role}`: pass `{role}` only.")
+                kwargs[role] = sp_axis
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+ParallelConfig.__init__ = _accept_sp_axis(ParallelConfig.__init__)
 
 
 def agreed(tree, field: str):

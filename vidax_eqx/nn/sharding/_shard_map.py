@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 
-from .._jax_private import refuse_empty_shard_map_inputs
+from ..._jax_private import refuse_empty_shard_map_inputs
 from ._config import fsdp_axes_of
 from ._fsdp import unwrap_shards, wrap_shards
 

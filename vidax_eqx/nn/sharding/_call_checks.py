@@ -1,8 +1,8 @@
 """The checks of a layer's call against its `ParallelConfig` inside `shard_map`: what
 the varying-axes types of its inputs say about how they are split."""
 
-from .._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
-from ..parallel import SP_AXIS
+from ..._vma import explicit_axes, manual_axes, replicated_axes, tracks_vma, varying_axes
+from ...parallel import SP_AXIS
 from ._config import ParallelConfig
 
 

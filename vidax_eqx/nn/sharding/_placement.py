@@ -9,7 +9,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._config import agreed, check_parallel, fsdp_axes_of, ParallelConfig
-from ._lora import is_lora_linear
+from .._lora import is_lora_linear
 from ._parallel_layer import AbstractParallelLayer
 
 

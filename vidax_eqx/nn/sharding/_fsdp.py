@@ -19,8 +19,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from .._order import after, Sequence, tokens
-from .._vma import varying_axes
+from ..._order import after, Sequence, tokens
+from ..._vma import varying_axes
 
 
 GATHERED = "vidax_eqx.fsdp_gathered"
