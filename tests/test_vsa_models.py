@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import oracle
-from vidax_eqx import interop, kernels, models, nn, parallel
+from vidax_eqx import interop, kernels, models, nn, parallel, ShapeError
 
 
 HERE = os.path.dirname(__file__)
@@ -383,7 +383,7 @@ def test_bad_video_sparse_options(model, inputs):
     def trace(**kw):
         return eqx.filter_eval_shape(lambda m: m(x[0], t[0], context[0], **kw), model)
 
-    with pytest.raises(ValueError, match="`attention` must be models.SlidingTile.*plain pair"):
+    with pytest.raises(ShapeError, match="`attention` must be SlidingTile or VideoSparseTiles"):
         trace(attention=(TILE, 3))
     with pytest.raises(ValueError, match="takes an int .* or a float"):
         trace(attention=models.VideoSparseTiles(TILE, True))
@@ -409,11 +409,15 @@ def test_deprecated_video_sparse_keyword(model, inputs):
     """`video_sparse=(tile, topk)` (a plain pair, as it took) warns, naming
     `attention=models.VideoSparseTiles`, and gives the new spelling's numbers."""
     x, t, context, _ = inputs
-    run = eqx.filter_jit(lambda m, x, t, c, kw: _batched(m, x, t, c, **kw))
-    new = run(model, x, t, context, dict(attention=VSA))
+
+    @eqx.filter_jit
+    def run(m, x, t, c):  # both spellings in one program: one compile
+        return (_batched(m, x, t, c, attention=VSA),
+                _batched(m, x, t, c, video_sparse=(TILE, TOPK)))
+
     with pytest.warns(DeprecationWarning, match=r"WanTransformer3D\(video_sparse=\.\.\.\) is "
                       r"deprecated.*attention=models\.VideoSparseTiles"):
-        old = run(model, x, t, context, dict(video_sparse=(TILE, TOPK)))
+        new, old = run(model, x, t, context)
     np.testing.assert_array_equal(old, new)
 
 

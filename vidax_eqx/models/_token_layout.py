@@ -81,9 +81,11 @@ class TokenLayout(eqx.Module):
     whole on every device (as [`run_sharded`][] calls a model); on one device they
     are the tile permutation alone.
 
-    A new kind of attention (a frame-block causal mask for autoregressive video) is one
-    more option here: its token order, its padding and what its attention layers take
-    ([`AttentionInputs`][]), with the transformers unchanged.
+    The transformers know nothing of the options: a new kind of attention (a
+    frame-block causal mask over the frames, for autoregressive video) is one more case
+    here (its token order, its padding over the devices, its kernel mask) and in
+    [`AttentionInputs`][] (what its attention layers take), with the models' code
+    unchanged.
 
     **Arguments:**
 
