@@ -44,7 +44,7 @@ def _block_step(block, remat: str | None):
 
     def apply(params, x, e0, context, rope):
         b = eqx.combine(params, static)
-        return b(x, e0, context, rope, None, None)
+        return b(x, models.WanBlockInputs(models.AttentionInputs(rope, None), e0, context))
 
     if remat == "full":
         apply = jax.checkpoint(apply)

@@ -546,18 +546,18 @@ def test_sliding_tile_attention_with_fsdp():
     every gradient of the single-device model with the same mask."""
     model, (x, t, c, _) = _wan()
     x, t, c = x[:2], t[:2], c[:2]
-    tile = ((1, 3, 5), (3, 1, 1))  # 9 tiles of 15 tokens, a 3 x 1 x 1 window
+    tile = models.SlidingTile((1, 3, 5), (3, 1, 1))  # 9 tiles of 15 tokens, a 3 x 1 x 1 window
 
     @functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
     def grad(run, model):
         return eqx.filter_value_and_grad(lambda m: jnp.sum(jnp.square(run(m))))(model)
 
-    loss1, grads1 = grad(lambda m: jax.vmap(lambda *a: m(*a, sliding_tile=tile))(x, t, c), model)
+    loss1, grads1 = grad(lambda m: jax.vmap(lambda *a: m(*a, attention=tile))(x, t, c), model)
     mesh = harness.mesh(dp=2, sp=4)
     config = nn.sharding.ParallelConfig(sequence="ring", layout="zigzag", fsdp_axes=("dp", "sp"))
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, config), mesh)
     loss, grads = grad(lambda m: models.run_sharded(
-        m, x, t, c, mesh=mesh, batch_axis="dp", remat="full", sliding_tile=tile), sharded)
+        m, x, t, c, mesh=mesh, batch_axis="dp", remat="full", attention=tile), sharded)
     assert abs(float(loss) - float(loss1)) <= RTOL * abs(float(loss1)), (loss, loss1)
     _assert_leaves_close(eqx.filter(grads, eqx.is_array), eqx.filter(grads1, eqx.is_array),
                          "gradients", floor=ZERO_GRADIENT)

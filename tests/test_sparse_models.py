@@ -1,4 +1,4 @@
-"""Whole models with sliding tile attention (`sliding_tile=(tile, window)`).
+"""Whole models with sliding tile attention (`attention=models.SlidingTile(tile, window)`).
 
 The attention itself is checked against the float64 oracle in `test_sparse.py` and
 `test_sparse_parallel.py`; here, that the models lay their tokens out correctly:
@@ -8,7 +8,9 @@ The attention itself is checked against the float64 oracle in `test_sparse.py` a
    layout, its padding and the way back are invisible;
 2. with real (per-head) windows the result differs from full attention, and the
    sharded run (`models.run_sharded`: ring with TP, Ulysses, USP with a zigzag ring)
-   equals the single-device one, padding to whole tiles per device included.
+   equals the single-device one, padding to whole tiles per device included;
+3. the keyword it replaced, `sliding_tile=(tile, window)`, warns and gives the same
+   numbers bit for bit (the model, `run_sharded`).
 """
 
 import functools
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 import harness
-from vidax_eqx import models, nn
+from vidax_eqx import models, nn, ShapeError
 
 
 def _wan():
@@ -46,12 +48,12 @@ def _cogvideox():
 MODELS = {"wan": functools.cache(_wan), "cogvideox": functools.cache(_cogvideox)}
 TIMESTEP = jnp.array([500.0])
 # Tiles that divide no dimension of either patch grid; per-head windows.
-WINDOWS = ((1, 3, 2), ((1, 1, 1), (3, 1, 3), (1, 3, 1), (3, 3, 3)))
+WINDOWS = models.SlidingTile((1, 3, 2), ((1, 1, 1), (3, 1, 3), (1, 3, 1), (3, 3, 3)))
 
 
 @eqx.filter_jit
-def _run(model, x, context, sliding_tile=None):
-    return jax.vmap(lambda x, t, c: model(x, t, c, sliding_tile=sliding_tile))(x, TIMESTEP, context)
+def _run(model, x, context, attention=None):
+    return jax.vmap(lambda x, t, c: model(x, t, c, attention=attention))(x, TIMESTEP, context)
 
 
 @functools.cache
@@ -63,7 +65,7 @@ def _reference(name):
 def test_window_over_the_whole_grid_is_full_attention(name):
     model, x, context = MODELS[name]()
     full = _run(model, x, context)
-    whole = _run(model, x, context, ((2, 4, 3), (5, 5, 5)))  # clamped to the tile grid
+    whole = _run(model, x, context, models.SlidingTile((2, 4, 3), (5, 5, 5)))  # clamped
     np.testing.assert_allclose(whole, full, atol=2e-6 * float(jnp.abs(full).max()))
     sparse = _reference(name)
     assert float(jnp.abs(sparse - full).max()) > 1e-3  # the windows change the answer
@@ -88,13 +90,52 @@ def test_sharded_equals_single_device(name, config):
     ref = _reference(name)
     sharded = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**parallel_config))
     run = eqx.filter_jit(models.run_sharded)
-    out = run(sharded, x, TIMESTEP, context, mesh=mesh, sliding_tile=WINDOWS)
+    out = run(sharded, x, TIMESTEP, context, mesh=mesh, attention=WINDOWS)
     np.testing.assert_allclose(out, ref, atol=2e-6 * float(jnp.abs(ref).max()))
 
 
-def test_bad_sliding_tile_names_the_argument():
+def test_bad_attention_names_the_argument():
     model, x, context = _wan()
-    with pytest.raises(ValueError, match="sliding_tile"):
-        _run(model, x, context, ((1, 2, 2),))
+    # A plain pair (what `sliding_tile=` took) says neither which option: refused by
+    # the call's type check (TokenLayout's ValueError says how to wrap it).
+    with pytest.raises(ShapeError, match="`attention` must be SlidingTile or VideoSparseTiles "
+                       "or None; received a tuple"):
+        _run(model, x, context, ((1, 2, 2), (1, 1, 1)))
     with pytest.raises(ValueError, match="odd"):
-        _run(model, x, context, ((1, 2, 2), (2, 1, 1)))
+        _run(model, x, context, models.SlidingTile((1, 2, 2), (2, 1, 1)))
+
+
+# -- 3. the deprecated keyword -------------------------------------------------------------
+
+
+@eqx.filter_jit
+def _run_old(model, x, context, sliding_tile):
+    return jax.vmap(lambda x, t, c: model(x, t, c, sliding_tile=sliding_tile))(x, TIMESTEP, context)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_deprecated_sliding_tile_keyword(name):
+    model, x, context = MODELS[name]()
+    with pytest.warns(DeprecationWarning, match=r"sliding_tile=\.\.\.\) is deprecated.*"
+                      r"attention=models\.SlidingTile"):
+        old = _run_old(model, x, context, tuple(WINDOWS))  # a plain pair, as it took
+    np.testing.assert_array_equal(old, _reference(name))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="sliding_tile"):
+        _run_old(model, x, context, ((1, 2, 2),))
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="pass `attention` only"):
+        model(x[0], TIMESTEP[0], context[0], sliding_tile=WINDOWS, attention=WINDOWS)
+
+
+def test_deprecated_sliding_tile_keyword_of_run_sharded():
+    model, x, context = MODELS["wan"]()
+    mesh = harness.mesh(sp=2)
+    sharded = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ring"))
+
+    @eqx.filter_jit
+    def run(m, x, c):  # both spellings in one program: one compile
+        return (models.run_sharded(m, x, TIMESTEP, c, mesh=mesh, attention=WINDOWS),
+                models.run_sharded(m, x, TIMESTEP, c, mesh=mesh, sliding_tile=tuple(WINDOWS)))
+
+    with pytest.warns(DeprecationWarning, match=r"run_sharded\(sliding_tile=\.\.\.\)"):
+        new, old = run(sharded, x, context)
+    np.testing.assert_array_equal(old, new)

@@ -160,7 +160,7 @@ SHARDED = {
     "usp_fsdp": (dict(sp=2, ring=2, tp=2), nn.sharding.ParallelConfig(
         sequence="usp", ring_axis="ring", tp_axis="tp", fsdp_axes=("sp", "ring")), None, {}),
     "sliding_tile_ring": (dict(dp=2, sp=2, tp=2), nn.sharding.ParallelConfig(sequence="ring", tp_axis="tp"),
-                          "dp", dict(sliding_tile=((1, 2, 2), (1, 3, 3)))),
+                          "dp", dict(attention=models.SlidingTile((1, 2, 2), (1, 3, 3)))),
 }
 
 

@@ -1,12 +1,14 @@
 """Video sparse attention (VSA) in the modules and in Wan: `nn.Attention(video_sparse=)`,
-`WanTransformer3D(video_sparse=(tile, topk or sparsity))`, and FastVideo-style VSA
+`WanTransformer3D(attention=models.VideoSparseTiles(tile, topk or sparsity))`, and
+FastVideo-style VSA
 checkpoints (`to_gate_compress`).
 
 The fixture `tests/fixtures/vsa/t2v/` (written by `scripts/make_vsa_fixtures.py`,
 NumPy only) is a tiny random diffusers-layout Wan 2.1 T2V with a `to_gate_compress`
 projection per block. Here:
 
-1. loaded with `gate_compress=True` and run with `video_sparse=`, on a patch grid whose
+1. loaded with `gate_compress=True` and run with `attention=VideoSparseTiles(...)`, on a
+   patch grid whose
    tiles are partial on every axis, the model equals a float64 NumPy model written
    below from the checkpoint's tensors (Wan's block forward with `tests/oracle.py`'s
    pieces and its VSA oracle), and so do the gradients of a loss with respect to
@@ -16,7 +18,8 @@ projection per block. Here:
    gradients included;
 3. loading: the tensors' names both ways (FastVideo's block-level name and an
    `attn1.` one), the errors without the option and with it on a dense checkpoint,
-   save -> load;
+   save -> load; the bad options, and the keyword `video_sparse=` that the option
+   replaced (it warns, and gives the same numbers bit for bit);
 4. `nn.Attention(video_sparse=)` against the float64 oracle, with the module's gate
    and a gate passed in, and its bad inputs.
 """
@@ -34,13 +37,14 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import oracle
-from vidax_eqx import interop, kernels, models, nn, parallel
+from vidax_eqx import interop, kernels, models, nn, parallel, ShapeError
 
 
 HERE = os.path.dirname(__file__)
 FIXTURE = os.path.join(HERE, "fixtures", "vsa", "t2v")
 DENSE = os.path.join(HERE, "fixtures", "wan", "t2v", "diffusers")
 GRID, TILE, TOPK = (3, 5, 6), (2, 2, 2), 5  # 2 x 3 x 3 = 18 tiles, partial on every axis
+VSA = models.VideoSparseTiles(TILE, TOPK)
 LATENT = (4, 3, 10, 12)  # patch (1, 2, 2): the grid above
 TIMESTEP = 700.0
 RTOL = oracle.tolerance(np.float32)
@@ -180,14 +184,14 @@ def inputs():
     return jax.device_put(x), jnp.full((1,), TIMESTEP), jax.device_put(context), ct
 
 
-def _batched(model, x, t, context, video_sparse):
-    return jax.vmap(lambda x, t, c: model(x, t, c, video_sparse=video_sparse))(x, t, context)
+def _batched(model, x, t, context, **kw):
+    return jax.vmap(lambda x, t, c: model(x, t, c, **kw))(x, t, context)
 
 
 @eqx.filter_jit
 def _loss_and_grad(model, x, t, context, ct):
     def loss(model):
-        out = _batched(model, x, t, context, (TILE, TOPK))
+        out = _batched(model, x, t, context, attention=VSA)
         return jnp.sum(out * ct), out
 
     (_, out), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
@@ -257,7 +261,7 @@ def test_sharded_equals_one_device(model, single, inputs, name):
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
 
     def run(model, x, t, c):
-        return models.run_sharded(model, x, t, c, mesh=mesh, video_sparse=(TILE, TOPK))
+        return models.run_sharded(model, x, t, c, mesh=mesh, attention=VSA)
 
     if name != "usp-zigzag-2x2":
         out = eqx.filter_jit(run)(sharded, x, t, context)
@@ -288,7 +292,7 @@ def test_ring_keeps_its_run_time_skip(model):
     arrays, static = eqx.partition(sharded, eqx.is_array)
     x, t, context = jnp.zeros((2, *LATENT)), jnp.zeros((2,)), jnp.zeros((2, 5, 16))
     jaxpr = jax.make_jaxpr(lambda a: models.run_sharded(
-        eqx.combine(a, static), x, t, context, mesh=mesh, video_sparse=(TILE, TOPK)))(arrays)
+        eqx.combine(a, static), x, t, context, mesh=mesh, attention=VSA))(arrays)
     assert " cond[" in str(jaxpr)
 
 
@@ -379,18 +383,42 @@ def test_bad_video_sparse_options(model, inputs):
     def trace(**kw):
         return eqx.filter_eval_shape(lambda m: m(x[0], t[0], context[0], **kw), model)
 
-    with pytest.raises(ValueError, match="`video_sparse` must be a pair"):
-        trace(video_sparse=(TILE,))
-    with pytest.raises(ValueError, match="`video_sparse` must be a pair"):
-        trace(video_sparse=(TILE, True))
-    with pytest.raises(ValueError, match="`video_sparse` and `sliding_tile`"):
-        trace(video_sparse=(TILE, 3), sliding_tile=(TILE, (3, 3, 3)))
+    with pytest.raises(ShapeError, match="`attention` must be SlidingTile or VideoSparseTiles"):
+        trace(attention=(TILE, 3))
+    with pytest.raises(ValueError, match="takes an int .* or a float"):
+        trace(attention=models.VideoSparseTiles(TILE, True))
     with pytest.raises(ValueError, match=r"`topk` must be an int in \[1, 18\]"):
-        trace(video_sparse=(TILE, 19))
+        trace(attention=models.VideoSparseTiles(TILE, 19))
     with pytest.raises(ValueError, match=r"`sparsity` must be a float in \[0, 1\)"):
-        trace(video_sparse=(TILE, 1.0))
+        trace(attention=models.VideoSparseTiles(TILE, 1.0))
     with pytest.raises(ValueError, match="`tile`"):
-        trace(video_sparse=((0, 2, 2), 3))
+        trace(attention=models.VideoSparseTiles((0, 2, 2), 3))
+    # The keyword the option replaced, with its checks as they were.
+    with pytest.warns(DeprecationWarning), \
+            pytest.raises(ValueError, match="`video_sparse` must be a pair"):
+        trace(video_sparse=(TILE,))
+    with pytest.warns(DeprecationWarning), \
+            pytest.raises(ValueError, match="`video_sparse` must be a pair"):
+        trace(video_sparse=(TILE, True))
+    with pytest.warns(DeprecationWarning), \
+            pytest.raises(ValueError, match="`video_sparse` and `sliding_tile`"):
+        trace(video_sparse=(TILE, 3), sliding_tile=(TILE, (3, 3, 3)))
+
+
+def test_deprecated_video_sparse_keyword(model, inputs):
+    """`video_sparse=(tile, topk)` (a plain pair, as it took) warns, naming
+    `attention=models.VideoSparseTiles`, and gives the new spelling's numbers."""
+    x, t, context, _ = inputs
+
+    @eqx.filter_jit
+    def run(m, x, t, c):  # both spellings in one program: one compile
+        return (_batched(m, x, t, c, attention=VSA),
+                _batched(m, x, t, c, video_sparse=(TILE, TOPK)))
+
+    with pytest.warns(DeprecationWarning, match=r"WanTransformer3D\(video_sparse=\.\.\.\) is "
+                      r"deprecated.*attention=models\.VideoSparseTiles"):
+        new, old = run(model, x, t, context)
+    np.testing.assert_array_equal(old, new)
 
 
 # -- 4. nn.Attention ---------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def test_inputs_are_not_constant(wan):
 
 # A window of 3 x 1 x 1 tiles over the tile grid 3 x 2 x 2 (tiles of 1 x 2 x 3 tokens
 # that divide neither the height nor the width of the patch grid: the tile layout pads).
-TILE = ((1, 2, 3), (3, 1, 1))
+TILE = models.SlidingTile((1, 2, 3), (3, 1, 1))
 
 # name: (mesh axes, ParallelConfig, batch axis, sliding tile, gradients too). The
 # gradients of two (an FSDP gradient compiles for ~15 s here; tests/test_fsdp.py has them).
@@ -151,32 +151,32 @@ SHARDED = {
 
 @pytest.fixture(scope="module")
 def reference(wan):
-    """`get(sliding_tile) -> (out, grads or None)` on one device, each computed once:
+    """`get(attention) -> (out, grads or None)` on one device, each computed once:
     with gradients for full attention (the configurations with gradients use it)."""
     model, args, cotangent = wan
     cache = {}
 
-    def get(sliding_tile):
-        if sliding_tile not in cache:
-            if sliding_tile is None:
+    def get(attention):
+        if attention not in cache:
+            if attention is None:
                 cache[None] = _vjp(_batched, model, *args, cotangent)
             else:
-                run = functools.partial(_batched, sliding_tile=sliding_tile)
-                cache[sliding_tile] = _forward(run, model, *args), None
-        return cache[sliding_tile]
+                run = functools.partial(_batched, attention=attention)
+                cache[attention] = _forward(run, model, *args), None
+        return cache[attention]
 
     return get
 
 
 @pytest.mark.parametrize("name", SHARDED)
 def test_per_token_timestep_sharded_equals_one_device(wan, reference, name):
-    mesh_axes, config, batch_axis, sliding_tile, gradients = SHARDED[name]
+    mesh_axes, config, batch_axis, attention, gradients = SHARDED[name]
     model, args, cotangent = wan
     mesh = harness.mesh(**mesh_axes)
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
     run = functools.partial(models.run_sharded, mesh=mesh, batch_axis=batch_axis,
-                            sliding_tile=sliding_tile)
-    out1, grads1 = reference(sliding_tile)
+                            attention=attention)
+    out1, grads1 = reference(attention)
     if gradients:
         out, grads = _vjp(run, sharded, *args, cotangent)
         harness.assert_leaves_close(grads, grads1, f"{name}: gradients", ZERO_GRADIENT)

@@ -29,7 +29,12 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
     stack's residual of an earlier step ([`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call],
     [`run_sharded`][]`(step_cache=...)`).
-- [`SlidingTile`][], [`VideoSparseTiles`][]: a model call's sparse attention options.
+- [`SlidingTile`][], [`VideoSparseTiles`][]: a model call's `attention=` option (sparse
+    attention; `None` is full attention).
+- [`TokenLayout`][]: the one token layout of every transformer: patch tokens (and their
+    RoPE tables and per-token arrays) into the attention's order, padded and split over
+    the sequence axes, and back; [`AttentionInputs`][], what each self-attention takes in
+    it; [`WanBlockInputs`][], [`CogVideoXBlockInputs`][]: a block's per-call inputs.
 - [`add_lora`][], [`load_lora`][], [`save_lora`][]: LoRA adapters on a model's linear
     layers, by name pattern or from the files people share (diffusers/PEFT,
     ComfyUI/kohya); merged, switched and trained with the functions of
@@ -63,6 +68,7 @@ from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
 from ._options import SlidingTile as SlidingTile, VideoSparseTiles as VideoSparseTiles
+from ._token_layout import AttentionInputs as AttentionInputs, TokenLayout as TokenLayout
 from ._run_sharded import run_sharded as run_sharded
 from ._step_cache import StepCache as StepCache
 from ._vae import GaussianPosterior as GaussianPosterior, Tiling as Tiling
@@ -72,6 +78,7 @@ from ._training import (
 )
 from .cogvideox import (
     CogVideoXBlock as CogVideoXBlock,
+    CogVideoXBlockInputs as CogVideoXBlockInputs,
     CogVideoXConfig as CogVideoXConfig,
     CogVideoXTransformer3D as CogVideoXTransformer3D,
     rope_crop_positions as rope_crop_positions,
@@ -87,6 +94,7 @@ from .clip import (
 from .wan import (
     sharded_text_cache as sharded_text_cache,
     WanBlock as WanBlock,
+    WanBlockInputs as WanBlockInputs,
     WanConfig as WanConfig,
     WanExperts as WanExperts,
     WanExpertsTextCache as WanExpertsTextCache,

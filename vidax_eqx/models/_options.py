@@ -1,16 +1,25 @@
-"""A model call's sparse attention options, as small named types: `SlidingTile` (sliding
-tile attention) and `VideoSparseTiles` (video sparse attention), and the masks and
-layer options they become over a model's patch grid."""
+"""A model call's attention option, as small named types: `SlidingTile` (sliding tile
+attention) and `VideoSparseTiles` (video sparse attention), the check of a call's
+`attention=`, and the keywords it replaced (`sliding_tile=`, `video_sparse=`), kept
+working for a release."""
 
+import functools
+import os
+import sys
 from typing import NamedTuple
 
-from .. import kernels, nn
+import equinox as eqx
+
+from .._deprecation import warn_deprecated
+
+
+_EQUINOX = os.path.dirname(eqx.__file__) + os.sep
 
 
 class SlidingTile(NamedTuple):
-    """A model call's `sliding_tile=`: every self-attention as sliding tile attention
-    ([`vidax_eqx.kernels.SlidingTileMask`][]) over the model's patch grid, tokens laid
-    out tile by tile. A plain pair `(tile, window)` is taken as one.
+    """A model call's `attention=SlidingTile(tile, window)`: every self-attention as
+    sliding tile attention ([`vidax_eqx.kernels.SlidingTileMask`][]) over the model's
+    patch grid, tokens laid out tile by tile ([`TokenLayout`][]).
 
     **Fields:** `tile`, the tokens of a tile `(tf, th, tw)`; `window`, the tiles each
     query tile sees `(wf, wh, ww)`, or one such window per head.
@@ -21,9 +30,10 @@ class SlidingTile(NamedTuple):
 
 
 class VideoSparseTiles(NamedTuple):
-    """A model call's `video_sparse=`: every self-attention as video sparse attention
-    ([`vidax_eqx.kernels.video_sparse_attention`][]) over the model's patch grid. A
-    plain pair `(tile, topk or sparsity)` is taken as one.
+    """A model call's `attention=VideoSparseTiles(tile, topk_or_sparsity)`: every
+    self-attention as video sparse attention
+    ([`vidax_eqx.kernels.video_sparse_attention`][]) over the model's patch grid,
+    tokens laid out tile by tile ([`TokenLayout`][]).
 
     **Fields:** `tile`, the tokens of a tile `(tf, th, tw)` (FastVideo's: `(4, 4, 4)`);
     `topk_or_sparsity`, an int: the key tiles each query tile attends (`topk`), or a
@@ -34,42 +44,99 @@ class VideoSparseTiles(NamedTuple):
     topk_or_sparsity: int | float
 
 
-def sliding_tile_mask(owner: str, sliding_tile, grid, text_len: int = 0):
-    """The `kernels.SlidingTileMask` of a model's `sliding_tile` (a [`SlidingTile`][] or
-    a pair `(tile, window)`) over its patch `grid` (after a text prefix of `text_len`
-    tokens), or `None`."""
-    if sliding_tile is None:
-        return None
-    if not isinstance(sliding_tile, (tuple, list)) or len(sliding_tile) != 2:
-        raise ValueError(
-            f"{owner}: `sliding_tile` must be a pair (tile, window), e.g. ((3, 6, 8), (3, 3, 3)); "
-            f"received {sliding_tile!r}."
+def check_attention(owner: str, attention):
+    """`attention` (a [`SlidingTile`][], a [`VideoSparseTiles`][] or `None`) after
+    checking its type; a `ValueError` naming `owner` otherwise. The values inside are
+    checked where they are used (`kernels.SlidingTileMask`, `nn.VideoSparse`)."""
+    if attention is None or isinstance(attention, SlidingTile):
+        return attention
+    if isinstance(attention, VideoSparseTiles):
+        amount = attention.topk_or_sparsity
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(
+                f"{owner}: `attention=VideoSparseTiles(tile, topk_or_sparsity)` takes an int "
+                "(the key tiles each query tile attends) or a float in [0, 1) (the fraction "
+                f"skipped), e.g. VideoSparseTiles((4, 4, 4), 0.9); received {attention!r}."
+            )
+        return attention
+    hint = ""
+    if isinstance(attention, (tuple, list)) and len(attention) == 2:
+        hint = (" A plain pair says neither which: wrap it, SlidingTile(*pair) or "
+                "VideoSparseTiles(*pair).")
+    raise ValueError(
+        f"{owner}: `attention` must be models.SlidingTile(tile, window), "
+        f"models.VideoSparseTiles(tile, topk_or_sparsity) or None (full attention); "
+        f"received {attention!r}.{hint}"
+    )
+
+
+def attention_keywords(fn):
+    """Decorates a model call taking `attention=` (outermost, so that a warning points
+    at the caller's line): the keywords it replaced keep working for a release, with a
+    `DeprecationWarning`. `sliding_tile=(tile, window)` is
+    `attention=SlidingTile(tile, window)` and `video_sparse=(tile, topk or sparsity)`
+    is `attention=VideoSparseTiles(tile, topk or sparsity)`; each also takes a plain
+    pair, as they did, and `None` (full attention)."""
+    owner = fn.__qualname__.removesuffix(".__call__")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "sliding_tile" in kwargs or "video_sparse" in kwargs:
+            kwargs["attention"] = _from_deprecated(owner, kwargs, _wrapper_frames())
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _wrapper_frames() -> int:
+    """The frames of Equinox's bound-method wrappers between the caller of the
+    decorated call and the call (a module's method called as `model.method(...)`), so
+    that the warning points at the user's line however the method was reached."""
+    frame, n = sys._getframe(2), 0
+    while frame is not None and frame.f_code.co_filename.startswith(_EQUINOX):
+        frame, n = frame.f_back, n + 1
+    return n
+
+
+def _from_deprecated(owner: str, kwargs: dict, wrappers: int = 0):
+    """The `attention=` of a call's `sliding_tile=` / `video_sparse=` (popped from
+    `kwargs`), with their warnings and their checks as they were."""
+    old = {name: kwargs.pop(name) for name in ("sliding_tile", "video_sparse") if name in kwargs}
+    new = {"sliding_tile": "SlidingTile(tile, window)",
+           "video_sparse": "VideoSparseTiles(tile, topk_or_sparsity)"}
+    for name in old:
+        # warn_deprecated <- here <- attention_keywords' call <- [Equinox's method
+        # wrappers] <- the model call's caller
+        warn_deprecated(f"{owner}({name}=...)", f"`attention=models.{new[name]}`",
+                        stacklevel=3 + wrappers)
+    if "attention" in kwargs:
+        raise TypeError(
+            f"{owner}() got both `{'` and `'.join(old)}` (deprecated) and `attention`: pass "
+            "`attention` only."
         )
-    tile, window = SlidingTile(*sliding_tile)
-    return kernels.SlidingTileMask(tuple(grid), tile, window, text_len=text_len)
-
-
-def video_sparse_option(owner: str, video_sparse, grid, sliding_tile=None):
-    """The [`vidax_eqx.nn.VideoSparse`][] of a model's `video_sparse` (a
-    [`VideoSparseTiles`][] or a pair `(tile, topk or sparsity)`: an int is `topk`, a
-    float `sparsity`) over its patch `grid`, or `None`."""
-    if video_sparse is None:
-        return None
-    if sliding_tile is not None:
+    sliding_tile, video_sparse = old.get("sliding_tile"), old.get("video_sparse")
+    if video_sparse is not None and sliding_tile is not None:
         raise ValueError(
             f"{owner}: `video_sparse` and `sliding_tile` are two kinds of sparse attention; "
             f"pass one of them; received video_sparse={video_sparse!r}, "
             f"sliding_tile={sliding_tile!r}."
         )
-    ok = isinstance(video_sparse, (tuple, list)) and len(video_sparse) == 2
-    amount = video_sparse[1] if ok else None
-    if not ok or isinstance(amount, bool) or not isinstance(amount, (int, float)):
-        raise ValueError(
-            f"{owner}: `video_sparse` must be a pair (tile, topk or sparsity): an int "
-            "is the number of key tiles each query tile attends, a float in [0, 1) the "
-            "fraction skipped, e.g. ((4, 4, 4), 0.9) or ((2, 2, 2), 3); received "
-            f"{video_sparse!r}."
-        )
-    tile, amount = VideoSparseTiles(*video_sparse)
-    kind = "topk" if isinstance(amount, int) else "sparsity"
-    return nn.VideoSparse(tuple(grid), tile, **{kind: amount})
+    if sliding_tile is not None:
+        if not isinstance(sliding_tile, (tuple, list)) or len(sliding_tile) != 2:
+            raise ValueError(
+                f"{owner}: `sliding_tile` must be a pair (tile, window), e.g. ((3, 6, 8), "
+                f"(3, 3, 3)); received {sliding_tile!r}."
+            )
+        return SlidingTile(*sliding_tile)
+    if video_sparse is not None:
+        ok = isinstance(video_sparse, (tuple, list)) and len(video_sparse) == 2
+        amount = video_sparse[1] if ok else None
+        if not ok or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(
+                f"{owner}: `video_sparse` must be a pair (tile, topk or sparsity): an int "
+                "is the number of key tiles each query tile attends, a float in [0, 1) the "
+                "fraction skipped, e.g. ((4, 4, 4), 0.9) or ((2, 2, 2), 3); received "
+                f"{video_sparse!r}."
+            )
+        return VideoSparseTiles(*video_sparse)
+    return None

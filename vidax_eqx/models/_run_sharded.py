@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..nn import sharding
 from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
+from ._options import attention_keywords, check_attention, SlidingTile, VideoSparseTiles
 from ._step_cache import step_cache_specs
 
 
@@ -94,11 +95,12 @@ _BATCH = "vidax_eqx.batch"
 """The axis name `run_sharded` vmaps the batch with (a step cache sums over it)."""
 
 
+@attention_keywords
 def run_sharded(model, x, timestep, context, *, mesh,
                 batch_axis: str | tuple[str, ...] | None = None,
-                remat: str | None = None, sliding_tile=None, video_sparse=None,
-                step_cache=None,
-                may_reuse=False, threshold=None, **kwargs):
+                remat: str | None = None,
+                attention: SlidingTile | VideoSparseTiles | None = None,
+                step_cache=None, may_reuse=False, threshold=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
     `jax.shard_map` of `jax.vmap(model)`: the weights placed by
@@ -129,14 +131,15 @@ def run_sharded(model, x, timestep, context, *, mesh,
         first half of the batch); or `None` (the batch on every device). `B` must be a
         multiple of the number of devices it is split over.
     - `remat`: the model's rematerialization policy (see its `__call__`).
-    - `sliding_tile`: `(tile, window)`: sliding tile attention (see the model's
-        `__call__`); `None`: full attention.
-    - `video_sparse`: `(tile, topk or sparsity)`: video sparse attention (see
-        [`WanTransformer3D.__call__`][vidax_eqx.models.WanTransformer3D.__call__]); `None`: full attention. Over a ring
-        (sequence `"ring"` or `"usp"`) the examples of a device run one after the
-        other (`lax.map`, not `jax.vmap`), so that the ring skips at run time the
-        steps none of an example's query tiles selected (under `jax.vmap` the skip
-        would become a select that computes both branches).
+    - `attention`: the model's attention option (see
+        [`WanTransformer3D.__call__`][vidax_eqx.models.WanTransformer3D.__call__]):
+        `None` (full attention), a [`SlidingTile`][] or a [`VideoSparseTiles`][]. With
+        video sparse attention over a ring (sequence `"ring"` or `"usp"`) the examples
+        of a device run one after the other (`lax.map`, not `jax.vmap`), so that the
+        ring skips at run time the steps none of an example's query tiles selected
+        (under `jax.vmap` the skip would become a select that computes both
+        branches). The keywords this replaced, `sliding_tile=` and `video_sparse=`,
+        still work for a release, with a `DeprecationWarning`.
     - `step_cache`: step caching (a [`StepCache`][], batched and global: the
         previous step's, or `StepCache()` for the first step): the model's
         `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
@@ -162,9 +165,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
     batch_axis = check_batch_axis("run_sharded", mesh, batch_axis, x.shape[0])
     check_fsdp_axes("run_sharded", model, mesh, batch_axis)
     batch = P(batch_axis)
-    static = {} if sliding_tile is None else {"sliding_tile": sliding_tile}
-    if video_sparse is not None:
-        static["video_sparse"] = video_sparse
+    attention = check_attention("run_sharded", attention)
+    static = {} if attention is None else {"attention": attention}
     cached = step_cache is not None
     if cached:
         kwargs = {**kwargs, "step_cache": step_cache}
@@ -203,7 +205,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
     # Video sparse attention over a ring skips, at run time, the steps no local query
     # tile selected (a `lax.cond` on the selection); under `jax.vmap` that cond would
     # become a select computing both branches, so the examples run one by one.
-    ring_skips = video_sparse is not None and not cached and parallel.ring_axis is not None
+    ring_skips = (isinstance(attention, VideoSparseTiles) and not cached
+                  and parallel.ring_axis is not None)
     run = sharding.filter_shard_map(
         per_device,
         mesh=mesh,

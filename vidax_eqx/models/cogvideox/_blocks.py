@@ -1,15 +1,19 @@
 """The parts of CogVideoX's transformer: the patch embedding, the adaptive norms and one
 block of joint attention, with diffusers' field names."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ..._deprecation import warn_deprecated
 from ... import nn
 from ...nn import sharding
 from ...nn import functional
 from ...nn.internal import init
+from .._token_layout import AttentionInputs
 from ._config import _ACTIVATIONS, CogVideoXConfig
 
 
@@ -64,6 +68,24 @@ class CogVideoXLayerNormZero(eqx.Module):
         return x_n, c_n, gate, c_gate
 
 
+class CogVideoXBlockInputs(eqx.Module):
+    """What every [`CogVideoXBlock`][] of a [`CogVideoXTransformer3D`][] takes in one
+    call besides the video and text streams, as one value (the model builds it once
+    per call).
+
+    **Fields:**
+
+    - `attention`: the joint attention's [`AttentionInputs`][] (the video tokens' RoPE
+        tables, the segment ids of `[context; x]`, the sliding tile mask over
+        `[context; x]`), from the call's [`TokenLayout`][] with its text prefix: the
+        rows of this device's video tokens, in its order.
+    - `temb`: the timestep embedding `(time_embed_dim,)`.
+    """
+
+    attention: AttentionInputs
+    temb: Float[Array, " time_embed_dim"]
+
+
 class CogVideoXBlock(eqx.Module):
     """One CogVideoX block (diffusers' `CogVideoXBlock`), on the video `x` and the text
     `context` side by side:
@@ -106,35 +128,53 @@ class CogVideoXBlock(eqx.Module):
         self.ff = nn.FeedForward(c.dim, 4 * c.dim, activation=_ACTIVATIONS[c.activation_fn],
                                  parallel=parallel, dtype=dtype, key=k4)
 
-    def __call__(self, x, context, temb, rope, segment_ids, mask=None):
+    def __call__(self, x: Float[Array, "S dim"], context: Float[Array, "T dim"],
+                 inputs: CogVideoXBlockInputs = None, *deprecated_args, **deprecated_kwargs):
         """**Arguments:**
 
         - `x`: the video tokens `(S, dim)`: the whole sequence on one device, this
             device's chunk under sequence parallelism.
         - `context`: the text tokens `(T, dim)`: this device's copy of the text stream,
             the same on every device.
-        - `temb`: the timestep embedding `(time_embed_dim,)`.
-        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the video tokens of `x`;
-            `None`: no RoPE (2B).
-        - `segment_ids`: int `(T + S,)` or `None`, the segment ids of `[context; x]`,
-            as for [`vidax_eqx.nn.JointAttention`][].
-        - `mask`: the attention's `SlidingTileMask` over `[context; x]` (video tokens in
-            its tile layout), or `None` for full attention.
+        - `inputs`: the block's [`CogVideoXBlockInputs`][] of this call (required): the
+            timestep embedding and what the joint attention takes in the tokens'
+            layout.
+
+        The call before 0.2.0, `block(x, context, temb, rope, segment_ids, mask=None)`,
+        still works for a release, with a `DeprecationWarning`.
 
         **Returns:**
 
         `(x, context)` after the block, `(S, dim)` and `(T, dim)`.
         """
+        if deprecated_args or deprecated_kwargs or not isinstance(inputs, CogVideoXBlockInputs):
+            old = () if inputs is None else (inputs,)
+            inputs = _deprecated_inputs(*old, *deprecated_args, **deprecated_kwargs)
         with jax.named_scope("vidax_eqx.models.CogVideoXBlock"):
-            self, (x, context, temb, rope) = sharding.fsdp_gather(self, (x, context, temb, rope))
+            attention = inputs.attention
+            self, (x, context, temb, rope) = sharding.fsdp_gather(
+                self, (x, context, inputs.temb, attention.rope))
+            attention = dataclasses.replace(attention, rope=rope)
             T = context.shape[0]
             x_n, c_n, gate, c_gate = self.norm1(x, context, temb)
-            a_x, a_c = self.attn1(x_n, c_n, rope=rope, segment_ids=segment_ids,
-                                  context_copies=True, mask=mask)
+            a_x, a_c = self.attn1(x_n, c_n, context_copies=True, **attention.kwargs())
             x, context = x + gate * a_x, context + c_gate * a_c
             x_n, c_n, gate, c_gate = self.norm2(x, context, temb)
             f = self.ff(jnp.concatenate([c_n, x_n]))
             return x + gate * f[T:], context + c_gate * f[:T]
+
+
+def _deprecated_inputs(temb=None, rope=None, segment_ids=None, mask=None):
+    """The `CogVideoXBlockInputs` of the call before 0.2.0,
+    `block(x, context, temb, rope, segment_ids, mask=None)`, with its warning."""
+    if temb is None:
+        raise TypeError("CogVideoXBlock.__call__() missing its `inputs` (a "
+                        "models.CogVideoXBlockInputs).")
+    # warn_deprecated <- here <- CogVideoXBlock.__call__ <- the block's caller
+    warn_deprecated("CogVideoXBlock(x, context, temb, rope, segment_ids, mask)",
+                    "CogVideoXBlock(x, context, models.CogVideoXBlockInputs(attention, temb))",
+                    stacklevel=3)
+    return CogVideoXBlockInputs(AttentionInputs(rope, segment_ids, mask), temb)
 
 
 class CogVideoXAdaLayerNorm(eqx.Module):

@@ -12,15 +12,18 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, Real
 
 from ..._shapes import checked
-from ... import interop, kernels, nn
+from ... import interop, nn
 from ..._vma import as_varying, varying_axes
 from ...nn import functional, sharding
-from ...nn.internal import check_text, init, linear, padded_tokens
+from ...nn.internal import check_text, init, linear
 from .._base import AbstractModel
 from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
-from .._options import sliding_tile_mask
-from ._blocks import CogVideoXAdaLayerNorm, CogVideoXBlock, CogVideoXPatchEmbed
+from .._options import attention_keywords, SlidingTile, VideoSparseTiles
+from .._token_layout import TokenLayout
+from ._blocks import (
+    CogVideoXAdaLayerNorm, CogVideoXBlock, CogVideoXBlockInputs, CogVideoXPatchEmbed,
+)
 from ._config import CogVideoXConfig, rope_crop_positions
 
 
@@ -150,6 +153,7 @@ class CogVideoXTransformer3D(AbstractModel):
             )
         return rope, video, text
 
+    @attention_keywords
     @checked
     def __call__(
         self,
@@ -158,7 +162,7 @@ class CogVideoXTransformer3D(AbstractModel):
         context: Float[Array, "T {self.config.text_embed_dim}"],
         *,
         remat: str | None = None,
-        sliding_tile: tuple | None = None,
+        attention: SlidingTile | VideoSparseTiles | None = None,
     ) -> Float[Array, "F {self.config.out_channels} H W"]:
         """**Arguments:**
 
@@ -170,10 +174,15 @@ class CogVideoXTransformer3D(AbstractModel):
             the pipeline), whole on every device.
         - `remat`: the rematerialization policy of each block in the backward pass, as
             for [`WanTransformer3D`][].
-        - `sliding_tile`: `(tile, window)`: sliding tile attention over the video
+        - `attention`: `None` (default): full attention.
+            [`SlidingTile`][]`(tile, window)`: sliding tile attention over the video
             tokens, the text a prefix every token sees and that sees every token
             ([`vidax_eqx.kernels.SlidingTileMask`][]`(patch_grid, tile, window,
-            text_len=T)`), as for [`WanTransformer3D`][]. `None`: full attention.
+            text_len=T)`), the tokens laid out as for [`WanTransformer3D`][] (the
+            call's [`TokenLayout`][]). [`VideoSparseTiles`][] raises
+            `NotImplementedError` (video sparse attention over a joint text prefix is
+            not implemented). The keyword this replaced, `sliding_tile=(tile,
+            window)`, still works for a release, with a `DeprecationWarning`.
 
         **Returns:**
 
@@ -203,23 +212,16 @@ class CogVideoXTransformer3D(AbstractModel):
             context = linear(self.patch_embed.text_proj, context.astype(dtype))
             if pos_text is not None:
                 context = context + pos_text.astype(dtype)
-            mask = sliding_tile_mask("CogVideoXTransformer3D", sliding_tile, grid, T)
-            if mask is not None:  # tile layout: tiles in raster order, zero padding rows
-                patches, rope, pos_video = jax.tree.map(
-                    lambda a: kernels.tile_permute(a, grid, mask.tile, axis=0),
-                    (patches, rope, pos_video),
-                )
-            # Each device embeds only its share of the patches (padding: zero patches,
-            # invisible through segment id -1), with its rows of the positions.
-            patches, (rope, pos_video), segment_ids, n = padded_tokens(
-                patches, (rope, pos_video), parallel,
-                tile_size=1 if mask is None else mask.tile_size,
-            )
+            # The patches and their positions in the attention's order, this device's
+            # rows (padding: zero patches, invisible through segment id -1); the text is
+            # the joint sequence's prefix, whole on every device.
+            layout = TokenLayout(grid, attention, parallel, text_len=T,
+                                 owner="CogVideoXTransformer3D")
+            patches, rope, pos_video = layout.to_tokens((patches, rope, pos_video))
             tokens = self.patch_embed.proj.project(patches)
             if pos_video is not None:
                 tokens = tokens + pos_video.astype(dtype)
-            if segment_ids is not None:  # the text is never padding
-                segment_ids = jnp.concatenate([jnp.zeros((T,), jnp.int32), segment_ids])
+            inputs = CogVideoXBlockInputs(layout.attention_inputs(rope), temb)
 
             # Every device carries a copy of the text stream. The joint attention makes
             # the copies vary (in type) over the sequence axes; the scan carry starts so,
@@ -227,14 +229,11 @@ class CogVideoXTransformer3D(AbstractModel):
             context = as_varying(context, varying_axes(tokens, context))
 
             def block(carry, b):
-                return b(*carry, temb, rope, segment_ids, mask)
+                return b(*carry, inputs)
 
             tokens, _ = scan_layers(block, (tokens, context), self.transformer_blocks, policy)
             tokens = self.norm_out(self.norm_final(tokens), temb)
-            out = linear(self.proj_out, tokens)
-            out = sharding.gather_tokens(out, parallel)[:n]
-            if mask is not None:
-                out = kernels.tile_unpermute(out, grid, mask.tile, axis=0)
+            out = layout.from_tokens(linear(self.proj_out, tokens))
             out = functional.unpatchify(out, grid, p, channels_first=True)
             return jnp.transpose(out, (1, 0, 2, 3)).astype(dtype)
 

@@ -3,6 +3,7 @@
 
 from ._blocks import (
     WanBlock as WanBlock,
+    WanBlockInputs as WanBlockInputs,
     WanHead as WanHead,
     WanImageEmbedding as WanImageEmbedding,
     wan_image_timestep as wan_image_timestep,

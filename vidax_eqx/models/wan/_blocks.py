@@ -1,15 +1,19 @@
 """The parts of Wan's transformer: the per-token timestep of image-to-video, the image
 embedding, one block and the output head, each as Wan's own code names its fields."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ..._deprecation import warn_deprecated
 from ... import nn
 from ...nn import sharding
 from ...nn.internal import init, linear
+from .._token_layout import AttentionInputs
 from ._config import WanConfig
 
 
@@ -104,6 +108,36 @@ class WanImageEmbedding(eqx.Module):
         return self.norm2(self.ff(self.norm1(x)))
 
 
+class WanBlockInputs(eqx.Module):
+    """What every [`WanBlock`][] of a [`WanTransformer3D`][] takes in one call besides
+    its residual stream, as one value (the model builds it once per call; the text
+    cache's keys and values are set per block).
+
+    **Fields:**
+
+    - `attention`: the self-attention's [`AttentionInputs`][] (RoPE tables, segment
+        ids, the sliding tile mask or the video sparse option), from the call's
+        [`TokenLayout`][]: the rows of this device's tokens, in its order.
+    - `e0`: the float32 time projection `(6, dim)`, added to each block's
+        `modulation` for the shift, scale and gate of the self-attention and the FFN;
+        with a timestep per token (Wan 2.2), `(S, 6, dim)`, rows like the tokens.
+    - `context`: the embedded text `(L, dim)`, whole on every device; `None` with
+        `context_kv`.
+    - `context_image`: I2V: the embedded image features `(L_img, dim)`; else `None`.
+    - `context_kv`: this block's precomputed cross-attention keys and values
+        (`(k, v, k_img, v_img)`, see
+        [`vidax_eqx.nn.CrossAttention`][]`.project_context`), used instead of `context`
+        and `context_image` (then `None`); under FSDP the cross-attention's key and
+        value weights are then not gathered. Default `None`.
+    """
+
+    attention: AttentionInputs
+    e0: Float[Array, "*S 6 dim"]
+    context: Float[Array, "L dim"] | None
+    context_image: Float[Array, "L_img dim"] | None = None
+    context_kv: tuple | None = None
+
+
 class WanBlock(eqx.Module):
     """One Wan 2.1 block (`WanAttentionBlock`; diffusers' `WanTransformerBlock`).
 
@@ -155,53 +189,61 @@ class WanBlock(eqx.Module):
                                   dtype=dtype, key=k3)
         self.modulation = init.normal(k4, (1, 6, c.dim), dtype, std=c.dim**-0.5)
 
-    def __call__(self, x, e0, context, rope, segment_ids, context_image, mask=None,
-                 context_kv=None, video_sparse=None):
+    def __call__(self, x: Float[Array, "S dim"], inputs: WanBlockInputs = None,
+                 *deprecated_args, **deprecated_kwargs) -> Float[Array, "S dim"]:
         """**Arguments:**
 
         - `x`: the float32 residual stream `(S, dim)`: the whole sequence on one device,
             this device's chunk under sequence parallelism.
-        - `e0`: the float32 time projection `(6, dim)`, added to `modulation` for the
-            shift, scale and gate of the self-attention and the FFN; with a timestep
-            per token (Wan 2.2), `(S, 6, dim)`, rows like the tokens of `x`.
-        - `context`: the embedded text `(L, dim)`, whole on every device.
-        - `rope`: `(cos, sin)`, each `(S, head_dim // 2)`, for the tokens of `x`.
-        - `segment_ids`: int `(S,)` or `None`, as for [`vidax_eqx.nn.Attention`][]
-            (negative ids are padding).
-        - `context_image`: I2V: the embedded image features `(L_img, dim)`; else `None`.
-        - `mask`: the self-attention's `SlidingTileMask` (tokens in its tile layout), or
-            `None` for full attention.
-        - `context_kv`: this block's precomputed cross-attention keys and values
-            (`(k, v, k_img, v_img)`, see [`vidax_eqx.nn.CrossAttention`][]`.project_context`),
-            used instead of `context` and `context_image` (then `None`); under FSDP the
-            cross-attention's key and value weights are then not gathered.
-        - `video_sparse`: a [`vidax_eqx.nn.VideoSparse`][]: the self-attention is
-            video sparse attention (tokens in its tile layout; `segment_ids` and `mask`
-            are then not used by it), gated by its `to_gate_compress` when it has one.
+        - `inputs`: the block's [`WanBlockInputs`][] of this call (required): the time
+            projection, the text (or this block's precomputed keys and values), and
+            what the self-attention takes in the tokens' layout.
+
+        The call before 0.2.0, `block(x, e0, context, rope, segment_ids, context_image,
+        mask=None, context_kv=None, video_sparse=None)`, still works for a release, with
+        a `DeprecationWarning`.
 
         **Returns:**
 
         The float32 residual stream `(S, dim)` after the block.
         """
+        if deprecated_args or deprecated_kwargs or not isinstance(inputs, WanBlockInputs):
+            old = () if inputs is None else (inputs,)
+            inputs = _deprecated_inputs(*old, *deprecated_args, **deprecated_kwargs)
         with jax.named_scope("vidax_eqx.models.WanBlock"):
-            unused = None if context_kv is None else (lambda b: _context_weights(b.cross_attn))
+            unused = None if inputs.context_kv is None else (lambda b: _context_weights(b.cross_attn))
+            attention = inputs.attention
             self, (x, e0, context, rope, context_image) = sharding.fsdp_gather(
-                self, (x, e0, context, rope, context_image), exclude=unused)
+                self, (x, inputs.e0, inputs.context, attention.rope, inputs.context_image),
+                exclude=unused)
+            attention = dataclasses.replace(attention, rope=rope)
             dtype = self.self_attn.q.weight.dtype
             e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
             shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
             h = self.norm1(x, shift1, scale1).astype(dtype)
-            if video_sparse is None:
-                y = self.self_attn(h, rope=rope, segment_ids=segment_ids, mask=mask)
-            else:
-                y = self.self_attn(h, rope=rope, video_sparse=video_sparse)
+            y = self.self_attn(h, **attention.kwargs())
             x = x + y.astype(jnp.float32) * gate1
             h = x if self.norm3 is None else self.norm3(x)
             y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
-                                context_copies=True, context_kv=context_kv)
+                                context_copies=True, context_kv=inputs.context_kv)
             x = x + y.astype(jnp.float32)
             h = self.norm2(x, shift2, scale2).astype(dtype)
             return x + self.ffn(h).astype(jnp.float32) * gate2
+
+
+def _deprecated_inputs(e0=None, context=None, rope=None, segment_ids=None, context_image=None,
+                       mask=None, context_kv=None, video_sparse=None):
+    """The `WanBlockInputs` of the call before 0.2.0,
+    `block(x, e0, context, rope, segment_ids, context_image, mask=None, context_kv=None,
+    video_sparse=None)`, with its warning."""
+    if e0 is None:
+        raise TypeError("WanBlock.__call__() missing its `inputs` (a models.WanBlockInputs).")
+    # warn_deprecated <- here <- WanBlock.__call__ <- the block's caller
+    warn_deprecated("WanBlock(x, e0, context, rope, segment_ids, context_image, ...)",
+                    "WanBlock(x, models.WanBlockInputs(attention, e0, context, "
+                    "context_image, context_kv))", stacklevel=3)
+    attention = AttentionInputs(rope, segment_ids, mask, video_sparse)
+    return WanBlockInputs(attention, e0, context, context_image, context_kv)
 
 
 def _context_weights(attn: nn.CrossAttention):

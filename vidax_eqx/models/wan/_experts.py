@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Real
 from ... import interop
 from ...nn import sharding
 from .._base import AbstractExperts, AbstractPerExpert, expert_kwargs
+from .._options import attention_keywords
 from ._model import WanTransformer3D
 from ._text_cache import WanTextCache
 
@@ -207,10 +208,10 @@ class WanExperts(AbstractExperts):
         where = (lambda m: m.high_noise) if index == 0 else (lambda m: m.low_noise)
         return eqx.tree_at(where, self, expert)
 
+    @attention_keywords
     def __call__(self, x, timestep, context, **kwargs):
         """One example, as [`WanTransformer3D`][] takes it (`x`, `timestep`, `context`,
-        and its keyword arguments: `context_image`, `remat`, `sliding_tile`,
-        `video_sparse`;
+        and its keyword arguments: `context_image`, `remat`, `attention`;
         `text_cache` a [`WanExpertsTextCache`][], each expert taking its own), run by
         the expert `timestep` selects.
 
@@ -254,6 +255,7 @@ class WanExperts(AbstractExperts):
                     tuple(f"{p}.{n}" for p, n in zip(prefixes, layer.names))))
         return layers
 
+    @attention_keywords
     def cached_call(self, x, timestep, context, step_cache, **kwargs):
         """[`WanTransformer3D.cached_call`][] of the expert `timestep` selects (both
         experts have the same shapes, so they share one [`StepCache`][]). A residual

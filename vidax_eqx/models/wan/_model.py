@@ -3,7 +3,6 @@
 
 import dataclasses
 import json
-import math
 import os
 from typing import ClassVar
 
@@ -15,15 +14,16 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from ..._shapes import checked
-from ... import interop, kernels, nn
+from ... import interop, nn
 from ...nn import functional, sharding
-from ...nn.internal import check_text, init, linear, padded_tokens
+from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
 from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
-from .._options import sliding_tile_mask, video_sparse_option
+from .._options import attention_keywords, SlidingTile, VideoSparseTiles
 from .._step_cache import cached_blocks, check_step_cache, StepCache, StepDecision
-from ._blocks import WanBlock, WanHead, WanImageEmbedding
+from .._token_layout import TokenLayout
+from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
 from ._config import WanConfig
 from ._names import check_gate_compress, check_layout, rename
 from ._text_cache import check_text_cache, WanTextCache
@@ -118,6 +118,7 @@ class WanTransformer3D(AbstractCachedModel):
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.blocks.self_attn.parallel
 
+    @attention_keywords
     @checked
     def __call__(
         self,
@@ -127,8 +128,7 @@ class WanTransformer3D(AbstractCachedModel):
         *,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        sliding_tile: tuple | None = None,
-        video_sparse: tuple | None = None,
+        attention: SlidingTile | VideoSparseTiles | None = None,
         text_cache: WanTextCache | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
@@ -150,24 +150,27 @@ class WanTransformer3D(AbstractCachedModel):
         - `remat`: the rematerialization policy of each block in the backward pass:
             `None` (store activations), `"full"` (recompute everything), or the name
             of a `jax.checkpoint_policies` policy (e.g. `"dots_saveable"`).
-        - `sliding_tile`: `(tile, window)` runs every self-attention as sliding tile
-            attention ([`vidax_eqx.kernels.SlidingTileMask`][]`(patch_grid, tile,
-            window)`, `window` shared or one per head): the patch tokens and their
-            RoPE tables are laid out tile by tile ([`vidax_eqx.kernels.tile_permute`][])
-            after the patch embedding and back before the output, and the hidden
-            tiles are skipped. `None` (default): full attention, as the reference.
-        - `video_sparse`: `(tile, topk or sparsity)` runs every self-attention as video
-            sparse attention (VSA, [`vidax_eqx.kernels.video_sparse_attention`][]): the
-            tokens and RoPE tables are laid out tile by tile as for `sliding_tile`
-            (exclusive with it), a coarse attention over tile means picks each query
+        - `attention`: how every self-attention attends (the tokens' [`TokenLayout`][]):
+            `None` (default): full attention, as the reference.
+            [`SlidingTile`][]`(tile, window)`: sliding tile attention
+            ([`vidax_eqx.kernels.SlidingTileMask`][]`(patch_grid, tile, window)`,
+            `window` shared or one per head): the patch tokens and their RoPE tables
+            are laid out tile by tile ([`vidax_eqx.kernels.tile_permute`][]) after the
+            patch embedding and back before the output, and the hidden tiles are
+            skipped. [`VideoSparseTiles`][]`(tile, topk or sparsity)`: video sparse
+            attention (VSA, [`vidax_eqx.kernels.video_sparse_attention`][]) on the
+            same tile layout: a coarse attention over tile means picks each query
             tile's key tiles, and the output is `out_c * gate + out_fine` with the
             blocks' `to_gate_compress` gate (a model built with
             `WanConfig(gate_compress=True)`, e.g. FastVideo's VSA checkpoints), or
-            `out_c + out_fine` without one. An int is `topk` (key tiles per query
+            `out_c + out_fine` without one; an int is `topk` (key tiles per query
             tile), a float the `sparsity` (fraction of key tiles skipped, in [0, 1);
-            e.g. `((4, 4, 4), 0.9)`, FastVideo's tiles). Under sequence parallelism
-            the layout is split by whole tiles (padding tiles are empty) and the
-            attention is [`vidax_eqx.parallel.video_sparse_attention`][].
+            e.g. `VideoSparseTiles((4, 4, 4), 0.9)`, FastVideo's tiles). Under sequence
+            parallelism the tile layout is split by whole tiles (padding tiles are
+            empty), and VSA is [`vidax_eqx.parallel.video_sparse_attention`][]. The
+            keywords this replaced, `sliding_tile=(tile, window)` and
+            `video_sparse=(tile, topk or sparsity)`, still work for a release, with a
+            `DeprecationWarning`.
         - `text_cache`: the blocks' cross-attention keys and values of this `context`
             (and `context_image`), a [`WanTextCache`][] computed by
             [`text_cache`][WanTransformer3D.text_cache] (inside `shard_map`: this
@@ -184,9 +187,9 @@ class WanTransformer3D(AbstractCachedModel):
         """
         with jax.named_scope("vidax_eqx.models.WanTransformer3D"):
             return self._forward(x, timestep, context, context_image=context_image,
-                                 remat=remat, sliding_tile=sliding_tile,
-                                 video_sparse=video_sparse, text_cache=text_cache)
+                                 remat=remat, attention=attention, text_cache=text_cache)
 
+    @attention_keywords
     @checked
     def cached_call(
         self,
@@ -200,8 +203,7 @@ class WanTransformer3D(AbstractCachedModel):
         axis_name=None,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        sliding_tile: tuple | None = None,
-        video_sparse: tuple | None = None,
+        attention: SlidingTile | VideoSparseTiles | None = None,
         text_cache: WanTextCache | None = None,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
         """`__call__` with step caching: a denoising step that may reuse the residual of
@@ -236,12 +238,11 @@ class WanTransformer3D(AbstractCachedModel):
         """
         with jax.named_scope("vidax_eqx.models.WanTransformer3D.cached_call"):
             return self._forward(x, timestep, context, context_image=context_image,
-                                 remat=remat, sliding_tile=sliding_tile,
-                                 video_sparse=video_sparse, text_cache=text_cache,
+                                 remat=remat, attention=attention, text_cache=text_cache,
                                  step=StepDecision(step_cache, may_reuse, threshold, axis_name))
 
-    def _forward(self, x, timestep, context, *, context_image, remat, sliding_tile,
-                 video_sparse, text_cache, step=None):
+    def _forward(self, x, timestep, context, *, context_image, remat, attention, text_cache,
+                 step=None):
         """The forward pass; with `step` (a `StepDecision`), through the step cache,
         returning `(out, cache)`."""
         c = self.config
@@ -281,42 +282,31 @@ class WanTransformer3D(AbstractCachedModel):
             check_text_cache(text_cache, c, self.parallel, self._text_length(context), context_image,
                              dtype)
 
+        # The patches and every per-token array in the attention's order, this device's
+        # rows (padding: zero patches, invisible through segment id -1); a timestep per
+        # token is embedded for this device's tokens only.
+        layout = TokenLayout(grid, attention, parallel, owner="WanTransformer3D")
         rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
-        sparse = video_sparse_option("WanTransformer3D", video_sparse, grid, sliding_tile)
-        mask = sliding_tile_mask("WanTransformer3D", sliding_tile, grid)
-        tile = mask.tile if mask is not None else sparse.tile if sparse is not None else None
-        # A timestep per token is laid out, padded and split like the tokens; its
-        # embedding is computed for this device's tokens only.
-        per_token_arrays = (rope, timestep) if per_token else rope
-        if tile is not None:  # tile layout: tiles in raster order, zero padding rows
-            patches, per_token_arrays = jax.tree.map(
-                lambda a: kernels.tile_permute(a, grid, tile, axis=0),
-                (patches, per_token_arrays),
-            )
-        # Each device embeds only its share of the patches (padding: zero patches,
-        # invisible through segment id -1).
-        patches, per_token_arrays, segment_ids, n = padded_tokens(
-            patches, per_token_arrays, parallel,
-            tile_size=1 if tile is None else math.prod(tile), video_sparse=sparse,
-        )
         if per_token:
-            rope, timestep = per_token_arrays
+            patches, rope, timestep = layout.to_tokens((patches, rope, timestep))
             t, e0 = self._time(timestep)
         else:
-            rope = per_token_arrays
+            patches, rope = layout.to_tokens((patches, rope))
         tokens = self.patch_embedding.project(patches).astype(jnp.float32)
 
+        inputs = WanBlockInputs(layout.attention_inputs(rope), e0, context, context_image)
         if text_cache is None:
             def block(x, b):
-                return b(x, e0, context, rope, segment_ids, context_image, mask,
-                         video_sparse=sparse)
+                return b(x, inputs)
 
             layers = self.blocks
         else:  # one layer's keys and values per step, with its block
+            inputs = dataclasses.replace(inputs, context=None, context_image=None)
+
             def block(x, layer):
                 b, kv = layer
-                return b(x, e0, None, rope, segment_ids, None, mask,
-                         context_kv=(kv.k, kv.v, kv.k_img, kv.v_img), video_sparse=sparse)
+                kv = (kv.k, kv.v, kv.k_img, kv.v_img)
+                return b(x, dataclasses.replace(inputs, context_kv=kv))
 
             layers = (self.blocks, text_cache)
 
@@ -333,14 +323,12 @@ class WanTransformer3D(AbstractCachedModel):
             cache, may_reuse, threshold, axis_name = step
             check_step_cache("WanTransformer3D.cached_call", cache, tokens, may_reuse,
                              threshold)
+            segment_ids = inputs.attention.segment_ids
             valid = None if segment_ids is None else segment_ids >= 0
             tokens, cache = cached_blocks(run, tokens, c.num_layers, cache,
                                           may_reuse=may_reuse, threshold=threshold,
                                           valid=valid, axis_name=axis_name)
-        out = self.head(tokens, t)
-        out = sharding.gather_tokens(out, parallel)[:n]
-        if tile is not None:
-            out = kernels.tile_unpermute(out, grid, tile, axis=0)
+        out = layout.from_tokens(self.head(tokens, t))
         out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
         return out if step is None else (out, cache)
 
