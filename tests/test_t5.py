@@ -211,3 +211,29 @@ def test_parallel_refusals(tmp_path):
     shutil.copy(os.path.join(folder, "config.json"), tmp_path)
     with pytest.raises(ValueError, match="Missing \\(1\\): \\['shared.weight'\\]"):
         T5Encoder.from_pretrained(tmp_path)
+
+
+# -- building in bounded memory (models/t5/_init.py) ---------------------------------------
+
+def test_bounded_build_gives_the_plain_draws(monkeypatch):
+    """The leaves drawn in row blocks (a small BLOCK, so that the table is cut, its last
+    block short) and the layers stacked one at a time equal `jax.random`'s whole draws
+    and `eqx.filter_vmap`'s stack bit for bit, float32 and bfloat16, typed and raw keys."""
+    from vidax_eqx.models.t5 import _init
+
+    monkeypatch.setattr(_init, "BLOCK", 300)
+    key, raw = jax.random.key(3), jax.random.PRNGKey(3)
+    assert _init.bounded(key) and _init.bounded(raw)
+    assert not jax.jit(lambda k: jnp.asarray(_init.bounded(k)))(key)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        np.testing.assert_array_equal(_init.normal_table(key, (97, 8), dtype),
+                                      jax.random.normal(key, (97, 8), dtype))
+        np.testing.assert_array_equal(_init.uniform_table(raw, (97, 8), dtype, -0.3, 0.3),
+                                      jax.random.uniform(raw, (97, 8), dtype, -0.3, 0.3))
+    config = T5EncoderConfig(d_model=32, d_kv=4, d_ff=40, num_heads=4, num_layers=2,
+                             vocab_size=101)
+    built = T5Encoder(config, dtype=jnp.bfloat16, key=key)
+    monkeypatch.setattr(_init, "bounded", lambda key: False)  # the plain draws
+    plain = T5Encoder(config, dtype=jnp.bfloat16, key=key)
+    for a, b in zip(jax.tree.leaves(built), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -2,11 +2,16 @@
 the causal caches, the frame split over a mesh, and diffusers' tiled mode.
 
 A video VAE here is causal in time: a latent frame depends on the video frames up to its
-own, never later ones. So a video runs as a first chunk (the first frame, or the first
-latent frame, which these VAEs treat apart) and then equal chunks, each step carrying the
-caches its causal convolutions read (an explicit pytree, `None` before the first chunk);
-zero frames padded at the end to fill the last chunk change no earlier output, and their
-outputs are cut off. One compile serves every chunk after the first.
+own, never later ones. So a video runs in chunks, each step carrying the caches its
+causal convolutions read (an explicit pytree); zero frames padded at the end to fill the
+last chunk change no earlier output, and their outputs are cut off.
+
+These VAEs treat the first frame (or first latent frame) apart. CogVideoX's runs it as a
+first chunk of its own before the scan ([`run_chunked`][]). Wan's runs every chunk,
+the first included, through ONE scan body ([`run_scanned`][]): the first chunk is the
+video after a few zero frames that line its first frame up with the others, and the
+layers that treat it apart do so by data (a [`FirstChunk`][] flag and selects), so the
+program holds the model once whatever the chunk size.
 
 Space is split over two mesh axes inside `shard_map` (a
 [`vidax_eqx.parallel.SpatialSplit`][]): each device holds one block of every frame, its
@@ -104,6 +109,75 @@ def run_chunked(step: Step, x: Float[Array, "C T H W"], *, first: int, size: int
     out = out.reshape(out.shape[0], -1, *out.shape[3:])
     keep = out.shape[1] * rest // (n * size)
     return jnp.concatenate([head, out[:, :keep]], axis=1)
+
+
+class FirstChunk(NamedTuple):
+    """What a layer of [`run_scanned`][]'s step needs to treat the video's first frame
+    apart, by data: `is_first` (a traced bool: this chunk holds the first frame) and
+    `latent_frames` (static: latent frames per chunk).
+
+    A chunk of `T` frames at some level of the model holds `T / latent_frames` frames per
+    latent frame; in the first chunk the video's first frame is the last of its group
+    (its group's frames before it are zeros the runner put in front), so it sits at
+    [`lead`][vidax_eqx.models._vae.FirstChunk.lead]` = T / latent_frames - 1`.
+    """
+
+    is_first: jax.Array
+    latent_frames: int
+
+    def lead(self, x) -> int:
+        """The frames of `x` `(C, T, ...)` before the video's first in the first chunk."""
+        return x.shape[1] // self.latent_frames - 1
+
+    def zero_lead(self, x, extra: int = 0):
+        """`x` with its first `lead(x) + extra` frames zeroed in the first chunk (what
+        a causal convolution must read there: the zeros before the video); `x` itself
+        elsewhere, exactly."""
+        n = self.lead(x) + extra
+        if n == 0:
+            return x
+        frames = jnp.arange(x.shape[1]).reshape(1, -1, *(1,) * (x.ndim - 2))
+        return jnp.where(self.is_first & (frames < n), jnp.zeros((), x.dtype), x)
+
+    def replace(self, x, index: int, frame):
+        """`x` with frame `index` replaced by `frame` `(C, 1, ...)` in the first chunk."""
+        return x.at[:, index:index + 1].set(
+            jnp.where(self.is_first, frame.astype(x.dtype), x[:, index:index + 1]))
+
+
+ScannedStep = Callable[[jax.Array, object, FirstChunk], tuple[jax.Array, object]]
+
+
+def run_scanned(step: ScannedStep, x: Float[Array, "C T H W"], *, size: int, latent_frames: int,
+                lead: int, out_lead: int, out_frames: int) -> jax.Array:
+    """`step` over the frames of `x` in one `lax.scan`, the first chunk included.
+
+    `lead` zero frames go before `x` (they line the first frame up as the last of its
+    group, see [`FirstChunk`][]), zero frames after it to a whole number of chunks of
+    `size` frames, and each step runs `step(chunk, cache, first)` with `first` a
+    [`FirstChunk`][] (`latent_frames` per chunk), carrying the caches; the first step's
+    cache is zeros (the zeros before the video), shaped by tracing `step` with `cache`
+    `None`. Returns the outputs joined along time, `out_frames` of them after the first
+    `out_lead` (the lead's outputs)."""
+    x = jnp.pad(x, ((0, 0), (lead, 0), (0, 0), (0, 0)))
+    n = -(-x.shape[1] // size)
+    x = jnp.pad(x, ((0, 0), (0, n * size - x.shape[1]), (0, 0), (0, 0)))
+    chunks = jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+    probe = FirstChunk(jnp.bool_(True), latent_frames)
+    shapes = jax.eval_shape(lambda c: step(c, None, probe)[1], chunks[0])
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    # Inside shard_map a cache that starts as constant zeros must vary like the frames.
+    cache = as_varying(cache, varying_axes(x))
+
+    def body(cache, xs):
+        chunk, is_first = xs
+        y, cache = step(chunk, cache, FirstChunk(is_first, latent_frames))
+        return cache, y
+
+    _, ys = jax.lax.scan(body, cache, (chunks, jnp.arange(n) == 0))
+    out = jnp.moveaxis(ys, 0, 1)
+    out = out.reshape(out.shape[0], -1, *out.shape[3:])
+    return out[:, out_lead:out_lead + out_frames]
 
 
 def _example(owner: str, name: str, x) -> tuple[int, ...]:

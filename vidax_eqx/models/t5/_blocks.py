@@ -16,6 +16,7 @@ from ... import kernels, nn
 from ...nn import sharding
 from ...parallel import axis_size
 from ._config import T5EncoderConfig
+from ._init import linear, normal_table
 
 
 def relative_position_buckets(length: int, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -130,7 +131,8 @@ class T5Embeddings(nn.sharding.AbstractParallelLayer):
                  key: PRNGKeyArray):
         c = config
         k1, k2 = jax.random.split(key)
-        self.shared = eqx.nn.Embedding(c.vocab_size, c.d_model, dtype=dtype, key=k1)
+        # (`eqx.nn.Embedding`'s normal draw, in bounded memory: see `_init.py`)
+        self.shared = eqx.nn.Embedding(weight=normal_table(k1, (c.vocab_size, c.d_model), dtype))
         self.relative_attention_bias = (
             None if c.per_layer_bias else
             eqx.nn.Embedding(c.relative_attention_num_buckets, c.num_heads, dtype=dtype, key=k2))
@@ -183,19 +185,20 @@ class T5Layer(nn.sharding.AbstractParallelLayer):
         c = config
         inner = c.num_heads * c.d_kv
         keys = jax.random.split(key, 8)
+        # (`eqx.nn.Linear`s, their weights drawn in bounded memory: see `_init.py`)
         self.num_heads, self.d_kv, self.d_ff = c.num_heads, c.d_kv, c.d_ff
         self.attn_norm = nn.RMSNorm(c.d_model, c.layer_norm_epsilon, dtype=dtype)
-        self.q = eqx.nn.Linear(c.d_model, inner, use_bias=False, dtype=dtype, key=keys[0])
-        self.k = eqx.nn.Linear(c.d_model, inner, use_bias=False, dtype=dtype, key=keys[1])
-        self.v = eqx.nn.Linear(c.d_model, inner, use_bias=False, dtype=dtype, key=keys[2])
-        self.o = eqx.nn.Linear(inner, c.d_model, use_bias=False, dtype=dtype, key=keys[3])
+        self.q = linear(c.d_model, inner, dtype=dtype, key=keys[0])
+        self.k = linear(c.d_model, inner, dtype=dtype, key=keys[1])
+        self.v = linear(c.d_model, inner, dtype=dtype, key=keys[2])
+        self.o = linear(inner, c.d_model, dtype=dtype, key=keys[3])
         self.relative_attention_bias = (
             eqx.nn.Embedding(c.relative_attention_num_buckets, c.num_heads, dtype=dtype,
                              key=keys[4]) if c.per_layer_bias else None)
         self.ff_norm = nn.RMSNorm(c.d_model, c.layer_norm_epsilon, dtype=dtype)
-        self.wi_0 = eqx.nn.Linear(c.d_model, c.d_ff, use_bias=False, dtype=dtype, key=keys[5])
-        self.wi_1 = eqx.nn.Linear(c.d_model, c.d_ff, use_bias=False, dtype=dtype, key=keys[6])
-        self.wo = eqx.nn.Linear(c.d_ff, c.d_model, use_bias=False, dtype=dtype, key=keys[7])
+        self.wi_0 = linear(c.d_model, c.d_ff, dtype=dtype, key=keys[5])
+        self.wi_1 = linear(c.d_model, c.d_ff, dtype=dtype, key=keys[6])
+        self.wo = linear(c.d_ff, c.d_model, dtype=dtype, key=keys[7])
         self.parallel = parallel
 
     def __call__(self, x: Float[Array, "S D"], bias: Float[Array, "H S S"] | None,

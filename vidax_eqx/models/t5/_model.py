@@ -17,6 +17,7 @@ from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
 from ._blocks import relative_position_buckets, T5Embeddings, T5Layer
 from ._config import check_tensor_parallel, T5EncoderConfig
+from ._init import stack_layers
 from ._names import checkpoint_names, rename, TIED
 from ._sharded import check_mesh, encode_over_mesh
 
@@ -148,8 +149,9 @@ class T5Encoder(eqx.Module):
         self.config, self.implementation = c, implementation
         keys = jax.random.split(key, 3)
         self.embeddings = T5Embeddings(c, parallel=parallel, dtype=dtype, key=keys[0])
-        self.blocks = eqx.filter_vmap(lambda k: T5Layer(c, parallel=parallel, dtype=dtype, key=k))(
-            jax.random.split(keys[2], c.num_layers))
+        # `eqx.filter_vmap` over the layers, one layer's draws alive at a time (`_init.py`)
+        self.blocks = stack_layers(lambda k: T5Layer(c, parallel=parallel, dtype=dtype, key=k),
+                                   jax.random.split(keys[2], c.num_layers))
         self.final_layer_norm = nn.RMSNorm(c.d_model, c.layer_norm_epsilon, dtype=dtype)
 
     @property

@@ -2,9 +2,11 @@
 
 Every block maps a chunk of frames `(C, T, H, W)` and its caches to the output chunk and
 the caches of the next: `block(x, cache, first=..., split=...) -> (y, cache)`. `cache` is
-a tuple over the block's causal convolutions (`None` before the first chunk); `first`
-marks the first chunk, which Wan treats apart (the first frame is not doubled by a time
-upsampling, nor paired by a time downsampling).
+a tuple over the block's causal convolutions (`None`: zeros, the start of the video);
+`first` (a [`FirstChunk`][vidax_eqx.models._vae.FirstChunk]) marks the first chunk by
+data, which Wan treats apart: the video's first frame is not doubled by a time
+upsampling, nor paired by a time downsampling, and the zero frames the runner put before
+it are zeroed again before every causal convolution reads them.
 """
 
 import equinox as eqx
@@ -16,7 +18,7 @@ from ...kernels import attention
 from ...nn import CausalConv3d, ChannelRMSNorm, FrameConv2d
 from ...nn import internal as nn_internal
 from ...parallel import SpatialSplit
-from .._vae import cache_at, run_layers
+from .._vae import cache_at, FirstChunk, run_layers
 
 
 def _silu(x):
@@ -42,10 +44,10 @@ class WanResidualBlock(eqx.Module):
         self.conv_shortcut = (CausalConv3d(in_dim, out_dim, 1, dtype=dtype, key=k3)
                               if in_dim != out_dim else None)
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         h = x if self.conv_shortcut is None else self.conv_shortcut(x, split=split)[0]
-        x, c1 = self.conv1(_silu(self.norm1(x)), cache_at(cache, 0), split=split)
-        x, c2 = self.conv2(_silu(self.norm2(x)), cache_at(cache, 1), split=split)
+        x, c1 = self.conv1(first.zero_lead(_silu(self.norm1(x))), cache_at(cache, 0), split=split)
+        x, c2 = self.conv2(first.zero_lead(_silu(self.norm2(x))), cache_at(cache, 1), split=split)
         return x + h, (c1, c2)
 
 
@@ -66,7 +68,7 @@ class WanAttentionBlock(eqx.Module):
         self.to_qkv = FrameConv2d(dim, 3 * dim, 1, dtype=dtype, key=k1)
         self.proj = FrameConv2d(dim, dim, 1, dtype=dtype, key=k2)
 
-    def __call__(self, x, cache=None, *, first: bool = False, split: SpatialSplit):
+    def __call__(self, x, cache=None, *, first: FirstChunk | None = None, split: SpatialSplit):
         c, t, h, w = x.shape
         qkv = self.to_qkv(self.norm(x))  # (3C, T, h, w)
         tokens = jnp.moveaxis(qkv.reshape(3 * c, t, h * w), 0, -1)[:, :, None, :]  # (T, hw, 1, 3C)
@@ -104,28 +106,37 @@ class WanResample(eqx.Module):
                                                  dtype=dtype, key=k2),
         }.get(mode, lambda: None)()
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         if self.mode == "upsample3d":
-            if first:  # the first frame stays one frame; the time conv starts after it
-                cache = jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
-            else:
-                y, cache = self.time_conv(x, cache, split=split)  # (2C, T, h, w)
-                c, t = x.shape[:2]
-                x = jnp.moveaxis(y.reshape(2, c, t, *x.shape[2:]), 0, 2).reshape(c, 2 * t, *x.shape[2:])
+            # Each frame becomes two by the time conv, but the video's first frame stays
+            # itself, once, and the time conv starts after it (reading zeros before the
+            # next frame): in the first chunk it reads the first frame (and the zeros
+            # before it) as zeros, and the first frame replaces its second output.
+            lead = first.lead(x)
+            y, cache = self.time_conv(first.zero_lead(x, 1), cache, split=split)  # (2C, T, h, w)
+            c, t = x.shape[:2]
+            y = jnp.moveaxis(y.reshape(2, c, t, *x.shape[2:]), 0, 2).reshape(c, 2 * t, *x.shape[2:])
+            x = first.replace(y, 2 * lead + 1, x[:, lead:lead + 1])
         if self.mode.startswith("upsample"):
             x = jnp.repeat(jnp.repeat(x, 2, axis=-2), 2, axis=-1)  # nearest-exact, 2x
         x = self.resample(x, split=split)
         if self.mode == "downsample3d":
-            last = x[:, -1:]
-            if not first:  # frames (2j - 2, 2j - 1, 2j) of the whole video -> frame j
-                x = self.time_conv(jnp.concatenate([cache, x], axis=1), split=split)[0]
-            cache = last
+            # frames (2j - 2, 2j - 1, 2j) of the whole video -> frame j, but the video's
+            # first frame stays itself (in the first chunk, output (lead - 1) / 2).
+            if cache is None:
+                cache = jnp.zeros_like(x[:, :1])
+            lead = first.lead(x)
+            y = self.time_conv(jnp.concatenate([cache, x], axis=1), split=split)[0]
+            cache = x[:, -1:]
+            x = first.replace(y, (lead - 1) // 2, x[:, lead:lead + 1])
         return x, (cache if self.time_conv is not None else None)
 
 
 def avg_down(x, out_channels: int, factor_t: int, factor_s: int):
     """diffusers' `AvgDown3D`: pixel (and frame) groups folded into channels, averaged in
-    groups down to `out_channels`; an odd chunk gets a zero frame in front."""
+    groups down to `out_channels`; an odd chunk gets a zero frame in front (in
+    [`run_scanned`][vidax_eqx.models._vae.run_scanned]'s chunks the first chunk's zero
+    frames stand for it)."""
     pad_t = (factor_t - x.shape[1] % factor_t) % factor_t
     x = jnp.pad(x, ((0, 0), (pad_t, 0), (0, 0), (0, 0)))
     c, t, h, w = x.shape
@@ -136,15 +147,16 @@ def avg_down(x, out_channels: int, factor_t: int, factor_s: int):
     return x.mean(axis=1)
 
 
-def dup_up(x, out_channels: int, factor_t: int, factor_s: int, first: bool):
-    """diffusers' `DupUp3D`: channels repeated and unfolded into pixels (and frames); the
-    first chunk drops the frames before its first."""
+def dup_up(x, out_channels: int, factor_t: int, factor_s: int):
+    """diffusers' `DupUp3D`: channels repeated and unfolded into pixels (and frames).
+    diffusers' first chunk drops the frames before its first; here they stay, in front
+    of the video's first frame (see [`FirstChunk`][vidax_eqx.models._vae.FirstChunk])."""
     c, t, h, w = x.shape
     repeats = out_channels * factor_t * factor_s * factor_s // c
     x = jnp.repeat(x, repeats, axis=0)
     x = x.reshape(out_channels, factor_t, factor_s, factor_s, t, h, w)
     x = x.transpose(0, 4, 1, 5, 2, 6, 3).reshape(out_channels, t * factor_t, h * factor_s, w * factor_s)
-    return x[:, factor_t - 1:] if first else x
+    return x
 
 
 class WanResidualDownBlock(eqx.Module):
@@ -165,8 +177,8 @@ class WanResidualDownBlock(eqx.Module):
                                         dtype=dtype, key=keys[-1]) if down else None)
         self.out_dim, self.factor_t, self.factor_s = out_dim, 2 if temporal else 1, 2 if down else 1
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        shortcut = avg_down(x, self.out_dim, self.factor_t, self.factor_s)
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
+        shortcut = avg_down(first.zero_lead(x), self.out_dim, self.factor_t, self.factor_s)
         x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.downsampler is not None:
@@ -187,7 +199,7 @@ class WanUpBlock(eqx.Module):
         self.upsamplers = (None if upsample_mode is None
                            else [WanResample(out_dim, upsample_mode, dtype=dtype, key=keys[-1])])
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.upsamplers is not None:
@@ -213,8 +225,8 @@ class WanResidualUpBlock(eqx.Module):
                           if up else None)
         self.out_dim, self.factor_t = out_dim, 2 if temporal else 1
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
-        shortcut = (dup_up(x, self.out_dim, self.factor_t, 2, first)
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
+        shortcut = (dup_up(x, self.out_dim, self.factor_t, 2)
                     if self.upsampler is not None else None)
         x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
@@ -235,15 +247,15 @@ class WanMidBlock(eqx.Module):
         self.resnets = [WanResidualBlock(dim, dim, dtype=dtype, key=k) for k in (k1, k3)]
         self.attentions = [WanAttentionBlock(dim, dtype=dtype, key=k2)]
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         x, c0 = self.resnets[0](x, cache_at(cache, 0), first=first, split=split)
         x, _ = self.attentions[0](x, split=split)
         x, c1 = self.resnets[1](x, cache_at(cache, 1), first=first, split=split)
         return x, (c0, c1)
 
 
-def _head(norm, conv, x, cache, split):
-    return conv(_silu(norm(x)), cache, split=split)
+def _head(norm, conv, x, cache, first, split):
+    return conv(first.zero_lead(_silu(norm(x))), cache, split=split)
 
 
 class WanEncoder3d(eqx.Module):
@@ -283,11 +295,11 @@ class WanEncoder3d(eqx.Module):
         self.norm_out = ChannelRMSNorm(dims[-1], dtype=dtype)
         self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3, padding=1, dtype=dtype, key=next(keys))
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
         x, c_down = run_layers(self.down_blocks, x, cache_at(cache, 1), first=first, split=split)
         x, c_mid = self.mid_block(x, cache_at(cache, 2), first=first, split=split)
-        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), split)
+        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), first, split)
         return x, (c_in, c_down, c_mid, c_out)
 
 
@@ -325,11 +337,11 @@ class WanDecoder3d(eqx.Module):
         self.conv_out = CausalConv3d(dims[-1], config.out_channels, 3, padding=1, dtype=dtype,
                                      key=keys[-1])
 
-    def __call__(self, x, cache, *, first: bool, split: SpatialSplit):
+    def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
         x, c_mid = self.mid_block(x, cache_at(cache, 1), first=first, split=split)
         x, c_up = run_layers(self.up_blocks, x, cache_at(cache, 2), first=first, split=split)
-        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), split)
+        x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), first, split)
         return x, (c_in, c_mid, c_up, c_out)
 
 

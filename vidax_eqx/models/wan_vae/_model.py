@@ -16,7 +16,7 @@ from .._base import AbstractVideoVAE
 from .._vae import (
     blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
     checkpoint_path,
-    CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_chunked,
+    CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_scanned,
     save_vae, Tiling,
 )
 from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
@@ -30,7 +30,9 @@ class WanVAE(AbstractVideoVAE):
     One example per call, channels first: a video `(3, F, H, W)` in [-1, 1] with
     `F = 1 + 4k` encodes to latents `(z_dim, 1 + k, H / s, W / s)` (`s` = 8, or 16 for
     Wan 2.2), and back. Time runs in chunks (`chunk` latent frames per `lax.scan` step,
-    the causal convolutions' caches carried explicitly); with `mesh` and
+    the causal convolutions' caches carried explicitly; the first chunk, which Wan treats
+    apart, runs in the same scan body, so the compiled program holds the model once
+    whatever the chunk size); with `mesh` and
     `spatial_axes`, every frame is split over two mesh axes (height and width), each
     convolution exchanging its edge rows with its neighbours. Both equal the whole video
     on one device to float32 round-off; `tiling=` reproduces diffusers' tiled mode.
@@ -110,8 +112,8 @@ class WanVAE(AbstractVideoVAE):
 
         - `video`: one video `(3, F, H, W)` in [-1, 1], `F = 1 + 4k`, `H` and `W`
             multiples of the spatial factor.
-        - `chunk`: latent frames per `lax.scan` step after the first (memory against
-            steps); any value gives the same result.
+        - `chunk`: latent frames per `lax.scan` step (memory against steps); any value
+            gives the same result.
         - `mesh`, `spatial_axes`: split every frame's height and width over the mesh axes
             `(height_axis, width_axis)` (either may be `None`); each device's block must
             be a whole number of latent pixels. The posterior comes back placed over the
@@ -151,7 +153,7 @@ class WanVAE(AbstractVideoVAE):
 
         - `latents`: `(z_dim, T, h, w)` (not normalised: see
             [`denormalize_latents`][vidax_eqx.models.WanVAE.denormalize_latents]).
-        - `chunk`: latent frames per `lax.scan` step after the first.
+        - `chunk`: latent frames per `lax.scan` step.
         - `mesh`, `spatial_axes`: as for [`encode`][vidax_eqx.models.WanVAE.encode]; the
             latents' height and width must divide among the axes' devices. The video comes
             back placed over the mesh.
@@ -182,21 +184,19 @@ class WanVAE(AbstractVideoVAE):
 
     def _encode_block(self, video, split: SpatialSplit, chunk: int):
         x = patchify(video, self.config.patch_size)
-        frames = self.config.temporal_factor
+        tf = self.config.temporal_factor
 
         def step(x, cache, first):
             return self.encoder(x, cache, first=first, split=split)
 
-        moments = run_chunked(step, x, first=1, size=frames * chunk)
+        # tf - 1 zero frames in front: the first frame ends the first latent frame's group.
+        moments = run_scanned(step, x, size=tf * chunk, latent_frames=chunk, lead=tf - 1,
+                              out_lead=0, out_frames=1 + (x.shape[1] - 1) // tf)
         return self.quant_conv(moments, split=split)[0]
 
     def _decode_block(self, latents, split: SpatialSplit, chunk: int):
         x = self.post_quant_conv(latents, split=split)[0]
-
-        def step(x, cache, first):
-            return self.decoder(x, cache, first=first, split=split)
-
-        out = run_chunked(step, x, first=1, size=chunk)
+        out = _run_decoder(self, x, split, chunk)
         return jnp.clip(unpatchify(out, self.config.patch_size), -1.0, 1.0)
 
     # -- diffusers' tiled mode ------------------------------------------------------------
@@ -278,9 +278,20 @@ class WanVAE(AbstractVideoVAE):
         save_vae(self, path, rename=checkpoint_name(self.config))
 
 
+def _run_decoder(vae, x, split: SpatialSplit, chunk: int):
+    """The decoder over latents `x` (after `post_quant_conv`), in one scan: the first
+    latent frame's group of `temporal_factor` frames ends with the video's first frame,
+    the frames before it cut off."""
+    tf = vae.config.temporal_factor
+
+    def step(x, cache, first):
+        return vae.decoder(x, cache, first=first, split=split)
+
+    return run_scanned(step, x, size=chunk, latent_frames=chunk, lead=0, out_lead=tf - 1,
+                       out_frames=1 + tf * (x.shape[1] - 1))
+
+
 @eqx.filter_jit
 def _decode_patched(vae, latents, chunk):
     """A tile's decode before unpatching and clamping (diffusers blends those)."""
-    x = vae.post_quant_conv(latents)[0]
-    return run_chunked(lambda x, c, first: vae.decoder(x, c, first=first, split=SpatialSplit()),
-                       x, first=1, size=chunk)
+    return _run_decoder(vae, vae.post_quant_conv(latents)[0], SpatialSplit(), chunk)
