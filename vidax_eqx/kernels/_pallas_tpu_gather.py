@@ -1,5 +1,5 @@
 """Tile-sparse attention as Pallas TPU (Mosaic) kernels whose work follows the
-selected tiles: VSA's fine stage, and sliding tile attention run on the same kernels.
+selected tiles: VSA's fine stage (and sliding tile attention, `_pallas_tpu_sliding.py`).
 
 The contract is `_sparse.py`'s (and `_pallas_tpu_sparse.py`'s, whose kernels stay the
 fallback): each query tile attends the key tiles listed for it (per query head) in
@@ -8,50 +8,54 @@ padding keys, logits are `scale * q.k`, statistics are float32, and a row that s
 nothing gives 0 with the finite empty log-sum-exp `_math.masked`.
 
 Work is split by *unit*, one batch element and one key/value head with its
-`G = H // H_kv` query heads; a `lax.map` over the units (and over chunks of their query
-tiles, see below) runs one `pallas_call` per (unit, chunk). Tiles are padded to `T`
-tokens, a multiple of the sublane tiling (8 rows of 32 bits: 16 for 16-bit dtypes).
+`G = H // H_kv` query heads (GQA without repeating K/V), and each unit's query tiles
+into `C` chunks of `n_qc` (padded with empty tiles). Each pass is ONE `pallas_call`
+whose grid walks the units and chunks (every axis `"arbitrary"`: the steps run in
+order on one core). Tiles are padded to `T` tokens, a multiple of the sublane tiling
+(8 rows of 32 bits: 16 for 16-bit dtypes), the padding hidden / dropped.
 
-- **Resident operands.** What every grid step reads at a table-driven place stays in
-  VMEM for the whole call: given in HBM (`memory_space=pl.ANY`) and copied once, at the
-  first grid step, into VMEM scratch (`pltpu.sync_copy`; every grid axis is
-  `"arbitrary"`, so the steps run in order on one core). The forward and dQ passes hold
-  the unit's K and V `(S_k, D)`, the dK/dV pass the chunk's Q and dO `(G * rows, D)`:
-  HBM traffic is each operand once per call, not once per selected tile.
-  `vmem_limit_bytes` is set from the sizes; a problem whose resident arrays exceed
-  `VMEM_BUDGET` runs the per-tile kernels of `_pallas_tpu_sparse.py` instead.
-- **Forward and dQ**: grid `(G, query tiles)`, one query tile `(T, D)` per step. A
-  `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
+- **Resident operands.** What a step reads at table-driven places stays in VMEM: given
+  in HBM (`memory_space=pl.ANY`) and copied (`pltpu.sync_copy`) into VMEM scratch at
+  the first step that needs it: the forward and dQ passes hold the unit's K and V
+  `(S_k, D)` (copied once per unit), the dK/dV pass the chunk's Q and dO
+  `(G * n_qc * T, D)` (once per chunk), so HBM traffic is each operand once, not once
+  per selected tile. The tables are copied the same way into SMEM scratch per (unit,
+  chunk) (int32; `C` is chosen so that one chunk's tables fit `SMEM_ENTRIES` and its
+  resident arrays `VMEM_BUDGET`). `vmem_limit_bytes` is set from the sizes; a problem
+  whose K/V do not fit `VMEM_BUDGET` runs the per-tile kernels of
+  `_pallas_tpu_sparse.py` instead (`plan` returns `None`).
+- **Forward and dQ**: grid `(unit, chunk, G, n_qc)`, one query tile `(T, D)` per step.
+  A `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
   rounded up to chunks: unused slots cost nothing) runs over chunks of `CH` selected
   key tiles (`kv_chunk`: about 512 keys). Each chunk gathers its key and value tiles
-  from the resident K/V (`pl.ds(tile * T, T)`, tile ids from the scalar-prefetched
-  table) into `(CH * T, D)` scratch, or, when the table comes in runs of consecutive
-  tiles (`run`, sliding tile attention's windows along w) and a chunk lies inside one
-  run, slices `pl.ds(start * T, CH * T)` directly; then ONE `(T, CH * T)` logits matmul,
-  the online softmax (float32 `m`, `l`, `acc` in scratch) and ONE `p @ v` matmul (dQ:
-  `dp = do v^T`, `ds = p (dp - delta)`, `dq += ds k`).
-- **dK/dV**: the table inverted on device into CSR form per (unit, chunk): the
-  `(query head, query tile)` rows that selected each key tile, sorted by key tile
-  (`lax.sort`), and each key tile's offset (a cumulative count). Grid `(key tiles,)`:
-  every key tile's gradient is written (zeros when nothing selected it). Per key tile a
-  loop with a dynamic trip count runs over its rows in chunks of `CH` query tiles,
-  gathered from the resident Q and dO; keys run along sublanes and queries along lanes
-  (as splash's dK/dV kernel): `s^T = k q^T`, `p^T = exp(s^T - lse)`, `dp^T = v do^T`,
-  `ds^T = p^T (dp^T - delta)`, `dk += ds^T q`, `dv += p^T do`. No tile is transposed.
-- **Per-key and per-query rows** (key validity; lse and delta of the dK/dV pass) are
-  kept as `(n, 1, CH * T)` float32 rows, each tile's `T` values repeated `CH` times
-  along the lanes, so that a chunk's row is built by selecting lane ranges of `CH`
-  gathered rows (no lane shifts): an unused slot reads an extra zero row (validity)
-  or the row of `_math.PAD_LSE` (its probabilities are exactly 0).
-- **SMEM**: the tables are int32 scalar prefetches; the query tiles are split into `C`
-  chunks of `n_qc` so that one call's tables fit `SMEM_ENTRIES` and the dK/dV pass's
-  resident Q/dO fit `VMEM_BUDGET` (dK/dV partial sums of the chunks are added).
+  from the resident K/V (`pl.ds(tile * T, T)`) into `(CH * T, D)` scratch, or, when
+  the table comes in runs of consecutive tiles (`run`: sliding tile attention's
+  windows along w) and each chunk lies inside one run, slices `pl.ds(start * T, CH *
+  T)` directly; then ONE `(T, CH * T)` logits matmul, the online softmax (float32
+  `m`, `l`, `acc` in scratch) and ONE `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp -
+  delta)`, `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run ==
+  1`).
+- **dK/dV**: the table inverted on device into CSR form per (unit, chunk): the rows
+  `g * n_qc + i` that selected each key tile, sorted by key tile (`lax.sort`), and each
+  key tile's offset (a cumulative count). Grid `(unit, chunk, key tile)`: every key
+  tile's gradient is written (zeros when nothing selected it; the chunks' partial sums
+  are added). Per key tile a loop with a dynamic trip count runs over its rows in
+  chunks of `CH` query tiles gathered from the resident Q and dO; keys run along
+  sublanes and queries along lanes (as splash's dK/dV kernel): `s^T = k q^T`, `p^T =
+  exp(s^T - lse)`, `dp^T = v do^T`, `ds^T = p^T (dp^T - delta)`, `dk += ds^T q`, `dv +=
+  p^T do`; no tile is transposed.
+- **Rows of a chunk** (key validity; the dK/dV pass's lse and delta) come from
+  resident `(n, 1, CH * T)` float32 arrays, each tile's `T` values repeated `CH` times
+  along the lanes, so that a chunk's row is `CH` dynamic row loads and lane-range
+  selects (no lane shifts). An unused slot reads an extra row: zeros (hidden keys) or
+  `_math.PAD_LSE` (probabilities exactly 0).
 
-Sliding tile attention (`tile_table`, `sliding_tile_fwd` / `sliding_tile_bwd`,
-`sliding_tile_attention`): a `SlidingTileMask` without text is a static tile table
-(each query tile's window, laid out as runs of `window_w` consecutive key tiles), run
-on these kernels with padding keys hidden and padding query rows dropped; per-head
-windows run one call per distinct window.
+Tuning knobs (`plan`): `kv_tiles` (tiles per chunk) and `chains` (chunks per
+iteration of the inner loops: a loop with a dynamic trip count is not unrolled, so two
+chunks in one iteration give the scheduler two independent matmul / softmax chains to
+interleave; the forward keeps an online softmax per chain and merges them at the end).
+Performance has not been measured here (no TPU); every kernel compiles for TPU v5e
+(Mosaic, ahead of time from a CPU host) at Wan 480p and 720p.
 """
 
 import contextlib
@@ -61,7 +65,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -69,8 +72,6 @@ from jax.experimental.pallas import tpu as pltpu
 from .._vma import opaque_to_vma
 from . import _math as m
 from . import _pallas_tpu_sparse
-from ._tile import SlidingTileMask
-from ._tile_tables import layout_valid, window_table
 
 
 F32 = jnp.float32
@@ -83,6 +84,7 @@ SMEM_ENTRIES = 1 << 17
 VMEM_BUDGET = 80 * _MiB
 _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
 KV_TARGET = 512  # keys per chunk of the inner loop
+CHAINS = 2  # chunks per iteration of the inner loops
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
@@ -120,6 +122,7 @@ class Plan(NamedTuple):
     C: int  # chunks of query tiles (one call per unit and chunk)
     n_qc: int  # query tiles per chunk
     direct: bool  # every chunk lies inside a run: K/V sliced, not gathered
+    chains: int  # chunks per loop iteration, independent until the end
     vmem_fwd: int  # the scoped VMEM limits of the calls
     vmem_dkv: int
 
@@ -133,9 +136,14 @@ def _limit(nbytes: int) -> int:
 
 
 def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
-         kv_tiles: int | None = None) -> Plan | None:
+         kv_tiles: int | None = None, chains: int = CHAINS) -> Plan | None:
     """The layout of a problem, or `None` when its resident arrays do not fit
-    `VMEM_BUDGET` or one query tile's tables do not fit `SMEM_ENTRIES`."""
+    `VMEM_BUDGET` or one query tile's tables do not fit `SMEM_ENTRIES`.
+
+    `run`: the table's used slots come in runs of that many consecutive key tiles;
+    `kv_tiles`: tiles per chunk (default `kv_chunk`); `chains`: chunks per iteration of
+    the inner loops (independent computations the compiler can interleave).
+    """
     _, S_q, H, D = q_shape
     S_k, K = k_shape[1], k_shape[2]
     G = H // K
@@ -143,18 +151,21 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
     sub = 8 * max(1, 4 // size)
     T = _ceil(tile_size, sub) * sub
     CH = kv_chunk(T, run, kv_tiles)
+    if kv_tiles is None and run == 1:
+        CH = min(CH, n_sel)  # no chunk larger than the selection
     W = CH * T
-    n_selp = _ceil(n_sel, CH) * CH
+    chains = max(1, min(int(chains), _ceil(n_sel, CH)))
+    n_selp = _ceil(n_sel, CH * chains) * CH * chains
     n_q, n_k = S_q // tile_size, S_k // tile_size
     Dp = _ceil(D, _LANES) * _LANES
     rows = lambda n: n * 8 * W * 4  # (n, 1, W) float32 rows: 8 sublanes each in VMEM
     # Forward / dQ: resident K, V and key validity; gathered chunks; small blocks.
-    fwd = 2 * n_k * T * Dp * size + rows(n_k + 1) + 2 * W * Dp * size + 16 * T * max(Dp, _LANES) * 4
+    fwd = 2 * n_k * T * Dp * size + rows(n_k + 1) + chains * (2 * W * Dp * size + 16 * T * Dp * 4)
     if fwd > VMEM_BUDGET:
         return None
     # dK/dV: resident Q, dO, lse and delta rows, per query tile of a chunk.
     per_q = G * (2 * T * Dp * size + 2 * 8 * W * 4)
-    fixed = rows(2) + 2 * W * Dp * size + 16 * T * Dp * 4
+    fixed = rows(2) + chains * 2 * W * Dp * size + 16 * T * Dp * 4
     room_vmem = (VMEM_BUDGET - fixed) // per_q
     room_smem = min((SMEM_ENTRIES - n_k - 1) // (G * n_sel), SMEM_ENTRIES // (G * (n_selp + 1)))
     room = min(room_vmem, room_smem)
@@ -164,7 +175,7 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
     n_qc = _ceil(n_q, C)
     dkv = fixed + per_q * n_qc
     direct = run > 1 and run % CH == 0
-    return Plan(T, CH, n_selp, C, n_qc, direct, _limit(fwd), _limit(dkv))
+    return Plan(T, CH, n_selp, C, n_qc, direct, chains, _limit(fwd), _limit(dkv))
 
 
 def fits(q, k, tiles, tile_size: int, run: int = 1) -> bool:
@@ -227,7 +238,10 @@ def _load_fwd(C: int, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, 
 
 def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse_ref,
                 table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, m_sc, l_sc, o_sc, *,
-                C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool):
+                C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
+                chains: int):
+    """An online softmax per chain (chain `h` takes chunks `h, chains + h, ...`), merged
+    at the end."""
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
                      valid_res)
     low = m.masked(F32)
@@ -237,35 +251,42 @@ def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse
     row = g * n_qc + i
     q = q_ref[...]
 
-    def chunk(c, carry):
-        k, v, valid = _kv_chunk(table_ref, row * n_selp + c * CH, k_res, v_res, valid_res, kc_ref,
-                                vc_ref, CH=CH, T=T, n_k=n_k, direct=direct)
-        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
-        s = jnp.where(valid, s, low)
-        m_prev = m_sc[...][:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen yet: every exp is 0
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_new = alpha * l_sc[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
-        o_sc[...] = alpha * o_sc[...] + pv
-        m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
-        l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
+    def step(it, carry):
+        for h in range(chains):
+            k, v, valid = _kv_chunk(table_ref, row * n_selp + (it * chains + h) * CH, k_res, v_res, valid_res,
+                                    kc_ref.at[h], vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
+            s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+            s = jnp.where(valid, s, low)
+            m_prev = m_sc[h][:, :1]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen yet: every exp is 0
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m_prev - m_safe)
+            l_new = alpha * l_sc[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+            pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
+            o_sc[h] = alpha * o_sc[h] + pv
+            m_sc[h] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+            l_sc[h] = jnp.broadcast_to(l_new, l_sc.shape[1:])
         return carry
 
-    lax.fori_loop(0, lax.div(count_ref[row] + CH - 1, CH), chunk, 0)
-    l = l_sc[...][:, :1]
+    lax.fori_loop(0, lax.div(count_ref[row] + CH * chains - 1, CH * chains), step, 0)
+    ms = [m_sc[h][:, :1] for h in range(chains)]
+    mx = functools.reduce(jnp.maximum, ms)
+    m_safe = jnp.where(mx == low, 0.0, mx)
+    scales = [jnp.exp(x - m_safe) for x in ms]
+    l = sum(a * l_sc[h][:, :1] for h, a in enumerate(scales))
+    acc = sum(a * o_sc[h] for h, a in enumerate(scales))
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (o_sc[...] / l_safe).astype(o_ref.dtype)
-    lse = jnp.where(empty, low, m_sc[...][:, :1] + jnp.log(l_safe))
+    o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
+    lse = jnp.where(empty, low, mx + jnp.log(l_safe))
     lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
 def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, valid_hbm, dq_ref,
                table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, dq_sc, *,
-               C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool):
+               C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
+               chains: int):
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
                      valid_res)
     dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
@@ -273,23 +294,27 @@ def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, :1], delta_ref[...][:, :1]
 
-    def chunk(c, carry):
-        k, v, valid = _kv_chunk(table_ref, row * n_selp + c * CH, k_res, v_res, valid_res, kc_ref,
-                                vc_ref, CH=CH, T=T, n_k=n_k, direct=direct)
-        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
-        p = jnp.exp(jnp.where(valid, s - lse, m.masked(F32)))
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
-        ds = p * (dp - delta)
-        dq_sc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32)
+    def step(it, carry):
+        parts = []
+        for h in range(chains):
+            k, v, valid = _kv_chunk(table_ref, row * n_selp + (it * chains + h) * CH, k_res, v_res, valid_res,
+                                    kc_ref.at[h], vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
+            s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+            p = jnp.exp(jnp.where(valid, s - lse, m.masked(F32)))
+            dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
+            ds = p * (dp - delta)
+            parts.append(lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32))
+        dq_sc[...] += sum(parts[1:], parts[0])
         return carry
 
-    lax.fori_loop(0, lax.div(count_ref[row] + CH - 1, CH), chunk, 0)
+    lax.fori_loop(0, lax.div(count_ref[row] + CH * chains - 1, CH * chains), step, 0)
     dq_ref[...] = dq_sc[...] * scale
 
 
 def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm, lse_hbm, delta_hbm,
                 dk_ref, dv_ref, offsets_ref, entries_ref, q_res, do_res, lse_res, delta_res, qc_ref, doc_ref,
-                dk_sc, dv_sc, *, C: int, CH: int, T: int, n_rows: int, entries: int, scale: float):
+                dk_sc, dv_sc, *, C: int, CH: int, T: int, n_rows: int, entries: int, scale: float,
+                chains: int):
     """Grid `(unit, chunk, key tile)`. Keys along sublanes, queries along lanes (as
     splash's dK/dV kernel): `p^T (T_k, CH*T_q)` from `k q^T` and the queries'
     statistics as a lane row, and both products plain matmuls (no transpose)."""
@@ -305,23 +330,27 @@ def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm
     k, v = k_ref[...], v_ref[...]
     valid = valid_ref[...] > 0.5  # (T, 1)
 
-    def chunk(j, carry):
-        at = [start + j * CH + e for e in range(CH)]
-        rows = [jnp.where(e < end, entries_ref[jnp.minimum(e, entries - 1)], n_rows) for e in at]
-        safe = [jnp.minimum(r, n_rows - 1) for r in rows]
-        qc = _gather(q_res, qc_ref, safe, T, False)
-        doc = _gather(do_res, doc_ref, safe, T, False)
-        lse = _chunk_row(lse_res, rows, CH * T, T)  # (1, W); PAD_LSE past the entries
-        delta = _chunk_row(delta_res, rows, CH * T, T)
-        s_t = lax.dot_general(k, qc, _NT, preferred_element_type=F32) * scale  # (T_k, W)
-        p_t = jnp.exp(jnp.where(valid, s_t - lse, m.masked(F32)))
-        dp_t = lax.dot_general(v, doc, _NT, preferred_element_type=F32)
-        ds_t = p_t * (dp_t - delta)
-        dk_sc[...] += lax.dot_general(ds_t.astype(qc.dtype), qc, _NN, preferred_element_type=F32)
-        dv_sc[...] += lax.dot_general(p_t.astype(doc.dtype), doc, _NN, preferred_element_type=F32)
+    def step(it, carry):
+        dks, dvs = [], []
+        for h in range(chains):
+            at = [start + (it * chains + h) * CH + e for e in range(CH)]
+            rows = [jnp.where(e < end, entries_ref[jnp.minimum(e, entries - 1)], n_rows) for e in at]
+            safe = [jnp.minimum(r, n_rows - 1) for r in rows]
+            qc = _gather(q_res, qc_ref.at[h], safe, T, False)
+            doc = _gather(do_res, doc_ref.at[h], safe, T, False)
+            lse = _chunk_row(lse_res, rows, CH * T, T)  # (1, W); PAD_LSE past the entries
+            delta = _chunk_row(delta_res, rows, CH * T, T)
+            s_t = lax.dot_general(k, qc, _NT, preferred_element_type=F32) * scale  # (T_k, W)
+            p_t = jnp.exp(jnp.where(valid, s_t - lse, m.masked(F32)))
+            dp_t = lax.dot_general(v, doc, _NT, preferred_element_type=F32)
+            ds_t = p_t * (dp_t - delta)
+            dks.append(lax.dot_general(ds_t.astype(qc.dtype), qc, _NN, preferred_element_type=F32))
+            dvs.append(lax.dot_general(p_t.astype(doc.dtype), doc, _NN, preferred_element_type=F32))
+        dk_sc[...] += sum(dks[1:], dks[0])
+        dv_sc[...] += sum(dvs[1:], dvs[0])
         return carry
 
-    lax.fori_loop(0, lax.div(end - start + CH - 1, CH), chunk, 0)
+    lax.fori_loop(0, lax.div(end - start + CH * chains - 1, CH * chains), step, 0)
     dk_ref[...] = dk_sc[...] * scale
     dv_ref[...] = dv_sc[...]
 
@@ -345,8 +374,8 @@ def _fwd_scratch(table, counts, k, v, valid, p: Plan):
         pltpu.VMEM(k.shape[1:], k.dtype),
         pltpu.VMEM(v.shape[1:], v.dtype),
         pltpu.VMEM(valid.shape, F32),
-        pltpu.VMEM((W, D), k.dtype),
-        pltpu.VMEM((W, D), v.dtype),
+        pltpu.VMEM((p.chains, W, D), k.dtype),
+        pltpu.VMEM((p.chains, W, D), v.dtype),
     ]
 
 
@@ -357,7 +386,7 @@ def _fwd_call(table, counts, q, k, v, valid, *, p: Plan, n_k: int, scale: float)
     T = p.T
     block = lambda u, c, g, i: (u, c, g, i, 0)
     kernel = functools.partial(_fwd_kernel, C=C, n_qc=p.n_qc, n_selp=p.n_selp, CH=p.CH, T=T, n_k=n_k,
-                               scale=scale, direct=p.direct)
+                               scale=scale, direct=p.direct, chains=p.chains)
     return pl.pallas_call(
         kernel,
         grid=(U, C, G, p.n_qc),
@@ -366,9 +395,9 @@ def _fwd_call(table, counts, q, k, v, valid, *, p: Plan, n_k: int, scale: float)
                    pl.BlockSpec((None, None, None, T, _LANES), block)],
         scratch_shapes=[
             *_fwd_scratch(table, counts, k, v, valid, p),
-            pltpu.VMEM((T, _LANES), F32),
-            pltpu.VMEM((T, _LANES), F32),
-            pltpu.VMEM((T, D), F32),
+            pltpu.VMEM((p.chains, T, _LANES), F32),
+            pltpu.VMEM((p.chains, T, _LANES), F32),
+            pltpu.VMEM((p.chains, T, D), F32),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((U, C, G, L, _LANES), F32)],
         compiler_params=_params(p.vmem_fwd, 4),
@@ -384,7 +413,7 @@ def _dq_call(table, counts, q, do, lse, delta, k, v, valid, *, p: Plan, n_k: int
     rows = pl.BlockSpec((None, None, None, T, D), block)
     stats = pl.BlockSpec((None, None, None, T, _LANES), block)
     kernel = functools.partial(_dq_kernel, C=C, n_qc=p.n_qc, n_selp=p.n_selp, CH=p.CH, T=T, n_k=n_k,
-                               scale=scale, direct=p.direct)
+                               scale=scale, direct=p.direct, chains=p.chains)
     return pl.pallas_call(
         kernel,
         grid=(U, C, G, p.n_qc),
@@ -409,7 +438,7 @@ def _dkv_call(offsets, entries, k, v, valid, q, do, lse, delta, *, p: Plan, scal
     key = pl.BlockSpec((None, T, D), lambda u, c, t: (u, t, 0))
     out = pl.BlockSpec((None, None, T, D), lambda u, c, t: (u, c, t, 0))
     kernel = functools.partial(_dkv_kernel, C=C, CH=p.CH, T=T, n_rows=lse.shape[2] - 1,
-                               entries=entries.shape[1], scale=scale)
+                               entries=entries.shape[1], scale=scale, chains=p.chains)
     return pl.pallas_call(
         kernel,
         grid=(U, C, n_k),
@@ -423,8 +452,8 @@ def _dkv_call(offsets, entries, k, v, valid, q, do, lse, delta, *, p: Plan, scal
             pltpu.VMEM(do.shape[2:], do.dtype),
             pltpu.VMEM(lse.shape[2:], F32),
             pltpu.VMEM(delta.shape[2:], F32),
-            pltpu.VMEM((W, D), q.dtype),
-            pltpu.VMEM((W, D), do.dtype),
+            pltpu.VMEM((p.chains, W, D), q.dtype),
+            pltpu.VMEM((p.chains, W, D), do.dtype),
             pltpu.VMEM((T, D), F32),
             pltpu.VMEM((T, D), F32),
         ],
@@ -596,38 +625,56 @@ def _backward(q, k, v, tiles, kv_valid, lse, delta, dout, *, tile_size, scale, p
             lay.from_keys(dv.sum(axis=1)).astype(v.dtype))
 
 
+def _opts(q, k, tiles, tile_size, run, kv_tiles, chains) -> Plan | None:
+    return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles, chains)
+
+
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False,
-               run: int = 1, kv_tiles: int | None = None):
+               q_valid=None, run: int = 1, kv_tiles: int | None = None, chains: int = CHAINS):
     """The fine stage's forward: `(out (B, S_q, H, D), lse (B, H, S_q) float32)`.
 
-    `run`: the table's used slots come in groups of `run` consecutive key tiles (a
-    promise; chunks inside a run are sliced, not gathered). `kv_tiles`: key tiles per
-    chunk (default `kv_chunk`). A problem that does not fit (`plan`) runs
-    `_pallas_tpu_sparse.sparse_fwd`.
+    `q_valid`: optional bool `(S_q,)`; a row where it is False is dropped (out 0, the
+    empty lse), as sliding tile attention's padding rows. `run`: the table's used slots
+    come in runs of `run` consecutive key tiles, used slots first (a promise: chunks
+    inside a run are sliced, not gathered; with `run == 1` the kernels order each row's
+    slots themselves). `kv_tiles`, `chains`: see `plan`. A problem that does not fit
+    (`plan`) runs `_pallas_tpu_sparse.sparse_fwd`.
     """
-    p = plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles)
+    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains)
     if p is None:
-        return _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
-                                             interpret=interpret)
+        out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
+                                                 interpret=interpret)
+    else:
 
-    def compute(q, k, v, tiles, kv_valid):
-        with _scope(interpret):
-            return _forward(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, p=p, run=run)
+        def compute(q, k, v, tiles, kv_valid):
+            with _scope(interpret):
+                return _forward(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, p=p, run=run)
 
-    return opaque_to_vma(compute, q, k, v, tiles, kv_valid)
+        out, lse = opaque_to_vma(compute, q, k, v, tiles, kv_valid)
+    if q_valid is None:
+        return out, lse
+    out = jnp.where(q_valid[None, :, None, None], out, jnp.zeros((), out.dtype))
+    return out, jnp.where(q_valid[None, None, :], lse, m.masked(F32))
 
 
 def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
-               interpret: bool = False, run: int = 1, kv_tiles: int | None = None):
+               interpret: bool = False, q_valid=None, run: int = 1, kv_tiles: int | None = None,
+               chains: int = CHAINS):
     """The fine stage's backward: `(dq, dk, dv)` in the dtypes of q, k, v; `lse` may be
-    that of a larger computation (a ring), `dlse` may be `None`. `run`, `kv_tiles`: as
-    in `sparse_fwd`."""
-    p = plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles)
+    that of a larger computation (a ring), `dlse` may be `None`. `q_valid`, `run`,
+    `kv_tiles`, `chains`: as in `sparse_fwd` (a dropped row gets no gradient and gives
+    none)."""
+    if q_valid is not None:  # dropped rows: no cotangent, so nothing flows through them
+        dout = jnp.where(q_valid[None, :, None, None], dout, jnp.zeros((), dout.dtype))
+        dlse = None if dlse is None else jnp.where(q_valid[None, None, :], dlse, 0.0)
+    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains)
     if p is None:
         return _pallas_tpu_sparse.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse,
                                              tile_size=tile_size, scale=scale, interpret=interpret)
     delta = m.delta(out, dout, dlse)
     lse = m.safe_lse(lse)
+    if q_valid is not None:  # and probabilities exactly 0
+        lse = jnp.where(q_valid[None, None, :], lse, m.PAD_LSE)
 
     def compute(q, k, v, tiles, kv_valid, lse, delta, dout):
         with _scope(interpret):
@@ -635,171 +682,3 @@ def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
                              p=p, run=run)
 
     return opaque_to_vma(compute, q, k, v, tiles, kv_valid, lse, delta, dout)
-
-
-# -- sliding tile attention ----------------------------------------------------------------
-
-
-def tile_table(tm: SlidingTileMask, head: int = 0) -> tuple[np.ndarray, int]:
-    """The static tile table of query head `head`'s window of a sliding tile mask
-    without text: `(table, run)`, int32 NumPy `(n_tiles, n_sel)` key-tile ids (tile
-    layout order, `n_sel` the window's tile count, no unused slot) laid out as runs of
-    `run = window_w` consecutive key tiles (windows clamped at the grid's edges as
-    [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] defines them)."""
-    if tm.text_len:
-        raise ValueError(
-            f"tile_table: the gathering kernel serves a SlidingTileMask without text; received "
-            f"text_len={tm.text_len}."
-        )
-    index = 0 if tm.heads is None else head
-    window = tm.windows[index]
-    table = window_table(tm)[index][:, : math.prod(window)]
-    return np.ascontiguousarray(table, np.int32), int(window[2])
-
-
-class _WindowGroup(NamedTuple):
-    """The query heads of one distinct window (`None`: all) and their key/value heads
-    (`None`: all; else one per GQA group when whole, one per query head otherwise)."""
-
-    table: np.ndarray
-    run: int
-    heads: tuple[int, ...] | None
-    kv_heads: tuple[int, ...] | None
-
-
-def _window_groups(tm: SlidingTileMask, heads: int, kv_heads: int) -> list[_WindowGroup]:
-    if tm.heads is None or len(set(tm.windows)) == 1:
-        return [_WindowGroup(*tile_table(tm, 0), None, None)]
-    G = heads // kv_heads
-    by_window: dict[tuple, list[int]] = {}
-    for h in range(heads):
-        by_window.setdefault(tm.windows[h], []).append(h)
-    groups = []
-    for members in by_window.values():
-        kv = sorted({h // G for h in members})
-        whole = members == [j * G + g for j in kv for g in range(G)]
-        groups.append(_WindowGroup(*tile_table(tm, members[0]), tuple(members),
-                                   tuple(kv) if whole else tuple(h // G for h in members)))
-    return groups
-
-
-def _take(x: jax.Array, heads, axis: int) -> jax.Array:
-    return x if heads is None else jnp.take(x, np.asarray(heads), axis=axis)
-
-
-def _merge(parts, groups, axis: int):
-    if groups[0].heads is None:
-        return parts[0]
-    order = np.argsort(np.concatenate([g.heads for g in groups]))
-    return jnp.take(jnp.concatenate(parts, axis=axis), order, axis=axis)
-
-
-def _check_tile_mask(q, k, tm: SlidingTileMask, where: str):
-    if tm.text_len:
-        raise ValueError(f"{where}: the gathering kernel serves a SlidingTileMask without text; received "
-                         f"text_len={tm.text_len}.")
-    if q.shape[1] != tm.video_len or k.shape[1] != tm.video_len:
-        raise ValueError(
-            f"{where}: q, k and v need the mask's {tm.video_len} tokens (its tile layout); received "
-            f"q: {q.shape}, k: {k.shape}."
-        )
-    tm.check_heads(q.shape[2], where)
-
-
-def sliding_tile_fwd(q, k, v, tm: SlidingTileMask, *, scale: float, interpret: bool = False,
-                     kv_tiles: int | None = None):
-    """Sliding tile attention (a mask without text) on the gathering kernels: `(out,
-    lse)`, `q (B, S, H, D)`, `k, v (B, S, H_kv, D)` in the mask's tile layout; padding
-    tokens are hidden keys, and their rows give 0 with the empty lse `_math.masked`."""
-    _check_tile_mask(q, k, tm, "sliding_tile_fwd")
-    B, S, H, D = q.shape
-    valid = jnp.asarray(layout_valid(tm.grid, tm.tile))
-    groups = _window_groups(tm, H, k.shape[2])
-    outs, lses = [], []
-    for g in groups:
-        qg = _take(q, g.heads, 2)
-        tiles = jnp.broadcast_to(jnp.asarray(g.table), (B, qg.shape[2], *g.table.shape))
-        out, lse = sparse_fwd(qg, _take(k, g.kv_heads, 2), _take(v, g.kv_heads, 2), tiles, valid,
-                              tile_size=tm.tile_size, scale=scale, interpret=interpret, run=g.run,
-                              kv_tiles=kv_tiles)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = _merge(outs, groups, 2), _merge(lses, groups, 1)
-    out = jnp.where(valid[None, :, None, None], out, jnp.zeros((), out.dtype))
-    return out, jnp.where(valid[None, None, :], lse, m.masked(F32))
-
-
-def sliding_tile_bwd(q, k, v, tm: SlidingTileMask, out, lse, dout, dlse, *, scale: float,
-                     interpret: bool = False, kv_tiles: int | None = None):
-    """The gradients `(dq, dk, dv)` of `sliding_tile_fwd` (`dlse` may be `None`; `lse`
-    may come from a larger computation)."""
-    _check_tile_mask(q, k, tm, "sliding_tile_bwd")
-    B, S, H, D = q.shape
-    valid = jnp.asarray(layout_valid(tm.grid, tm.tile))
-    keep = valid[None, :, None, None]
-    row_ok = valid[None, None, :]
-    dout = jnp.where(keep, dout, jnp.zeros((), dout.dtype))
-    dlse = None if dlse is None else jnp.where(row_ok, dlse, 0.0)
-    delta = m.delta(out, dout, dlse)
-    # Padding rows see nothing: an lse whose probabilities are exactly 0.
-    lse_pad = jnp.where(row_ok, m.safe_lse(lse), m.PAD_LSE)
-    groups = _window_groups(tm, H, k.shape[2])
-    dqs, dk, dv = [], None, None
-    for g in groups:
-        qg, kg, vg = _take(q, g.heads, 2), _take(k, g.kv_heads, 2), _take(v, g.kv_heads, 2)
-        tiles = jnp.broadcast_to(jnp.asarray(g.table), (B, qg.shape[2], *g.table.shape))
-        p = plan(qg.shape, kg.shape, q.dtype, tiles.shape[-1], tm.tile_size, g.run, kv_tiles)
-        do_g = _take(dout, g.heads, 2)
-        if p is None:  # the per-tile kernels: padding rows have dout 0 and dlse 0, so no gradient
-            dq_g, dk_g, dv_g = _pallas_tpu_sparse.sparse_bwd(
-                qg, kg, vg, tiles, valid, _take(out, g.heads, 2), _take(lse, g.heads, 1), do_g,
-                None if dlse is None else _take(dlse, g.heads, 1), tile_size=tm.tile_size, scale=scale,
-                interpret=interpret)
-        else:
-            lse_g, delta_g = _take(lse_pad, g.heads, 1), _take(delta, g.heads, 1)
-
-            def compute(qg, kg, vg, tiles, valid, lse_g, delta_g, do_g, p=p, run=g.run):
-                with _scope(interpret):
-                    return _backward(qg, kg, vg, tiles, valid, lse_g, delta_g, do_g, tile_size=tm.tile_size,
-                                     scale=scale, p=p, run=run)
-
-            dq_g, dk_g, dv_g = opaque_to_vma(compute, qg, kg, vg, tiles, valid, lse_g, delta_g, do_g)
-        dqs.append(dq_g)
-        if g.kv_heads is None:
-            dk, dv = dk_g, dv_g
-        else:  # groups may share a key/value head: add up
-            if dk is None:
-                dk, dv = jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
-            dk = dk.at[:, :, np.asarray(g.kv_heads)].add(dk_g.astype(F32))
-            dv = dv.at[:, :, np.asarray(g.kv_heads)].add(dv_g.astype(F32))
-    dq = jnp.where(keep, _merge(dqs, groups, 2), jnp.zeros((), q.dtype))
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _sliding(q, k, v, tm, scale, interpret, kv_tiles):
-    return sliding_tile_fwd(q, k, v, tm, scale=scale, interpret=interpret, kv_tiles=kv_tiles)
-
-
-def _sliding_fwd_rule(q, k, v, tm, scale, interpret, kv_tiles):
-    out, lse = _sliding(q, k, v, tm, scale, interpret, kv_tiles)
-    return (out, lse), (q, k, v, out, lse)
-
-
-def _sliding_bwd_rule(tm, scale, interpret, kv_tiles, residuals, cotangents):
-    q, k, v, out, lse = residuals
-    dout, dlse = cotangents
-    return sliding_tile_bwd(q, k, v, tm, out, lse, dout, dlse, scale=scale, interpret=interpret,
-                            kv_tiles=kv_tiles)
-
-
-_sliding.defvjp(_sliding_fwd_rule, _sliding_bwd_rule)
-
-
-def sliding_tile_attention(q, k, v, tm: SlidingTileMask, *, scale: float | None = None,
-                           interpret: bool = False, kv_tiles: int | None = None):
-    """Sliding tile attention on the gathering kernels, differentiable in q, k, v (and
-    through `lse`): `(out, lse)` as `sliding_tile_fwd` gives them (`scale` default
-    `1 / sqrt(D)`)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _sliding(q, k, v, tm, scale, interpret, kv_tiles)
