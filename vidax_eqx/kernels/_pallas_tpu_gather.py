@@ -50,12 +50,13 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   selects (no lane shifts). An unused slot reads an extra row: zeros (hidden keys) or
   `_math.PAD_LSE` (probabilities exactly 0).
 
-Tuning knobs (`plan`): `kv_tiles` (tiles per chunk) and `chains` (chunks per
-iteration of the inner loops: a loop with a dynamic trip count is not unrolled, so two
-chunks in one iteration give the scheduler two independent matmul / softmax chains to
-interleave; the forward keeps an online softmax per chain and merges them at the end).
-Performance has not been measured here (no TPU); every kernel compiles for TPU v5e
-(Mosaic, ahead of time from a CPU host) at Wan 480p and 720p.
+Tuning knobs (`plan`): `kv_tiles` (tiles per chunk) and `chains`: a loop with a
+dynamic trip count is not unrolled, so each iteration runs `chains` consecutive chunks
+as independent computations the scheduler can interleave (the forward keeps an online
+softmax per chain and merges them at the end; a remainder of fewer than `chains`
+chunks runs one per iteration). Performance has not been measured here (no TPU);
+every kernel compiles for TPU v5e (Mosaic, ahead of time from a CPU host) at Wan 480p
+and 720p.
 """
 
 import contextlib
@@ -136,13 +137,14 @@ def _limit(nbytes: int) -> int:
 
 
 def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
-         kv_tiles: int | None = None, chains: int = CHAINS) -> Plan | None:
+         kv_tiles: int | None = None, chains: int | None = None) -> Plan | None:
     """The layout of a problem, or `None` when its resident arrays do not fit
     `VMEM_BUDGET` or one query tile's tables do not fit `SMEM_ENTRIES`.
 
     `run`: the table's used slots come in runs of that many consecutive key tiles;
-    `kv_tiles`: tiles per chunk (default `kv_chunk`); `chains`: chunks per iteration of
-    the inner loops (independent computations the compiler can interleave).
+    `kv_tiles`: tiles per chunk (default `kv_chunk`, at most the selection); `chains`:
+    chunks per iteration of the inner loops, independent computations the compiler can
+    interleave (default `CHAINS`, at most the chunks of the selection).
     """
     _, S_q, H, D = q_shape
     S_k, K = k_shape[1], k_shape[2]
@@ -154,8 +156,8 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
     if kv_tiles is None and run == 1:
         CH = min(CH, n_sel)  # no chunk larger than the selection
     W = CH * T
-    chains = max(1, min(int(chains), _ceil(n_sel, CH)))
-    n_selp = _ceil(n_sel, CH * chains) * CH * chains
+    chains = max(1, min(int(CHAINS if chains is None else chains), _ceil(n_sel, CH)))
+    n_selp = _ceil(n_sel, CH) * CH
     n_q, n_k = S_q // tile_size, S_k // tile_size
     Dp = _ceil(D, _LANES) * _LANES
     rows = lambda n: n * 8 * W * 4  # (n, 1, W) float32 rows: 8 sublanes each in VMEM
@@ -236,12 +238,32 @@ def _load_fwd(C: int, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, 
     return g, i
 
 
+def _run_chunks(n, chains: int, chunk, commit):
+    """Chunks `0 .. n - 1` (`n` dynamic): `chains` consecutive ones per iteration (chunk
+    `it * chains + h` on chain `h`), the remainder one per iteration on chain 0.
+    `chunk(j, h)` computes chunk `j` and returns its parts; `commit(parts)` adds up those
+    of one iteration."""
+
+    def group(it, carry):
+        commit([chunk(it * chains + h, h) for h in range(chains)])
+        return carry
+
+    full = lax.div(n, chains)
+    lax.fori_loop(0, full, group, 0)
+    if chains > 1:
+
+        def single(j, carry):
+            commit([chunk(j, 0)])
+            return carry
+
+        lax.fori_loop(full * chains, n, single, 0)
+
+
 def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse_ref,
                 table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, m_sc, l_sc, o_sc, *,
                 C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
                 chains: int):
-    """An online softmax per chain (chain `h` takes chunks `h, chains + h, ...`), merged
-    at the end."""
+    """An online softmax per chain, merged at the end."""
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
                      valid_res)
     low = m.masked(F32)
@@ -251,25 +273,23 @@ def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse
     row = g * n_qc + i
     q = q_ref[...]
 
-    def step(it, carry):
-        for h in range(chains):
-            k, v, valid = _kv_chunk(table_ref, row * n_selp + (it * chains + h) * CH, k_res, v_res, valid_res,
-                                    kc_ref.at[h], vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
-            s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
-            s = jnp.where(valid, s, low)
-            m_prev = m_sc[h][:, :1]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen yet: every exp is 0
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m_prev - m_safe)
-            l_new = alpha * l_sc[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
-            o_sc[h] = alpha * o_sc[h] + pv
-            m_sc[h] = jnp.broadcast_to(m_new, m_sc.shape[1:])
-            l_sc[h] = jnp.broadcast_to(l_new, l_sc.shape[1:])
-        return carry
+    def chunk(j, h):
+        k, v, valid = _kv_chunk(table_ref, row * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
+                                vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
+        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+        s = jnp.where(valid, s, low)
+        m_prev = m_sc[h][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen yet: every exp is 0
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_new = alpha * l_sc[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
+        o_sc[h] = alpha * o_sc[h] + pv
+        m_sc[h] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+        l_sc[h] = jnp.broadcast_to(l_new, l_sc.shape[1:])
 
-    lax.fori_loop(0, lax.div(count_ref[row] + CH * chains - 1, CH * chains), step, 0)
+    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, lambda parts: None)
     ms = [m_sc[h][:, :1] for h in range(chains)]
     mx = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(mx == low, 0.0, mx)
@@ -283,6 +303,16 @@ def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse
     lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
+def _add_to(*refs):
+    """`commit` for `_run_chunks`: adds each chain's parts into `refs`."""
+
+    def commit(parts):
+        for n, ref in enumerate(refs):
+            ref[...] += functools.reduce(jnp.add, [x[n] for x in parts])
+
+    return commit
+
+
 def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, valid_hbm, dq_ref,
                table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, dq_sc, *,
                C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
@@ -294,20 +324,16 @@ def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, :1], delta_ref[...][:, :1]
 
-    def step(it, carry):
-        parts = []
-        for h in range(chains):
-            k, v, valid = _kv_chunk(table_ref, row * n_selp + (it * chains + h) * CH, k_res, v_res, valid_res,
-                                    kc_ref.at[h], vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
-            s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
-            p = jnp.exp(jnp.where(valid, s - lse, m.masked(F32)))
-            dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
-            ds = p * (dp - delta)
-            parts.append(lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32))
-        dq_sc[...] += sum(parts[1:], parts[0])
-        return carry
+    def chunk(j, h):
+        k, v, valid = _kv_chunk(table_ref, row * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
+                                vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
+        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+        p = jnp.exp(jnp.where(valid, s - lse, m.masked(F32)))
+        dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
+        ds = p * (dp - delta)
+        return (lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32),)
 
-    lax.fori_loop(0, lax.div(count_ref[row] + CH * chains - 1, CH * chains), step, 0)
+    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, _add_to(dq_sc))
     dq_ref[...] = dq_sc[...] * scale
 
 
@@ -330,27 +356,22 @@ def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm
     k, v = k_ref[...], v_ref[...]
     valid = valid_ref[...] > 0.5  # (T, 1)
 
-    def step(it, carry):
-        dks, dvs = [], []
-        for h in range(chains):
-            at = [start + (it * chains + h) * CH + e for e in range(CH)]
-            rows = [jnp.where(e < end, entries_ref[jnp.minimum(e, entries - 1)], n_rows) for e in at]
-            safe = [jnp.minimum(r, n_rows - 1) for r in rows]
-            qc = _gather(q_res, qc_ref.at[h], safe, T, False)
-            doc = _gather(do_res, doc_ref.at[h], safe, T, False)
-            lse = _chunk_row(lse_res, rows, CH * T, T)  # (1, W); PAD_LSE past the entries
-            delta = _chunk_row(delta_res, rows, CH * T, T)
-            s_t = lax.dot_general(k, qc, _NT, preferred_element_type=F32) * scale  # (T_k, W)
-            p_t = jnp.exp(jnp.where(valid, s_t - lse, m.masked(F32)))
-            dp_t = lax.dot_general(v, doc, _NT, preferred_element_type=F32)
-            ds_t = p_t * (dp_t - delta)
-            dks.append(lax.dot_general(ds_t.astype(qc.dtype), qc, _NN, preferred_element_type=F32))
-            dvs.append(lax.dot_general(p_t.astype(doc.dtype), doc, _NN, preferred_element_type=F32))
-        dk_sc[...] += sum(dks[1:], dks[0])
-        dv_sc[...] += sum(dvs[1:], dvs[0])
-        return carry
+    def chunk(j, h):
+        at = [start + j * CH + e for e in range(CH)]
+        rows = [jnp.where(e < end, entries_ref[jnp.minimum(e, entries - 1)], n_rows) for e in at]
+        safe = [jnp.minimum(r, n_rows - 1) for r in rows]
+        qc = _gather(q_res, qc_ref.at[h], safe, T, False)
+        doc = _gather(do_res, doc_ref.at[h], safe, T, False)
+        lse = _chunk_row(lse_res, rows, CH * T, T)  # (1, W); PAD_LSE past the entries
+        delta = _chunk_row(delta_res, rows, CH * T, T)
+        s_t = lax.dot_general(k, qc, _NT, preferred_element_type=F32) * scale  # (T_k, W)
+        p_t = jnp.exp(jnp.where(valid, s_t - lse, m.masked(F32)))
+        dp_t = lax.dot_general(v, doc, _NT, preferred_element_type=F32)
+        ds_t = p_t * (dp_t - delta)
+        return (lax.dot_general(ds_t.astype(qc.dtype), qc, _NN, preferred_element_type=F32),
+                lax.dot_general(p_t.astype(doc.dtype), doc, _NN, preferred_element_type=F32))
 
-    lax.fori_loop(0, lax.div(end - start + CH * chains - 1, CH * chains), step, 0)
+    _run_chunks(lax.div(end - start + CH - 1, CH), chains, chunk, _add_to(dk_sc, dv_sc))
     dk_ref[...] = dk_sc[...] * scale
     dv_ref[...] = dv_sc[...]
 
@@ -630,7 +651,7 @@ def _opts(q, k, tiles, tile_size, run, kv_tiles, chains) -> Plan | None:
 
 
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False,
-               q_valid=None, run: int = 1, kv_tiles: int | None = None, chains: int = CHAINS):
+               q_valid=None, run: int = 1, kv_tiles: int | None = None, chains: int | None = None):
     """The fine stage's forward: `(out (B, S_q, H, D), lse (B, H, S_q) float32)`.
 
     `q_valid`: optional bool `(S_q,)`; a row where it is False is dropped (out 0, the
@@ -659,7 +680,7 @@ def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interp
 
 def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float,
                interpret: bool = False, q_valid=None, run: int = 1, kv_tiles: int | None = None,
-               chains: int = CHAINS):
+               chains: int | None = None):
     """The fine stage's backward: `(dq, dk, dv)` in the dtypes of q, k, v; `lse` may be
     that of a larger computation (a ring), `dlse` may be `None`. `q_valid`, `run`,
     `kv_tiles`, `chains`: as in `sparse_fwd` (a dropped row gets no gradient and gives

@@ -110,7 +110,7 @@ def _tiles(group: WindowGroup, batch: int, heads: int) -> jax.Array:
 
 
 def sliding_tile_fwd(q, k, v, tm: SlidingTileMask, *, scale: float, interpret: bool = False,
-                     kv_tiles: int | None = None, chains: int = gather.CHAINS):
+                     kv_tiles: int | None = None, chains: int | None = None):
     """Sliding tile attention (a mask without text) on the gathering kernels.
 
     **Arguments:** `q (B, S, H, D)`, `k`, `v (B, S, H_kv, D)` in the mask's tile layout
@@ -135,16 +135,17 @@ def sliding_tile_fwd(q, k, v, tm: SlidingTileMask, *, scale: float, interpret: b
 
 
 def sliding_tile_bwd(q, k, v, tm: SlidingTileMask, out, lse, dout, dlse, *, scale: float,
-                     interpret: bool = False, kv_tiles: int | None = None, chains: int = gather.CHAINS):
+                     interpret: bool = False, kv_tiles: int | None = None, chains: int | None = None):
     """The gradients `(dq, dk, dv)` of `sliding_tile_fwd` from its `(out, lse)` (or those
     of a larger computation) and the cotangents `dout`, `dlse` (or `None`)."""
     valid, groups = _setup(q, k, tm, "sliding_tile_bwd")
     dqs, dk, dv = [], None, None
     for g in groups:
         qg, kg, vg = _take(q, g.heads, 2), _take(k, g.kv_heads, 2), _take(v, g.kv_heads, 2)
+        dlse_g = None if dlse is None else _take(dlse, g.heads, 1)
         dq_g, dk_g, dv_g = gather.sparse_bwd(
             qg, kg, vg, _tiles(g, q.shape[0], qg.shape[2]), valid, _take(out, g.heads, 2),
-            _take(lse, g.heads, 1), _take(dout, g.heads, 2), None if dlse is None else _take(dlse, g.heads, 1),
+            _take(lse, g.heads, 1), _take(dout, g.heads, 2), dlse_g,
             tile_size=tm.tile_size, scale=scale, interpret=interpret, q_valid=valid, run=g.run,
             kv_tiles=kv_tiles, chains=chains,
         )
@@ -181,7 +182,7 @@ _sliding.defvjp(_sliding_fwd_rule, _sliding_bwd_rule)
 
 def sliding_tile_attention(q, k, v, tm: SlidingTileMask, *, scale: float | None = None,
                            interpret: bool = False, kv_tiles: int | None = None,
-                           chains: int = gather.CHAINS):
+                           chains: int | None = None):
     """`sliding_tile_fwd`, differentiable in q, k and v (through `out` and `lse`):
     `(out, lse)`; `scale` defaults to `1 / sqrt(D)`."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
