@@ -5,36 +5,42 @@ sliding tile attention (STA) through splash and through the tile-gathering kerne
 On the TPU machine, from the checkout (after the install line of
 `../shared/tpu/README.md`):
 
-    python3 benchmarks/tpu_sparse.py --quick --out DIR    # about 3 minutes
-    python3 benchmarks/tpu_sparse.py --out DIR            # every case (longer)
-    python3 benchmarks/tpu_sparse.py --smoke --out DIR    # tiny shapes, interpret mode, CPU
+    python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
+    python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~2-3 min)
+    python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
+    python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
-Problems (B = 1, 12 heads of 128 as Wan 2.1 1.3B, bfloat16; inputs random):
+Problems (B = 1, 12 heads of 128 as Wan 2.1 1.3B, bfloat16; inputs random), in the
+order they run:
 
 - **VSA**: Wan 480p's token grid (24, 32, 52) (39,936 tokens) in tiles of 4 x 4 x 4,
   `kernels.video_sparse_attention(..., implementation="pallas_tpu")` (coarse stage
-  included) at sparsity 0.9 and 0.75: `gather` (the tile-gathering kernels,
-  `_pallas_tpu_gather`, what `PallasTpu` runs now), `per-tile` (the per-tile kernels of
-  `_pallas_tpu_sparse`, forced by a VMEM budget of 0 while tracing), and at sparsity
-  0.9 variants of the gathering kernels' knobs (`chains=1`; chunks of 1,024 keys).
-- **STA**: `SlidingTileMask(grid, tile, (3, 3, 3))` on the grids (24, 32, 64) and 720p's
-  (24, 48, 80) in tiles of 128, 256 and 512 tokens ((2, 8, 8), (4, 8, 8), (4, 8, 16)),
-  and the issue's (3, 6, 4) on (21, 30, 52): `splash` (`kernels.attention(q, k, v,
-  mask=tm)`, today's dispatch) and `gather` (`_pallas_tpu_sliding.sliding_tile_attention`).
+  included) at sparsity 0.9, then 0.75: `gather` (the tile-gathering kernels,
+  `_pallas_tpu_gather`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
+  of `_pallas_tpu_sparse`, forced by a VMEM budget of 0 while tracing; at 0.75 last of
+  all, it is slow).
+- **STA**: `SlidingTileMask(grid, tile, (3, 3, 3))`: `splash` (`kernels.attention(q,
+  k, v, mask=tm)`, today's dispatch) and `gather`
+  (`_pallas_tpu_sliding.sliding_tile_attention`), on the grid (24, 32, 64) in tiles of
+  256 then 128 tokens ((4, 8, 8), (2, 8, 8));
+- the gathering kernels' knobs at sparsity 0.9 (`chains=1`; chunks of 1,024 keys);
+- STA: the issue's (3, 6, 4) on (21, 30, 52), tiles of 512 tokens (4, 8, 16) on (24, 32,
+  64), and 720p's grid (24, 48, 80) in all three tile sizes;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
-  number of tokens: the ratio's denominator.
+  number of tokens, first for each problem size: the ratios' denominator.
 
-Each row: forward (`fwd`) and forward+backward (`fwd+bwd`: the gradients of `sum(out *
-cotangent)` in q, k and v), compiled ahead of time, then timed as the best of 3
-measurements of `n` calls issued back to back (asynchronous dispatch; `n` from the
-first call's time), divided by `n`. A gathering row also reports the largest difference
-of its output and gradients from its reference (per-tile VSA at the same selection;
-splash for STA), relative to the reference's largest value: a check that the kernels
-compute the same thing on the chip.
+`--quick` runs the first three groups. Each row: forward (`fwd`) and forward+backward
+(`fwd+bwd`: the gradients of `sum(out * cotangent)` in q, k and v), compiled ahead of
+time, then timed as the best of `--reps` (3) measurements of `n` calls issued back to
+back (asynchronous dispatch; `n` from the first call's time), divided by `n`. A
+gathering row also reports the largest difference of its outputs (out; dq, dk, dv) from
+its reference's (per-tile VSA at the same selection; splash for STA), relative to the
+reference's largest value: a check that the kernels compute the same thing on the chip.
 
-Rows run in order of importance, none started once `--budget` seconds are spent
-(default: 200 with `--quick`, else 1,500); what was not run is listed. The table goes to
-stdout and `DIR/tpu_sparse.md`, every row to `DIR/tpu_sparse.json`.
+No row starts once `--budget` seconds are spent (default: 150 with `--quick`, else
+1,500); the rows not run are listed. The table goes to stdout and `DIR/tpu_sparse.md`,
+every row (with compile times) to `DIR/tpu_sparse.json`; the exit status is 1 if a row
+failed.
 """
 
 import argparse
@@ -63,6 +69,7 @@ STA_GRIDS = ((24, 32, 64), (24, 48, 80))
 STA_TILES = ((2, 8, 8), (4, 8, 8), (4, 8, 16))
 STA_ISSUE = ((21, 30, 52), (3, 6, 4))
 WINDOW = (3, 3, 3)
+QUICK = 5  # the rows of `--quick`: VSA, its knobs, STA on the first grid in tiles of 128 and 256
 
 
 @dataclasses.dataclass
@@ -77,8 +84,7 @@ class Case:
     density: float | None = None
     reference: str | None = None  # the path (same problem) whose outputs this row is compared with
     patch: dict = dataclasses.field(default_factory=dict)  # module attributes set while tracing
-    priority: int = 0  # rows run in increasing priority
-    quick: bool = True  # part of `--quick` (and of `--smoke`, on tiny shapes)
+    priority: int = 0  # rows run in increasing priority; `--quick`: those up to `QUICK`
     knob: bool = False  # a tuning variant (not part of `--smoke`)
 
 
@@ -121,12 +127,13 @@ def cases(args) -> list[Case]:
     if args.smoke:
         tpu, interpret = kernels.PallasTpu(interpret=True), True
         vsa_grid, vsa_tile, sparsities = (4, 6, 8), (2, 2, 2), (0.75,)
-        sta = [((3, 4, 8), (1, 2, 4), True)]
+        sta = [((3, 4, 8), (1, 2, 2), 3)]
     else:
         tpu, interpret = "pallas_tpu", False
         vsa_grid, vsa_tile, sparsities = VSA_GRID, VSA_TILE, (0.9, 0.75)
-        sta = [(STA_GRIDS[0], t, t != (4, 8, 16)) for t in STA_TILES]
-        sta += [(STA_GRIDS[1], t, False) for t in STA_TILES] + [(*STA_ISSUE, False)]
+        # (grid, tile, priority): the first grid in tiles of 256 and 128 tokens first.
+        sta = [(STA_GRIDS[0], (4, 8, 8), 3), (STA_GRIDS[0], (2, 8, 8), 4), (*STA_ISSUE, 6),
+               (STA_GRIDS[0], (4, 8, 16), 6)] + [(STA_GRIDS[1], t, 7) for t in STA_TILES]
     layout = kernels.internal.VsaLayout(vsa_grid, vsa_tile)
     S = layout.video_len
     rows = [Case("VSA", f"{vsa_grid}", "dense", S, _dense(), priority=0)]
@@ -137,25 +144,24 @@ def cases(args) -> list[Case]:
         attend = lambda sp=sp: _vsa(vsa_grid, vsa_tile, sp, tpu)
         rows.append(Case("VSA", name, "gather", S, attend(), density, "per-tile", priority=1 + 2 * i))
         rows.append(Case("VSA", name, "per-tile", S, attend(), density, patch={"VMEM_BUDGET": 0},
-                         priority=2 + 8 * i, quick=i == 0))
+                         priority=2 + 8 * i))
         if i == 0:
             for path, patch in (("gather chains=1", {"CHAINS": 1}), ("gather 1024 keys", {"KV_TARGET": 1024})):
                 rows.append(Case("VSA", name, path, S, attend(), density, "per-tile", patch, priority=5,
                                  knob=True))
     dense_done = set()
-    for grid, tile, quick in sta:
+    for grid, tile, priority in sta:
         tm = kernels.SlidingTileMask(grid, tile, WINDOW)
-        priority = 3 if quick else 9
         if grid not in dense_done:
             dense_done.add(grid)
-            rows.append(Case("STA", f"{grid}", "dense", tm.video_len, _dense(), priority=priority, quick=quick))
+            rows.append(Case("STA", f"{grid}", "dense", tm.video_len, _dense(), priority=priority))
         name = f"{grid} tile {tile} window {WINDOW}"
         rows.append(Case("STA", name, "splash", tm.video_len, _sta_splash(tm, tpu), tm.density(),
-                         priority=priority, quick=quick))
+                         priority=priority))
         rows.append(Case("STA", name, "gather", tm.video_len, _sta_gather(tm, interpret), tm.density(), "splash",
-                         priority=priority, quick=quick))
+                         priority=priority))
     if args.quick or args.smoke:
-        rows = [r for r in rows if r.quick and not (args.smoke and r.knob)]
+        rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
     return sorted(rows, key=lambda r: r.priority)  # stable: the order above within a priority
 
 
@@ -172,11 +178,13 @@ def _inputs(S: int, smoke: bool):
 
 def _time(compiled, args, reps: int):
     """`(seconds per call, the first call's output)`: the best of `reps` measurements of
-    `n` calls issued back to back (the first call, uncounted, sizes `n`)."""
+    `n` calls issued back to back (the first call, uncounted, sizes `n`; with `reps` 0
+    it is the time)."""
     t0 = time.perf_counter()
     first = jax.block_until_ready(compiled(*args))
-    n = max(1, min(20, int(0.25 / max(time.perf_counter() - t0, 1e-6))))
-    best = math.inf
+    best = time.perf_counter() - t0  # the first call's, when `reps` is 0 (`--smoke`)
+    n = max(1, min(20, int(0.25 / max(best, 1e-6))))
+    best = best if reps == 0 else math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
         out = None
@@ -259,13 +267,13 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(h.RESULTS, "tpu_sparse"))
-    parser.add_argument("--quick", action="store_true", help="the most important rows only (~3 min)")
+    parser.add_argument("--quick", action="store_true", help="the most important rows only (~2-3 min)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode (CPU)")
     parser.add_argument("--budget", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    budget = args.budget if args.budget is not None else (200.0 if args.quick else 1500.0)
+    budget = args.budget if args.budget is not None else (150.0 if args.quick else 1500.0)
     todo = cases(args)
     info = dict(date=h.now(), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 backend=jax.default_backend(), git=h.git_state(), command=h.command_line(__file__),
@@ -279,7 +287,7 @@ def main(argv=None) -> int:
         if case.S not in inputs:
             inputs[case.S] = _inputs(case.S, args.smoke)
         h.log(f"[{time.perf_counter() - start:6.1f} s] {case.section} {case.problem} {case.path}")
-        rows.append(measure(case, inputs, outputs, 1 if args.smoke else args.reps))
+        rows.append(measure(case, inputs, outputs, 0 if args.smoke else args.reps))
     _ratios(rows)
     text = table(rows)
     if skipped:

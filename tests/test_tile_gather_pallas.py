@@ -166,9 +166,9 @@ def test_plan_and_dispatch(monkeypatch):
         text = str(jax.make_jaxpr(f)(q, tiles, valid))
         return {name for name in ("vidax_tile_gather_fwd", "vidax_vsa_fine_fwd") if name in text}
 
-    assert kernel_names() == {"vidax_tile_gather_fwd"}
+    assert kernel_names() == {"vidax_tile_gather_fwd"} and _pallas_tpu_gather.fits(q, q, tiles, 16)
     monkeypatch.setattr(_pallas_tpu_gather, "VMEM_BUDGET", 1024)
-    assert kernel_names() == {"vidax_vsa_fine_fwd"}
+    assert kernel_names() == {"vidax_vsa_fine_fwd"} and not _pallas_tpu_gather.fits(q, q, tiles, 16)
 
 
 # -- sliding tile attention -----------------------------------------------------------------
