@@ -15,7 +15,7 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
 (8 rows of 32 bits: 16 for 16-bit dtypes), the padding hidden / dropped.
 
 - **Resident operands.** What a step reads at table-driven places stays in VMEM: given
-  in HBM (`memory_space=pl.ANY`) and copied (`pltpu.sync_copy`) into VMEM scratch at
+  in HBM (`memory_space=pl.ANY`) and copied (a DMA, waited for) into VMEM scratch at
   the first step that needs it: the forward and dQ passes hold the unit's K and V
   `(S_k, D)` (copied once per unit), the dK/dV pass the chunk's Q and dO
   `(G * n_qc * T, D)` (once per chunk), so HBM traffic is each operand once, not once
@@ -217,24 +217,29 @@ def _kv_chunk(table_ref, base, k_res, v_res, valid_res, kc_ref, vc_ref, *, CH, T
     return (_gather(k_res, kc_ref, safe, T, direct), _gather(v_res, vc_ref, safe, T, direct), valid)
 
 
-def _copy_when(cond, pairs):
-    """Copies each `(src, dst)` pair (HBM -> VMEM or SMEM) when `cond` holds."""
+def _copy_when(cond, pairs, sem):
+    """Copies each `(src, dst)` pair (HBM -> VMEM or SMEM) when `cond` holds: DMAs on
+    `sem`, all started, then all waited for (what `pltpu.sync_copy` does, without its
+    scoped semaphore, whose lowering needs the TPU generation)."""
 
     @pl.when(cond)
     def _():
-        for src, dst in pairs:
-            pltpu.sync_copy(src, dst)
+        copies = [pltpu.make_async_copy(src, dst, sem) for src, dst in pairs]
+        for copy in copies:
+            copy.start()
+        for copy in copies:
+            copy.wait()
 
 
 def _load_fwd(C: int, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
-              valid_res):
+              valid_res, sem):
     """The forward / dQ grid `(unit, chunk, head, query tile)`: key validity at the first
     step, the unit's K and V at its first step, the chunk's tables at its first step."""
     u, c, g, i = (pl.program_id(d) for d in range(4))
     chunk_first = (g == 0) & (i == 0)
-    _copy_when(chunk_first & (c == 0) & (u == 0), [(valid_hbm, valid_res)])
-    _copy_when(chunk_first & (c == 0), [(k_hbm.at[u], k_res), (v_hbm.at[u], v_res)])
-    _copy_when(chunk_first, [(table_hbm.at[u * C + c], table_ref), (count_hbm.at[u * C + c], count_ref)])
+    _copy_when(chunk_first & (c == 0) & (u == 0), [(valid_hbm, valid_res)], sem)
+    _copy_when(chunk_first & (c == 0), [(k_hbm.at[u], k_res), (v_hbm.at[u], v_res)], sem)
+    _copy_when(chunk_first, [(table_hbm.at[u * C + c], table_ref), (count_hbm.at[u * C + c], count_ref)], sem)
     return g, i
 
 
@@ -260,12 +265,12 @@ def _run_chunks(n, chains: int, chunk, commit):
 
 
 def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse_ref,
-                table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, m_sc, l_sc, o_sc, *,
+                table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, m_sc, l_sc, o_sc, sem, *,
                 C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
                 chains: int):
     """An online softmax per chain, merged at the end."""
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
-                     valid_res)
+                     valid_res, sem)
     low = m.masked(F32)
     m_sc[...] = jnp.full(m_sc.shape, low, F32)
     l_sc[...] = jnp.zeros(l_sc.shape, F32)
@@ -314,11 +319,11 @@ def _add_to(*refs):
 
 
 def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, valid_hbm, dq_ref,
-               table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, dq_sc, *,
+               table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, dq_sc, sem, *,
                C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
                chains: int):
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
-                     valid_res)
+                     valid_res, sem)
     dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
     row = g * n_qc + i
     q, do = q_ref[...], do_ref[...]
@@ -339,7 +344,7 @@ def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v
 
 def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm, lse_hbm, delta_hbm,
                 dk_ref, dv_ref, offsets_ref, entries_ref, q_res, do_res, lse_res, delta_res, qc_ref, doc_ref,
-                dk_sc, dv_sc, *, C: int, CH: int, T: int, n_rows: int, entries: int, scale: float,
+                dk_sc, dv_sc, sem, *, C: int, CH: int, T: int, n_rows: int, entries: int, scale: float,
                 chains: int):
     """Grid `(unit, chunk, key tile)`. Keys along sublanes, queries along lanes (as
     splash's dK/dV kernel): `p^T (T_k, CH*T_q)` from `k q^T` and the queries'
@@ -349,7 +354,7 @@ def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm
         (offsets_hbm.at[u * C + c], offsets_ref), (entries_hbm.at[u * C + c], entries_ref),
         (q_hbm.at[u, c], q_res), (do_hbm.at[u, c], do_res), (lse_hbm.at[u, c], lse_res),
         (delta_hbm.at[u, c], delta_res),
-    ])
+    ], sem)
     dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
     start, end = offsets_ref[kt], offsets_ref[kt + 1]
@@ -419,6 +424,7 @@ def _fwd_call(table, counts, q, k, v, valid, *, p: Plan, n_k: int, scale: float)
             pltpu.VMEM((p.chains, T, _LANES), F32),
             pltpu.VMEM((p.chains, T, _LANES), F32),
             pltpu.VMEM((p.chains, T, D), F32),
+            pltpu.SemaphoreType.DMA(()),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((U, C, G, L, _LANES), F32)],
         compiler_params=_params(p.vmem_fwd, 4),
@@ -440,7 +446,8 @@ def _dq_call(table, counts, q, do, lse, delta, k, v, valid, *, p: Plan, n_k: int
         grid=(U, C, G, p.n_qc),
         in_specs=[_any(), _any(), rows, rows, stats, stats, _any(), _any(), _any()],
         out_specs=rows,
-        scratch_shapes=[*_fwd_scratch(table, counts, k, v, valid, p), pltpu.VMEM((T, D), F32)],
+        scratch_shapes=[*_fwd_scratch(table, counts, k, v, valid, p), pltpu.VMEM((T, D), F32),
+                        pltpu.SemaphoreType.DMA(())],
         out_shape=jax.ShapeDtypeStruct(q.shape, F32),
         compiler_params=_params(p.vmem_fwd, 4),
         name="vidax_tile_gather_dq",
@@ -477,6 +484,7 @@ def _dkv_call(offsets, entries, k, v, valid, q, do, lse, delta, *, p: Plan, scal
             pltpu.VMEM((p.chains, W, D), do.dtype),
             pltpu.VMEM((T, D), F32),
             pltpu.VMEM((T, D), F32),
+            pltpu.SemaphoreType.DMA(()),
         ],
         out_shape=[jax.ShapeDtypeStruct((U, C, S_k, D), F32)] * 2,
         compiler_params=_params(p.vmem_dkv, 3),
