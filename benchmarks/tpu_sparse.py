@@ -10,6 +10,11 @@ On the TPU machine, from the checkout (after the install line of
     python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
     python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
+and, on a host without a TPU but with libtpu (`pip install --target DIR "libtpu==0.0.42.*"`,
+the release JAX 0.10.2 pins; `PYTHONPATH=DIR ALLOW_MULTIPLE_LIBTPU_LOAD=1
+TPU_SKIP_MDS_QUERY=1`), `--compile-only v5e:1x1 [--quick]` compiles every row for that
+TPU ahead of time and runs none: Mosaic's verdict (scoped VMEM, unsupported operations).
+
 Problems (B = 1, 12 heads of 128 as Wan 2.1 1.3B, bfloat16; inputs random), in the
 order they run:
 
@@ -264,6 +269,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compile_only(todo: list[Case], topology: str) -> list[dict]:
+    """Every row compiled, not run, for a TPU of `topology` (e.g. `"v5e:1x1"`) from this
+    host (libtpu installed; no TPU needed): the Mosaic compiler's verdict (scoped VMEM,
+    unsupported operations) and the compile time."""
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=[1, 1, 1]).devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    rows = []
+    for case in todo:
+        shape = (1, case.S, HEADS, HEAD_DIM)
+        args = (*(jax.ShapeDtypeStruct(shape, BF16, sharding=sharding),) * 3,
+                jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding))
+        row = dict(section=case.section, problem=case.problem, path=case.path, S=case.S, density=case.density)
+        for pass_ in h.PASSES:
+            fn, nargs = h.attention_pass(case.attend, pass_)
+            t0 = time.perf_counter()
+            try:
+                with _patched(case.patch):
+                    fn.lower(*args[:nargs]).compile()
+                row[f"compile_{pass_}_s"] = time.perf_counter() - t0
+            except Exception as e:
+                row[f"{pass_}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        h.log(f"{case.section} {case.problem} {case.path}: "
+              + ", ".join(f"{p} {row.get(f'compile_{p}_s', 0):.1f} s" if f"{p}_error" not in row
+                          else f"{p} FAILED" for p in h.PASSES))
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(h.RESULTS, "tpu_sparse"))
@@ -271,7 +306,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode (CPU)")
     parser.add_argument("--budget", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
+                        help="compile every row for this TPU topology (e.g. v5e:1x1) from this host, run none")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        rows = compile_only(cases(args), args.compile_only)
+        h.write_json(os.path.join(args.out, "tpu_sparse_compile.json"), dict(topology=args.compile_only, rows=rows))
+        return 1 if any(r.get(f"{p}_error") for r in rows for p in h.PASSES) else 0
     start = time.perf_counter()
     budget = args.budget if args.budget is not None else (150.0 if args.quick else 1500.0)
     todo = cases(args)
