@@ -78,7 +78,7 @@ from . import _pallas_tpu_sparse
 F32 = jnp.float32
 _LANES = 128  # row statistics of the forward / dQ passes are lane-replicated
 _MiB = 1 << 20
-# int32 entries of one call's scalar-prefetched tables (half of TPU v4+'s 1 MiB SMEM).
+# int32 entries of the tables one (unit, chunk) holds in SMEM (half of TPU v4+'s 1 MiB).
 SMEM_ENTRIES = 1 << 17
 # Bytes of VMEM the resident arrays of one call may take (the chip has 128 MiB); above
 # it the per-tile kernels of `_pallas_tpu_sparse.py` run instead.
@@ -120,7 +120,7 @@ class Plan(NamedTuple):
     T: int  # tokens per padded tile
     CH: int  # key tiles (forward, dQ) or query tiles (dK/dV) per chunk
     n_selp: int  # table slots per query tile, padded to whole chunks
-    C: int  # chunks of query tiles (one call per unit and chunk)
+    C: int  # chunks of a unit's query tiles (each with its tables and resident Q/dO)
     n_qc: int  # query tiles per chunk
     direct: bool  # every chunk lies inside a run: K/V sliced, not gathered
     chains: int  # chunks per loop iteration, independent until the end
@@ -169,7 +169,8 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
     per_q = G * (2 * T * Dp * size + 2 * 8 * W * 4)
     fixed = rows(2) + chains * 2 * W * Dp * size + 16 * T * Dp * 4
     room_vmem = (VMEM_BUDGET - fixed) // per_q
-    room_smem = min((SMEM_ENTRIES - n_k - 1) // (G * n_sel), SMEM_ENTRIES // (G * (n_selp + 1)))
+    # SMEM per query tile: the forward's table row and count; the CSR entries of dK/dV.
+    room_smem = min((SMEM_ENTRIES - n_k - 1) // (G * n_selp), SMEM_ENTRIES // (G * (n_selp + 1)))
     room = min(room_vmem, room_smem)
     if room < 1:
         return None
