@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 from vidax_eqx import kernels, nn, parallel
-from vidax_eqx.kernels import _pallas_tpu_sparse
+from vidax_eqx.kernels import _pallas_tpu_gather
 
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -415,16 +415,16 @@ def test_video_sparse_attention(resolution, direction):
     """VSA (`video_sparse_attention`, issue 26) with its Pallas TPU block-sparse fine
     stage, Wan 1.3B: at 480p the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624
     tiles, 39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9); at
-    720p 1,440 tiles, 144 per query tile (the query tiles in chunks whose tile tables
-    fit SMEM). The scalar-prefetched tile table drives the kernels (forward; dQ and
-    dK/dV in the backward); no array of the module reaches S x S elements, nor
-    |q| + |k| + |v|; "auto" picks the kernel for TPU."""
+    720p 1,440 tiles, 144 per query tile (the query tiles in two chunks whose tile tables
+    fit SMEM). The tile-gathering kernels (`_pallas_tpu_gather`: K/V resident in VMEM)
+    serve both (forward; dQ and dK/dV in the backward); no array of the module reaches
+    S x S elements, nor |q| + |k| + |v|; "auto" picks the kernel for TPU."""
     grid, S = VSA_GRIDS[resolution]
     tile = (4, 4, 4)
     H, D = MODELS["wan1.3b"]
     n = S // 64
-    chunks = _pallas_tpu_sparse._chunks(n, n, math.ceil(0.1 * n))[0]
-    assert chunks == {"480p": 1, "720p": 4}[resolution]
+    p = _pallas_tpu_gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64)
+    assert p.C == {"480p": 1, "720p": 2}[resolution]
     q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
     for implementation in ("pallas_tpu", "auto"):
         f = lambda q, k, v: kernels.video_sparse_attention(
@@ -434,6 +434,6 @@ def test_video_sparse_attention(resolution, direction):
         _check_target(text, MOSAIC, direction)
         names = ("fwd", "dq", "dkv") if direction == "bwd" else ("fwd",)
         for name in names:  # the kernels: forward; dQ and dK/dV in the backward
-            assert f'kernel_name = "vidax_vsa_fine_{name}"' in text, name
+            assert f'kernel_name = "vidax_tile_gather_{name}"' in text, name
         assert max(math.prod(shape) for shape, _ in _arrays(text)) < S * S
         _check_arrays(text, _qkv_elements(S, H, H, D))

@@ -1,16 +1,20 @@
-"""Video sparse attention on `"pallas_tpu"`: the block-sparse Mosaic kernel of VSA's
-fine stage (`kernels/_pallas_tpu_sparse.py`), in Pallas interpret mode on CPU.
+"""Video sparse attention on `"pallas_tpu"`, in Pallas interpret mode on CPU: the
+per-tile block-sparse Mosaic kernels of VSA's fine stage (`kernels/_pallas_tpu_sparse.py`,
+which `PallasTpu` runs when the tile-gathering kernels' resident arrays do not fit), and
+the public function through `PallasTpu`, which runs the tile-gathering kernels
+(`kernels/_pallas_tpu_gather.py`, tested on their own in `test_tile_gather_pallas.py`).
 
 Against the float64 oracle (`oracle.attention` with the dense token mask that a tile
 table means, built here from the documented semantics):
 
-- the fine stage itself (`PallasTpu.sparse_fwd` / `sparse_bwd`): out, lse and the
+- the per-tile fine stage (`_pallas_tpu_sparse.sparse_fwd` / `sparse_bwd`): out, lse and the
   gradients of q, k, v with a random cotangent on out and on lse, with GQA, unused
   (-1) slots, a row that sees nothing (every slot -1), a query tile whose selected
   key tiles hold only padding keys, padded keys, in float32 and bfloat16;
 - the public `video_sparse_attention(..., implementation=PallasTpu(interpret=True))`
   on a grid with partial tiles, GQA and a gate, in tiles of 12 tokens (not a multiple
-  of 8: padded per tile in the kernel): out and the gradients of q, k, v and gate against a float64 VSA oracle written here (coarse means, coarse softmax,
+  of 8: padded per tile in the kernel), the query tiles in 3 calls' worth of chunks
+  (a small SMEM budget): out and the gradients of q, k, v and gate against a float64 VSA oracle written here (coarse means, coarse softmax,
   top-k, the fine stage and its gradients through `oracle.attention` twice);
 - the dK/dV pass's sorted table, and the refusals (float64; a table too large for
   SMEM).
@@ -29,7 +33,7 @@ import pytest
 import harness
 import oracle
 from vidax_eqx import kernels
-from vidax_eqx.kernels import _pallas_tpu_sparse, _vsa
+from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sparse, _vsa
 from vidax_eqx.kernels._base import Request
 
 
@@ -91,8 +95,9 @@ def _fine_case(T: int, dtype, seed: int):
 @functools.partial(jax.jit, static_argnames=("T", "scale", "smem"))
 def _fine(q, k, v, tiles, kv_valid, dout, dlse, *, T, scale, smem):
     del smem  # a static argument only: a program per SMEM budget
-    out, lse = TPU.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=T, scale=scale)
-    grads = TPU.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=T, scale=scale)
+    kw = dict(tile_size=T, scale=scale, interpret=True)
+    out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, **kw)
+    grads = _pallas_tpu_sparse.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, **kw)
     return out, lse, grads
 
 
@@ -172,14 +177,15 @@ GRID, TILE, TOPK = (3, 5, 6), (2, 2, 3), 4  # 2 x 3 x 2 tiles of 12 tokens, part
 
 
 def test_video_sparse_attention_against_oracle(monkeypatch):
-    """The public function with the Pallas TPU fine stage (interpret mode): out, the
-    fine stage's lse and the gradients of q, k, v and gate (random cotangents on out
-    and lse), GQA, partial tiles (12-token tiles: padded to 16 in the kernel), the 12
-    query tiles in 3 calls of 4 (a small SMEM budget), against the float64 VSA oracle
-    (`oracle.video_sparse_attention`)."""
-    monkeypatch.setattr(_pallas_tpu_sparse, "_SMEM_ENTRIES", 2 * (12 + 2 * TOPK * 5))
-    assert _pallas_tpu_sparse._chunks(12, 12, 2 * TOPK) == (3, 4)
+    """The public function with the Pallas TPU fine stage (interpret mode: the
+    tile-gathering kernels): out, the fine stage's lse and the gradients of q, k, v and
+    gate (random cotangents on out and lse), GQA, partial tiles (12-token tiles: padded
+    to 16 in the kernel), the 12 query tiles in 3 chunks of 4 (a small SMEM budget),
+    against the float64 VSA oracle (`oracle.video_sparse_attention`)."""
     S = _vsa.VsaLayout(GRID, TILE).video_len
+    monkeypatch.setattr(_pallas_tpu_gather, "SMEM_ENTRIES", 48)
+    p = _pallas_tpu_gather.plan((1, S, 4, 8), (1, S, 2, 8), jnp.float32, TOPK, 12)
+    assert (p.T, p.C, p.n_qc) == (16, 3, 4)
     rng = np.random.default_rng(1)  # a seed whose top-k margin is clear (1.2e-3)
     q, q64 = harness.rounded(rng, (1, S, 4, 8))
     k, k64 = harness.rounded(rng, (1, S, 2, 8))

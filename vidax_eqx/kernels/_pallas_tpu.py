@@ -51,7 +51,7 @@ from .._jax_private import (
 from .._vma import opaque_to_vma
 from . import _adapt as a
 from . import _math as m
-from . import _pallas_tpu_sparse
+from . import _pallas_tpu_gather
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
 from ._pallas_tpu_mask import splash_kernel_for
@@ -492,16 +492,17 @@ class PallasTpu(AbstractImplementation):
     # ------------------------------------------------------------ VSA's fine stage
 
     def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
-        """VSA's fine stage: a block-sparse kernel driven by the scalar-prefetched tile
-        table (`_pallas_tpu_sparse.sparse_fwd`)."""
-        return _pallas_tpu_sparse.sparse_fwd(
+        """VSA's fine stage: block-sparse kernels over resident K/V, driven by the
+        scalar-prefetched tile table (`_pallas_tpu_gather.sparse_fwd`; the per-tile
+        kernels of `_pallas_tpu_sparse` when the resident arrays do not fit VMEM)."""
+        return _pallas_tpu_gather.sparse_fwd(
             q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, interpret=self.interpret
         )
 
     def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
         """The gradients of `sparse_fwd`: a dQ pass over the table and a dK/dV pass over
-        its inversion (`_pallas_tpu_sparse.sparse_bwd`)."""
-        return _pallas_tpu_sparse.sparse_bwd(
+        its inversion (`_pallas_tpu_gather.sparse_bwd`)."""
+        return _pallas_tpu_gather.sparse_bwd(
             q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale,
             interpret=self.interpret,
         )
