@@ -2,21 +2,16 @@
 Python values ([`SampleStep`][]), and two ready-made ones: a tqdm bar for a terminal
 ([`ProgressBar`][]) and lines for a log ([`ProgressLines`][]).
 
-The compiled loop cannot hold the caller's callback (a new callback would mean a new
-program), so it calls one fixed host function with a number naming the call; the call
-registers its callback under that number while it runs and removes it when it ends
-(Diffrax's progress meters do the same). Nothing outlives the call.
+With a callback the loop's steps run one compiled call at a time from the host, which
+tells the callback as each ends (`_loop.stepwise_loop`): no host callback inside the
+compiled program (JAX's persistent compilation cache does not keep programs that hold
+one), no state outside the call.
 """
 
 import abc
-import itertools
 import sys
-import threading
 import time
-from collections.abc import Callable
 from typing import NamedTuple
-
-import numpy as np
 
 
 class SampleStep(NamedTuple):
@@ -77,6 +72,8 @@ class ProgressBar(AbstractProgress):
         if self.bar is None:
             self.begin(step.steps)
         self.bar.update(step.step + 1 - self.bar.n)
+        if step.step + 1 == step.steps:  # done (also when called as a plain callable)
+            self.end()
 
     def end(self) -> None:
         if self.bar is not None:
@@ -148,48 +145,3 @@ def default_progress(progress):
             "callable taking a sampling.SampleStep (e.g. sampling.ProgressLines()); received "
             f"a {type(progress).__name__}.")
     return progress
-
-
-# -- the host side of the compiled loop's callback ---------------------------------------
-
-
-class _Call:
-    """A running call's callback; reports each step once, in order (the loop's callback
-    is unordered, and runs once per device of a mesh)."""
-
-    def __init__(self, callback: Callable[[SampleStep], None]):
-        self.callback, self.done, self.lock = callback, -1, threading.Lock()
-
-    def report(self, step: int, steps: int, reused) -> None:
-        with self.lock:
-            if step <= self.done:
-                return
-            self.done = step
-            self.callback(SampleStep(step, steps, reused))
-
-
-_CALLS: dict[int, _Call] = {}
-_IDS = itertools.count(1)
-_LOCK = threading.Lock()
-
-
-def register(callback) -> int:
-    """Registers a call's callback for as long as the call runs; its number."""
-    with _LOCK:
-        number = next(_IDS) % (2 ** 31 - 1)
-        _CALLS[number] = _Call(callback)
-    return number
-
-
-def unregister(number: int) -> None:
-    with _LOCK:
-        _CALLS.pop(number, None)
-
-
-def report(number, step, steps, reused=None) -> None:
-    """The compiled loop's host callback: the step as Python values, to the call's
-    callback (nothing once the call has ended)."""
-    call = _CALLS.get(int(np.asarray(number)))
-    if call is not None:
-        call.report(int(np.asarray(step)), int(np.asarray(steps)),
-                    None if reused is None else bool(np.asarray(reused)))

@@ -15,9 +15,9 @@ from ._inputs import (
     check_inputs, check_placement, check_step_cache, conditioning_of, expert_switches,
     scheduler_of,
 )
-from ._loop import denoising_loop, LoopInputs, LoopOptions
+from ._loop import denoising_loop, LoopInputs, LoopOptions, stepwise_loop
 from ._options import Caching, Compilation, Guidance, Placement
-from ._progress import AbstractProgress, default_progress, register, unregister
+from ._progress import AbstractProgress, default_progress
 
 
 # The keywords `sample` took before 0.2.0, each now a field of one of its option objects.
@@ -40,17 +40,19 @@ def options_from_old_keywords(owner: str, groups: dict, kwargs: dict) -> dict:
     warning pointing at the caller of `owner`. An old keyword beside an explicit object
     of its group is a `TypeError`."""
     fields: dict[str, dict] = {}
+    names: dict[str, list] = {}
     for old in [k for k in kwargs if k in OLD_KEYWORDS]:
         group, cls, field = OLD_KEYWORDS[old]
         warn_deprecated(f"{owner}({old}=...)", f"`{group}=sampling.{cls.__name__}({field}=...)`",
                         stacklevel=3)
         fields.setdefault(group, {})[field] = kwargs.pop(old)
+        names.setdefault(group, []).append(old)
     groups = dict(groups)
     for group, values in fields.items():
-        cls = OLD_KEYWORDS[next(k for k, v in OLD_KEYWORDS.items() if v[0] == group)][1]
+        cls = next(c for g, c, _ in OLD_KEYWORDS.values() if g == group)
         if groups[group] != cls():
             raise TypeError(
-                f"{owner}() got `{group}=` and the deprecated keywords {sorted(values)} of the "
+                f"{owner}() got `{group}=` and the deprecated keywords {names[group]} of the "
                 f"same group: pass `{group}={cls.__name__}(...)` only.")
         groups[group] = cls(**values)
     return groups
@@ -132,9 +134,10 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
         as a [`SampleStep`][] of Python values (an [`AbstractProgress`][] such as
         [`ProgressBar`][] or [`ProgressLines`][] is also told when the call begins and
         ends); `True`: a [`ProgressBar`][] when stderr is a terminal and tqdm is
-        installed; `None` / `False`: none. With a callback, the call waits for the loop
-        to finish before it returns; inside a caller's trace only `True` (then
-        ignored) or `None` are accepted.
+        installed; `None` / `False`: none. With a callback the steps run one compiled
+        call at a time from the host (the same latents, bit for bit; the call returns
+        when they are done), the per-call work before them (the text cache) once;
+        inside a caller's trace only `True` (then ignored) or `None` are accepted.
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
         (`remat`, `sliding_tile`) is passed as it is.
@@ -157,38 +160,34 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
     if callback is not None and any(isinstance(a, jax.core.Tracer) for a in (noise, context)):
         if progress is not True:
             raise ValueError(
-                "sample: a `progress` callback reports the steps of the call's own compiled "
-                "loop, which a caller's trace (jit, vmap, grad) does not run; pass "
-                "progress=None inside a traced function.")
+                "sample: a `progress` callback is told the steps as the call runs them, which "
+                "a caller's trace (jit, vmap, grad) does not; pass progress=None inside a "
+                "traced function.")
         callback = None
-    number = None if callback is None else register(callback)
-    try:
-        inputs, options = prepare(
-            "sample", model, noise, context, negative_context=negative_context, steps=steps,
-            scheduler=scheduler, condition=condition, key=key, model_kwargs=model_kwargs,
-            progress=number, **groups)
-        if return_reused and inputs.reuse is None:
-            raise ValueError("sample: `return_reused` reports which steps reused the step "
-                             "cache; it needs `caching=Caching(step=...)`, which is None.")
+    inputs, options = prepare(
+        "sample", model, noise, context, negative_context=negative_context, steps=steps,
+        scheduler=scheduler, condition=condition, key=key, model_kwargs=model_kwargs, **groups)
+    if return_reused and inputs.reuse is None:
+        raise ValueError("sample: `return_reused` reports which steps reused the step "
+                         "cache; it needs `caching=Caching(step=...)`, which is None.")
+    if callback is None:
+        result = denoising_loop(inputs, options)
+    else:
         if isinstance(callback, AbstractProgress):
             callback.begin(steps)
-        result = denoising_loop(inputs, options)
-        if number is not None:  # every step's callback done before the call ends
-            jax.block_until_ready(result)
-            jax.effects_barrier()
-    finally:
-        if number is not None:
-            unregister(number)
+        try:
+            result = stepwise_loop(inputs, options, steps, callback)
+        finally:
             if isinstance(callback, AbstractProgress):
                 callback.end()
     return (result.latents, result.reused) if return_reused else result.latents
 
 
 def prepare(owner, model, noise, context, *, negative_context, steps, scheduler, guidance,
-            placement, caching, compilation, condition, key, model_kwargs,
-            progress=None) -> tuple[LoopInputs, LoopOptions]:
+            placement, caching, compilation, condition, key,
+            model_kwargs) -> tuple[LoopInputs, LoopOptions]:
     """`sample`'s arguments checked and turned into `denoising_loop`'s:
-    `(inputs, options)`; `progress` the number of the call's registered callback."""
+    `(inputs, options)`."""
     for name, value, cls in (("guidance", guidance, Guidance), ("placement", placement, Placement),
                              ("caching", caching, Caching),
                              ("compilation", compilation, Compilation)):
@@ -259,8 +258,7 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
     options = LoopOptions(
         scheduler=scheduler, mesh=placement.mesh, batch_axis=placement.batch_axis,
         cfg_axis=placement.cfg_axis, conditioning=conditioning, text_cache=caching.text,
-        model_static=static, threshold=_threshold(caching.step),
-        progress=None if progress is None else jax.device_put(np.int32(progress)))
+        model_static=static, threshold=_threshold(caching.step))
     return inputs, options
 
 
