@@ -89,7 +89,8 @@ class CogVideoXPipeline(AbstractVideoPipeline):
 
     def __init__(self, *, tokenizer, text_encoder, transformer, vae, scheduler, mesh=None,
                  batch_axis=None, cfg_axis=None):
-        """**Arguments:** those of [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline]."""
+        """**Arguments:** those of
+        [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline]."""
         super().__init__(tokenizer=tokenizer, text_encoder=text_encoder,
                          transformer=transformer, vae=vae, scheduler=scheduler, mesh=mesh,
                          batch_axis=batch_axis, cfg_axis=cfg_axis)
@@ -148,8 +149,8 @@ class CogVideoXPipeline(AbstractVideoPipeline):
         return self.positional_text_length
 
     def check_size(self, height, width, num_frames) -> tuple[int, int, int]:
-        """As [`AbstractVideoPipeline.check_size`][vidax_eqx.pipelines.AbstractVideoPipeline.check_size];
-        also raises when the VAE would decode another number of frames, or when a
+        """As [`check_size`][vidax_eqx.pipelines.AbstractVideoPipeline.check_size]; also
+        raises when the VAE would decode another number of frames, or when a
         learned positional embedding (5B-I2V) fixes the size."""
         height = check_int(_OWNER, "height", height, 1)
         width = check_int(_OWNER, "width", width, 1)
@@ -267,8 +268,7 @@ class CogVideoXPipeline(AbstractVideoPipeline):
         return self.prepare_condition(image_latents, f, batch), {}
 
     def decode(self, latents) -> np.ndarray:
-        """As [`AbstractVideoPipeline.decode`][vidax_eqx.pipelines.AbstractVideoPipeline.decode]:
-        the latents `(B, F, C, h, w)` divided by the VAE's `scaling_factor`, decoded in
+        """As [`decode`][vidax_eqx.pipelines.AbstractVideoPipeline.decode]: the latents `(B, F, C, h, w)` divided by the VAE's `scaling_factor`, decoded in
         the VAE's chunks of frames, `(B, 4 (F - 1) + 1, H, W, 3)`."""
         videos = []
         for z in latents:

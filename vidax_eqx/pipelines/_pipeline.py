@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, sampling
-from ._common import check_int, dtype_of, encode_prompts, given_embeddings, load_text_encoder, parallel_for
+from ._common import (
+    check_int, dtype_of, encode_prompts, given_embeddings, load_text_encoder, parallel_for,
+)
 from ._compile_cache import enable_compile_cache
 from ._folder import PipelineFolder
 from ._output import PipelineOutput, StageTimer

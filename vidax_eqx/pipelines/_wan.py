@@ -68,8 +68,8 @@ class WanPipeline(AbstractVideoPipeline):
     def __init__(self, *, tokenizer, text_encoder, transformer, vae, scheduler,
                  image_encoder=None, image_processor=None, expand_timesteps: bool = False,
                  mesh=None, batch_axis=None, cfg_axis=None):
-        """**Arguments:** those of [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline],
-        and:
+        """**Arguments:** those of
+        [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline], and:
 
         - `image_encoder`, `image_processor`: the CLIP encoder and its processor (`None`
             for T2V or a model without an image branch).
