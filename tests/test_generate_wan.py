@@ -84,7 +84,7 @@ def _expected(model, tensors, shape, *, seed=0, steps=2, scheduler=None,
 
 def test_help():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     for flag in ("--embeddings", "--prompt", "--guidance-scale-2", "--sp", "--tp", "--cfg",
                  "--num-frames", "--latent-shape", "--output", "--latents", "--no-compile-cache"):
@@ -103,7 +103,7 @@ def test_command_line_pipeline_equals_sample(tmp_path):
     # one CPU device (this process's 8 simulated ones make XLA's CPU programs slower)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT}
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--checkpoint", str(root), "--embeddings", str(embeddings),
          "--steps", "2", "--seed", "3", "--frames", "5", "--height", "32", "--width", "48",
@@ -144,7 +144,7 @@ def test_transformer_directory_sharded(tmp_path, example, capsys):
     example.main([root, "--embeddings", str(embeddings), "--steps", "2", *VIDEO,
                   "--sp", "2", "--tp", "2", "--cfg", "2", "--latents", str(out)])
     captured = capsys.readouterr()
-    assert "mesh {'dp': 1, 'sp': 2, 'tp': 2, 'cfg': 2}" in captured.err
+    assert "mesh {'dp': 1, 'sp': 2, 'cfg': 2, 'tp': 2}" in captured.err
     assert captured.out.splitlines() == [str(out)]
     model = models.WanTransformer3D.from_pretrained(root)
     expected = _expected(model, tensors, (4, 2, 4, 6))
