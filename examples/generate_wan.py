@@ -108,8 +108,9 @@ def _deprecated(old: str, new: str) -> None:
           f"{_REMOVED_IN}: use {new}", file=sys.stderr, flush=True)
 
 
-def parse_args(argv=None):
-    from vidax_eqx.generate import add_device_arguments, check_devices
+def parser() -> argparse.ArgumentParser:
+    """The example's arguments: `vidax-generate`'s names, and its extras."""
+    from vidax_eqx.generate import add_device_arguments
     from vidax_eqx.pipelines import WanPipeline
 
     defaults = WanPipeline.defaults
@@ -171,8 +172,16 @@ def parse_args(argv=None):
                    help="the first steps that always run every block (default 1)")
     add_device_arguments(p)
     p.add_argument("--mesh", type=_mesh_spec, help=argparse.SUPPRESS)  # deprecated: --sp ...
+    return p
+
+
+def parse_args(argv=None):
+    from vidax_eqx.generate import check_devices
+    from vidax_eqx.pipelines import WanPipeline
+
+    p = parser()
     args = p.parse_args(argv)
-    _old_flags(p, args, defaults)
+    _old_flags(p, args, WanPipeline.defaults)
     check_devices(p, args)
     if args.model is None:
         p.error("MODEL (a checkpoint directory or Hub id) is required")
@@ -394,10 +403,10 @@ def _run(args) -> list[str]:
 
     needs = [("tokenizers", "tokenizers", "--prompt")] if args.prompt else []
     if args.output:
-        needs.append(("av", "av", "the .mp4 (PyAV)"))
+        needs.append(("av", "av", "writing the .mp4"))
     if not os.path.isdir(args.model):
         needs.append(("huggingface_hub", "huggingface_hub", "a Hub id"))
-    check_libraries(needs, command="generate_wan.py")
+    check_libraries(needs)
     simulate_devices(args.sp * args.tp * args.dp * args.cfg)
     if not args.no_compile_cache:
         from vidax_eqx.pipelines import enable_compile_cache
@@ -409,7 +418,7 @@ def _run(args) -> list[str]:
     import numpy as np
     from vidax_eqx import interop, nn, sampling
 
-    mesh = make_mesh(args, command="generate_wan.py")
+    mesh = make_mesh(args)
     parallel_config = None
     if mesh is not None:
         parallel_config = nn.sharding.ParallelConfig(

@@ -4,8 +4,9 @@ Each page's fenced blocks whose info string starts with `python` run in order, i
 one fresh Python process, like the cells of a notebook (a block may use what an
 earlier block of the same page defined). The process runs as from the repository's root,
 with nothing else set for it: the repository on `PYTHONPATH`, its working directory a
-fresh temporary directory (pages may write files) holding a link `tests` to the
-repository's `tests/` (so that `"tests/fixtures/..."` reads as it does from the root),
+fresh temporary directory (pages may write files) holding links to the repository's
+`tests/`, `scripts/`, `examples/` and `benchmarks/` (so that `"tests/fixtures/..."` reads
+as it does from the root),
 `JAX_PLATFORMS=cpu`, one CPU device unless the page asks for more, and a timeout.
 Blocks of any other language (`bash`, `text`, ...) are shown, never run.
 
@@ -73,6 +74,8 @@ _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 # Info strings that mean Python but would not run: write `python`.
 _PYTHON_ALIASES = {"py", "python3", "py3", "pycon", "ipython", "ipython3", "pyi", "python-repl"}
 _BLOCK_LANGUAGE = "python"
+# The repository's folders a page reads by a path relative to the root.
+_LINKED = ("tests", "scripts", "examples", "benchmarks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +284,8 @@ def run_page(page: Page, cache_dir: str | None = None) -> Result:
     JAX's compilation cache in `cache_dir` if given."""
     blocks = [{"line": b.line, "source": b.source} for b in page.python if b.skip is None]
     with tempfile.TemporaryDirectory(prefix="vidax-docs-") as cwd:
-        (pathlib.Path(cwd) / "tests").symlink_to(ROOT / "tests")  # as from the root
+        for name in _LINKED:  # as from the repository's root
+            (pathlib.Path(cwd) / name).symlink_to(ROOT / name)
         spec = pathlib.Path(cwd) / ".docs_test_blocks.json"
         spec.write_text(json.dumps([str(page.path), blocks]), encoding="utf-8")
         start = time.perf_counter()

@@ -42,15 +42,16 @@ _AXES = (("sp", "sequence parallelism (Ulysses)"), ("tp", "tensor parallelism (M
 # The libraries the command needs, each `(module, pip name, what for)`; the `pipeline`
 # extra brings them all.
 _TEXT = ("tokenizers", "tokenizers", "the prompt's tokens")
-_VIDEO = ("av", "av", "the .mp4 (PyAV)")
-_IMAGE = ("PIL", "pillow", "--image / --last-image")
+_VIDEO = ("av", "av", "writing the .mp4")
+_IMAGE = ("PIL", "pillow", "reading --image")
 _HUB = ("huggingface_hub", "huggingface_hub", "a Hub id")
 INSTALL = "pip install '.[pipeline]' in a clone of vidax_eqx"
 # The quick local run of --help, on the tests' tiny random pipeline (from a clone's root).
 QUICK = ('vidax-generate tests/fixtures/wan_pipeline/t2v --prompt "A cat walks on the grass" \\\n'
          "      --height 32 --width 48 --num-frames 9 --steps 4 --max-sequence-length 32 \\\n"
          "      --output cat.mp4")
-QUICK_TIME = "about 10 s on a 2-core CPU, 4 s of it compiling"
+QUICK_TIME = ("about 12 s of CPU the first time, most of it compiling;\nabout 5 s once JAX's "
+              "compilation cache holds its programs")
 
 
 class CommandError(Exception):
@@ -79,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
         description="Generate a video from a prompt (and an image) with a Wan or CogVideoX "
                     "diffusers pipeline, in JAX, without PyTorch.",
         epilog=f"A quick local run, from the root of a clone (the tests' tiny random "
-               f"pipeline;\n{QUICK_TIME}):\n\n  {QUICK}\n\nThe paths written go to "
+               f"pipeline):\n\n  {QUICK}\n\n({QUICK_TIME}.)\n\nThe paths written go to "
                "stdout, the progress and timings to stderr; an error\nis one line on "
                "stderr and exit status 2.")
     p.add_argument("model", help="a diffusers pipeline folder (model_index.json) or a Hugging "
@@ -159,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- before anything loads ---------------------------------------------------------------
 
 
-def check_libraries(needs, *, command: str = _PROG) -> None:
+def check_libraries(needs) -> None:
     """Imports each `(module, pip name, what for)` of `needs`; a `CommandError` naming
     every missing one and the extra that brings them all."""
     missing = []
@@ -171,9 +172,8 @@ def check_libraries(needs, *, command: str = _PROG) -> None:
     if missing:
         names = ", ".join(f"{package} ({why})" for package, why in missing)
         raise CommandError(
-            f"{command} needs {names}, not installed: {INSTALL} (the `pipeline` extra: "
-            f"tokenizers, av, pillow, huggingface_hub), or pip install "
-            f"{' '.join(package for package, _ in missing)}.")
+            f"missing {names}: {INSTALL} (the `pipeline` extra: tokenizers, av, pillow, "
+            f"huggingface_hub), or pip install {' '.join(package for package, _ in missing)}.")
 
 
 def simulate_devices(count: int) -> None:
@@ -190,7 +190,7 @@ def simulate_devices(count: int) -> None:
         pass
 
 
-def make_mesh(args, *, command: str = _PROG):
+def make_mesh(args):
     """The mesh of `--sp/--tp/--dp/--cfg` (`None` for one device)."""
     import jax
 
@@ -321,10 +321,25 @@ def _run(args, start: float) -> list[str]:
     return paths
 
 
+def process_start() -> float:
+    """The `time.perf_counter()` of this process's start (Linux's `/proc`: the
+    interpreter and the imports before `main` count), else of now."""
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return now - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return now
+
+
 def main(argv=None) -> int:
     """Runs the command: prints the paths of the videos written on stdout and returns
-    0; an error is one line on stderr and `SystemExit(2)`."""
-    start = time.perf_counter()
+    0; an error is one line on stderr and `SystemExit(2)`. The total it reports is the
+    process's wall time, from its start."""
+    start = process_start()
     args = parse_args(argv)
     try:
         paths = _run(args, start)
