@@ -2,18 +2,21 @@
 
 The whole pipeline (a diffusers folder: prompt and image in, `.mp4` out) is the installed
 command `vidax-generate` (`vidax_eqx.generate`, over `pipelines.WanPipeline`). This
-example is its lower-level sibling: a transformer directory or pipeline and precomputed
-embeddings in, the latents out (with step caching and `--mesh` axis options).
+example is its lower-level sibling, with the command's vocabulary (the same flags, the
+same one-line errors and exit status 2, the paths written on stdout): a transformer
+directory or pipeline and precomputed embeddings in, the latents out, and the pieces
+`vidax-generate` does not have (`--embeddings`, `--noise`, `--latent-shape`,
+`--scheduler`, `--shift`, step caching).
 
-    python examples/generate_wan.py --checkpoint /path/to/Wan2.1-T2V-1.3B-Diffusers \\
-        --embeddings prompt.safetensors --frames 81 --height 480 --width 832 \\
-        --output latents.safetensors --video out.mp4
-    python examples/generate_wan.py --checkpoint Wan-AI/Wan2.1-T2V-1.3B-Diffusers \\
-        --prompt "A cat walks on the grass" --video out.mp4
-    python examples/generate_wan.py --checkpoint /path/to/Wan2.2-T2V-A14B-Diffusers \\
-        --embeddings prompt.safetensors --guidance-scale 4 --guidance-scale-2 3 --mesh sp=4,tp=2
+    python examples/generate_wan.py /path/to/Wan2.1-T2V-1.3B-Diffusers \\
+        --embeddings prompt.safetensors --num-frames 81 --height 480 --width 832 \\
+        --latents latents.safetensors --output out.mp4
+    python examples/generate_wan.py Wan-AI/Wan2.1-T2V-1.3B-Diffusers \\
+        --prompt "A cat walks on the grass" --output out.mp4
+    python examples/generate_wan.py /path/to/Wan2.2-T2V-A14B-Diffusers \\
+        --embeddings prompt.safetensors --guidance-scale 4 --guidance-scale-2 3 --sp 4 --tp 2
 
-**The model.** `--checkpoint` is a directory or a Hugging Face Hub id:
+**The model.** `MODEL` is a directory or a Hugging Face Hub id:
 
 - a diffusers pipeline (`model_index.json`, `transformer/`, ...): its `transformer/`
     through `models.WanTransformer3D.from_pretrained`;
@@ -21,10 +24,10 @@ embeddings in, the latents out (with step caching and `--mesh` axis options).
     (`high_noise_model/` + `low_noise_model/`): `models.WanExperts.from_pretrained`;
 - a transformer directory (`config.json` + safetensors, diffusers' or Wan's layout).
 
-`--dtype` casts the parameters (default: the checkpoint's). `--mesh sp=4,tp=2` (axes
-`dp`, `sp`, `tp`, `cfg`) loads the model straight into its sharded layout and samples
-over that mesh: Ulysses over `sp`, Megatron over `tp`, the batch over `dp`, the
-conditional / unconditional passes over `cfg` (size 2). On CPU the devices are simulated.
+`--dtype` casts the parameters (default: the checkpoint's). `--sp 4 --tp 2` (and `--dp`,
+`--cfg 2`) loads the model straight into its sharded layout and samples over that mesh:
+Ulysses over `sp`, Megatron over `tp`, the batch over `dp`, the conditional /
+unconditional passes over `cfg`. On CPU the devices are simulated.
 
 **The text.** `--embeddings FILE.safetensors` holds the UMT5 embeddings, as diffusers'
 `WanPipeline.encode_prompt` returns them:
@@ -36,7 +39,8 @@ conditional / unconditional passes over `cfg` (size 2). On CPU the devices are s
 
 Without `--embeddings`, `--prompt` (and `--negative-prompt`, default "") are encoded
 with the pipeline's `text_encoder/` and `tokenizer/` by `models.T5Encoder` and
-`interop.TextTokenizer` (no torch; `pip install 'vidax_eqx[text]'`), as diffusers'
+`interop.TextTokenizer` (no torch; the `tokenizers` library: `pip install '.[pipeline]'`
+in a clone, or `pip install tokenizers`), as diffusers'
 `WanPipeline._get_t5_prompt_embeds` does: the prompt cleaned, tokenized to 512 tokens,
 the encoder's output zeroed past each prompt's length.
 The embeddings are cast to the model's dtype (as diffusers casts them to the
@@ -46,21 +50,27 @@ transformer's).
 default of diffusers' Wan pipelines, or `euler`), `--shift` (3.0: Wan at 480p; 5.0 at
 720p), `--guidance-scale` (and `--guidance-scale-2`, A14B's low-noise expert); step caching
 with `--first-block-cache THRESHOLD` or `--static-step-cache INTERVAL` (after
-`--cache-warmup` steps; the steps that reused are printed). The
-initial latents are `jax.random.normal(jax.random.key(seed), (B, C, F, H, W), float32)`
-(or `--noise FILE` with a `noise` tensor, e.g. diffusers' own draw), where
-`F = (frames - 1) // 4 + 1`, `H = height // s`, `W = width // s` with the VAE's scale
+`--cache-warmup` steps; the steps that reused are printed, as the progress callback
+sees them). The initial latents are `jax.random.normal(jax.random.key(seed), (B, C, F, H,
+W), float32)` (or `--noise FILE` with a `noise` tensor, e.g. diffusers' own draw), where
+`F = (num_frames - 1) // 4 + 1`, `H = height // s`, `W = width // s` with the VAE's scale
 factors (read from `vae/config.json`, or `--vae`'s, when there is one; else Wan 2.1's
 VAE, `s = 8`, or Wan 2.2 TI2V's for a 48-channel model, `s = 16`), or
 `--latent-shape C F H W`.
 
-**Output.** `--output` writes the final latents `(B, C, F, H, W)` float32 (`.safetensors`
-under the key `latents`, or `.npy`). `--video out.mp4` decodes them without torch, with
+**Output.** `--latents FILE` writes the final latents `(B, C, F, H, W)` float32
+(`.safetensors` under the key `latents`, or `.npy`; default `latents.safetensors` when
+no `--output` is given). `--output out.mp4` decodes them without torch, with
 `models.WanVAE.from_pretrained` of the pipeline's `vae/` (or `--vae DIR`), as
 `WanPipeline` does: `WanVAE.denormalize_latents` (`latents * latents_std +
 latents_mean`), `WanVAE.decode`, `interop.video_to_frames` (`(video / 2 + 0.5)` clipped
-to [0, 1]), rounded to uint8, and `interop.write_video` (H.264 through PyAV: `pip install
-'vidax_eqx[video]'`) at `--fps`; several videos get `_1`, `_2`, ... suffixes.
+to [0, 1]), rounded to uint8, and `interop.write_video` (H.264 through PyAV) at `--fps`;
+several videos get `_1`, `_2`, ... suffixes.
+
+**Old flags** (until vidax_eqx 0.3.0, each with a deprecation message on stderr):
+`--checkpoint DIR` (the positional `MODEL`), `--frames` (`--num-frames`), `--video`
+(`--output`), `--output FILE.safetensors|.npy` (`--latents`), `--mesh sp=4,tp=2`
+(`--sp 4 --tp 2`).
 """
 
 import argparse
@@ -69,8 +79,14 @@ import os
 import sys
 import time
 
+try:
+    import vidax_eqx  # noqa: F401
+except ImportError:  # run against this checkout's vidax_eqx when it is not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 _MESH_AXES = ("dp", "sp", "tp", "cfg")
+_REMOVED_IN = "0.3.0"
 
 
 def _mesh_spec(text: str) -> dict[str, int]:
@@ -87,14 +103,23 @@ def _mesh_spec(text: str) -> dict[str, int]:
     return sizes
 
 
-def parse_args(argv=None):
+def _deprecated(old: str, new: str) -> None:
+    print(f"generate_wan.py: {old} is deprecated and will be removed in vidax_eqx "
+          f"{_REMOVED_IN}: use {new}", file=sys.stderr, flush=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The example's arguments: `vidax-generate`'s names, and its extras."""
+    from vidax_eqx.generate import add_device_arguments
+    from vidax_eqx.pipelines import WanPipeline
+
+    defaults = WanPipeline.defaults
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="See the module docstring (examples/generate_wan.py) for the file formats.")
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("model", nargs="?",
                    help="a diffusers pipeline, Wan 2.2 A14B or transformer directory, or a Hub id")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="the parameters' dtype (default: the checkpoint's)")
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # deprecated: MODEL
     text = p.add_argument_group("text")
     text.add_argument("--embeddings", help="a .safetensors file with prompt_embeds "
                       "[(B,) L, text_dim] and negative_prompt_embeds")
@@ -102,11 +127,30 @@ def parse_args(argv=None):
                       help="a prompt, encoded with the pipeline's UMT5 (models.T5Encoder); "
                       "repeat for a batch")
     text.add_argument("--negative-prompt", default="", help="the negative prompt (default '')")
-    text.add_argument("--max-sequence-length", type=int, default=512,
-                      help="the prompt's token length (default 512, as diffusers)")
+    text.add_argument("--max-sequence-length", type=int, default=defaults.max_sequence_length,
+                      help=f"the prompt's token length (default {defaults.max_sequence_length}, "
+                           "as diffusers)")
+    v = p.add_argument_group("video")
+    v.add_argument("--height", type=int, default=defaults.height,
+                   help=f"pixels (default {defaults.height})")
+    v.add_argument("--width", type=int, default=defaults.width,
+                   help=f"pixels (default {defaults.width})")
+    v.add_argument("--num-frames", type=int, help=f"video frames (default {defaults.num_frames})")
+    v.add_argument("--frames", type=int, help=argparse.SUPPRESS)  # deprecated: --num-frames
+    v.add_argument("--latent-shape", type=int, nargs=4, metavar=("C", "F", "H", "W"),
+                   help="the latent shape, instead of --num-frames/--height/--width")
+    v.add_argument("--fps", type=float, default=defaults.fps,
+                   help=f"the video's frame rate (default {defaults.fps})")
+    v.add_argument("--output", help="decode with the pipeline's vae/ (models.WanVAE) to this .mp4")
+    v.add_argument("--video", help=argparse.SUPPRESS)  # deprecated: --output
+    v.add_argument("--latents", help="the final latents, .safetensors (key 'latents') or .npy "
+                   "(default latents.safetensors when no --output is given)")
+    v.add_argument("--vae", help="the VAE directory (default: the pipeline's vae/)")
     s = p.add_argument_group("sampling")
-    s.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
-    s.add_argument("--guidance-scale", type=float, default=5.0, help="CFG scale (default 5.0)")
+    s.add_argument("--steps", type=int, default=defaults.num_inference_steps,
+                   help=f"denoising steps (default {defaults.num_inference_steps})")
+    s.add_argument("--guidance-scale", type=float, default=defaults.guidance_scale,
+                   help=f"CFG scale (default {defaults.guidance_scale})")
     s.add_argument("--guidance-scale-2", type=float,
                    help="Wan 2.2 A14B: the low-noise expert's scale (default: --guidance-scale)")
     s.add_argument("--scheduler", choices=("unipc", "euler"), default="unipc",
@@ -116,11 +160,6 @@ def parse_args(argv=None):
     s.add_argument("--seed", type=int, default=0, help="the noise seed (default 0)")
     s.add_argument("--noise", help="initial latents instead of the seed's: a .safetensors "
                    "(key 'noise') or .npy file, (B, C, F, H, W)")
-    s.add_argument("--frames", type=int, default=81, help="video frames (default 81)")
-    s.add_argument("--height", type=int, default=480, help="pixels (default 480)")
-    s.add_argument("--width", type=int, default=832, help="pixels (default 832)")
-    s.add_argument("--latent-shape", type=int, nargs=4, metavar=("C", "F", "H", "W"),
-                   help="the latent shape, instead of --frames/--height/--width")
     cache = s.add_mutually_exclusive_group()
     cache.add_argument("--first-block-cache", type=float, metavar="THRESHOLD",
                        help="step caching, the first-block rule: skip the other blocks when "
@@ -131,22 +170,65 @@ def parse_args(argv=None):
                             "run the blocks at one step in INTERVAL, reuse at the others")
     s.add_argument("--cache-warmup", type=int, default=1,
                    help="the first steps that always run every block (default 1)")
-    s.add_argument("--mesh", type=_mesh_spec, default={},
-                   help="sample sharded, e.g. sp=4,tp=2 or sp=2,tp=2,cfg=2 (axes dp, sp, tp, cfg)")
-    o = p.add_argument_group("output")
-    o.add_argument("--output", default="latents.safetensors",
-                   help="the final latents, .safetensors (key 'latents') or .npy "
-                   "(default latents.safetensors)")
-    o.add_argument("--video", help="decode with the pipeline's vae/ (models.WanVAE) to this "
-                   ".mp4 (PyAV: pip install 'vidax_eqx[video]')")
-    o.add_argument("--vae", help="the VAE directory (default: the pipeline's vae/)")
-    o.add_argument("--fps", type=int, default=16, help="the video's frame rate (default 16)")
+    add_device_arguments(p)
+    p.add_argument("--mesh", type=_mesh_spec, help=argparse.SUPPRESS)  # deprecated: --sp ...
+    return p
+
+
+def parse_args(argv=None):
+    from vidax_eqx.generate import check_devices
+    from vidax_eqx.pipelines import WanPipeline
+
+    p = parser()
     args = p.parse_args(argv)
+    _old_flags(p, args, WanPipeline.defaults)
+    check_devices(p, args)
+    if args.model is None:
+        p.error("MODEL (a checkpoint directory or Hub id) is required")
     if (args.embeddings is None) == (args.prompt is None):
         p.error("give exactly one of --embeddings FILE and --prompt TEXT")
-    if not args.output.endswith((".safetensors", ".npy")):
-        p.error(f"--output must end in .safetensors or .npy; received {args.output!r}")
+    if args.output is not None and not args.output.endswith(".mp4"):
+        p.error(f"--output must end in .mp4 (the latents: --latents); received {args.output!r}")
+    if args.latents is None and args.output is None:
+        args.latents = "latents.safetensors"
+    if args.latents is not None and not args.latents.endswith((".safetensors", ".npy")):
+        p.error(f"--latents must end in .safetensors or .npy; received {args.latents!r}")
     return args
+
+
+def _old_flags(p, args, defaults) -> None:
+    """The flags of vidax_eqx 0.1's example, mapped to the command's vocabulary."""
+    if args.checkpoint is not None:
+        _deprecated("--checkpoint DIR", "the positional MODEL")
+        if args.model is not None:
+            p.error("give MODEL or the deprecated --checkpoint, not both")
+        args.model = args.checkpoint
+    if args.frames is not None:
+        _deprecated("--frames", "--num-frames")
+        if args.num_frames is not None:
+            p.error("give --num-frames or the deprecated --frames, not both")
+        args.num_frames = args.frames
+    if args.num_frames is None:
+        args.num_frames = defaults.num_frames
+    video = args.video
+    if args.output is not None and args.output.endswith((".safetensors", ".npy")):
+        _deprecated("--output FILE.safetensors / .npy (the latents)", "--latents FILE")
+        if args.latents is not None:
+            p.error("give --latents or the deprecated --output FILE.safetensors, not both")
+        args.latents, args.output = args.output, None
+    elif video is not None and args.latents is None:
+        args.latents = "latents.safetensors"  # 0.1 wrote the latents beside the video
+    if video is not None:
+        _deprecated("--video FILE.mp4", "--output FILE.mp4")
+        if args.output is not None:
+            p.error("give --output or the deprecated --video, not both")
+        args.output = video
+    if args.mesh is not None:
+        _deprecated("--mesh", "--sp N --tp N --dp N --cfg 2")
+        for axis in _MESH_AXES:
+            if getattr(args, axis) != 1 and axis in args.mesh:
+                p.error(f"give --{axis} or the deprecated --mesh, not both")
+            setattr(args, axis, args.mesh.get(axis, getattr(args, axis)))
 
 
 # -- the checkpoint ----------------------------------------------------------------------
@@ -264,13 +346,14 @@ def encode_prompts(text_encoder_dir, tokenizer_dir, prompts, max_sequence_length
 # -- the video ---------------------------------------------------------------------------
 
 
-def decode_video(vae_dir, latents):
-    """diffusers' `WanPipeline` decode, without torch: uint8 frames `(B, F, H, W, 3)`."""
+def decode_video(vae_dir, latents, dtype=None):
+    """diffusers' `WanPipeline` decode, without torch: uint8 frames `(B, F, H, W, 3)`;
+    the VAE in `dtype` (default its checkpoint's)."""
     import jax.numpy as jnp
     import numpy as np
     from vidax_eqx import interop, models
 
-    vae = models.WanVAE.from_pretrained(vae_dir)
+    vae = models.WanVAE.from_pretrained(vae_dir, **({} if dtype is None else dict(dtype=dtype)))
     videos = []
     for z in np.asarray(latents, np.float32):  # one video at a time: (C, F, H, W)
         video = vae.decode(vae.denormalize_latents(jnp.asarray(z)))  # (3, F, H, W) in [-1, 1]
@@ -291,44 +374,64 @@ def write_videos(path, frames, fps):
 # -- main --------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    devices = 1
-    for size in args.mesh.values():
-        devices *= size
-    if devices > 1:  # simulated CPU devices (only the CPU backend reads this flag)
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(
-            [*flags, f"--xla_force_host_platform_device_count={max(devices, 8)}"])
-    try:  # run against this checkout's vidax_eqx when it is not installed
-        import vidax_eqx  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def _reused_steps(progress):
+    """A progress callback that also records the steps that reused the step cache."""
+    from vidax_eqx import sampling
+
+    class Recorder(sampling.AbstractProgress):
+        def __init__(self):
+            self.steps = []
+
+        def begin(self, steps):
+            progress.begin(steps)
+
+        def __call__(self, step):
+            if step.reused:
+                self.steps.append(step.step)
+            progress(step)
+
+        def end(self):
+            progress.end()
+
+    return Recorder()
+
+
+def _run(args) -> list[str]:
+    from vidax_eqx.generate import (
+        check_libraries, log, make_mesh, progress_callback, simulate_devices, write_latents,
+    )
+
+    needs = [("tokenizers", "tokenizers", "--prompt")] if args.prompt else []
+    if args.output:
+        needs.append(("av", "av", "writing the .mp4"))
+    if not os.path.isdir(args.model):
+        needs.append(("huggingface_hub", "huggingface_hub", "a Hub id"))
+    check_libraries(needs)
+    simulate_devices(args.sp * args.tp * args.dp * args.cfg)
+    if not args.no_compile_cache:
+        from vidax_eqx.pipelines import enable_compile_cache
+
+        enable_compile_cache()
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from vidax_eqx import interop, nn, parallel, sampling
+    from vidax_eqx import interop, nn, sampling
 
-    mesh = parallel_config = None
-    if devices > 1:
-        sizes = args.mesh
-        extra = {"cfg": 2} if "cfg" in sizes else None
-        mesh = parallel.make_mesh(sizes.get("dp", 1), sizes.get("sp", 1), sizes.get("tp", 1),
-                                  extra_axes=extra)
+    mesh = make_mesh(args)
+    parallel_config = None
+    if mesh is not None:
         parallel_config = nn.sharding.ParallelConfig(
-            sequence="ulysses" if sizes.get("sp", 1) > 1 else "none",
-            tp_axis="tp" if sizes.get("tp", 1) > 1 else None)
+            sequence="ulysses" if args.sp > 1 else "none", tp_axis="tp" if args.tp > 1 else None)
 
     t0 = time.perf_counter()
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
-    model, find = load_model(args.checkpoint, dtype=dtype, parallel=parallel_config, mesh=mesh)
+    model, find = load_model(args.model, dtype=dtype, parallel=parallel_config, mesh=mesh)
     config = model.config
     model_dtype = next(leaf.dtype for leaf in jax.tree.leaves(model) if eqx.is_inexact_array(leaf))
     kind = type(model).__name__
-    print(f"model       {kind} from {args.checkpoint} ({model_dtype}, "
-          f"{config.num_layers} blocks, dim {config.dim}): {time.perf_counter() - t0:.1f} s")
+    log(f"model       {kind} from {args.model} ({model_dtype}, "
+        f"{config.num_layers} blocks, dim {config.dim}): {time.perf_counter() - t0:.1f} s")
 
     t0 = time.perf_counter()
     if args.embeddings is not None:
@@ -337,7 +440,7 @@ def main(argv=None):
     else:
         encoder, tokenizer = find("text_encoder"), find("tokenizer")
         if encoder is None or tokenizer is None:
-            raise SystemExit(f"--prompt: {args.checkpoint!r} has no text_encoder/ and tokenizer/ "
+            raise ValueError(f"--prompt: {args.model!r} has no text_encoder/ and tokenizer/ "
                              "(a diffusers pipeline has them); pass --embeddings instead.")
         context = encode_prompts(encoder, tokenizer, args.prompt, args.max_sequence_length)
         negative = None
@@ -347,8 +450,8 @@ def main(argv=None):
         source = f"UMT5 of {encoder}"
     if args.guidance_scale <= 1:
         negative = None
-    print(f"text        {context.shape} from {source}"
-          f"{'' if negative is None else ', with negative'}: {time.perf_counter() - t0:.1f} s")
+    log(f"text        {context.shape} from {source}"
+        f"{'' if negative is None else ', with negative'}: {time.perf_counter() - t0:.1f} s")
 
     batch = context.shape[0]
     if args.noise is not None:
@@ -363,7 +466,7 @@ def main(argv=None):
         else:
             vae_dir = args.vae or find("vae") or ""
             shape = latent_shape(config, _read_json(os.path.join(vae_dir, "config.json")),
-                                 args.frames, args.height, args.width)
+                                 args.num_frames, args.height, args.width)
         noise = jax.random.normal(jax.random.key(args.seed), (batch, *shape), jnp.float32)
     context = jnp.asarray(context, model_dtype)
     if negative is not None:
@@ -377,42 +480,58 @@ def main(argv=None):
     elif args.static_step_cache is not None:
         step_cache = sampling.StaticStepCache(interval=args.static_step_cache,
                                               warmup=args.cache_warmup)
+    progress = _reused_steps(progress_callback())
 
     t0 = time.perf_counter()
-    out = sampling.sample(
-        model, noise, context, negative_context=negative, guidance_scale=args.guidance_scale,
-        guidance_scale_2=args.guidance_scale_2, steps=args.steps, scheduler=scheduler,
-        mesh=mesh, batch_axis="dp" if args.mesh.get("dp", 1) > 1 else None,
-        cfg_axis="cfg" if "cfg" in args.mesh else None, progress=True,
-        step_cache=step_cache, return_reused=step_cache is not None)
-    latents, reused = out if step_cache is not None else (out, None)
+    latents = sampling.sample(
+        model, noise, context, negative_context=negative, steps=args.steps, scheduler=scheduler,
+        guidance=sampling.Guidance(scale=args.guidance_scale, scale_2=args.guidance_scale_2),
+        placement=sampling.Placement(mesh=mesh, batch_axis="dp" if args.dp > 1 else None,
+                                     cfg_axis="cfg" if args.cfg > 1 else None),
+        caching=sampling.Caching(step=step_cache), progress=progress)
     latents = np.asarray(jax.device_get(latents), np.float32)
     mesh_text = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"
-    print(f"sampled     {latents.shape} in {args.steps} {args.scheduler} steps, guidance "
-          f"{args.guidance_scale}, {mesh_text}: {time.perf_counter() - t0:.1f} s")
-    if reused is not None:
-        steps_reused = np.flatnonzero(np.asarray(reused)).tolist()
-        print(f"step cache  {len(steps_reused)} of {args.steps} steps reused the block "
-              f"stack's residual: {steps_reused}")
+    log(f"sampled     {latents.shape} in {args.steps} {args.scheduler} steps, guidance "
+        f"{args.guidance_scale}, {mesh_text}: {time.perf_counter() - t0:.1f} s")
+    if step_cache is not None:
+        log(f"step cache  {len(progress.steps)} of {args.steps} steps reused the block "
+            f"stack's residual: {progress.steps}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    if args.output.endswith(".npy"):
-        np.save(args.output, latents)
-    else:
-        from safetensors.numpy import save_file
-        save_file({"latents": latents}, args.output)
-    print(f"latents     written to {args.output}")
-
-    if args.video is not None:
+    paths = []
+    if args.latents is not None:
+        write_latents(args.latents, latents)
+        log(f"latents     written to {args.latents}")
+        paths.append(args.latents)
+    if args.output is not None:
         vae = args.vae or find("vae")
         if vae is None:
-            raise SystemExit(f"--video: {args.checkpoint!r} has no vae/; pass --vae DIR.")
+            raise ValueError(f"--output: {args.model!r} has no vae/ to decode with; pass --vae "
+                             "DIR.")
         t0 = time.perf_counter()
-        frames = decode_video(vae, latents)
-        paths = write_videos(args.video, frames, args.fps)
-        print(f"video       {frames.shape[1:]} frames x {len(paths)} written to "
-              f"{', '.join(paths)}: {time.perf_counter() - t0:.1f} s")
+        frames = decode_video(vae, latents, dtype=jnp.dtype(args.vae_dtype))
+        videos = write_videos(args.output, frames, args.fps)
+        log(f"video       {frames.shape[1:]} frames x {len(videos)} written to "
+            f"{', '.join(videos)}: {time.perf_counter() - t0:.1f} s")
+        paths += videos
+    return paths
+
+
+def main(argv=None) -> int:
+    """Runs the example: the paths written on stdout (the latents, the videos), 0; an error
+    is one line on stderr and `SystemExit(2)`, as `vidax-generate`'s."""
+    from vidax_eqx.generate import CommandError
+
+    args = parse_args(argv)
+    try:
+        paths = _run(args)
+    except (CommandError, ValueError, ImportError, FileNotFoundError,
+            NotImplementedError) as e:
+        print(f"generate_wan.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    for path in paths:
+        print(path, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -44,6 +44,10 @@ if "jax" in sys.modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
     print("conftest: jax was imported before XLA_FLAGS could be set", file=sys.stderr)
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, _FLAG])
+# The pipelines' `from_pretrained` and `vidax-generate` switch on JAX's persistent
+# compilation cache under ~/.cache; the suite (and the processes it starts) leaves it off,
+# except where a test turns it on in a folder of its own (tests/test_compile_cache.py).
+os.environ["VIDAX_COMPILE_CACHE"] = "0"
 
 # The repository root, so `vidax_eqx` imports without being installed.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -121,8 +121,9 @@ def test_dpm_scheduler_and_videos_per_prompt(t2v):
                                           num_videos_per_prompt=2, max_sequence_length=16)
     key = jax.random.key(5)
     direct = sampling.sample(t2v.transformer, jax.random.normal(key, out.latents.shape),
-                             context, negative_context=negative, guidance_scale=6.0, steps=4,
-                             scheduler=dpm, key=jax.random.fold_in(key, 2))
+                             context, negative_context=negative,
+                             guidance=sampling.Guidance(scale=6.0), steps=4, scheduler=dpm,
+                             key=jax.random.fold_in(key, 2))
     np.testing.assert_array_equal(out.latents, np.asarray(direct))
 
 
@@ -204,7 +205,8 @@ def test_bad_calls(t2v):
         t2v(prompt_embeds=io["prompt_embeds"], num_frames=9, **small, **SIZE)
     with pytest.raises(ValueError, match=r"`max_sequence_length` must be the transformer's "
                                          r"max_text_seq_length \(16\).* received 226"):
-        t2v("a", num_frames=9, num_inference_steps=1, progress=False, **SIZE)
+        t2v("a", num_frames=9, num_inference_steps=1, max_sequence_length=226, progress=False,
+            **SIZE)
     with pytest.raises(ValueError, match=r"`prompt_embeds.shape\[1\]` must be the transformer's "
                                          r"max_text_seq_length \(16\).* received 8"):
         t2v(prompt_embeds=io["prompt_embeds"][:, :8], guidance_scale=1.0, num_frames=9,
@@ -280,19 +282,27 @@ def test_sharded_equals_one_device(t2v_main):
 # -- the command ------------------------------------------------------------------------
 
 
-def test_command(tmp_path, t2v):
+def test_command(tmp_path, t2v, capsys):
     """`vidax-generate` on a CogVideoX folder: CogVideoXPipeline, its prompt length (the
-    transformer's 16 positions) and frame rate by default; Wan's flags refused."""
+    transformer's 16 positions, its `call_defaults`) and frame rate by default; Wan's
+    flags refused in one line, exit status 2."""
     from vidax_eqx import generate, interop
 
+    assert t2v.call_defaults.max_sequence_length == 16
+    assert t2v.call_defaults.fps == CogVideoXPipeline.defaults.fps == 8
     video, latents = tmp_path / "panda.mp4", tmp_path / "latents.npy"
     args = [T2V, "--prompt", "A panda plays a guitar", "--height", "32", "--width", "48",
             "--num-frames", "9", "--steps", "2", "--seed", "1", "--output", str(video),
             "--latents", str(latents)]
-    assert generate.main(args) == [str(video)]
+    assert generate.main(args) == 0
+    assert capsys.readouterr().out.splitlines() == [str(video)]
     expected = t2v("A panda plays a guitar", height=32, width=48, num_frames=9,
-                   num_inference_steps=2, seed=1, max_sequence_length=16, progress=False)
+                   num_inference_steps=2, seed=1, progress=False)
     np.testing.assert_allclose(np.load(latents), expected.latents, rtol=0, atol=1e-5)
     assert interop.read_video(video).shape == (9, 32, 48, 3)
-    with pytest.raises(SystemExit, match=r"--guidance-scale-2 is for Wan pipelines"):
+    with pytest.raises(SystemExit) as exit:
         generate.main(args + ["--guidance-scale-2", "3"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"vidax-generate: error: --guidance-scale-2 is for Wan pipelines; {T2V!r} is "
+        "CogVideoXPipeline.")

@@ -2,10 +2,12 @@
 
 Each page's fenced blocks whose info string starts with `python` run in order, in
 one fresh Python process, like the cells of a notebook (a block may use what an
-earlier block of the same page defined). The process runs with the repository on
-`PYTHONPATH`, its working directory a fresh temporary directory (pages may write
-files), `JAX_PLATFORMS=cpu`, one CPU device unless the page asks for more, the
-environment variable `VIDAX_REPO` set to the repository root, and a timeout.
+earlier block of the same page defined). The process runs as from the repository's root,
+with nothing else set for it: the repository on `PYTHONPATH`, its working directory a
+fresh temporary directory (pages may write files) holding links to the repository's
+`tests/`, `scripts/`, `examples/` and `benchmarks/` (so that `"tests/fixtures/..."` reads
+as it does from the root),
+`JAX_PLATFORMS=cpu`, one CPU device unless the page asks for more, and a timeout.
 Blocks of any other language (`bash`, `text`, ...) are shown, never run.
 
 **Markers.** A page steers its test with HTML comments, invisible in the rendered
@@ -72,6 +74,8 @@ _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 # Info strings that mean Python but would not run: write `python`.
 _PYTHON_ALIASES = {"py", "python3", "py3", "pycon", "ipython", "ipython3", "pyi", "python-repl"}
 _BLOCK_LANGUAGE = "python"
+# The repository's folders a page reads by a path relative to the root.
+_LINKED = ("tests", "scripts", "examples", "benchmarks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +267,7 @@ def _environment(devices: int | None, cache_dir: str | None) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_ENABLE_X64", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["VIDAX_REPO"] = str(ROOT)
+    env.pop("VIDAX_REPO", None)  # the pages run as written, with no variable of their own
     env["PYTHONUNBUFFERED"] = "1"
     if cache_dir is not None:
         # Pages compile many of the same small programs (random initializers, eager
@@ -280,6 +284,8 @@ def run_page(page: Page, cache_dir: str | None = None) -> Result:
     JAX's compilation cache in `cache_dir` if given."""
     blocks = [{"line": b.line, "source": b.source} for b in page.python if b.skip is None]
     with tempfile.TemporaryDirectory(prefix="vidax-docs-") as cwd:
+        for name in _LINKED:  # as from the repository's root
+            (pathlib.Path(cwd) / name).symlink_to(ROOT / name)
         spec = pathlib.Path(cwd) / ".docs_test_blocks.json"
         spec.write_text(json.dumps([str(page.path), blocks]), encoding="utf-8")
         start = time.perf_counter()

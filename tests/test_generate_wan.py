@@ -29,8 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "generate_wan.py")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "wan")
 TEXT_DIM = 32  # the fixtures' text_dim
-# --frames 5 --height 32 --width 48 under Wan 2.1's VAE (4, 8): F = 2, H = 4, W = 6
-VIDEO = ["--frames", "5", "--height", "32", "--width", "48"]
+# --num-frames 5 --height 32 --width 48 under Wan 2.1's VAE (4, 8): F = 2, H = 4, W = 6
+VIDEO = ["--num-frames", "5", "--height", "32", "--width", "48"]
 # Compiled as XLA does by default (conftest's `_fast_compile` turns LLVM's optimizations
 # off elsewhere), as the command line's process compiles: its latents are compared bit for
 # bit with `sampling.sample` here, and code generated without them gives other bits.
@@ -72,42 +72,49 @@ def _batched(a):
     return jnp.asarray(a if a.ndim == 3 else a[None])
 
 
-def _expected(model, tensors, shape, *, seed=0, steps=2, scheduler=None, guidance_scale=5.0,
-              **kwargs):
+def _expected(model, tensors, shape, *, seed=0, steps=2, scheduler=None,
+              guidance=sampling.Guidance(scale=5.0), **kwargs):
     context = _batched(tensors["prompt_embeds"])
     noise = jax.random.normal(jax.random.key(seed), (context.shape[0], *shape), jnp.float32)
     return np.asarray(sampling.sample(
         model, noise, context, negative_context=_batched(tensors["negative_prompt_embeds"]),
-        guidance_scale=guidance_scale, steps=steps,
+        guidance=guidance, steps=steps,
         scheduler=scheduler or sampling.UniPC(shift=3.0), **kwargs))
 
 
 def test_help():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--checkpoint", "--embeddings", "--prompt", "--guidance-scale-2", "--mesh",
-                 "--latent-shape", "--video"):
+    for flag in ("--embeddings", "--prompt", "--guidance-scale-2", "--sp", "--tp", "--cfg",
+                 "--num-frames", "--latent-shape", "--output", "--latents", "--no-compile-cache"):
         assert flag in proc.stdout
     assert proc.stderr == ""
 
 
 @pytest.mark.slow  # a fresh JAX in a subprocess: ~12 s of its ~25 s on 2 cores
 def test_command_line_pipeline_equals_sample(tmp_path):
-    """The CLI on a pipeline directory: its transformer/, 2 UniPC steps, guidance 5."""
+    """The CLI on a pipeline directory: its transformer/, 2 UniPC steps, guidance 5; with
+    the example's old flags (`--checkpoint`, `--frames`, `--output FILE.safetensors`),
+    each with a deprecation message, and the path written on stdout."""
     root = _pipeline(tmp_path)
     embeddings, tensors = _embeddings(tmp_path)
     out = tmp_path / "latents.safetensors"
     # one CPU device (this process's 8 simulated ones make XLA's CPU programs slower)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT}
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--checkpoint", str(root), "--embeddings", str(embeddings),
-         "--steps", "2", "--seed", "3", *VIDEO, "--output", str(out)],
+         "--steps", "2", "--seed", "3", "--frames", "5", "--height", "32", "--width", "48",
+         "--output", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert f"written to {out}" in proc.stdout, proc.stdout
+    assert proc.stdout.splitlines() == [str(out)], proc.stdout
+    for old, new in (("--checkpoint DIR", "the positional MODEL"), ("--frames", "--num-frames"),
+                     ("--output FILE.safetensors / .npy (the latents)", "--latents FILE")):
+        assert f"{old} is deprecated and will be removed in vidax_eqx 0.3.0: use {new}" in \
+            proc.stderr, proc.stderr
     latents = load_file(str(out))["latents"]
     model = models.WanTransformer3D.from_pretrained(root / "transformer")
     np.testing.assert_array_equal(latents, _expected(model, tensors, (4, 2, 4, 6), seed=3))
@@ -118,13 +125,14 @@ def test_a14b_euler_batch_npy(tmp_path, example):
     root = os.path.join(FIXTURES, "a14b", "diffusers")
     embeddings, tensors = _embeddings(tmp_path, batch=2, length=5)
     out = tmp_path / "latents.npy"
-    example.main(["--checkpoint", root, "--embeddings", str(embeddings), "--steps", "3",
-                  "--scheduler", "euler", "--shift", "5", "--guidance-scale", "4",
-                  "--guidance-scale-2", "2", "--latent-shape", "4", "2", "4", "4",
-                  "--output", str(out)])
+    assert example.main([root, "--embeddings", str(embeddings), "--steps", "3",
+                         "--scheduler", "euler", "--shift", "5", "--guidance-scale", "4",
+                         "--guidance-scale-2", "2", "--latent-shape", "4", "2", "4", "4",
+                         "--latents", str(out)]) == 0
     model = models.WanExperts.from_pretrained(root)
-    expected = _expected(model, tensors, (4, 2, 4, 4), steps=3, guidance_scale=4.0,
-                         guidance_scale_2=2.0, scheduler=sampling.FlowMatchEuler(shift=5.0))
+    expected = _expected(model, tensors, (4, 2, 4, 4), steps=3,
+                         guidance=sampling.Guidance(scale=4.0, scale_2=2.0),
+                         scheduler=sampling.FlowMatchEuler(shift=5.0))
     np.testing.assert_array_equal(np.load(out), expected)
 
 
@@ -133,9 +141,11 @@ def test_transformer_directory_sharded(tmp_path, example, capsys):
     root = os.path.join(FIXTURES, "t2v", "diffusers")
     embeddings, tensors = _embeddings(tmp_path)
     out = tmp_path / "latents.safetensors"
-    example.main(["--checkpoint", root, "--embeddings", str(embeddings), "--steps", "2",
-                  *VIDEO, "--mesh", "sp=2,tp=2,cfg=2", "--output", str(out)])
-    assert "mesh" in capsys.readouterr().out
+    example.main([root, "--embeddings", str(embeddings), "--steps", "2", *VIDEO,
+                  "--sp", "2", "--tp", "2", "--cfg", "2", "--latents", str(out)])
+    captured = capsys.readouterr()
+    assert "mesh {'dp': 1, 'sp': 2, 'cfg': 2, 'tp': 2}" in captured.err
+    assert captured.out.splitlines() == [str(out)]
     model = models.WanTransformer3D.from_pretrained(root)
     expected = _expected(model, tensors, (4, 2, 4, 6))
     np.testing.assert_allclose(load_file(str(out))["latents"], expected, rtol=0, atol=1e-5)
@@ -146,13 +156,14 @@ def test_step_cache(tmp_path, example, capsys):
     root = os.path.join(FIXTURES, "t2v", "diffusers")
     embeddings, tensors = _embeddings(tmp_path)
     out = tmp_path / "latents.npy"
-    example.main(["--checkpoint", root, "--embeddings", str(embeddings), "--steps", "4",
+    example.main([root, "--embeddings", str(embeddings), "--steps", "4",
                   "--scheduler", "euler", *VIDEO, "--static-step-cache", "2",
-                  "--output", str(out)])
-    assert "1 of 4 steps reused the block stack's residual: [2]" in capsys.readouterr().out
+                  "--latents", str(out)])
+    assert "1 of 4 steps reused the block stack's residual: [2]" in capsys.readouterr().err
     model = models.WanTransformer3D.from_pretrained(root)
     rule = sampling.StaticStepCache(interval=2, warmup=1)
-    expected = _expected(model, tensors, (4, 2, 4, 6), steps=4, step_cache=rule,
+    expected = _expected(model, tensors, (4, 2, 4, 6), steps=4,
+                         caching=sampling.Caching(step=rule),
                          scheduler=sampling.FlowMatchEuler(shift=3.0))
     np.testing.assert_array_equal(np.load(out), expected)
 
@@ -175,9 +186,13 @@ def test_bad_inputs(tmp_path, example):
     with pytest.raises(ValueError, match=r"\(L, text_dim\) or \(B, L, text_dim\)"):
         example.read_embeddings(str(path))
     with pytest.raises(SystemExit):  # neither --embeddings nor --prompt
-        example.parse_args(["--checkpoint", "x"])
+        example.parse_args(["x"])
     with pytest.raises(SystemExit):
-        example.parse_args(["--checkpoint", "x", "--embeddings", "e", "--mesh", "sp=4,cfg=3"])
+        example.parse_args(["x", "--embeddings", "e", "--mesh", "sp=4,cfg=3"])
+    with pytest.raises(SystemExit):
+        example.parse_args(["x", "--embeddings", "e", "--cfg", "3"])
+    with pytest.raises(SystemExit):
+        example.parse_args(["x", "--checkpoint", "y", "--embeddings", "e"])
 
 
 # -- with torch: the prompt through the pipeline's UMT5, the latents through its VAE -----
@@ -223,8 +238,8 @@ def test_prompt_encoded_as_diffusers_does(tmp_path, example):
     _tiny_text_encoder(root)
     out = tmp_path / "latents.safetensors"
     prompt = "A  cat walks on the &amp; grass "
-    example.main(["--checkpoint", str(root), "--prompt", prompt, "--negative-prompt", "dog",
-                  "--steps", "2", *VIDEO, "--output", str(out)])
+    example.main([str(root), "--prompt", prompt, "--negative-prompt", "dog",
+                  "--steps", "2", *VIDEO, "--latents", str(out)])
 
     # diffusers' own encoding, its method called on the pieces it reads
     class Pipe:
@@ -254,8 +269,8 @@ def test_video_decoded_as_diffusers_does(tmp_path, example):
     vae = _tiny_vae(root)
     embeddings, _ = _embeddings(tmp_path)
     out, video = tmp_path / "latents.safetensors", tmp_path / "out.mp4"
-    example.main(["--checkpoint", str(root), "--embeddings", str(embeddings), "--steps", "2",
-                  *VIDEO, "--output", str(out), "--video", str(video), "--fps", "8"])
+    example.main([str(root), "--embeddings", str(embeddings), "--steps", "2",
+                  *VIDEO, "--latents", str(out), "--output", str(video), "--fps", "8"])
     latents = load_file(str(out))["latents"]
     frames = example.decode_video(str(root / "vae"), latents)
     assert frames.shape == (1, 5, 32, 48, 3) and frames.dtype == np.uint8
@@ -281,9 +296,9 @@ def test_prompt_without_torch(tmp_path, example, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` would raise
     root = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "t2v")
     out = tmp_path / "latents.npy"
-    example.main(["--checkpoint", root, "--prompt", "A  cat &amp; a dog", "--negative-prompt",
+    example.main([root, "--prompt", "A  cat &amp; a dog", "--negative-prompt",
                   "blurry", "--steps", "2", "--max-sequence-length", "16", *VIDEO,
-                  "--output", str(out)])
+                  "--latents", str(out)])
     pipe = pipelines.WanPipeline.from_pretrained(root)
     expected = pipe("A  cat &amp; a dog", "blurry", height=32, width=48, num_frames=5,
                     num_inference_steps=2, max_sequence_length=16, seed=0,

@@ -139,6 +139,69 @@ def test_flf2v_equals_diffusers(i2v):
     assert np.abs(out.frames[0] - io["frames"]).max() < FRAMES_TOL
 
 
+# -- the template ------------------------------------------------------------------------
+
+
+def test_a_new_family_is_a_subclass(t2v, t2v_main):
+    """A family written here, `AbstractVideoPipeline`'s hooks only (Wan's components, its
+    own call defaults as class data): the template's call gives WanPipeline's latents bit
+    for bit, and the latents reach the decode on the device."""
+    seen = []
+
+    class Family(pipelines.AbstractVideoPipeline):
+        defaults = pipelines.CallDefaults(height=32, width=48, num_frames=9,
+                                          num_inference_steps=4, guidance_scale=5.0,
+                                          max_sequence_length=32, fps=8)
+        pipeline_classes = ("WanPipeline",)
+        clean_prompts = masked_text = True
+        latent_layout = "(B, z, F, h, w)"
+        transformer_config = property(lambda self: self.transformer.config)
+        image_conditioned = property(lambda self: False)
+
+        @classmethod
+        def load_components(cls, folder, *, dtype, vae_dtype, encoder_dtype, parallel, mesh):
+            return dict(transformer=models.WanTransformer3D.from_pretrained(
+                            folder.path("transformer", needed_for="every call")),
+                        vae=models.WanVAE.from_pretrained(folder.path("vae", needed_for="x")))
+
+        def check_size(self, height, width, num_frames):
+            return (num_frames - 1) // 4 + 1, height // 8, width // 8
+
+        def latent_shape(self, batch, grid):
+            return (batch, self.transformer.config.out_channels, *grid)
+
+        def check_image(self, **images):
+            assert all(v is None for k, v in images.items() if k != "num_frames")
+            return False
+
+        def image_condition(self, **kwargs):
+            raise AssertionError("no image stage")
+
+        def decode(self, latents):
+            seen.append(latents)
+            return t2v.decode(latents)
+
+    io, out = t2v_main
+    pipe = Family.from_pretrained(T2V)
+    call = _io(T2V)[1]["main"]
+    again = pipe(call["prompt"], call["negative_prompt"], latents=io["latents"])  # defaults
+    np.testing.assert_array_equal(again.latents, out.latents)
+    np.testing.assert_array_equal(again.frames, out.frames)
+    assert isinstance(seen[0], jax.Array)  # not fetched to the host before the decode
+    assert list(again.timings) == ["text", "denoise", "decode"]
+
+
+def test_call_defaults_are_class_data(t2v):
+    """The defaults a call and `vidax-generate` use are the classes' data."""
+    from vidax_eqx import generate
+
+    assert t2v.call_defaults == WanPipeline.defaults == pipelines.CallDefaults(
+        height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0,
+        max_sequence_length=512, fps=16)
+    helps = {a.dest: a.help for a in generate.parser()._actions}
+    assert helps["num_frames"].startswith("frames (default Wan 81, CogVideoX 49;")
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -277,8 +340,9 @@ main({args!r})
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert all(e < FRAMES_TOL for e in json.loads(run.stdout.splitlines()[0]).values())
+    assert run.stdout.splitlines()[1:] == [str(video)], run.stdout  # the path written
     for stage in ("load", "text", "denoise", "decode", "write", "total"):
-        assert f"\n{stage}" in "\n" + run.stdout, run.stdout
+        assert f"\n{stage}" in "\n" + run.stderr, run.stderr
     expected = t2v("A cat walks on the grass", height=32, width=48, num_frames=5,
                    num_inference_steps=2, max_sequence_length=16, seed=3, progress=False)
     assert _relative(np.load(latents), expected.latents) < 1e-5
@@ -325,7 +389,7 @@ def test_wan22_experts_folder(tmp_path, t2v):
                                           max_sequence_length=16)
     noise = jax.random.normal(jax.random.key(4), (2, 16, 2, 4, 6))
     expected = sampling.sample(pipe.transformer, noise, context, negative_context=negative,
-                               guidance_scale=5.0, guidance_scale_2=2.0, steps=3,
+                               guidance=sampling.Guidance(scale=5.0, scale_2=2.0), steps=3,
                                scheduler=pipe.scheduler)
     assert out.latents.shape == (2, 16, 2, 4, 6)
     assert _relative(out.latents, np.asarray(expected)) < 1e-6

@@ -18,6 +18,7 @@ tiny random transformers of `tests/fixtures/wan/` (`t2v`, and the two experts of
 
 import os
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -84,7 +85,7 @@ def test_experts_match_diffusers():
     low-noise one with guidance_scale_2 3.0 (4 steps: timesteps 999, 900, 750, 500)."""
     io = _io("wan_a14b")
     experts = models.WanExperts.from_pretrained(os.path.join(FIXTURES, "wan", "a14b", "diffusers"))
-    out = _sample(experts, io, steps=4, guidance_scale=5.0, guidance_scale_2=3.0)
+    out = _sample(experts, io, steps=4, guidance=sampling.Guidance(scale=5.0, scale_2=3.0))
     assert harness.max_rel_error(out, io["unipc_s4"]) < PARITY
 
 
@@ -96,8 +97,8 @@ def test_cogvideox_matches_diffusers(name, steps, dynamic):
     io = _io("cogvideox_2b")
     model = models.CogVideoXTransformer3D.from_pretrained(
         os.path.join(FIXTURES, "cogvideox", "2b", "diffusers"))
-    out = _sample(model, io, steps=steps, guidance_scale=6.0, scheduler="cogvideox_ddim",
-                  use_dynamic_cfg=dynamic)
+    out = _sample(model, io, steps=steps, guidance=sampling.Guidance(scale=6.0, dynamic=dynamic),
+                  scheduler="cogvideox_ddim")
     assert harness.max_rel_error(out, io[name]) < PARITY
 
 
@@ -136,7 +137,8 @@ def test_sharded_sp_tp_equals_one_device(t2v, io, unipc4):
     mesh = harness.mesh(sp=4, tp=2)
     model = nn.sharding.shard_module(
         nn.sharding.with_parallel(t2v, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
-    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh)
+    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"],
+                  placement=sampling.Placement(mesh=mesh))
     assert harness.max_rel_error(out, unipc4) < SHARDED
 
 
@@ -144,8 +146,8 @@ def test_cfg_axis_with_batch_axis_equals_one_device(t2v, io, unipc4):
     # The guided batch [cond; uncond] over (cfg, dp): each half's 2 examples over dp.
     mesh = harness.mesh(dp=2, sp=2, cfg=2)
     model = nn.sharding.shard_module(nn.sharding.with_parallel(t2v, nn.sharding.ParallelConfig(sequence="ulysses")), mesh)
-    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"], mesh=mesh, cfg_axis="cfg",
-                  batch_axis="dp")
+    out = _sample(model, io, steps=4, scheduler=SCHEDULERS["unipc"],
+                  placement=sampling.Placement(mesh=mesh, cfg_axis="cfg", batch_axis="dp"))
     assert harness.max_rel_error(out, unipc4) < SHARDED
 
 
@@ -167,62 +169,79 @@ def _bad(io, **changes):
     (dict(context=np.zeros((1, 7, 32), np.float32)), r"`context` must be"),
     (dict(negative_context=np.zeros((2, 5, 32), np.float32)), "`negative_context` must have"),
     (dict(negative_context=None), "`negative_context` is required"),
-    (dict(guidance_scale=-1.0), "`guidance_scale`"),
-    (dict(guidance_scale=float("nan")), "`guidance_scale`"),
-    (dict(guidance_scale_2=3.0), "`guidance_scale_2`"),
+    (dict(guidance=sampling.Guidance(scale_2=3.0)), "`guidance.scale_2`"),
+    (dict(guidance="5"), "`guidance` must be a sampling.Guidance"),
     (dict(steps=0), "`steps`"),
-    (dict(use_dynamic_cfg=1), "`use_dynamic_cfg`"),
     (dict(steps=2.0), "`steps`"),
     (dict(scheduler="ddpm"), "`scheduler` must be"),
     (dict(scheduler=sampling.CogVideoXDPM()), "`key`"),
-    (dict(cfg_axis="cfg"), "`batch_axis` and `cfg_axis` name axes of `mesh`"),
+    (dict(placement=sampling.Placement(cfg_axis="cfg")),
+     "`placement.batch_axis` and `placement.cfg_axis` name axes of `placement.mesh`"),
+    (dict(compilation=sampling.Compilation(max_steps=3)), "`compilation.max_steps`"),
+    (dict(progress="yes"), "`progress` must be"),
 ])
 def test_bad_inputs(t2v, io, changes, match):
     with pytest.raises(ValueError, match=match):
         sampling.sample(t2v, **_bad(io, **changes))
 
 
-@pytest.mark.parametrize("mesh_axes, changes, match", [
-    (dict(sp=8), dict(cfg_axis="cfg"), "`cfg_axis` must be an axis of size 2"),
-    (dict(sp=2, cfg=4), dict(cfg_axis="cfg"), "`cfg_axis` must be an axis of size 2"),
-    (dict(sp=4, cfg=2), dict(cfg_axis="cfg", guidance_scale=1.0, negative_context=None),
-     "no guidance"),
-    (dict(dp=8), dict(batch_axis="dp"), "multiple of the size of `batch_axis`"),
-    (dict(sp=8), dict(batch_axis="data"), "`batch_axis` must be an axis"),
+@pytest.mark.parametrize("make, match", [
+    (lambda: sampling.Guidance(scale=-1.0), "`scale`"),
+    (lambda: sampling.Guidance(scale=float("nan")), "`scale`"),
+    (lambda: sampling.Guidance(scale_2=-2.0), "`scale_2`"),
+    (lambda: sampling.Guidance(dynamic=1), "`dynamic`"),
+    (lambda: sampling.Placement(mesh="sp"), "`mesh` must be a jax.sharding.Mesh"),
+    (lambda: sampling.Caching(text=1), "`text`"),
+    (lambda: sampling.Caching(step=0.1), "`step` must be None, a sampling.StaticStepCache"),
+    (lambda: sampling.Compilation(max_steps=0), "`max_steps`"),
 ])
-def test_bad_mesh(t2v, io, mesh_axes, changes, match):
+def test_bad_options(make, match):
     with pytest.raises(ValueError, match=match):
-        sampling.sample(t2v, **_bad(io, mesh=harness.mesh(**mesh_axes), **changes))
+        make()
+
+
+@pytest.mark.parametrize("mesh_axes, placement, changes, match", [
+    (dict(sp=8), dict(cfg_axis="cfg"), {}, "`placement.cfg_axis` must be an axis of size 2"),
+    (dict(sp=2, cfg=4), dict(cfg_axis="cfg"), {},
+     "`placement.cfg_axis` must be an axis of size 2"),
+    (dict(sp=4, cfg=2), dict(cfg_axis="cfg"),
+     dict(guidance=sampling.Guidance(scale=1.0), negative_context=None), "no guidance"),
+    (dict(dp=8), dict(batch_axis="dp"), {}, "multiple of the size of `placement.batch_axis`"),
+    (dict(sp=8), dict(batch_axis="data"), {}, "`placement.batch_axis` must be an axis"),
+])
+def test_bad_mesh(t2v, io, mesh_axes, placement, changes, match):
+    placement = sampling.Placement(mesh=harness.mesh(**mesh_axes), **placement)
+    with pytest.raises(ValueError, match=match):
+        sampling.sample(t2v, **_bad(io, placement=placement, **changes))
 
 
 # -- 5. progress -------------------------------------------------------------------------
 
 
-def test_progress_bar_advances_per_step(t2v, io, monkeypatch):
-    """The host callback of the compiled loop advances one bar per run, once per step
-    (stdout is not a terminal under pytest, so the check that would turn it off is
-    replaced)."""
-    import tqdm
+def test_progress_callback_per_call(t2v, io):
+    """Each call's own callback, told every step once, in order, as Python values; the
+    latents bit for bit those of a call without one (the steps then run one compiled call
+    at a time)."""
+    steps = []
+    out = sampling.sample(t2v, io["noise"], io["context"], steps=3, scheduler="euler",
+                          guidance=sampling.Guidance(scale=1.0), progress=steps.append)
+    assert [(s.step, s.steps, s.reused) for s in steps] == [(0, 3, None), (1, 3, None),
+                                                             (2, 3, None)]
+    assert all(type(s.step) is int and type(s.steps) is int for s in steps)
+    again = sampling.sample(t2v, io["noise"], io["context"], steps=3, scheduler="euler",
+                            guidance=sampling.Guidance(scale=1.0))
+    assert harness.same_arrays(out, again)
 
-    from vidax_eqx.sampling import _sample
 
-    updates = []
-
-    class Bar:
-        def __init__(self, total, **kwargs):
-            self.total, self.n = total, 0
-
-        def update(self, k):
-            self.n += k
-            updates.append(self.n)
-
-        def close(self):
-            updates.append("closed")
-
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
-    monkeypatch.setattr(_sample, "_progress_wanted", bool)
-    out = sampling.sample(t2v, io["noise"], io["context"], guidance_scale=1.0, steps=3,
-                          scheduler="euler", progress=True)
-    jax.effects_barrier()
-    assert updates == [1, 2, 3, "closed"]
-    assert out.shape == io["noise"].shape
+def test_progress_lines(capsys):
+    """`ProgressLines`: the first step, every `every` and the last, with the elapsed time
+    and an estimate of the rest."""
+    lines = sampling.ProgressLines(every=2, file=sys.stdout)
+    lines.begin(5)
+    for i in range(5):
+        lines(sampling.SampleStep(i, 5, None))
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in out] == ["1/5", "2/5", "4/5", "5/5"], out
+    assert all(re.fullmatch(r"denoise  step \d/5  elapsed \d+\.\d s(  remaining ~\d+\.\d s)?",
+                            line) for line in out), out
+    assert "remaining" in out[1] and "remaining" not in out[-1]

@@ -70,7 +70,8 @@ def i2v():
 def test_wan_i2v(i2v):
     model, io = i2v
     scheduler = sampling.UniPC(shift=3.0)
-    got = sampling.sample(model, **io, steps=3, guidance_scale=5.0, scheduler=scheduler)
+    got = sampling.sample(model, **io, steps=3, guidance=sampling.Guidance(scale=5.0),
+                          scheduler=scheduler)
     ref = _reference(
         model, io["noise"], io["context"], io["negative_context"], steps=3,
         scheduler=scheduler, scale=5.0, context_image=io["context_image"],
@@ -83,8 +84,9 @@ def test_wan_i2v_sharded(i2v):
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
         model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
-    kwargs = dict(steps=2, guidance_scale=5.0, scheduler="euler")
-    got = sampling.sample(sharded, **io, **kwargs, mesh=mesh, cfg_axis="dp")
+    kwargs = dict(steps=2, guidance=sampling.Guidance(scale=5.0), scheduler="euler")
+    got = sampling.sample(sharded, **io, **kwargs,
+                          placement=sampling.Placement(mesh=mesh, cfg_axis="dp"))
     assert harness.max_rel_error(got, sampling.sample(model, **io, **kwargs)) < 1e-5
 
 
@@ -99,7 +101,7 @@ def test_wan_ti2v_first_frame():
     image = jnp.asarray(harness.normal(rng, (1, c.out_channels, 1, 4, 6)))
     scheduler = sampling.UniPC(shift=5.0)
     got = sampling.sample(model, noise, context, negative_context=negative, condition=image,
-                          steps=3, guidance_scale=5.0, scheduler=scheduler)
+                          steps=3, guidance=sampling.Guidance(scale=5.0), scheduler=scheduler)
     # diffusers: (1 - mask) * condition + mask * latents, timestep mask[0, 0, :, ::2, ::2] * t
     mask = jnp.ones((1, 1, 3, 4, 6)).at[:, :, 0].set(0.0)
 
@@ -128,7 +130,7 @@ def test_cogvideox_i2v():
     condition = jnp.concatenate([image, jnp.zeros((1, 2, *image.shape[2:]))], axis=1)
     scheduler = sampling.CogVideoXDDIM()
     got = sampling.sample(model, noise, context, negative_context=negative, condition=condition,
-                          steps=3, guidance_scale=6.0, scheduler=scheduler)
+                          steps=3, guidance=sampling.Guidance(scale=6.0), scheduler=scheduler)
     ref = _reference(model, noise, context, negative, steps=3, scheduler=scheduler, scale=6.0,
                      model_input=lambda x, t: (jnp.concatenate([x, condition], axis=2), t))
     assert harness.max_rel_error(got, ref) < 1e-5
@@ -149,7 +151,7 @@ def test_bad_condition(i2v):
     noise = jnp.zeros((1, 48, 3, 4, 6))
     context = jnp.zeros((1, 6, ti2v.config.text_dim))
     with pytest.raises(ValueError, match="F_c"):
-        sampling.sample(ti2v, noise, context, guidance_scale=1.0, **kwargs,
+        sampling.sample(ti2v, noise, context, guidance=sampling.Guidance(scale=1.0), **kwargs,
                         condition=jnp.zeros((1, 48, 4, 4, 6)))
     with pytest.raises(ValueError, match="out_channels"):
         sampling.sample(model, **{**io, "noise": jnp.zeros((1, 12, 2, 4, 6))}, **kwargs)

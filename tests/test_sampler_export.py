@@ -1,9 +1,9 @@
-"""One compile for any number of steps (`sample(max_steps=...)`) and the exported
-sampler (`sampling.export_sample`, `ExportedSampler.serialize` / `deserialize`), on a
-tiny random Wan.
+"""One compile for any number of steps (`sample(compilation=Compilation(max_steps=...))`)
+and the exported sampler (`sampling.export_sample`, `ExportedSampler.serialize` /
+`deserialize`), on a tiny random Wan.
 
-1. `max_steps`: the latents of the static loop bit for bit, for several step counts,
-   from one compiled program (XLA compilations of the loop counted).
+1. `Compilation(max_steps=...)`: the latents of the static loop bit for bit, for several
+   step counts, from one compiled program (XLA compilations of the loop counted).
 2. Export: serialized, deserialized and called, the latents of `sample` bit for bit:
    any steps up to `max_steps`, another guidance scale, a step cache (its reused
    steps), and CFG over a mesh axis on 8 simulated devices; the blob holds no weights.
@@ -63,7 +63,8 @@ def _identical(a, b):
 
 def test_max_steps_compiles_once(model, io):
     compiles = _Compiles()
-    padded = {steps: sampling.sample(model, **io, steps=steps, scheduler="euler", max_steps=6)
+    padded = {steps: sampling.sample(model, **io, steps=steps, scheduler="euler",
+                                     compilation=sampling.Compilation(max_steps=6))
               for steps in (2, 3, 6)}
     assert compiles.count == 1
     for steps, latents in padded.items():
@@ -77,7 +78,8 @@ def test_max_steps_compiles_once(model, io):
 @pytest.fixture(scope="module")
 def exported(model, io):
     """UniPC (the history-carrying scheduler), up to 5 steps, reloaded from bytes."""
-    blob = sampling.export_sample(model, **io, steps=3, max_steps=5).serialize()
+    blob = sampling.export_sample(model, **io, steps=3,
+                                  compilation=sampling.Compilation(max_steps=5)).serialize()
     return blob, sampling.ExportedSampler.deserialize(blob)
 
 
@@ -88,16 +90,22 @@ def test_export_round_trip(model, io, exported):
     assert sampler.max_steps == 5
     for steps in (3, 5):
         _identical(sampler(model, **io, steps=steps), sampling.sample(model, **io, steps=steps))
-    _identical(sampler(model, **io, steps=4, guidance_scale=7.5),
-               sampling.sample(model, **io, steps=4, guidance_scale=7.5))
+    guidance = sampling.Guidance(scale=7.5)
+    _identical(sampler(model, **io, steps=4, guidance=guidance),
+               sampling.sample(model, **io, steps=4, guidance=guidance))
 
 
 def test_export_step_cache(model, io):
-    rule = sampling.FirstBlockCache(1.5)
+    """A step cache exported; with the deprecated `return_reused=True` the program
+    returns each step's decision, those a progress callback sees."""
+    caching = sampling.Caching(step=sampling.FirstBlockCache(1.5))
     sampler = sampling.ExportedSampler.deserialize(sampling.export_sample(
-        model, **io, steps=5, step_cache=rule, return_reused=True).serialize())
-    out, reused = sampler(model, **io)
-    ref, ref_reused = sampling.sample(model, **io, steps=5, step_cache=rule, return_reused=True)
+        model, **io, steps=5, caching=caching).serialize())
+    ref, ref_reused = harness.sample_reused(model, **io, steps=5, caching=caching)
+    _identical(sampler(model, **io), ref)
+    with pytest.warns(DeprecationWarning, match=r"return_reused"):
+        old = sampling.export_sample(model, **io, steps=5, caching=caching, return_reused=True)
+    out, reused = sampling.ExportedSampler.deserialize(old.serialize())(model, **io)
     _identical(out, ref)
     _identical(reused, ref_reused)
 
@@ -106,7 +114,8 @@ def test_export_cfg_over_a_mesh(model, io):
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
         model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
-    kwargs = dict(steps=2, scheduler="euler", mesh=mesh, cfg_axis="dp")
+    kwargs = dict(steps=2, scheduler="euler",
+                  placement=sampling.Placement(mesh=mesh, cfg_axis="dp"))
     sampler = sampling.ExportedSampler.deserialize(
         sampling.export_sample(sharded, **io, **kwargs).serialize())
     _identical(sampler(sharded, **io), sampling.sample(sharded, **io, **kwargs))
@@ -122,14 +131,14 @@ def test_bad_input(model, io, exported):
     with pytest.raises(ValueError, match="max_steps"):
         sampler(model, **io, steps=6)
     with pytest.raises(ValueError, match="guidance"):
-        sampler(model, **io, guidance_scale=1.0)
+        sampler(model, **io, guidance=sampling.Guidance(scale=1.0))
     other = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ulysses"))
     with pytest.raises(ValueError, match="exported for"):
         sampler(other, **io)
     with pytest.raises(ValueError, match="not an exported sampler"):
         sampling.ExportedSampler.deserialize(b"\x04" + b"\x00" * 7 + b"nope")
     with pytest.raises(ValueError, match="max_steps"):
-        sampling.sample(model, **io, steps=4, max_steps=3)
+        sampling.sample(model, **io, steps=4, compilation=sampling.Compilation(max_steps=3))
     fixed = sampling.export_sample(model, **io, steps=2, scheduler="euler")
     with pytest.raises(ValueError, match="exported 2"):
         fixed(model, **io, steps=3)

@@ -1,6 +1,6 @@
 """Step caching: a denoising step that reuses the block stack's residual of the last
 step that ran it (`WanTransformer3D.cached_call`, `run_sharded(step_cache=...)`,
-`sampling.sample(step_cache=...)`), on a tiny random Wan.
+`sampling.sample(caching=Caching(step=...))`), on a tiny random Wan.
 
 1. The decision's statistic, `sum |r - r_last| / sum |r_last|` over the real tokens
    and the whole batch, against a float64 NumPy oracle.
@@ -206,7 +206,8 @@ def test_sample_without_reuse_is_exact(t2v, sample_io):
     model, _ = t2v
     ref = sampling.sample(model, **sample_io)
     for rule in (sampling.StaticStepCache(interval=1), sampling.FirstBlockCache(1e-9)):
-        out, reused = sampling.sample(model, **sample_io, step_cache=rule, return_reused=True)
+        out, reused = harness.sample_reused(model, **sample_io,
+                                            caching=sampling.Caching(step=rule))
         assert not np.any(reused)
         _identical(out, ref)
 
@@ -216,11 +217,12 @@ def test_sample_static_schedule(t2v, sample_io):
     rule = sampling.StaticStepCache(interval=2, warmup=2, cooldown=1)
     np.testing.assert_array_equal(rule.mask(5), [False, False, False, True, False])
     np.testing.assert_array_equal(rule.mask(8), [0, 0, 0, 1, 0, 1, 0, 0])
-    out, reused = sampling.sample(model, **sample_io, step_cache=rule, return_reused=True)
+    out, reused = harness.sample_reused(model, **sample_io, caching=sampling.Caching(step=rule))
     np.testing.assert_array_equal(reused, rule.mask(5))
     ref = sampling.sample(model, **sample_io)
     assert 0 < harness.max_rel_error(out, ref) < 1.0
-    explicit = sampling.sample(model, **sample_io, step_cache=sampling.StaticStepCache(reuse=(3,)))
+    explicit = sampling.sample(model, **sample_io,
+                               caching=sampling.Caching(step=sampling.StaticStepCache(reuse=(3,))))
     _identical(explicit, out)
 
 
@@ -229,13 +231,14 @@ def test_sample_first_block_sharded(t2v, sample_io):
     sharded sampler reuses the same ones (one decision reduced over every device)."""
     model, _ = t2v
     rule = sampling.FirstBlockCache(1.5)
-    out, reused = sampling.sample(model, **sample_io, step_cache=rule, return_reused=True)
+    out, reused = harness.sample_reused(model, **sample_io, caching=sampling.Caching(step=rule))
     assert 0 < int(np.sum(reused)) < 4
     mesh = harness.mesh(dp=2, sp=2, tp=2)
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(
         model, nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")), mesh)
-    got, got_reused = sampling.sample(sharded, **sample_io, step_cache=rule, mesh=mesh,
-                                      cfg_axis="dp", return_reused=True)
+    got, got_reused = harness.sample_reused(
+        sharded, **sample_io, caching=sampling.Caching(step=rule),
+        placement=sampling.Placement(mesh=mesh, cfg_axis="dp"))
     np.testing.assert_array_equal(got_reused, reused)
     assert harness.max_rel_error(got, out) < 1e-5
 
@@ -250,12 +253,13 @@ def test_sample_experts(sample_io):
     switch = int(np.argmax(high[1:] != high[:-1])) + 1
     assert 1 < switch < 5  # the fixture's boundary falls inside the schedule
     everything = sampling.StaticStepCache(reuse=(1, 2, 3, 4, 5))
-    _, reused = sampling.sample(experts, **io, step_cache=everything, return_reused=True)
+    _, reused = harness.sample_reused(experts, **io, caching=sampling.Caching(step=everything))
     expected = np.ones(6, bool)
     expected[[0, switch]] = False
     np.testing.assert_array_equal(reused, expected)
     # No reuse: the uncached sampler bit for bit.
-    out = sampling.sample(experts, **io, step_cache=sampling.StaticStepCache(interval=1))
+    out = sampling.sample(experts, **io,
+                          caching=sampling.Caching(step=sampling.StaticStepCache(interval=1)))
     _identical(out, sampling.sample(experts, **io))
 
 
@@ -264,18 +268,18 @@ def test_sample_experts(sample_io):
 
 def test_bad_input(t2v, sample_io):
     model, _ = t2v
-    with pytest.raises(ValueError, match="step_cache"):
-        sampling.sample(model, **sample_io, step_cache=0.1)
-    with pytest.raises(ValueError, match="return_reused"):
-        sampling.sample(model, **sample_io, return_reused=True)
+    with pytest.raises(ValueError, match="`step` must be None"):
+        sampling.Caching(step=0.1)
     with pytest.raises(ValueError, match=r"reuse.*\[1, 5\)"):
-        sampling.sample(model, **sample_io, step_cache=sampling.StaticStepCache(reuse=(0, 2)))
+        sampling.sample(model, **sample_io,
+                        caching=sampling.Caching(step=sampling.StaticStepCache(reuse=(0, 2))))
     with pytest.raises(ValueError, match="threshold"):
         sampling.FirstBlockCache(0.0)
     with pytest.raises(ValueError, match="warmup"):
         sampling.StaticStepCache(warmup=0)
     with pytest.raises(NotImplementedError, match="cached_call"):
-        sampling.sample(lambda x, t, c: x, **sample_io, step_cache=sampling.StaticStepCache())
+        sampling.sample(lambda x, t, c: x, **sample_io,
+                        caching=sampling.Caching(step=sampling.StaticStepCache()))
     x, t, c = t2v[1]
     with pytest.raises(ValueError, match="step_cache"):
         model.cached_call(x[0], t[0], c[0], models.StepCache(jnp.zeros((3, 64)),

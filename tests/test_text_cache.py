@@ -1,13 +1,13 @@
 """Wan's text K/V cache: the blocks' cross-attention keys and values computed once
 (`WanTransformer3D.text_cache`, `models.sharded_text_cache`) and taken by the model
-(`text_cache=`) instead of projecting the context every call, on tiny random models.
+(`text_cache=`, `sample`'s `Caching(text=...)`) instead of projecting the context every call, on tiny random models.
 
 1. Cached and uncached calls give the same output bit for bit (`np.array_equal`): one
    device (T2V and I2V), and on 8 simulated devices through `run_sharded` (Ulysses x
    TP with data parallelism, and FSDP over the batch and over the sequence axis).
 2. A gradient with respect to the model runs through the cached path; with the cache
    computed inside the differentiated function it equals the uncached gradient.
-3. `sampling.sample` (which caches by default) gives the latents of `text_cache=False`
+3. `sampling.sample` (which caches by default) gives the latents of `Caching(text=False)`
    (every step projecting the text) bit for bit, one device and sharded.
 4. A cache of another model or context raises a ValueError naming `text_cache`.
 5. Wan 2.2 A14B: each expert takes its own cache; sampling equals the uncached one
@@ -189,13 +189,13 @@ def sample_io(t2v):
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "sp_tp"])
 def test_sample_equals_uncached(t2v, sample_io, sharded):
     model, _ = t2v
-    kwargs = dict(steps=3, scheduler="unipc", guidance_scale=5.0)
+    kwargs = dict(steps=3, scheduler="unipc", guidance=sampling.Guidance(scale=5.0))
     if sharded:
         mesh = harness.mesh(sp=4, tp=2)
         model = nn.sharding.shard_module(nn.sharding.with_parallel(model, ULYSSES_TP), mesh)
-        kwargs["mesh"] = mesh
+        kwargs["placement"] = sampling.Placement(mesh=mesh)
     cached = sampling.sample(model, **sample_io, **kwargs)
-    uncached = sampling.sample(model, **sample_io, text_cache=False, **kwargs)
+    uncached = sampling.sample(model, **sample_io, caching=sampling.Caching(text=False), **kwargs)
     _assert_identical(cached, uncached)
 
 
@@ -203,9 +203,11 @@ def test_sample_cfg_axis_equals_uncached(t2v, sample_io):
     model, _ = t2v
     mesh = harness.mesh(sp=2, tp=2, cfg=2)
     model = nn.sharding.shard_module(nn.sharding.with_parallel(model, ULYSSES_TP), mesh)
-    kwargs = dict(steps=2, scheduler="euler", mesh=mesh, cfg_axis="cfg")
+    kwargs = dict(steps=2, scheduler="euler",
+                  placement=sampling.Placement(mesh=mesh, cfg_axis="cfg"))
     _assert_identical(sampling.sample(model, **sample_io, **kwargs),
-                      sampling.sample(model, **sample_io, text_cache=False, **kwargs))
+                      sampling.sample(model, **sample_io, caching=sampling.Caching(text=False),
+                                      **kwargs))
 
 
 # -- 4. bad inputs -----------------------------------------------------------------------
@@ -276,13 +278,13 @@ def test_experts_sample_equals_uncached(sharded):
     io = dict(noise=harness.normal(rng, (1, c.out_channels, 3, 4, 6)),
               context=harness.normal(rng, (1, 6, c.text_dim)),
               negative_context=harness.normal(rng, (1, 6, c.text_dim)),
-              steps=4, scheduler="euler", guidance_scale=5.0, guidance_scale_2=3.0)
+              steps=4, scheduler="euler", guidance=sampling.Guidance(scale=5.0, scale_2=3.0))
     cache = experts.text_cache(jnp.asarray(io["context"][0]))
     assert isinstance(cache, models.WanExpertsTextCache)
     assert not np.array_equal(cache.high_noise.k, cache.low_noise.k)  # their own weights
     if sharded:
         mesh = harness.mesh(sp=2, tp=2, cfg=2)
         experts = nn.sharding.shard_module(nn.sharding.with_parallel(experts, ULYSSES_TP), mesh)
-        io.update(mesh=mesh, cfg_axis="cfg")
-    _assert_identical(sampling.sample(experts, **io), sampling.sample(experts, **io,
-                                                                      text_cache=False))
+        io.update(placement=sampling.Placement(mesh=mesh, cfg_axis="cfg"))
+    _assert_identical(sampling.sample(experts, **io),
+                      sampling.sample(experts, **io, caching=sampling.Caching(text=False)))

@@ -18,7 +18,8 @@ Beyond those: [`attention_fn`][] plugs the kernels into
 the two module systems.
 
 This is the only module of the package that imports Flax (an optional
-dependency: `pip install 'vidax_eqx[flax]'`); `import vidax_eqx` does not.
+dependency: `pip install flax`, or `pip install '.[flax]'` in a clone); `import vidax_eqx`
+does not.
 
 One deliberate change from the original `vidax.core`: the norms' result dtype is
 the promotion of the input and `scale` dtypes (as in PyTorch, and as Wan's
@@ -38,7 +39,8 @@ try:
     import flax.linen as linen
 except ImportError as e:  # pragma: no cover - exercised only without flax
     raise ImportError(
-        "vidax_eqx.flax needs Flax, an optional dependency: pip install 'vidax_eqx[flax]'. "
+        "vidax_eqx.flax needs Flax, an optional dependency: pip install flax (or pip install "
+        "'.[flax]' in a clone of vidax_eqx). "
         "The Equinox modules and vidax_eqx.core work without it."
     ) from e
 

@@ -8,14 +8,26 @@
 
 The pipeline ([`vidax_eqx.pipelines.WanPipeline`][] or
 [`vidax_eqx.pipelines.CogVideoXPipeline`][], by `model_index.json`'s class) is read from a
-folder saved by diffusers or a Hub id; the size, guidance, prompt length and frame rate
-default to the model family's (Wan: 480 x 832, 81 frames, guidance 5, 512 tokens, 16 fps;
-CogVideoX: 480 x 720, 49 frames, guidance 6, 226 tokens, 8 fps). `--sp`, `--tp`, `--dp` and `--cfg` build the device mesh
-(Ulysses over `sp`, Megatron over `tp`, the batch over `dp`, guidance's two passes over
-`cfg`); on a CPU the devices are simulated. Each stage's time is printed as it ends.
+folder saved by diffusers or a Hub id; the size, steps, guidance, prompt length and frame
+rate default to the family's [`CallDefaults`][vidax_eqx.pipelines.CallDefaults] (Wan:
+480 x 832, 81 frames, 50 steps, guidance 5, 512 tokens, 16 fps; CogVideoX: 480 x 720,
+49 frames, 50 steps, guidance 6, 226 tokens, 8 fps). `--sp`, `--tp`, `--dp` and `--cfg`
+build the device mesh (Ulysses over `sp`, Megatron over `tp`, the batch over `dp`,
+guidance's two passes over `cfg`); on a CPU the devices are simulated.
+
+What it prints: the written paths on stdout, one a line; on stderr each stage's time as
+it ends, the denoising steps (a bar on a terminal, else a line every few steps with the
+elapsed time and an estimate of the rest) and the total wall time. Before it loads
+anything it checks the libraries it will need (tokenizers, PyAV, and Pillow for an image,
+huggingface_hub for a Hub id). An error (a bad argument, a missing library or file, a
+size the model cannot take) is one line on stderr and exit status 2. JAX's persistent
+compilation cache is on (a folder under `~/.cache/vidax_eqx`;
+[`vidax_eqx.pipelines.enable_compile_cache`][]), so that a second run does not compile
+again; `--no-compile-cache` or `VIDAX_COMPILE_CACHE=0` turns it off.
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -23,21 +35,54 @@ import time
 
 __all__ = ["main"]
 
-_FAMILIES = {"WanPipeline": "wan", "WanImageToVideoPipeline": "wan",
-             "CogVideoXPipeline": "cogvideox", "CogVideoXImageToVideoPipeline": "cogvideox"}
-_DEFAULTS = {  # diffusers' call defaults, and the models' frame rates
-    "wan": dict(height=480, width=832, num_frames=81, guidance_scale=5.0,
-                max_sequence_length=512, fps=16),
-    "cogvideox": dict(height=480, width=720, num_frames=49, guidance_scale=6.0,
-                      max_sequence_length=226, fps=8),
-}
+_PROG = "vidax-generate"
+_DTYPES = ("float32", "bfloat16", "float16")
+_AXES = (("sp", "sequence parallelism (Ulysses)"), ("tp", "tensor parallelism (Megatron)"),
+         ("dp", "the batch"), ("cfg", "guidance's two passes: 1 or 2"))
+# The libraries the command needs, each `(module, pip name, what for)`; the `pipeline`
+# extra brings them all.
+_TEXT = ("tokenizers", "tokenizers", "the prompt's tokens")
+_VIDEO = ("av", "av", "writing the .mp4")
+_IMAGE = ("PIL", "pillow", "reading --image")
+_HUB = ("huggingface_hub", "huggingface_hub", "a Hub id")
+INSTALL = "pip install '.[pipeline]' in a clone of vidax_eqx"
+# The quick local run of --help, on the tests' tiny random pipeline (from a clone's root).
+QUICK = ('vidax-generate tests/fixtures/wan_pipeline/t2v --prompt "A cat walks on the grass" \\\n'
+         "      --height 32 --width 48 --num-frames 9 --steps 4 --max-sequence-length 32 \\\n"
+         "      --output cat.mp4")
+QUICK_TIME = ("about 12 s of CPU the first time, most of it compiling;\nabout 5 s once JAX's "
+              "compilation cache holds its programs")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+class CommandError(Exception):
+    """An error the command reports as one line (exit status 2)."""
+
+
+def _families() -> dict:
+    from .pipelines import CogVideoXPipeline, WanPipeline
+
+    return {name: cls for cls in (WanPipeline, CogVideoXPipeline) for name in cls.pipeline_classes}
+
+
+def _default(field: str, unit: str = "") -> str:
+    from .pipelines import CogVideoXPipeline, WanPipeline
+
+    wan, cog = getattr(WanPipeline.defaults, field), getattr(CogVideoXPipeline.defaults, field)
+    if wan == cog:
+        return f"default {wan}{unit}"
+    return f"default Wan {wan}{unit}, CogVideoX {cog}{unit}"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments (`examples/generate_wan.py` shares their names)."""
     p = argparse.ArgumentParser(
-        prog="vidax-generate",
+        prog=_PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate a video from a prompt (and an image) with a Wan or CogVideoX "
-                    "diffusers pipeline, in JAX, without PyTorch.")
+                    "diffusers pipeline, in JAX, without PyTorch.",
+        epilog=f"A quick local run, from the root of a clone (the tests' tiny random "
+               f"pipeline):\n\n  {QUICK}\n\n({QUICK_TIME}.)\n\nThe paths written go to "
+               "stdout, the progress and timings to stderr; an error\nis one line on "
+               "stderr and exit status 2.")
     p.add_argument("model", help="a diffusers pipeline folder (model_index.json) or a Hugging "
                    "Face Hub id, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
     p.add_argument("--prompt", action="append", required=True,
@@ -47,20 +92,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image", help="image-to-video: the first frame (an image file)")
     p.add_argument("--last-image", help="Wan FLF2V: the last frame (an image file)")
     v = p.add_argument_group("video")
-    v.add_argument("--height", type=int, help="pixels (default 480)")
-    v.add_argument("--width", type=int, help="pixels (default Wan 832, CogVideoX 720)")
+    v.add_argument("--height", type=int, help=f"pixels ({_default('height')})")
+    v.add_argument("--width", type=int, help=f"pixels ({_default('width')})")
     v.add_argument("--num-frames", type=int,
-                   help="frames (default Wan 81 = 1 + 4k, CogVideoX 49 = 1 + 8k)")
-    v.add_argument("--fps", type=float, help="frames per second (default Wan 16, CogVideoX 8)")
+                   help=f"frames ({_default('num_frames')}; Wan 1 + 4k, CogVideoX 1 + 8k)")
+    v.add_argument("--fps", type=float, help=f"frames per second ({_default('fps')})")
     v.add_argument("--output", default="video.mp4",
                    help="the .mp4 to write (several videos: _1, _2, ... suffixes; default "
                         "video.mp4)")
-    v.add_argument("--latents",
-                   help="also write the final latents (the transformer's layout) to this .npy")
+    v.add_argument("--latents", help="also write the final latents (the transformer's "
+                   "layout) to this .npy or .safetensors (key 'latents')")
     s = p.add_argument_group("sampling")
-    s.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
+    s.add_argument("--steps", type=int,
+                   help=f"denoising steps ({_default('num_inference_steps')})")
     s.add_argument("--guidance-scale", type=float,
-                   help="CFG scale (default Wan 5.0, CogVideoX 6.0)")
+                   help=f"CFG scale ({_default('guidance_scale')})")
     s.add_argument("--guidance-scale-2", type=float,
                    help="Wan 2.2 A14B: the low-noise expert's scale (default --guidance-scale)")
     s.add_argument("--use-dynamic-cfg", action="store_true",
@@ -68,126 +114,244 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--seed", type=int, default=0, help="the initial latents' seed (default 0)")
     s.add_argument("--num-videos-per-prompt", type=int, default=1, help="default 1")
     s.add_argument("--max-sequence-length", type=int,
-                   help="the prompt's tokens (default Wan 512, CogVideoX 226)")
+                   help=f"the prompt's tokens ({_default('max_sequence_length')})")
+    add_device_arguments(p)
+    return p
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """`--dtype`, `--vae-dtype`, `--sp/--tp/--dp/--cfg` and `--no-compile-cache`."""
     m = p.add_argument_group("model and devices")
-    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    m.add_argument("--dtype", choices=_DTYPES,
                    help="the transformer's and encoders' dtype (default: the checkpoint's)")
-    m.add_argument("--vae-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    m.add_argument("--vae-dtype", choices=_DTYPES, default="float32",
                    help="the VAE's dtype (default float32)")
-    for axis, what in (("sp", "sequence parallelism (Ulysses)"),
-                       ("tp", "tensor parallelism (Megatron)"),
-                       ("dp", "the batch"), ("cfg", "guidance's two passes: 1 or 2")):
+    for axis, what in _AXES:
         m.add_argument(f"--{axis}", type=int, default=1, metavar="N",
-                       help=f"devices for {what} (default 1)")
-    args = p.parse_args(argv)
-    for axis in ("sp", "tp", "dp", "cfg"):
+                       help=f"devices for {what} (default 1; simulated on a CPU)")
+    m.add_argument("--no-compile-cache", action="store_true",
+                   help="leave JAX's persistent compilation cache off (by default it is on, in "
+                        "$XDG_CACHE_HOME/vidax_eqx/jax or ~/.cache/vidax_eqx/jax; also "
+                        "VIDAX_COMPILE_CACHE=0)")
+
+
+def check_devices(p: argparse.ArgumentParser, args) -> None:
+    for axis, _ in _AXES:
         if getattr(args, axis) < 1:
             p.error(f"--{axis} must be >= 1; received {getattr(args, axis)}")
     if args.cfg not in (1, 2):
         p.error(f"--cfg must be 1 or 2 (the conditional and unconditional passes); received "
                 f"{args.cfg}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    check_devices(p, args)
     if args.last_image and not args.image:
         p.error("--last-image needs --image (the first frame)")
     if not args.output.endswith(".mp4"):
         p.error(f"--output must end in .mp4; received {args.output!r}")
+    if args.latents and not args.latents.endswith((".npy", ".safetensors")):
+        p.error(f"--latents must end in .npy or .safetensors; received {args.latents!r}")
     return args
 
 
-def _simulate_devices(count: int) -> None:
-    """On a CPU, `count` simulated devices (the flag is read by the CPU backend only, when
-    JAX starts)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+# -- before anything loads ---------------------------------------------------------------
+
+
+def check_libraries(needs) -> None:
+    """Imports each `(module, pip name, what for)` of `needs`; a `CommandError` naming
+    every missing one and the extra that brings them all."""
+    missing = []
+    for module, package, why in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append((package, why))
+    if missing:
+        names = ", ".join(f"{package} ({why})" for package, why in missing)
+        raise CommandError(
+            f"missing {names}: {INSTALL} (the `pipeline` extra: tokenizers, av, pillow, "
+            f"huggingface_hub), or pip install {' '.join(package for package, _ in missing)}.")
+
+
+def simulate_devices(count: int) -> None:
+    """`count` devices on a CPU: JAX's `jax_num_cpu_devices`, when the backend has not
+    started and `XLA_FLAGS` does not set the count already (the CPU backend reads it
+    when it starts; other platforms ignore it)."""
+    if count <= 1 or "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend already started (a caller ran JAX in this process)
+        pass
+
+
+def make_mesh(args):
+    """The mesh of `--sp/--tp/--dp/--cfg` (`None` for one device)."""
+    import jax
+
+    from . import parallel
+
+    devices = args.sp * args.tp * args.dp * args.cfg
+    if devices == 1:
+        return None
+    if jax.device_count() < devices:
+        raise CommandError(
+            f"--sp {args.sp} --tp {args.tp} --dp {args.dp} --cfg {args.cfg} needs {devices} "
+            f"devices; JAX sees {jax.device_count()} ({jax.default_backend()}).")
+    extra = {"cfg": args.cfg} if args.cfg > 1 else None
+    return parallel.make_mesh(args.dp, args.sp, args.tp, extra_axes=extra)
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def progress_callback():
+    """A bar on a terminal, else lines every few steps (for a log)."""
+    from .sampling import ProgressBar, ProgressLines
+
+    if sys.stderr.isatty():
+        try:
+            importlib.import_module("tqdm")
+            return ProgressBar()
+        except ImportError:
+            pass
+    return ProgressLines()
+
+
+def write_latents(path: str, latents) -> None:
+    import numpy as np
+
+    from . import interop
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.endswith(".npy"):
+        np.save(path, latents)
+    else:
+        interop.save_safetensors({"latents": np.asarray(latents, np.float32)}, path)
 
 
 def _read_image(path: str):
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise SystemExit("--image needs Pillow: pip install 'vidax_eqx[video]'") from e
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--image / --last-image: no file {path!r}.")
     with Image.open(path) as image:
         return image.convert("RGB")
 
 
-def _report(stage: str, seconds: float) -> None:
-    print(f"{stage:<10} {seconds:8.1f} s", flush=True)
+# -- the run -----------------------------------------------------------------------------
 
 
-def main(argv=None) -> list[str]:
-    """Runs the command; returns the paths of the videos written."""
-    args = parse_args(argv)
-    devices = args.sp * args.tp * args.dp * args.cfg
-    if devices > 1 and "jax" not in sys.modules:
-        _simulate_devices(devices)
-    import jax
+def _run(args, start: float) -> list[str]:
+    needs = [_TEXT, _VIDEO]
+    if args.image or args.last_image:
+        needs.append(_IMAGE)
+    if not os.path.isdir(args.model):
+        needs.append(_HUB)
+    check_libraries(needs)
+    simulate_devices(args.sp * args.tp * args.dp * args.cfg)
+    if not args.no_compile_cache:
+        from .pipelines import enable_compile_cache
+
+        enable_compile_cache()
     import jax.numpy as jnp
-    import numpy as np
 
-    from . import interop, parallel
-    from .pipelines import CogVideoXPipeline, save_video, WanPipeline
+    from . import interop
+    from .pipelines import save_video
 
-    mesh = None
-    if devices > 1:
-        if jax.device_count() < devices:
-            raise SystemExit(f"--sp {args.sp} --tp {args.tp} --dp {args.dp} --cfg {args.cfg} "
-                             f"needs {devices} devices; JAX sees {jax.device_count()}.")
-        extra = {"cfg": args.cfg} if args.cfg > 1 else None
-        mesh = parallel.make_mesh(args.dp, args.sp, args.tp, extra_axes=extra)
-    start = time.perf_counter()
+    mesh = make_mesh(args)
     root = interop.resolve_pipeline(args.model)
     with open(os.path.join(root, "model_index.json")) as f:
         name = json.load(f).get("_class_name")
-    if name not in _FAMILIES:
-        raise SystemExit(f"{args.model!r} is a {name!r} pipeline; vidax-generate runs "
-                         f"{', '.join(_FAMILIES)}.")
-    family = _FAMILIES[name]
-    cls = WanPipeline if family == "wan" else CogVideoXPipeline
+    families = _families()
+    if name not in families:
+        raise CommandError(f"{args.model!r} is a {name!r} pipeline; {_PROG} runs "
+                           f"{', '.join(families)}.")
+    cls = families[name]
+    wan = cls.__name__ == "WanPipeline"
+    for flag, given, family in (("--guidance-scale-2", args.guidance_scale_2 is not None, "Wan"),
+                                ("--last-image", args.last_image is not None, "Wan"),
+                                ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
+        if given and wan != (family == "Wan"):
+            raise CommandError(f"{flag} is for {family} pipelines; {args.model!r} is {name}.")
     pipe = cls.from_pretrained(
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
-        vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh)
+        vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False)
     where = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"
-    print(f"{'load':<10} {time.perf_counter() - start:8.1f} s  ({name}: "
-          f"{type(pipe.transformer).__name__}, {pipe.transformer_dtype}, "
-          f"{type(pipe.scheduler).__name__}, {where})", flush=True)
-    defaults = dict(_DEFAULTS[family])
-    if family == "cogvideox" and pipe.positional_text_length is not None:
-        defaults["max_sequence_length"] = pipe.positional_text_length
-    settings = {k: defaults[k] if getattr(args, k) is None else getattr(args, k)
-                for k in defaults}
-    fps = settings.pop("fps")
-    kwargs = dict(settings, num_inference_steps=args.steps, seed=args.seed,
-                  num_videos_per_prompt=args.num_videos_per_prompt, report=_report)
+    log(f"{'load':<10} {time.perf_counter() - start:8.1f} s  ({name}: "
+        f"{type(pipe.transformer).__name__}, {pipe.transformer_dtype}, "
+        f"{type(pipe.scheduler).__name__}, {where})")
+    defaults = pipe.call_defaults
+    kwargs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
+                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                  guidance_scale_2=args.guidance_scale_2, use_dynamic_cfg=args.use_dynamic_cfg,
+                  max_sequence_length=args.max_sequence_length, seed=args.seed,
+                  num_videos_per_prompt=args.num_videos_per_prompt)
     if args.image is not None:
         kwargs["image"] = _read_image(args.image)
-    if family == "wan":
-        kwargs["guidance_scale_2"] = args.guidance_scale_2
-        if args.last_image is not None:
-            kwargs["last_image"] = _read_image(args.last_image)
-    else:
-        for flag, given in (("--guidance-scale-2", args.guidance_scale_2 is not None),
-                            ("--last-image", args.last_image is not None)):
-            if given:
-                raise SystemExit(f"{flag} is for Wan pipelines; {args.model!r} is {name}.")
-        kwargs["use_dynamic_cfg"] = args.use_dynamic_cfg
-    if family == "wan" and args.use_dynamic_cfg:
-        raise SystemExit(f"--use-dynamic-cfg is for CogVideoX pipelines; {args.model!r} is {name}.")
+    if args.last_image is not None:
+        kwargs["last_image"] = _read_image(args.last_image)
+    shown = {k: getattr(defaults, k) if v is None else v for k, v in kwargs.items()
+             if k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")}
+    videos = len(args.prompt) * args.num_videos_per_prompt
+    log(f"generating {videos} video{'s' * (videos > 1)} of {shown['num_frames']} x "
+        f"{shown['height']} x {shown['width']}: {shown['num_inference_steps']} steps, "
+        f"guidance {shown['guidance_scale']}")
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
-    out = pipe(prompt, args.negative_prompt, **kwargs)
-    start = time.perf_counter()
+    out = pipe(prompt, args.negative_prompt, progress=progress_callback(),
+               report=lambda stage, seconds: log(f"{stage:<10} {seconds:8.1f} s"), **kwargs)
+    written = time.perf_counter()
     stem, ext = os.path.splitext(args.output)
     paths = [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(len(out.frames))]
+    fps = defaults.fps if args.fps is None else args.fps
     for path, frames in zip(paths, out.frames):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_video(frames, path, fps=fps)
     if args.latents:
-        np.save(args.latents, out.latents)
-    _report("write", time.perf_counter() - start)
-    total = sum(out.timings.values())
-    print(f"{'total':<10} {total:8.1f} s  ({', '.join(out.timings)}); videos: "
-          f"{', '.join(paths)}", flush=True)
+        write_latents(args.latents, out.latents)
+    log(f"{'write':<10} {time.perf_counter() - written:8.1f} s")
+    log(f"{'total':<10} {time.perf_counter() - start:8.1f} s  (wall time: load, "
+        f"{', '.join(out.timings)}, write)")
     return paths
 
 
+def process_start() -> float:
+    """The `time.perf_counter()` of this process's start (Linux's `/proc`: the
+    interpreter and the imports before `main` count), else of now."""
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return now - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return now
+
+
+def main(argv=None) -> int:
+    """Runs the command: prints the paths of the videos written on stdout and returns
+    0; an error is one line on stderr and `SystemExit(2)`. The total it reports is the
+    process's wall time, from its start."""
+    start = process_start()
+    args = parse_args(argv)
+    try:
+        paths = _run(args, start)
+    except (CommandError, ValueError, ImportError, FileNotFoundError,
+            NotImplementedError) as e:
+        message = " ".join(str(e).split())
+        print(f"{_PROG}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    for path in paths:
+        print(path, flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

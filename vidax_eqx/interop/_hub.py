@@ -1,8 +1,8 @@
 """Checkpoints named by a Hugging Face Hub repository id, resolved to a local directory.
 
 `huggingface_hub` is an optional dependency (`pip install huggingface_hub`, or
-`pip install 'vidax_eqx[hub]'`), imported only when a repository id is given. Only the
-files a checkpoint directory needs are fetched (`config.json`, the `.safetensors`
+`pip install '.[hub]'` in a clone of vidax_eqx), imported only when a repository id is
+given. Only the files a checkpoint directory needs are fetched (`config.json`, the `.safetensors`
 files and their index, of the one folder asked for): never a pipeline's other
 components nor pickle-based weights. With `HF_HUB_OFFLINE=1` the local cache answers
 alone.
@@ -102,7 +102,8 @@ def _download(repo_id: str, revision, cache_dir, allow: list, ignore: list) -> s
         raise ImportError(
             f"{repo_id!r} is not a directory on disk, so it is read as a Hugging Face Hub "
             "repository id, which needs huggingface_hub, an optional dependency: pip install "
-            "huggingface_hub (or pip install 'vidax_eqx[hub]'). Or pass a local directory."
+            "huggingface_hub (or pip install '.[hub]' in a clone of vidax_eqx). Or pass a local "
+            "directory."
         ) from e
     try:
         return huggingface_hub.snapshot_download(

@@ -7,7 +7,8 @@ Wan's UMT5, 226 for CogVideoX's T5), after diffusers' `prompt_clean`. `TextToken
 reads the same folder's `tokenizer.json`, or for a T5 folder without one (CogVideoX's)
 its SentencePiece `spiece.model` (read by `_spiece.py`, converted as transformers
 converts it), and gives the same ids and attention masks; `prompt_clean` is diffusers'
-cleaning. `tokenizers` is optional: `pip install 'vidax_eqx[text]'`.
+cleaning. `tokenizers` is optional: `pip install tokenizers`, or `pip install '.[text]'` in a
+clone of vidax_eqx.
 """
 
 import functools
@@ -25,7 +26,7 @@ from ._spiece import SPIECE_FILE
 from ._t5_tokenizer import read_json, rebuild_as_t5, T5_CLASSES, t5_from_spiece, token_content
 
 
-_INSTALL = "pip install 'vidax_eqx[text]'"
+_INSTALL = "pip install tokenizers (or pip install '.[text]' in a clone of vidax_eqx)"
 _PADDINGS = ("max_length", "longest")
 
 

@@ -2,7 +2,8 @@
 frames `(F, H, W, 3)` to and from the VAE's layout `(3, F, H, W)` in [-1, 1].
 
 Everything here is NumPy on the host; PyAV (`av`) and, to resize, Pillow are imported
-only by the functions that need them (`pip install 'vidax_eqx[video]'`).
+only by the functions that need them (`pip install av pillow`, or `pip install '.[video]'`
+in a clone of vidax_eqx).
 """
 
 import fractions
@@ -13,7 +14,7 @@ import numpy as np
 from .._checks import is_int, is_real
 
 
-_INSTALL = "pip install 'vidax_eqx[video]'"
+_INSTALL = "pip install av pillow (or pip install '.[video]' in a clone of vidax_eqx)"
 
 
 def _import_av(owner: str):
@@ -129,7 +130,7 @@ def write_video(frames, path, *, fps: float = 16, codec: str = "libx264",
     **Raises:**
 
     `ValueError` for frames that are not `(F, H, W, 3)`, empty, not finite, or of odd
-    height or width; `ImportError` without PyAV (`pip install 'vidax_eqx[video]'`).
+    height or width; `ImportError` without PyAV (`pip install av`).
     """
     owner = "write_video"
     frames = _check_frames(owner, frames)

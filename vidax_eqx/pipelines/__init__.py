@@ -1,6 +1,10 @@
 """Pipelines, the top floor: a diffusers pipeline folder in, videos out, without
 PyTorch, above [`vidax_eqx.sampling`][].
 
+- [`AbstractVideoPipeline`][]: the template every family fills in: loading a folder
+    (`from_pretrained`) and the one call (its checks, the stages `text`, `image`,
+    `denoise` and `decode`, their timer); a family's call defaults are a
+    [`CallDefaults`][] of class data, which `vidax-generate` reads too.
 - [`WanPipeline`][]: Wan 2.1 / 2.2 text-to-video and image-to-video (diffusers'
     `WanPipeline` and `WanImageToVideoPipeline`): tokenizer, UMT5, CLIP, transformer or
     experts, scheduler and VAE from one folder or Hub id, compiled and sharded over a
@@ -10,11 +14,19 @@ PyTorch, above [`vidax_eqx.sampling`][].
     transformer, scheduler and VAE from one folder or Hub id, compiled and sharded over
     a mesh.
 - [`save_video`][]: a video's frames to an `.mp4`.
+- [`enable_compile_cache`][]: JAX's persistent compilation cache in a folder under the
+    user's cache directory ([`default_compile_cache_dir`][]), as `from_pretrained` and
+    the command switch it on (`VIDAX_COMPILE_CACHE=0` turns that off).
 
 The command `vidax-generate` (`python -m vidax_eqx.generate`) runs a pipeline from the
 shell.
 """
 
 from ._cogvideox import CogVideoXPipeline as CogVideoXPipeline
+from ._compile_cache import (
+    default_compile_cache_dir as default_compile_cache_dir,
+    enable_compile_cache as enable_compile_cache,
+)
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
+from ._pipeline import AbstractVideoPipeline as AbstractVideoPipeline, CallDefaults as CallDefaults
 from ._wan import WanPipeline as WanPipeline

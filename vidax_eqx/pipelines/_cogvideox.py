@@ -6,19 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, models, sampling
-from ._common import (
-    check_int, dtype_of, encode_prompts, given_embeddings, image_array, load_text_encoder,
-    parallel_for, vae_call,
-)
-from ._folder import PipelineFolder
-from ._output import PipelineOutput, StageTimer
+from .. import interop, models
+from ._common import check_int, dtype_of, image_array, vae_call
+from ._pipeline import AbstractVideoPipeline, CallDefaults
 
 
-_CLASSES = ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")
 _OWNER = "CogVideoXPipeline"
-# What `seed` draws besides the initial latents: the streams folded into its key.
-_POSTERIOR_STREAM, _SCHEDULER_STREAM = 1, 2
+# What `seed` draws besides the initial latents (from the key itself) and a stochastic
+# scheduler's noise (the template's stream 2): the I2V posterior sample.
+_POSTERIOR_STREAM = 1
 
 
 def _nearest(value: int, multiple: int, offset: int) -> str:
@@ -29,7 +25,7 @@ def _nearest(value: int, multiple: int, offset: int) -> str:
     return " or ".join(str(v) for v in sizes)
 
 
-class CogVideoXPipeline:
+class CogVideoXPipeline(AbstractVideoPipeline):
     """CogVideoX 1.0 (2B, 5B) text-to-video and image-to-video, from a diffusers pipeline
     folder: tokenizer, T5 v1.1 text encoder, transformer, VAE and scheduler; every stage
     compiled, and sharded over a mesh when one is given.
@@ -74,31 +70,30 @@ class CogVideoXPipeline:
     embeddings, and a single I2V image serves every video of the batch. CogVideoX 1.5
     (`patch_size_t`, `ofs_embed_dim`) is refused when the transformer loads.
 
-    **Attributes:** `tokenizer` ([`vidax_eqx.interop.TextTokenizer`][]), `text_encoder`
-    ([`vidax_eqx.models.T5Encoder`][]), `transformer`
-    ([`vidax_eqx.models.CogVideoXTransformer3D`][]), `vae`
-    ([`vidax_eqx.models.CogVideoXVAE`][]), `scheduler` (a scheduler of
-    [`vidax_eqx.sampling`][]), `mesh`.
+    Its defaults: 480 x 720, 49 frames, 50 steps, guidance 6.0, 226 tokens (the
+    transformer's `max_text_seq_length` when it has a positional embedding over the
+    text), 8 fps.
+
+    **Attributes:** those of [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline]
+    (`transformer`: a [`vidax_eqx.models.CogVideoXTransformer3D`][]; `vae`: a
+    [`vidax_eqx.models.CogVideoXVAE`][]).
     """
+
+
+    defaults = CallDefaults(height=480, width=720, num_frames=49, num_inference_steps=50,
+                            guidance_scale=6.0, max_sequence_length=226, fps=8)
+    pipeline_classes = ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")
+    clean_prompts = False
+    masked_text = False
+    latent_layout = "(B, F, C, h, w)"
 
     def __init__(self, *, tokenizer, text_encoder, transformer, vae, scheduler, mesh=None,
                  batch_axis=None, cfg_axis=None):
-        """**Arguments:** the components (see the class's attributes); `tokenizer` and
-        `text_encoder` may be `None` for calls with `prompt_embeds`.
-
-        - `mesh`: run sharded: the transformer must have been placed on it (its
-            `ParallelConfig`); the VAE splits frames over two of its axes.
-        - `batch_axis`, `cfg_axis`: [`vidax_eqx.sampling.sample`][]'s (default: `"dp"`
-            and `"cfg"` when the mesh has them with more than one device).
-        """
-        self.tokenizer, self.text_encoder = tokenizer, text_encoder
-        self.transformer, self.vae, self.scheduler = transformer, vae, scheduler
-        self.mesh = mesh
-        sizes = {} if mesh is None else dict(mesh.shape)
-        self.batch_axis = batch_axis if batch_axis is not None else (
-            "dp" if sizes.get("dp", 1) > 1 else None)
-        self.cfg_axis = cfg_axis if cfg_axis is not None else (
-            "cfg" if sizes.get("cfg", 1) > 1 else None)
+        """**Arguments:** those of
+        [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline]."""
+        super().__init__(tokenizer=tokenizer, text_encoder=text_encoder,
+                         transformer=transformer, vae=vae, scheduler=scheduler, mesh=mesh,
+                         batch_axis=batch_axis, cfg_axis=cfg_axis)
         config = transformer.config
         if config.out_channels != vae.z_dim:
             raise ValueError(
@@ -115,61 +110,22 @@ class CogVideoXPipeline:
                 f"must be the transformer's text_embed_dim ({config.text_embed_dim}): they "
                 "are not one pipeline's.")
 
-    # -- loading ------------------------------------------------------------------------
-
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, text_encoder_dtype=None,
-                        vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
-                        revision: str | None = None, cache_dir=None) -> "CogVideoXPipeline":
-        """A pipeline folder saved by diffusers' `CogVideoXPipeline` or
-        `CogVideoXImageToVideoPipeline` (`save_pretrained`), or a Hub repository of one
-        (`"THUDM/CogVideoX-5b"`; only JSON, safetensors and tokenizer files are fetched).
-
-        **Arguments:**
-
-        - `path`: the folder or Hub repository id.
-        - `dtype`: the transformer's parameters' dtype (default the checkpoint's); also
-            the text encoder's unless `text_encoder_dtype` is given.
-        - `text_encoder_dtype`: the T5 encoder's dtype (default `dtype`, or float32).
-        - `vae_dtype`: the VAE's (default float32).
-        - `mesh`: a mesh with the library's axis names (`dp`, `sp`, `tp`, `cfg`:
-            [`vidax_eqx.parallel.make_mesh`][]): the transformer loads straight into its
-            sharded layout (`parallel`, default Ulysses over `sp` and Megatron over
-            `tp`); the VAE splits each frame over the mesh.
-        - `parallel`: the transformer's [`vidax_eqx.nn.sharding.ParallelConfig`][]
-            (with `mesh`).
-        - `scheduler`: a scheduler of [`vidax_eqx.sampling`][] instead of the folder's
-            `scheduler/scheduler_config.json`.
-        - `revision`, `cache_dir`: for a Hub id.
-        """
-        folder = PipelineFolder(path, owner=_OWNER, classes=_CLASSES, revision=revision,
-                                cache_dir=cache_dir)
-        if parallel is None:
-            parallel = parallel_for(mesh)
+    def load_components(cls, folder, *, dtype, vae_dtype, encoder_dtype, parallel, mesh) -> dict:
+        """The transformer and the VAE."""
         transformer = models.CogVideoXTransformer3D.from_pretrained(
             folder.path("transformer", needed_for="every call"), dtype=dtype,
             parallel=parallel, mesh=mesh)
         vae = models.CogVideoXVAE.from_pretrained(
             folder.path("vae", needed_for="decoding"), dtype=vae_dtype, mesh=mesh)
-        if scheduler is None:
-            scheduler = sampling.scheduler_from_config(
-                folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
-        tokenizer = text_encoder = None
-        if folder.has("tokenizer"):
-            tokenizer = interop.TextTokenizer.from_pretrained(
-                folder.path("tokenizer", needed_for="a prompt"))
-        if folder.has("text_encoder"):
-            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
-                                             dtype=text_encoder_dtype or dtype or jnp.float32,
-                                             mesh=mesh)
-        return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
-                   vae=vae, scheduler=scheduler, mesh=mesh)
+        return dict(transformer=transformer, vae=vae)
 
     # -- what the components say --------------------------------------------------------
 
     @property
-    def transformer_dtype(self) -> jnp.dtype:
-        return dtype_of(self.transformer)
+    def transformer_config(self):
+        """The transformer's `CogVideoXConfig`."""
+        return self.transformer.config
 
     @property
     def image_conditioned(self) -> bool:
@@ -188,10 +144,13 @@ class CogVideoXPipeline:
             return None
         return c.max_text_seq_length
 
+    @property
+    def fixed_text_length(self) -> int | None:
+        return self.positional_text_length
+
     def check_size(self, height, width, num_frames) -> tuple[int, int, int]:
-        """The latent `(F, h, w)` of a `num_frames x height x width` video; a
-        `ValueError` naming the nearest sizes that work when the VAE and the patch size do
-        not divide them, when the VAE would decode another number of frames, or when a
+        """As [`check_size`][vidax_eqx.pipelines.AbstractVideoPipeline.check_size]; also
+        raises when the VAE would decode another number of frames, or when a
         learned positional embedding (5B-I2V) fixes the size."""
         height = check_int(_OWNER, "height", height, 1)
         width = check_int(_OWNER, "width", width, 1)
@@ -221,30 +180,12 @@ class CogVideoXPipeline:
                     f"{(height, width)}.")
         return (num_frames - 1) // t + 1, height // s, width // s
 
-    def _check_text_length(self, name: str, length: int) -> None:
-        expected = self.positional_text_length
-        if expected is not None and length != expected:
-            raise ValueError(
-                f"{_OWNER}: `{name}` must be the transformer's max_text_seq_length "
-                f"({expected}): its positional embedding covers that many text tokens "
-                f"(diffusers fails on any other length); received {length}.")
+    def latent_shape(self, batch: int, grid) -> tuple[int, ...]:
+        """`(batch, F, C, h, w)`, diffusers' CogVideoX layout."""
+        f, h, w = grid
+        return (batch, f, self.transformer.config.out_channels, h, w)
 
     # -- stages -------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=True,
-                      num_videos_per_prompt: int = 1, max_sequence_length: int = 226):
-        """diffusers' `CogVideoXPipeline.encode_prompt`: `(prompt_embeds,
-        negative_prompt_embeds)`, `(B * num_videos_per_prompt, max_sequence_length,
-        text_dim)` in the text encoder's dtype; the negative `None` without guidance.
-        The prompts are tokenized as they are (no cleaning), padded to
-        `max_sequence_length` and encoded without an attention mask, so every position,
-        padding included, holds the encoder's output (as in diffusers); the negative
-        prompts are encoded in the same compiled call."""
-        return encode_prompts(_OWNER, self, prompt, negative_prompt,
-                              guided=do_classifier_free_guidance,
-                              num_videos_per_prompt=num_videos_per_prompt,
-                              max_sequence_length=max_sequence_length, clean=False,
-                              masked=False)
 
     def encode_image(self, image, height: int, width: int, *, key=None) -> jax.Array:
         """The image's latents as diffusers' `CogVideoXImageToVideoPipeline.prepare_latents`
@@ -281,79 +222,16 @@ class CogVideoXPipeline:
         latents = jnp.concatenate([latents, pad], axis=1)
         return jnp.broadcast_to(latents, (batch, *latents.shape[1:]))
 
-    def decode(self, latents) -> np.ndarray:
-        """diffusers' `decode_latents` and `postprocess_video(output_type="np")`: the
-        latents `(B, F, C, h, w)` divided by the VAE's `scaling_factor`, decoded one video
-        at a time (in the VAE's chunks of frames, split over the mesh), `(B, 4 (F - 1) +
-        1, H, W, 3)` float32 in [0, 1]."""
-        videos = []
-        for z in latents:
-            z = jnp.transpose(jnp.asarray(z, dtype_of(self.vae)), (1, 0, 2, 3))
-            z = self.vae.denormalize_latents(z)
-            videos.append(interop.video_to_frames(self._vae_call("decode", z)))
-        return np.stack(videos)
-
-    def _vae_call(self, method: str, x):
-        return vae_call(self.vae, self.mesh, method, x)
-
-    # -- the call -----------------------------------------------------------------------
-
-    def __call__(self, prompt=None, negative_prompt=None, *, image=None, height: int = 480,
-                 width: int = 720, num_frames: int = 49, num_inference_steps: int = 50,
-                 guidance_scale: float = 6.0, use_dynamic_cfg: bool = False,
-                 num_videos_per_prompt: int = 1, seed: int = 0, latents=None,
-                 prompt_embeds=None, negative_prompt_embeds=None, image_latents=None,
-                 output_type: str = "np", max_sequence_length: int = 226,
-                 progress: bool = True, report=None, **sample_kwargs) -> PipelineOutput:
-        """Generates videos: text (and image) encoding, the denoising loop and the decode,
-        each compiled.
-
-        **Arguments** (diffusers' names and defaults):
-
-        - `prompt`, `negative_prompt`: a str or a list (one video per prompt and
-            `num_videos_per_prompt`); the negative prompt is used when
-            `guidance_scale > 1` (default `""`), one str for all or one per prompt.
-        - `image`: image-to-video: the first frame (a PIL image or an `(H, W, 3)` array,
-            uint8 or float in [0, 1]), resized to `height x width`. Required by an I2V
-            transformer, refused by a T2V one.
-        - `height`, `width`, `num_frames`: the video's size (480 x 720, 49 frames:
-            CogVideoX's; see the class's note).
-        - `num_inference_steps`, `guidance_scale`; `use_dynamic_cfg`: CogVideoX's
-            cosine guidance schedule (diffusers' expression, as
-            [`vidax_eqx.sampling.sample`][] computes it).
-        - `seed`: the initial latents are `jax.random.normal(jax.random.key(seed),
-            (B, F, C, h, w), float32)` (the image's posterior sample and the DPM
-            scheduler's noise come from keys folded from it: see the class's note); or
-            `latents`: those latents, e.g. diffusers' own draw, to reproduce a diffusers
-            run.
-        - `prompt_embeds`, `negative_prompt_embeds`: `(B, L, text_dim)` embeddings instead
-            of `prompt` / `negative_prompt`.
-        - `image_latents`: the image's scaled latents instead of encoding `image`:
-            `(1 or B, 1, C, h, w)` (the encoded frame, as
-            [`encode_image`][vidax_eqx.pipelines.CogVideoXPipeline.encode_image] returns
-            it) or `(1 or B, F, C, h, w)` (diffusers' padded `image_latents`); with them
-            `image` may be left out.
-        - `output_type`: `"np"` (frames) or `"latent"` (no decode).
-        - `max_sequence_length`: the prompt's token length (226).
-        - `progress`: a progress bar over the steps (tqdm, on a terminal).
-        - `report`: called as `report(stage, seconds)` after each stage.
-        - `**sample_kwargs`: further [`vidax_eqx.sampling.sample`][] options
-            (`max_steps`, `remat`, ...; `key` replaces the DPM scheduler's key).
-
-        **Returns:**
-
-        A [`PipelineOutput`][vidax_eqx.pipelines.PipelineOutput]: `frames` `(B, F, H,
-        W, 3)` in [0, 1], the final `latents` in CogVideoX's layout `(B, F_lat, C, h,
-        w)`, the stage `timings`.
-        """
-        if output_type not in ("np", "latent"):
-            raise ValueError(f"{_OWNER}: `output_type` must be 'np' or 'latent'; received "
-                             f"{output_type!r}.")
+    def check_image(self, *, image, last_image, image_embeds, image_latents,
+                    num_frames: int) -> bool:
+        """An I2V transformer needs `image` (or `image_latents`), a T2V one refuses
+        them; `last_image` and `image_embeds` are Wan's. The `"image"` stage runs for
+        an I2V transformer."""
         config = self.transformer.config
-        f, h, w = self.check_size(height, width, num_frames)
-        n = check_int(_OWNER, "num_videos_per_prompt", num_videos_per_prompt, 1)
-        seed_key = jax.random.key(check_int(_OWNER, "seed", seed, 0))
-        guided = guidance_scale > 1
+        for name, value in (("last_image", last_image), ("image_embeds", image_embeds)):
+            if value is not None:
+                raise ValueError(f"{_OWNER}: `{name}` is WanPipeline's; CogVideoX takes `image` "
+                                 "(or `image_latents`).")
         if (image is not None or image_latents is not None) and not self.image_conditioned:
             raise ValueError(
                 f"{_OWNER}: `image` is for an image-to-video transformer; this pipeline's is "
@@ -365,72 +243,39 @@ class CogVideoXPipeline:
                 f"{_OWNER}: this pipeline's transformer is image-to-video (in_channels "
                 f"{config.in_channels} = {config.out_channels} latents + "
                 f"{config.in_channels - config.out_channels} image latents): pass `image`.")
-        timer = StageTimer(report)
-        dtype = self.transformer_dtype
+        return self.image_conditioned
 
-        with timer("text"):
-            if prompt_embeds is None:
-                if negative_prompt_embeds is not None:
-                    raise ValueError(f"{_OWNER}: `negative_prompt_embeds` goes with "
-                                     "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
-                self._check_text_length("max_sequence_length", max_sequence_length)
-                context, negative = self.encode_prompt(
-                    prompt, negative_prompt, do_classifier_free_guidance=guided,
-                    num_videos_per_prompt=n, max_sequence_length=max_sequence_length)
-            else:
-                context, negative = given_embeddings(
-                    _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
-                    guided=guided, num_videos_per_prompt=n)
-                self._check_text_length("prompt_embeds.shape[1]", context.shape[1])
-            context = jax.block_until_ready(context.astype(dtype))
-            negative = None if not guided or negative is None else negative.astype(dtype)
-        batch = context.shape[0]
+    def image_condition(self, *, image, last_image, image_embeds, image_latents, height,
+                        width, num_frames, grid, batch, dtype, key):
+        """`image_latents`, or the image encoded (a sample of the VAE's posterior from
+        `fold_in(key, 1)`), padded with zero frames
+        ([`prepare_condition`][vidax_eqx.pipelines.CogVideoXPipeline.prepare_condition])."""
+        f, h, w = grid
+        if image_latents is None:
+            image_latents = self.encode_image(
+                image, height, width, key=jax.random.fold_in(key, _POSTERIOR_STREAM))
+        image_latents = jnp.asarray(image_latents, jnp.float32)
+        c = self.transformer.config.out_channels
+        if (image_latents.ndim != 5 or image_latents.shape[0] not in (1, batch)
+                or image_latents.shape[1] not in (1, f)
+                or image_latents.shape[2:] != (c, h, w)):
+            first = "1" if batch == 1 else f"1 or {batch}"
+            raise ValueError(
+                f"{_OWNER}: `image_latents` must be ({first}, 1 or {f}, {c}, {h}, {w}) "
+                f"(the image's frame, or diffusers' padded image_latents) for "
+                f"{batch} videos of {num_frames} x {height} x {width}; received shape "
+                f"{image_latents.shape}.")
+        return self.prepare_condition(image_latents, f, batch), {}
 
-        kwargs = dict(sample_kwargs)
-        condition = None
-        if self.image_conditioned:
-            with timer("image"):
-                if image_latents is None:
-                    image_latents = self.encode_image(
-                        image, height, width, key=jax.random.fold_in(seed_key, _POSTERIOR_STREAM))
-                image_latents = jnp.asarray(image_latents, jnp.float32)
-                c = config.out_channels
-                if (image_latents.ndim != 5 or image_latents.shape[0] not in (1, batch)
-                        or image_latents.shape[1] not in (1, f)
-                        or image_latents.shape[2:] != (c, h, w)):
-                    first = "1" if batch == 1 else f"1 or {batch}"
-                    raise ValueError(
-                        f"{_OWNER}: `image_latents` must be ({first}, 1 or {f}, {c}, {h}, {w}) "
-                        f"(the image's frame, or diffusers' padded image_latents) for "
-                        f"{batch} videos of {num_frames} x {height} x {width}; received shape "
-                        f"{image_latents.shape}.")
-                condition = jax.block_until_ready(self.prepare_condition(image_latents, f, batch))
+    def decode(self, latents) -> np.ndarray:
+        """As [`decode`][vidax_eqx.pipelines.AbstractVideoPipeline.decode]: the latents `(B, F, C, h, w)` divided by the VAE's `scaling_factor`, decoded in
+        the VAE's chunks of frames, `(B, 4 (F - 1) + 1, H, W, 3)`."""
+        videos = []
+        for z in latents:
+            z = jnp.transpose(jnp.asarray(z, dtype_of(self.vae)), (1, 0, 2, 3))
+            z = self.vae.denormalize_latents(z)
+            videos.append(interop.video_to_frames(self._vae_call("decode", z)))
+        return np.stack(videos)
 
-        shape = (batch, f, config.out_channels, h, w)
-        if latents is None:
-            noise = jax.random.normal(seed_key, shape, jnp.float32)
-        else:
-            noise = jnp.asarray(latents, jnp.float32)
-            if noise.shape != shape:
-                raise ValueError(
-                    f"{_OWNER}: `latents` must be the initial latents (B, F, C, h, w) = "
-                    f"{shape} for {batch} videos of {num_frames} x {height} x {width}; "
-                    f"received shape {noise.shape}.")
-        # diffusers scales the latents by the scheduler's `init_noise_sigma`, 1.0 for both
-        # CogVideoX schedulers.
-        if self.scheduler.stochastic:
-            kwargs.setdefault("key", jax.random.fold_in(seed_key, _SCHEDULER_STREAM))
-
-        with timer("denoise"):
-            out = sampling.sample(
-                self.transformer, noise, context, negative_context=negative,
-                guidance_scale=guidance_scale, steps=num_inference_steps,
-                scheduler=self.scheduler, mesh=self.mesh, batch_axis=self.batch_axis,
-                cfg_axis=self.cfg_axis if guided else None, use_dynamic_cfg=use_dynamic_cfg,
-                progress=progress, condition=condition, **kwargs)
-            out = np.asarray(jax.device_get(jax.block_until_ready(out)), np.float32)
-        frames = None
-        if output_type == "np":
-            with timer("decode"):
-                frames = self.decode(out)
-        return PipelineOutput(frames=frames, latents=out, timings=dict(timer.timings))
+    def _vae_call(self, method: str, x):
+        return vae_call(self.vae, self.mesh, method, x)

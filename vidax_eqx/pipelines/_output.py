@@ -52,7 +52,7 @@ class StageTimer:
 
 def save_video(frames, path, *, fps: float = 16) -> None:
     """Writes one video's frames to an `.mp4` (H.264 through PyAV: `pip install
-    'vidax_eqx[video]'`).
+    av`, or `pip install '.[video]'` in a clone).
 
     **Arguments:**
 

@@ -6,16 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, models, sampling
-from ._common import (
-    check_int, dtype_of, encode_prompts, given_embeddings, image_array, load_text_encoder,
-    parallel_for, vae_call,
-)
-from ._folder import PipelineFolder
-from ._output import PipelineOutput, StageTimer
+from .. import interop, models
+from ._common import check_int, dtype_of, image_array, vae_call
+from ._pipeline import AbstractVideoPipeline, CallDefaults
 
 
-_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 _OWNER = "WanPipeline"
 
 
@@ -33,11 +28,11 @@ def image_mask(num_frames: int, temporal: int, latent_frames: int, h: int, w: in
     return np.broadcast_to(mask[:, :, None, None], (temporal, latent_frames, h, w)).copy()
 
 
-class WanPipeline:
-    """Wan 2.1 / 2.2 text-to-video and image-to-video, from a diffusers pipeline folder:
-    tokenizer, UMT5 text encoder, transformer (or Wan 2.2 A14B's two experts), VAE,
-    scheduler and, for Wan 2.1 I2V / FLF2V, the CLIP image encoder; every stage compiled,
-    and sharded over a mesh when one is given.
+class WanPipeline(AbstractVideoPipeline):
+    """Wan 2.1 / 2.2 text-to-video and image-to-video, from a diffusers pipeline folder
+    (diffusers' `WanPipeline` and `WanImageToVideoPipeline`): tokenizer, UMT5 text
+    encoder, transformer (or Wan 2.2 A14B's two experts), VAE, scheduler and, for Wan
+    2.1 I2V / FLF2V, the CLIP image encoder.
 
         pipe = WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
         out = pipe("A cat walks on the grass", negative_prompt="blurry", height=480,
@@ -49,83 +44,54 @@ class WanPipeline:
     its length and cast to the transformer's dtype; the negative prompt (default `""`)
     when `guidance_scale > 1`; the scheduler of the folder's `scheduler_config.json`; for
     I2V the image's CLIP features (the penultimate layer's) and its VAE latents beside
-    diffusers' mask; the latents denormalized and decoded; frames in [0, 1].
+    diffusers' mask; the latents `(B, z, F, h, w)` denormalized and decoded; frames in
+    [0, 1]. Its defaults: 480 x 832, 81 frames, 50 steps, guidance 5.0, 512 tokens, 16
+    fps.
 
     Where diffusers rounds a size down with a warning (a `height` or `width` that the VAE
     and patch size do not divide, a `num_frames - 1` that is not a multiple of 4), this
     raises, naming the sizes that work.
 
-    **Attributes:** `tokenizer` ([`vidax_eqx.interop.TextTokenizer`][]), `text_encoder`
-    ([`vidax_eqx.models.T5Encoder`][]), `transformer`
-    ([`vidax_eqx.models.WanTransformer3D`][] or [`vidax_eqx.models.WanExperts`][]),
-    `vae` ([`vidax_eqx.models.WanVAE`][]), `scheduler` (a scheduler of
-    [`vidax_eqx.sampling`][]), `image_encoder` and `image_processor` (or `None`),
-    `expand_timesteps` (Wan 2.2 TI2V), `mesh`.
+    **Attributes:** those of [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline]
+    (`transformer`: a [`vidax_eqx.models.WanTransformer3D`][] or
+    [`vidax_eqx.models.WanExperts`][]; `vae`: a [`vidax_eqx.models.WanVAE`][]), and
+    `image_encoder` and `image_processor` (or `None`), `expand_timesteps` (Wan 2.2 TI2V).
     """
+
+    defaults = CallDefaults(height=480, width=832, num_frames=81, num_inference_steps=50,
+                            guidance_scale=5.0, max_sequence_length=512, fps=16)
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    clean_prompts = True
+    masked_text = True
+    latent_layout = "(B, z, F, h, w)"
 
     def __init__(self, *, tokenizer, text_encoder, transformer, vae, scheduler,
                  image_encoder=None, image_processor=None, expand_timesteps: bool = False,
                  mesh=None, batch_axis=None, cfg_axis=None):
-        """**Arguments:** the components (see the class's attributes); `tokenizer` and
-        `text_encoder` may be `None` for calls with `prompt_embeds`, `image_encoder` and
-        `image_processor` for T2V or a model without an image branch.
+        """**Arguments:** those of
+        [`AbstractVideoPipeline`][vidax_eqx.pipelines.AbstractVideoPipeline], and:
 
+        - `image_encoder`, `image_processor`: the CLIP encoder and its processor (`None`
+            for T2V or a model without an image branch).
         - `expand_timesteps`: Wan 2.2 TI2V's image conditioning (the image's latents
             replace the first latent frame; `model_index.json`'s `expand_timesteps`).
-        - `mesh`: run sharded: the transformer must have been placed on it (its
-            `ParallelConfig`); the VAE splits frames over two of its axes.
-        - `batch_axis`, `cfg_axis`: [`vidax_eqx.sampling.sample`][]'s (default: `"dp"`
-            and `"cfg"` when the mesh has them with more than one device).
         """
-        self.tokenizer, self.text_encoder = tokenizer, text_encoder
-        self.transformer, self.vae, self.scheduler = transformer, vae, scheduler
+        super().__init__(tokenizer=tokenizer, text_encoder=text_encoder,
+                         transformer=transformer, vae=vae, scheduler=scheduler, mesh=mesh,
+                         batch_axis=batch_axis, cfg_axis=cfg_axis)
         self.image_encoder, self.image_processor = image_encoder, image_processor
         self.expand_timesteps = bool(expand_timesteps)
-        self.mesh = mesh
-        sizes = {} if mesh is None else dict(mesh.shape)
-        self.batch_axis = batch_axis if batch_axis is not None else (
-            "dp" if sizes.get("dp", 1) > 1 else None)
-        self.cfg_axis = cfg_axis if cfg_axis is not None else (
-            "cfg" if sizes.get("cfg", 1) > 1 else None)
         config = self.transformer_config
         if config.out_channels != vae.config.z_dim:
             raise ValueError(
                 f"WanPipeline: the transformer's out_channels ({config.out_channels}) must be "
                 f"the VAE's z_dim ({vae.config.z_dim}): they are not one pipeline's.")
 
-    # -- loading ------------------------------------------------------------------------
-
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, text_encoder_dtype=None,
-                        vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
-                        revision: str | None = None, cache_dir=None) -> "WanPipeline":
-        """A pipeline folder saved by diffusers' `WanPipeline` or `WanImageToVideoPipeline`
-        (`save_pretrained`), or a Hub repository of one (`"Wan-AI/Wan2.1-T2V-14B-Diffusers"`;
-        only JSON, safetensors and tokenizer files are fetched).
-
-        **Arguments:**
-
-        - `path`: the folder or Hub repository id.
-        - `dtype`: the transformer's parameters' dtype (default the checkpoint's);
-            also the text and image encoders' unless `text_encoder_dtype` is given.
-        - `text_encoder_dtype`: the UMT5 and CLIP encoders' dtype (default `dtype`, or
-            float32).
-        - `vae_dtype`: the VAE's (default float32, as diffusers' Wan examples load it).
-        - `mesh`: a mesh with the library's axis names (`dp`, `sp`, `tp`, `cfg`:
-            [`vidax_eqx.parallel.make_mesh`][]): the transformer loads straight into its
-            sharded layout (`parallel`, default Ulysses over `sp` and Megatron over
-            `tp`), the encoders and the VAE are placed on it.
-        - `parallel`: the transformer's [`vidax_eqx.nn.sharding.ParallelConfig`][]
-            (with `mesh`).
-        - `scheduler`: a scheduler of [`vidax_eqx.sampling`][] instead of the folder's
-            `scheduler/scheduler_config.json`.
-        - `revision`, `cache_dir`: for a Hub id.
-        """
-        folder = PipelineFolder(path, owner="WanPipeline", classes=_CLASSES,
-                                revision=revision, cache_dir=cache_dir)
-        if parallel is None:
-            parallel = parallel_for(mesh)
-        encoder_dtype = text_encoder_dtype or dtype or jnp.float32
+    def load_components(cls, folder, *, dtype, vae_dtype, encoder_dtype, parallel, mesh) -> dict:
+        """The transformer (two experts for a `transformer_2/`, with the folder's
+        `boundary_ratio`), the VAE, the CLIP encoder and processor when the folder has
+        them, and `expand_timesteps`."""
         kwargs = dict(dtype=dtype, parallel=parallel, mesh=mesh)
         if folder.has("transformer_2"):
             boundary = folder.config("boundary_ratio")
@@ -136,25 +102,15 @@ class WanPipeline:
                 folder.path("transformer", needed_for="every call"), **kwargs)
         vae = models.WanVAE.from_pretrained(folder.path("vae", needed_for="decoding"),
                                             dtype=vae_dtype, mesh=mesh)
-        if scheduler is None:
-            scheduler = sampling.scheduler_from_config(
-                folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
-        tokenizer = text_encoder = image_encoder = image_processor = None
-        if folder.has("tokenizer"):
-            tokenizer = interop.TextTokenizer.from_pretrained(
-                folder.path("tokenizer", needed_for="a prompt"))
-        if folder.has("text_encoder"):
-            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
-                                             dtype=encoder_dtype, mesh=mesh)
+        image_encoder = image_processor = None
         if folder.has("image_encoder"):
             image_encoder = models.CLIPVisionEncoder.from_pretrained(
                 folder.path("image_encoder", needed_for="an image"), dtype=encoder_dtype)
             image_processor = models.CLIPImageProcessor.from_pretrained(
                 folder.path("image_processor", needed_for="an image"))
-        return cls(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
-                   vae=vae, scheduler=scheduler, image_encoder=image_encoder,
-                   image_processor=image_processor,
-                   expand_timesteps=folder.config("expand_timesteps", False), mesh=mesh)
+        return dict(transformer=transformer, vae=vae, image_encoder=image_encoder,
+                    image_processor=image_processor,
+                    expand_timesteps=folder.config("expand_timesteps", False))
 
     # -- what the components say --------------------------------------------------------
 
@@ -165,10 +121,6 @@ class WanPipeline:
         return t.high_noise.config if isinstance(t, models.WanExperts) else t.config
 
     @property
-    def transformer_dtype(self) -> jnp.dtype:
-        return dtype_of(self.transformer)
-
-    @property
     def image_conditioned(self) -> bool:
         """Whether the transformer takes an image: I2V / FLF2V (condition channels) or
         Wan 2.2 TI2V (`expand_timesteps`, image optional)."""
@@ -176,9 +128,6 @@ class WanPipeline:
         return c.in_channels > c.out_channels or self.expand_timesteps
 
     def check_size(self, height, width, num_frames) -> tuple[int, int, int]:
-        """The latent `(F, h, w)` of a `num_frames x height x width` video; a
-        `ValueError` naming the nearest sizes that work when the VAE and the patch size do
-        not divide them."""
         height = check_int(_OWNER, "height", height, 1)
         width = check_int(_OWNER, "width", width, 1)
         num_frames = check_int(_OWNER, "num_frames", num_frames, 1)
@@ -198,19 +147,11 @@ class WanPipeline:
                 f"factor); received {num_frames}. Use {lower} or {lower + t}.")
         return (num_frames - 1) // t + 1, height // s, width // s
 
-    # -- stages -------------------------------------------------------------------------
+    def latent_shape(self, batch: int, grid) -> tuple[int, ...]:
+        """`(batch, z, F, h, w)`."""
+        return (batch, self.transformer_config.out_channels, *grid)
 
-    def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=True,
-                      num_videos_per_prompt: int = 1, max_sequence_length: int = 512):
-        """diffusers' `WanPipeline.encode_prompt`: `(prompt_embeds, negative_prompt_embeds)`,
-        `(B * num_videos_per_prompt, max_sequence_length, text_dim)` in the text
-        encoder's dtype, each row zero past its prompt's tokens; the negative `None`
-        without guidance. The prompts are cleaned ([`vidax_eqx.interop.prompt_clean`][])
-        and encoded in one compiled call (the negative ones with them)."""
-        return encode_prompts(_OWNER, self, prompt, negative_prompt,
-                              guided=do_classifier_free_guidance,
-                              num_videos_per_prompt=num_videos_per_prompt,
-                              max_sequence_length=max_sequence_length, clean=True, masked=True)
+    # -- stages -------------------------------------------------------------------------
 
     def encode_image(self, image, last_image=None) -> jax.Array:
         """diffusers' `WanImageToVideoPipeline.encode_image`: the CLIP features of the
@@ -250,9 +191,61 @@ class WanPipeline:
             latents = jnp.concatenate([jnp.asarray(mask), latents], axis=0)
         return jnp.broadcast_to(latents[None], (batch, *latents.shape))
 
+    def check_image(self, *, image, last_image, image_embeds, image_latents,
+                    num_frames: int) -> bool:
+        """An I2V / FLF2V transformer needs `image`; a T2V one refuses it (and
+        `image_embeds`); `last_image` needs `image` and 2 frames; `image_latents` is
+        CogVideoX's. The `"image"` stage runs when `image` is given."""
+        config = self.transformer_config
+        if image_latents is not None:
+            raise ValueError(f"{_OWNER}: `image_latents` is CogVideoXPipeline's; Wan takes "
+                             "`image` (and `image_embeds`, its CLIP features).")
+        if image is None and last_image is not None:
+            raise ValueError(f"{_OWNER}: `last_image` (FLF2V) needs `image`, the first frame.")
+        if last_image is not None and num_frames < 2:
+            raise ValueError(f"{_OWNER}: `last_image` needs a video of at least 2 frames (the "
+                             f"first and the last); received num_frames={num_frames}.")
+        if (image is not None or image_embeds is not None) and not self.image_conditioned:
+            raise ValueError(
+                f"WanPipeline: `image` is for an image-to-video transformer; this "
+                f"pipeline's is text-to-video (in_channels {config.in_channels} = "
+                f"out_channels, no expand_timesteps). Load an I2V pipeline "
+                f"(WanImageToVideoPipeline's folder).")
+        if self.image_conditioned and not self.expand_timesteps and image is None:
+            raise ValueError(
+                f"WanPipeline: this pipeline's transformer is image-to-video (in_channels "
+                f"{config.in_channels} = {config.out_channels} latents + "
+                f"{config.in_channels - config.out_channels} condition channels): pass "
+                f"`image`.")
+        if image is not None and last_image is not None and config.image_dim is not None \
+                and config.pos_embed_seq_len is None:
+            raise ValueError(
+                "WanPipeline: `last_image` needs an FLF2V transformer (its "
+                "`pos_embed_seq_len` positions the two images' CLIP tokens); "
+                "this I2V transformer takes one image.")
+        return image is not None
+
+    def image_condition(self, *, image, last_image, image_embeds, image_latents, height,
+                        width, num_frames, grid, batch, dtype, key):
+        """The CLIP features of `image` (and `last_image`), or `image_embeds`, as the
+        model's `context_image` (when the transformer has an image branch), and
+        [`prepare_condition`][vidax_eqx.pipelines.WanPipeline.prepare_condition]'s
+        condition."""
+        config = self.transformer_config
+        kwargs = {}
+        if config.image_dim is not None:
+            features = (self.encode_image(image, last_image) if image_embeds is None
+                        else jnp.asarray(image_embeds))
+            if features.ndim != 3 or features.shape[0] not in (1, batch):
+                raise ValueError(
+                    f"WanPipeline: `image_embeds` must be (1 or {batch}, L_img, "
+                    f"image_dim); received shape {features.shape}.")
+            kwargs["context_image"] = jnp.broadcast_to(
+                features, (batch, *features.shape[1:])).astype(dtype)
+        condition = self.prepare_condition(image, last_image, height, width, num_frames, batch)
+        return condition, kwargs
+
     def decode(self, latents) -> np.ndarray:
-        """diffusers' decode and `postprocess_video(output_type="np")`: `(B, F, H, W, 3)`
-        float32 in [0, 1], one video at a time through the VAE (split over the mesh)."""
         videos = []
         for z in latents:
             z = self.vae.denormalize_latents(jnp.asarray(z, dtype_of(self.vae)))
@@ -261,138 +254,6 @@ class WanPipeline:
 
     def _vae_call(self, method: str, x):
         return vae_call(self.vae, self.mesh, method, x)
-
-    # -- the call -----------------------------------------------------------------------
-
-    def __call__(self, prompt=None, negative_prompt=None, *, image=None, last_image=None,
-                 height: int = 480, width: int = 832, num_frames: int = 81,
-                 num_inference_steps: int = 50, guidance_scale: float = 5.0,
-                 guidance_scale_2: float | None = None, num_videos_per_prompt: int = 1,
-                 seed: int = 0, latents=None, prompt_embeds=None, negative_prompt_embeds=None,
-                 image_embeds=None, output_type: str = "np", max_sequence_length: int = 512,
-                 progress: bool = True, report=None, **sample_kwargs) -> PipelineOutput:
-        """Generates videos: text (and image) encoding, the denoising loop and the decode,
-        each compiled.
-
-        **Arguments** (diffusers' names and defaults):
-
-        - `prompt`, `negative_prompt`: a str or a list (one video per prompt and
-            `num_videos_per_prompt`); the negative prompt is used when
-            `guidance_scale > 1` (default `""`), one str for all or one per prompt.
-        - `image`: image-to-video: the first frame (a PIL image or an `(H, W, 3)` array,
-            uint8 or float in [0, 1]), resized to `height x width` with Lanczos as
-            diffusers does. Required by an I2V / FLF2V transformer, optional for Wan 2.2
-            TI2V, refused by a T2V one. `last_image`: FLF2V's last frame.
-        - `height`, `width`, `num_frames`: the video's size (see the class's note).
-        - `num_inference_steps`, `guidance_scale`, `guidance_scale_2` (Wan 2.2 A14B's
-            low-noise expert; default `guidance_scale`).
-        - `seed`: the initial latents are `jax.random.normal(jax.random.key(seed),
-            (B, z, F, h, w), float32)`; or `latents`: those latents, e.g. diffusers' own
-            draw, to reproduce a diffusers run.
-        - `prompt_embeds`, `negative_prompt_embeds`: `(B, L, text_dim)` embeddings instead
-            of `prompt` / `negative_prompt`; `image_embeds`: CLIP features
-            `(1 or B, L_img, image_dim)` instead of encoding `image`.
-        - `output_type`: `"np"` (frames) or `"latent"` (no decode).
-        - `max_sequence_length`: the prompt's token length (512).
-        - `progress`: a progress bar over the steps (tqdm, on a terminal).
-        - `report`: called as `report(stage, seconds)` after each stage.
-        - `**sample_kwargs`: further [`vidax_eqx.sampling.sample`][] options
-            (`step_cache`, `max_steps`, ...).
-
-        **Returns:**
-
-        A [`PipelineOutput`][vidax_eqx.pipelines.PipelineOutput]: `frames` `(B, F, H,
-        W, 3)` in [0, 1], the final `latents`, the stage `timings`.
-        """
-        if output_type not in ("np", "latent"):
-            raise ValueError(f"WanPipeline: `output_type` must be 'np' or 'latent'; received "
-                             f"{output_type!r}.")
-        config = self.transformer_config
-        f, h, w = self.check_size(height, width, num_frames)
-        guided = guidance_scale > 1
-        timer = StageTimer(report)
-        dtype = self.transformer_dtype
-
-        with timer("text"):
-            if prompt_embeds is None:
-                n = num_videos_per_prompt
-                if negative_prompt_embeds is not None:
-                    raise ValueError(f"{_OWNER}: `negative_prompt_embeds` goes with "
-                                     "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
-                context, negative = self.encode_prompt(
-                    prompt, negative_prompt, do_classifier_free_guidance=guided,
-                    num_videos_per_prompt=n, max_sequence_length=max_sequence_length)
-            else:
-                context, negative = given_embeddings(
-                    _OWNER, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
-                    guided=guided, num_videos_per_prompt=num_videos_per_prompt)
-            context = jax.block_until_ready(context.astype(dtype))
-            negative = None if not guided or negative is None else negative.astype(dtype)
-        batch = context.shape[0]
-
-        kwargs = dict(sample_kwargs)
-        condition = None
-        if image is None and last_image is not None:
-            raise ValueError(f"{_OWNER}: `last_image` (FLF2V) needs `image`, the first frame.")
-        if last_image is not None and num_frames < 2:
-            raise ValueError(f"{_OWNER}: `last_image` needs a video of at least 2 frames (the "
-                             f"first and the last); received num_frames={num_frames}.")
-        if image is not None or image_embeds is not None:
-            if not self.image_conditioned:
-                raise ValueError(
-                    f"WanPipeline: `image` is for an image-to-video transformer; this "
-                    f"pipeline's is text-to-video (in_channels {config.in_channels} = "
-                    f"out_channels, no expand_timesteps). Load an I2V pipeline "
-                    f"(WanImageToVideoPipeline's folder).")
-        if self.image_conditioned and not self.expand_timesteps and image is None:
-            raise ValueError(
-                f"WanPipeline: this pipeline's transformer is image-to-video (in_channels "
-                f"{config.in_channels} = {config.out_channels} latents + "
-                f"{config.in_channels - config.out_channels} condition channels): pass "
-                f"`image`.")
-        if image is not None:
-            with timer("image"):
-                if config.image_dim is not None:
-                    if last_image is not None and config.pos_embed_seq_len is None:
-                        raise ValueError(
-                            "WanPipeline: `last_image` needs an FLF2V transformer (its "
-                            "`pos_embed_seq_len` positions the two images' CLIP tokens); "
-                            "this I2V transformer takes one image.")
-                    features = (self.encode_image(image, last_image) if image_embeds is None
-                                else jnp.asarray(image_embeds))
-                    if features.ndim != 3 or features.shape[0] not in (1, batch):
-                        raise ValueError(
-                            f"WanPipeline: `image_embeds` must be (1 or {batch}, L_img, "
-                            f"image_dim); received shape {features.shape}.")
-                    kwargs["context_image"] = jnp.broadcast_to(
-                        features, (batch, *features.shape[1:])).astype(dtype)
-                condition = jax.block_until_ready(self.prepare_condition(
-                    image, last_image, height, width, num_frames, batch))
-
-        shape = (batch, config.out_channels, f, h, w)
-        if latents is None:
-            noise = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-        else:
-            noise = jnp.asarray(latents, jnp.float32)
-            if noise.shape != shape:
-                raise ValueError(
-                    f"WanPipeline: `latents` must be the initial latents (B, z, F, h, w) = "
-                    f"{shape} for {batch} videos of {num_frames} x {height} x {width}; "
-                    f"received shape {noise.shape}.")
-
-        with timer("denoise"):
-            out = sampling.sample(
-                self.transformer, noise, context, negative_context=negative,
-                guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
-                steps=num_inference_steps, scheduler=self.scheduler, mesh=self.mesh,
-                batch_axis=self.batch_axis, cfg_axis=self.cfg_axis if guided else None,
-                progress=progress, condition=condition, **kwargs)
-            out = np.asarray(jax.device_get(jax.block_until_ready(out)), np.float32)
-        frames = None
-        if output_type == "np":
-            with timer("decode"):
-                frames = self.decode(out)
-        return PipelineOutput(frames=frames, latents=out, timings=dict(timer.timings))
 
 
 @eqx.filter_jit

@@ -3,7 +3,10 @@ above [`vidax_eqx.models`][].
 
 - [`sample`][]: a whole generation (diffusers' `WanPipeline` with
     `output_type="latent"`): the denoising loop with classifier-free guidance, batched
-    or over a mesh axis, as one compiled `lax.fori_loop`.
+    or over a mesh axis, as one compiled `lax.fori_loop`. Its options come in four
+    objects: [`Guidance`][], [`Placement`][], [`Caching`][], [`Compilation`][]; its
+    progress goes to a callback of the call, told each [`SampleStep`][]
+    ([`ProgressBar`][], [`ProgressLines`][], or any [`AbstractProgress`][] or callable).
 - [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
     `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` in its
     flow-prediction form, the default of diffusers' Wan pipelines).
@@ -15,7 +18,7 @@ above [`vidax_eqx.models`][].
     options, ...); each scheduler's `from_config` reads its own class's.
 - [`export_sample`][], [`ExportedSampler`][]: `sample`'s compiled loop exported
     (`jax.export`) and serialized, for a server that reloads it instead of tracing.
-- [`StaticStepCache`][], [`FirstBlockCache`][]: step caching, `sample`'s opt-in
+- [`StaticStepCache`][], [`FirstBlockCache`][]: step caching (`Caching(step=...)`), the opt-in
     reuse of the block stack's residual on steps that change little (a static
     schedule; a data-dependent rule decided once for every device).
 - [`AbstractScheduler`][]: their contract, `plan` / `init` / `step` / `timestep`;
@@ -32,5 +35,17 @@ from ._schedulers import (
     SchedulerState as SchedulerState,
 )
 from ._export import ExportedSampler as ExportedSampler, export_sample as export_sample
+from ._options import (
+    Caching as Caching,
+    Compilation as Compilation,
+    Guidance as Guidance,
+    Placement as Placement,
+)
+from ._progress import (
+    AbstractProgress as AbstractProgress,
+    ProgressBar as ProgressBar,
+    ProgressLines as ProgressLines,
+    SampleStep as SampleStep,
+)
 from ._sample import sample as sample
 from ._step_cache import FirstBlockCache as FirstBlockCache, StaticStepCache as StaticStepCache

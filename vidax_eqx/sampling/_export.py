@@ -6,9 +6,12 @@ import dataclasses
 import equinox as eqx
 import jax
 
+from .._deprecation import warn_deprecated
 from ..models.internal import mismatch, pack, signature, unpack
 from . import _cogvideox, _flow_match, _step_cache
-from ._sample import denoising_loop, prepare
+from ._loop import denoising_loop
+from ._options import Caching, Compilation, Guidance, Placement
+from ._sample import old_return_reused, options_from_old_keywords, prepare
 
 _FORMAT = "vidax_eqx.sampling.ExportedSampler/2"
 # The loop's `LoopInputs`, slot by slot, as a signature names them (the names of format
@@ -91,35 +94,60 @@ class ExportedSampler:
             "an exported sampler (ExportedSampler.serialize's bytes)", _FORMAT, data)
         return cls(exported, settings)
 
-    def __call__(self, model, noise, context, *, negative_context=None, guidance_scale=None,
-                 guidance_scale_2=None, steps=None, key=None, condition=None, **model_kwargs):
+    def __call__(self, model, noise, context, *, negative_context=None,
+                 guidance: Guidance | None = None, steps=None, key=None, condition=None,
+                 **model_kwargs):
         """Runs the exported loop: the arguments of [`sample`][] that vary between
         requests (the model's weights, the noise, the text embeddings, the guidance
         scales, the number of steps up to `max_steps`, the key, per-example model
         arrays); the others are the exported ones.
 
+        **Arguments:**
+
+        - `guidance`: a [`Guidance`][] on the exported side of 1 (with or without
+            guidance) and with the exported `dynamic`; `None`: the exported one.
+            (`guidance_scale=` / `guidance_scale_2=`: deprecated spellings of its
+            `scale` / `scale_2`.)
+        - the others as for [`sample`][]; `steps` defaults to the exported number.
+
         **Returns:**
 
-        What `sample` returns with the exported settings.
+        The final latents (and `reused`, with the deprecated `return_reused=True` of
+        the export).
         """
         s = self.settings
         steps = s["steps"] if steps is None else steps
         if s["max_steps"] is None and steps != s["steps"]:
             raise ValueError(
                 f"ExportedSampler: `steps` must be the exported {s['steps']} (it was exported "
-                f"without max_steps); received {steps!r}. Export with max_steps=N to serve "
-                "any number of steps up to N.")
-        if guidance_scale is None:
-            guidance_scale = s["guidance_scale"]
-        if (guidance_scale > 1) != s["guided"]:
+                f"without max_steps); received {steps!r}. Export with "
+                "compilation=Compilation(max_steps=N) to serve any number of steps up to N.")
+        exported = Guidance(scale=s["guidance_scale"], dynamic=s["use_dynamic_cfg"])
+        old = {k: model_kwargs.pop(k) for k in ("guidance_scale", "guidance_scale_2")
+               if k in model_kwargs}
+        if old:
+            if guidance is not None:
+                raise TypeError("ExportedSampler() got `guidance=` and the deprecated "
+                                f"keywords {sorted(old)}: pass `guidance` only.")
+            for name, field in (("guidance_scale", "scale"), ("guidance_scale_2", "scale_2")):
+                if name in old:
+                    warn_deprecated(f"ExportedSampler({name}=...)",
+                                    f"`guidance=sampling.Guidance({field}=...)`", stacklevel=2)
+            guidance = Guidance(scale=exported.scale if old.get("guidance_scale") is None
+                                else old["guidance_scale"],
+                                scale_2=old.get("guidance_scale_2"), dynamic=exported.dynamic)
+        guidance = exported if guidance is None else guidance
+        if not isinstance(guidance, Guidance):
+            raise ValueError(f"ExportedSampler: `guidance` must be a sampling.Guidance or None; "
+                             f"received a {type(guidance).__name__}.")
+        if guidance.guided != s["guided"] or guidance.dynamic != s["use_dynamic_cfg"]:
             raise ValueError(
                 f"ExportedSampler: the sampler was exported {'with' if s['guided'] else 'without'}"
-                f" classifier-free guidance (guidance_scale > 1: {s['guided']}); received "
-                f"guidance_scale={guidance_scale!r}.")
+                f" classifier-free guidance (scale > 1: {s['guided']}) and dynamic="
+                f"{s['use_dynamic_cfg']}; received {guidance}.")
         inputs, options = self._prepare(
-            model, noise, context, negative_context=negative_context,
-            guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, steps=steps,
-            key=key, condition=condition, model_kwargs=model_kwargs)
+            model, noise, context, negative_context=negative_context, guidance=guidance,
+            steps=steps, key=key, condition=condition, model_kwargs=model_kwargs)
         received = _signature(inputs, options)
         if received != s["signature"]:
             raise ValueError(
@@ -134,12 +162,13 @@ class ExportedSampler:
 
     def _prepare(self, model, noise, context, **kwargs):
         s = self.settings
+        placement = Placement(mesh=_mesh_of(model) if s["mesh"] else None,
+                              batch_axis=_axes(s["batch_axis"]), cfg_axis=s["cfg_axis"])
         return prepare(
-            "ExportedSampler", model, noise, context, max_steps=s["max_steps"],
-            scheduler=_decode(s["scheduler"]), mesh=_mesh_of(model) if s["mesh"] else None,
-            batch_axis=_axes(s["batch_axis"]), cfg_axis=s["cfg_axis"],
-            use_dynamic_cfg=s["use_dynamic_cfg"], progress=False, text_cache=s["text_cache"],
-            step_cache=_decode(s["step_cache"]), return_reused=s["return_reused"], **kwargs)
+            "ExportedSampler", model, noise, context, scheduler=_decode(s["scheduler"]),
+            placement=placement,
+            caching=Caching(text=s["text_cache"], step=_decode(s["step_cache"])),
+            compilation=Compilation(max_steps=s["max_steps"]), **kwargs)
 
 
 def _axes(batch_axis):
@@ -164,51 +193,66 @@ def _check_mesh(expected: dict, model) -> None:
             f"{expected} (nn.sharding.shard_module(model, mesh)); received a model on {got}.")
 
 
-def export_sample(model, noise, context, *, negative_context=None, guidance_scale=5.0,
-                  guidance_scale_2=None, steps: int = 50, max_steps: int | None = None,
-                  scheduler=None, mesh=None, batch_axis=None, cfg_axis=None,
-                  use_dynamic_cfg: bool = False, key=None, text_cache: bool = True,
-                  step_cache=None, return_reused: bool = False, condition=None,
+def export_sample(model, noise, context, *, negative_context=None, steps: int = 50,
+                  scheduler=None, guidance: Guidance = Guidance(),
+                  placement: Placement = Placement(), caching: Caching = Caching(),
+                  compilation: Compilation = Compilation(), condition=None, key=None,
                   **model_kwargs) -> ExportedSampler:
     """[`sample`][]'s denoising loop exported with `jax.export`, for a server that
     reloads it instead of tracing and lowering the model at start-up:
 
         exported = sampling.export_sample(model, noise, context, negative_context=neg,
-                                          steps=50, max_steps=100)
+                                          steps=50, compilation=Compilation(max_steps=100))
         blob = exported.serialize()                            # bytes, to a file
         sampler = sampling.ExportedSampler.deserialize(blob)   # in the server
         latents = sampler(model, noise, context, negative_context=neg, steps=30,
-                          guidance_scale=6.0)
+                          guidance=Guidance(scale=6.0))
 
     **Arguments:**
 
     As for [`sample`][] (without `progress`: a host callback cannot be exported). The
     inputs fix the exported shapes and dtypes (their values are not kept); `steps`,
-    `guidance_scale` and `key` are defaults of the calls, which may change them (the
-    number of steps up to `max_steps`; `guidance_scale` on the same side of 1). With
-    `mesh`, the model must be placed on it ([`vidax_eqx.nn.sharding.shard_module`][]) and the
-    call's model on a mesh of the same shape.
+    `guidance` and `key` are defaults of the calls, which may change them (the number of
+    steps up to `compilation.max_steps`; the guidance scale on the same side of 1). With
+    `placement.mesh`, the model must be placed on it
+    ([`vidax_eqx.nn.sharding.shard_module`][]) and the call's model on a mesh of the
+    same shape. The deprecated keywords of [`sample`][] are accepted as there; with
+    `return_reused=True` the exported program returns `(latents, reused)`.
 
     **Returns:**
 
     An [`ExportedSampler`][].
     """
-    inputs, options = prepare("export_sample", progress=False, **locals())  # every argument
+    groups = options_from_old_keywords("export_sample", dict(
+        guidance=guidance, placement=placement, caching=caching, compilation=compilation),
+        model_kwargs)
+    return_reused = old_return_reused("export_sample", model_kwargs)
+    inputs, options = prepare(
+        "export_sample", model, noise, context, negative_context=negative_context,
+        steps=steps, scheduler=scheduler, condition=condition, key=key,
+        model_kwargs=model_kwargs, **groups)
+    if return_reused and inputs.reuse is None:
+        raise ValueError("export_sample: `return_reused` reports which steps reused the step "
+                         "cache; it needs `caching=Caching(step=...)`, which is None.")
     dynamic, static = eqx.partition(inputs, eqx.is_array)
 
     leaves, treedef = jax.tree.flatten(dynamic)
 
     def run(*leaves):  # flat arrays in: jax.export serializes no module types
-        return denoising_loop(eqx.combine(jax.tree.unflatten(treedef, leaves), static), options)
+        result = denoising_loop(eqx.combine(jax.tree.unflatten(treedef, leaves), static), options)
+        return (result.latents, result.reused) if return_reused else result.latents
 
     exported = jax.export.export(jax.jit(run))(*leaves)
+    guidance, placement, caching = groups["guidance"], groups["placement"], groups["caching"]
+    mesh, batch_axis = placement.mesh, placement.batch_axis
     settings = dict(
-        steps=steps, max_steps=max_steps, guidance_scale=float(guidance_scale),
-        guided=guidance_scale > 1, scheduler=_encode(options.scheduler),
+        steps=steps, max_steps=groups["compilation"].max_steps,
+        guidance_scale=float(guidance.scale), guided=guidance.guided,
+        scheduler=_encode(options.scheduler),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
         batch_axis=list(batch_axis) if isinstance(batch_axis, tuple) else batch_axis,
-        cfg_axis=cfg_axis, use_dynamic_cfg=use_dynamic_cfg, text_cache=text_cache,
-        step_cache=_encode(step_cache), return_reused=return_reused,
+        cfg_axis=placement.cfg_axis, use_dynamic_cfg=guidance.dynamic, text_cache=caching.text,
+        step_cache=_encode(caching.step), return_reused=return_reused,
         signature=_signature(inputs, options),
     )
     return ExportedSampler(exported, settings)

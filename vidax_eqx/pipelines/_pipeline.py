@@ -1,0 +1,390 @@
+"""The video pipeline template: loading a diffusers folder and the one `__call__` (the
+checks, the stages and their timer), with the hooks each model family fills in and its
+call defaults as class data."""
+
+import abc
+import dataclasses
+import numbers
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import interop, sampling
+from ._common import (
+    check_int, dtype_of, encode_prompts, given_embeddings, load_text_encoder, parallel_for,
+)
+from ._compile_cache import enable_compile_cache
+from ._folder import PipelineFolder
+from ._output import PipelineOutput, StageTimer
+
+
+@dataclasses.dataclass(frozen=True)
+class CallDefaults:
+    """A family's call defaults (diffusers' pipeline defaults and the model's frame
+    rate): what a call, and `vidax-generate`, use for an argument left out.
+
+    **Fields:** `height`, `width`, `num_frames`, `num_inference_steps`,
+    `guidance_scale`, `max_sequence_length` (the prompt's tokens), `fps` (frames per
+    second of the written video).
+    """
+
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    max_sequence_length: int
+    fps: float
+
+
+# The stream folded into a call's `seed` key for a stochastic scheduler's noise (the
+# initial latents are drawn from the key itself; CogVideoX I2V's posterior sample from
+# stream 1).
+SCHEDULER_STREAM = 2
+
+
+def _check_seed(owner: str, seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"{owner}: `seed` must be an int; received {seed!r}.")
+    return int(seed)
+
+
+class AbstractVideoPipeline(abc.ABC):
+    """A diffusers video pipeline folder run in JAX: tokenizer, T5-family text encoder,
+    transformer, VAE and scheduler (and a family's extra components), every stage
+    compiled and sharded over a mesh when one is given.
+
+    The call is one template for every family: the checks, then the stages `"text"`
+    (the prompts encoded, or embeddings given), `"image"` (image-to-video: the image's
+    condition), `"denoise"` ([`vidax_eqx.sampling.sample`][]) and `"decode"` (the VAE),
+    each timed; the latents stay on the device from the noise to the decode. A family is
+    a subclass: its call defaults and folder classes as class data, and the hooks below
+    (the latent layout and sizes, the image condition, the decode, its components'
+    loading).
+
+    **Attributes:** `tokenizer` ([`vidax_eqx.interop.TextTokenizer`][]),
+    `text_encoder` ([`vidax_eqx.models.T5Encoder`][]), `transformer`, `vae`,
+    `scheduler` (a scheduler of [`vidax_eqx.sampling`][]), `mesh`, `batch_axis`,
+    `cfg_axis`.
+    """
+
+    defaults: ClassVar[CallDefaults]
+    """The family's call defaults."""
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    """The diffusers pipeline classes (`model_index.json`'s `_class_name`) it loads."""
+    clean_prompts: ClassVar[bool]
+    """Whether prompts go through diffusers' cleaning before the tokenizer (Wan)."""
+    masked_text: ClassVar[bool]
+    """Whether the text encoder takes the attention mask and each row is zero past its
+    tokens (Wan), or sees the padding (CogVideoX)."""
+    latent_layout: ClassVar[str]
+    """The initial latents' layout, for messages (`"(B, z, F, h, w)"`)."""
+
+    def __init__(self, *, tokenizer, text_encoder, transformer, vae, scheduler, mesh=None,
+                 batch_axis=None, cfg_axis=None):
+        """**Arguments:** the components (see the class's attributes); `tokenizer` and
+        `text_encoder` may be `None` for calls with `prompt_embeds`.
+
+        - `mesh`: run sharded: the transformer must have been placed on it (its
+            `ParallelConfig`); the VAE splits frames over two of its axes.
+        - `batch_axis`, `cfg_axis`: [`vidax_eqx.sampling.Placement`][]'s (default: `"dp"`
+            and `"cfg"` when the mesh has them with more than one device).
+        """
+        self.tokenizer, self.text_encoder = tokenizer, text_encoder
+        self.transformer, self.vae, self.scheduler = transformer, vae, scheduler
+        self.mesh = mesh
+        sizes = {} if mesh is None else dict(mesh.shape)
+        self.batch_axis = batch_axis if batch_axis is not None else (
+            "dp" if sizes.get("dp", 1) > 1 else None)
+        self.cfg_axis = cfg_axis if cfg_axis is not None else (
+            "cfg" if sizes.get("cfg", 1) > 1 else None)
+
+    # -- loading ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None, text_encoder_dtype=None,
+                        vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
+                        revision: str | None = None, cache_dir=None,
+                        compile_cache: bool = True):
+        """A pipeline folder saved by diffusers (`save_pretrained`) of one of the
+        family's `pipeline_classes`, or a Hub repository of one (only JSON, safetensors
+        and tokenizer files are fetched).
+
+        **Arguments:**
+
+        - `path`: the folder or Hub repository id.
+        - `dtype`: the transformer's parameters' dtype (default the checkpoint's); also
+            the text (and image) encoders' unless `text_encoder_dtype` is given.
+        - `text_encoder_dtype`: the encoders' dtype (default `dtype`, or float32).
+        - `vae_dtype`: the VAE's (default float32, as diffusers' examples load it).
+        - `mesh`: a mesh with the library's axis names (`dp`, `sp`, `tp`, `cfg`:
+            [`vidax_eqx.parallel.make_mesh`][]): the transformer loads straight into its
+            sharded layout (`parallel`, default Ulysses over `sp` and Megatron over
+            `tp`), the encoders and the VAE are placed on it.
+        - `parallel`: the transformer's [`vidax_eqx.nn.sharding.ParallelConfig`][]
+            (with `mesh`).
+        - `scheduler`: a scheduler of [`vidax_eqx.sampling`][] instead of the folder's
+            `scheduler/scheduler_config.json`.
+        - `revision`, `cache_dir`: for a Hub id.
+        - `compile_cache`: switch on JAX's persistent compilation cache
+            ([`enable_compile_cache`][vidax_eqx.pipelines.enable_compile_cache]: a
+            folder under the user's cache directory, so that a second process reuses
+            the compiled programs); `False`, or `VIDAX_COMPILE_CACHE=0` in the
+            environment, leaves JAX's setting as it is.
+        """
+        if compile_cache:
+            enable_compile_cache()
+        folder = PipelineFolder(path, owner=cls.__name__, classes=cls.pipeline_classes,
+                                revision=revision, cache_dir=cache_dir)
+        if parallel is None:
+            parallel = parallel_for(mesh)
+        encoder_dtype = text_encoder_dtype or dtype or jnp.float32
+        components = cls.load_components(folder, dtype=dtype, vae_dtype=vae_dtype,
+                                         encoder_dtype=encoder_dtype, parallel=parallel,
+                                         mesh=mesh)
+        if scheduler is None:
+            scheduler = sampling.scheduler_from_config(
+                folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
+        tokenizer = text_encoder = None
+        if folder.has("tokenizer"):
+            tokenizer = interop.TextTokenizer.from_pretrained(
+                folder.path("tokenizer", needed_for="a prompt"))
+        if folder.has("text_encoder"):
+            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
+                                             dtype=encoder_dtype, mesh=mesh)
+        return cls(tokenizer=tokenizer, text_encoder=text_encoder, scheduler=scheduler,
+                   mesh=mesh, **components)
+
+    @classmethod
+    @abc.abstractmethod
+    def load_components(cls, folder: PipelineFolder, *, dtype, vae_dtype, encoder_dtype,
+                        parallel, mesh) -> dict:
+        """The family's components from the folder, as keywords of the constructor: the
+        `transformer` (in its sharded layout on `mesh`), the `vae`, and any other
+        (image encoder, folder settings)."""
+
+    # -- what the components say --------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def transformer_config(self):
+        """The transformer's config (the first expert's for two experts)."""
+
+    @property
+    def transformer_dtype(self) -> jnp.dtype:
+        return dtype_of(self.transformer)
+
+    @property
+    @abc.abstractmethod
+    def image_conditioned(self) -> bool:
+        """Whether the transformer takes an image."""
+
+    @property
+    def fixed_text_length(self) -> int | None:
+        """The only text length the transformer takes (a positional embedding over the
+        text), `None` for any."""
+        return None
+
+    @property
+    def call_defaults(self) -> CallDefaults:
+        """The class's `defaults`, with the prompt length the transformer requires when
+        it fixes one."""
+        fixed = self.fixed_text_length
+        if fixed is None:
+            return self.defaults
+        return dataclasses.replace(self.defaults, max_sequence_length=fixed)
+
+    @abc.abstractmethod
+    def check_size(self, height, width, num_frames) -> tuple[int, int, int]:
+        """The latent `(F, h, w)` of a `num_frames x height x width` video; a `ValueError`
+        naming the nearest sizes that work when the VAE and the patch size do not divide
+        them."""
+
+    @abc.abstractmethod
+    def latent_shape(self, batch: int, grid: tuple[int, int, int]) -> tuple[int, ...]:
+        """The initial latents' shape for `batch` videos of latent `grid = (F, h, w)`, in
+        the transformer's layout."""
+
+    # -- stages -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=True,
+                      num_videos_per_prompt: int = 1, max_sequence_length: int | None = None):
+        """diffusers' `encode_prompt`: `(prompt_embeds, negative_prompt_embeds)`,
+        `(B * num_videos_per_prompt, max_sequence_length, text_dim)` in the text
+        encoder's dtype; the negative `None` without guidance. The prompts (cleaned
+        first with `clean_prompts`: [`vidax_eqx.interop.prompt_clean`][]) are tokenized
+        to `max_sequence_length` (default the call's) and encoded in one compiled call,
+        the negative ones with them; with `masked_text`, the encoder takes the attention
+        mask and each row is zero past its tokens, else it sees the padding and its
+        output there is kept."""
+        length = self.call_defaults.max_sequence_length if max_sequence_length is None else (
+            max_sequence_length)
+        return encode_prompts(type(self).__name__, self, prompt, negative_prompt,
+                              guided=do_classifier_free_guidance,
+                              num_videos_per_prompt=num_videos_per_prompt,
+                              max_sequence_length=length, clean=self.clean_prompts,
+                              masked=self.masked_text)
+
+    @abc.abstractmethod
+    def check_image(self, *, image, last_image, image_embeds, image_latents,
+                    num_frames: int) -> bool:
+        """Raises on image arguments the transformer does not take (or a missing image it
+        needs); whether the call has an `"image"` stage."""
+
+    @abc.abstractmethod
+    def image_condition(self, *, image, last_image, image_embeds, image_latents,
+                        height: int, width: int, num_frames: int, grid, batch: int, dtype,
+                        key) -> tuple[jax.Array, dict]:
+        """The `"image"` stage: `(condition, model_kwargs)`, the condition as
+        [`vidax_eqx.sampling.sample`][] takes it and further per-example model arguments
+        (CLIP features); `key` the call's seed key."""
+
+    @abc.abstractmethod
+    def decode(self, latents) -> np.ndarray:
+        """diffusers' decode and `postprocess_video(output_type="np")`: the final
+        latents (a device array or NumPy, the transformer's layout) to frames
+        `(B, F, H, W, 3)` float32 NumPy in [0, 1], one video at a time through the VAE
+        (split over the mesh)."""
+
+    def check_text_length(self, name: str, length: int) -> None:
+        """Raises unless the transformer takes `length` text tokens."""
+        expected = self.fixed_text_length
+        if expected is not None and length != expected:
+            raise ValueError(
+                f"{type(self).__name__}: `{name}` must be the transformer's "
+                f"max_text_seq_length ({expected}): its positional embedding covers that many "
+                f"text tokens (diffusers fails on any other length); received {length}.")
+
+    # -- the call -----------------------------------------------------------------------
+
+    def __call__(self, prompt=None, negative_prompt=None, *, image=None, last_image=None,
+                 height: int | None = None, width: int | None = None,
+                 num_frames: int | None = None, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, guidance_scale_2: float | None = None,
+                 use_dynamic_cfg: bool = False, num_videos_per_prompt: int = 1, seed: int = 0,
+                 latents=None, prompt_embeds=None, negative_prompt_embeds=None,
+                 image_embeds=None, image_latents=None, output_type: str = "np",
+                 max_sequence_length: int | None = None, progress=True, report=None,
+                 **sample_kwargs) -> PipelineOutput:
+        """Generates videos: text (and image) encoding, the denoising loop and the decode,
+        each compiled.
+
+        **Arguments** (diffusers' names; `None`: the family's
+        [`call_defaults`][vidax_eqx.pipelines.AbstractVideoPipeline.call_defaults]):
+
+        - `prompt`, `negative_prompt`: a str or a list (one video per prompt and
+            `num_videos_per_prompt`); the negative prompt is used when
+            `guidance_scale > 1` (default `""`), one str for all or one per prompt.
+        - `image`: image-to-video: the first frame (a PIL image or an `(H, W, 3)` array,
+            uint8 or float in [0, 1]), resized to `height x width` with Lanczos as
+            diffusers does. Required by an image-to-video transformer, refused by a
+            text-to-video one (Wan 2.2 TI2V: optional). `last_image`: Wan FLF2V's last
+            frame.
+        - `height`, `width`, `num_frames`: the video's size (see the family's note).
+        - `num_inference_steps`, `guidance_scale`; `guidance_scale_2` (Wan 2.2 A14B's
+            low-noise expert; default `guidance_scale`); `use_dynamic_cfg` (CogVideoX's
+            cosine guidance schedule): [`vidax_eqx.sampling.Guidance`][]'s.
+        - `seed`: the initial latents are `jax.random.normal(jax.random.key(seed),
+            shape, float32)` in the transformer's layout (other draws come from keys
+            folded from it: a stochastic scheduler's from stream 2); or `latents`: those
+            latents, e.g. diffusers' own draw, to reproduce a diffusers run.
+        - `prompt_embeds`, `negative_prompt_embeds`: `(B, L, text_dim)` embeddings instead
+            of `prompt` / `negative_prompt`.
+        - `image_embeds` (Wan: CLIP features `(1 or B, L_img, image_dim)` instead of
+            encoding `image`), `image_latents` (CogVideoX: the image's scaled latents
+            instead of encoding it).
+        - `output_type`: `"np"` (frames) or `"latent"` (no decode).
+        - `max_sequence_length`: the prompt's token length.
+        - `progress`: the denoising loop's progress, [`vidax_eqx.sampling.sample`][]'s
+            (`True`: a tqdm bar on a terminal; a callable told each step).
+        - `report`: called as `report(stage, seconds)` after each stage.
+        - `**sample_kwargs`: further [`vidax_eqx.sampling.sample`][] arguments
+            (`caching=`, `compilation=`, `key=`, model arguments such as `remat`).
+
+        **Returns:**
+
+        A [`PipelineOutput`][vidax_eqx.pipelines.PipelineOutput]: `frames` `(B, F, H,
+        W, 3)` in [0, 1], the final `latents` in the transformer's layout, the stage
+        `timings`.
+        """
+        owner = type(self).__name__
+        defaults = self.call_defaults
+        height = defaults.height if height is None else height
+        width = defaults.width if width is None else width
+        num_frames = defaults.num_frames if num_frames is None else num_frames
+        steps = defaults.num_inference_steps if num_inference_steps is None else (
+            num_inference_steps)
+        scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
+        length = defaults.max_sequence_length if max_sequence_length is None else (
+            max_sequence_length)
+        if output_type not in ("np", "latent"):
+            raise ValueError(f"{owner}: `output_type` must be 'np' or 'latent'; received "
+                             f"{output_type!r}.")
+        grid = self.check_size(height, width, num_frames)
+        n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
+        seed_key = jax.random.key(_check_seed(owner, seed))
+        guidance = sampling.Guidance(scale=scale, scale_2=guidance_scale_2,
+                                     dynamic=use_dynamic_cfg)
+        guided = guidance.guided
+        images = dict(image=image, last_image=last_image, image_embeds=image_embeds,
+                      image_latents=image_latents)
+        has_image = self.check_image(**images, num_frames=num_frames)
+        timer = StageTimer(report)
+        dtype = self.transformer_dtype
+
+        with timer("text"):
+            if prompt_embeds is None:
+                if negative_prompt_embeds is not None:
+                    raise ValueError(f"{owner}: `negative_prompt_embeds` goes with "
+                                     "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
+                self.check_text_length("max_sequence_length", length)
+                context, negative = self.encode_prompt(
+                    prompt, negative_prompt, do_classifier_free_guidance=guided,
+                    num_videos_per_prompt=n, max_sequence_length=length)
+            else:
+                context, negative = given_embeddings(
+                    owner, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
+                    guided=guided, num_videos_per_prompt=n)
+                self.check_text_length("prompt_embeds.shape[1]", context.shape[1])
+            context = jax.block_until_ready(context.astype(dtype))
+            negative = None if not guided or negative is None else negative.astype(dtype)
+        batch = context.shape[0]
+
+        condition, model_kwargs = None, {}
+        if has_image:
+            with timer("image"):
+                condition, model_kwargs = self.image_condition(
+                    **images, height=height, width=width, num_frames=num_frames, grid=grid,
+                    batch=batch, dtype=dtype, key=seed_key)
+                condition = jax.block_until_ready(condition)
+
+        shape = self.latent_shape(batch, grid)
+        if latents is None:
+            noise = jax.random.normal(seed_key, shape, jnp.float32)
+        else:
+            noise = jnp.asarray(latents, jnp.float32)
+            if noise.shape != shape:
+                raise ValueError(
+                    f"{owner}: `latents` must be the initial latents {self.latent_layout} = "
+                    f"{shape} for {batch} videos of {num_frames} x {height} x {width}; "
+                    f"received shape {noise.shape}.")
+        kwargs = dict(sample_kwargs)
+        if self.scheduler.stochastic:  # its noise from the seed, unless a key is given
+            kwargs.setdefault("key", jax.random.fold_in(seed_key, SCHEDULER_STREAM))
+        placement = sampling.Placement(mesh=self.mesh, batch_axis=self.batch_axis,
+                                       cfg_axis=self.cfg_axis if guided else None)
+
+        with timer("denoise"):
+            out = sampling.sample(
+                self.transformer, noise, context, negative_context=negative, steps=steps,
+                scheduler=self.scheduler, guidance=guidance, placement=placement,
+                condition=condition, progress=progress, **model_kwargs, **kwargs)
+            out = jax.block_until_ready(out)
+        frames = None
+        if output_type == "np":
+            with timer("decode"):
+                frames = self.decode(out)
+        return PipelineOutput(frames=frames, latents=np.asarray(jax.device_get(out), np.float32),
+                              timings=dict(timer.timings))
