@@ -51,7 +51,7 @@ from .._jax_private import (
 from .._vma import opaque_to_vma
 from . import _adapt as a
 from . import _math as m
-from . import _pallas_tpu_gather
+from . import _pallas_tpu_gather, _pallas_tpu_sliding
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities, Request
 from ._pallas_tpu_mask import splash_kernel_for
@@ -182,6 +182,13 @@ class PallasTpu(AbstractImplementation):
     - `fused_bwd_max_bytes`: the most memory the fused backward's partial dQ (one per
         key tile) may take when the table asks for it; above it the dK/dV and dQ
         kernels run instead. `None`: three eighths of the chip's memory (6 GB on v5e).
+    - `sliding_tile`: the kernel of a sliding tile mask: `"gather"`, the tile-gathering
+        kernels (each query tile's window of key tiles from K/V held in VMEM, whole
+        window runs per matmul, the work following the window); `"splash"`, the splash
+        kernel with the mask's block-sparse structure; `"auto"` (default): `"gather"`
+        where it serves the request (a mask without text; no causal mask, window,
+        segment ids, key lengths or soft cap; the layout's tokens exactly; K/V of a
+        key/value head within its VMEM budget), else `"splash"`.
     - `interpret`: run the kernels in Pallas interpret mode (on any platform,
         e.g. to test on CPU; slow). Then the default tiles are 512, unfused.
 
@@ -201,6 +208,7 @@ class PallasTpu(AbstractImplementation):
     block_kv: int | None = None
     blocks: SplashBlocks | None = None
     fused_bwd_max_bytes: int | None = None
+    sliding_tile: str = "auto"
     interpret: bool = False
 
     name = "pallas_tpu"
@@ -249,6 +257,11 @@ class PallasTpu(AbstractImplementation):
                     f"`block_kv` (one tile for all), not both; received blocks={self.blocks!r}, "
                     f"block_q={self.block_q!r}, block_kv={self.block_kv!r}."
                 )
+        if self.sliding_tile not in ("auto", "gather", "splash"):
+            raise ValueError(
+                "PallasTpu `sliding_tile` must be 'auto', 'gather' or 'splash'; received "
+                f"{self.sliding_tile!r}."
+            )
         budget = self.fused_bwd_max_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise ValueError(
@@ -271,7 +284,40 @@ class PallasTpu(AbstractImplementation):
                 "whole sequence: pass the whole tile layout with default positions, or use "
                 "'blockwise' for a chunk)"
             )
+        if request.tile_mask and self.sliding_tile == "gather" and (
+            request.causal or request.window or request.segment_ids or request.kv_lengths
+            or request.logits_soft_cap
+        ):
+            missing.append(
+                "sliding_tile='gather' with a causal mask, window, segment ids, key lengths or "
+                "soft cap (the gathering kernels take the tile mask alone; 'splash' takes them)"
+            )
         return missing
+
+    def _gathers_tiles(self, ops: Operands, opts: Options) -> bool:
+        """Whether a sliding tile mask runs the tile-gathering kernels (`sliding_tile`)."""
+        tm = opts.tile_mask
+        if tm is None or self.sliding_tile == "splash" or ops.bias is not None or ops.mask is not None:
+            return False
+        served = (
+            not tm.text_len and not opts.causal and opts.window is None and ops.seg_q is None
+            and ops.kv_lengths is None and opts.logits_soft_cap is None
+            and ops.q.shape[1] == ops.k.shape[1] == tm.video_len
+        )
+        if self.sliding_tile == "gather":
+            if not served:
+                raise NotImplementedError(
+                    "pallas_tpu: sliding_tile='gather' serves a sliding tile mask without text, "
+                    "over the layout's tokens exactly (q and k of "
+                    f"{tm.video_len} tokens; received {ops.q.shape[1]} and {ops.k.shape[1]}), with "
+                    "no causal mask, window, segment ids, key lengths or soft cap; use 'splash'."
+                )
+            return True
+        return served and all(
+            _pallas_tpu_gather.fits(ops.q, ops.k, jnp.zeros((1, 1, 1, g.table.shape[1]), jnp.int32),
+                                    tm.tile_size, g.run)
+            for g in _pallas_tpu_sliding.window_groups(tm, ops.q.shape[2], ops.k.shape[2])
+        )
 
     def _scope(self):
         return pltpu.force_tpu_interpret_mode() if self.interpret else contextlib.nullcontext()
@@ -510,12 +556,22 @@ class PallasTpu(AbstractImplementation):
     # ------------------------------------------------------------------- contract
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        if self._gathers_tiles(ops, opts):
+            out, lse = _pallas_tpu_sliding.sliding_tile_fwd(
+                ops.q, ops.k, ops.v, opts.tile_mask, scale=opts.scale, interpret=self.interpret)
+            return a.finish(ops, out, lse)
         flash = ops.bias is not None or ops.mask is not None
         out, lse = (self._flash_fwd if flash else self._splash_fwd)(ops, opts)
         return a.finish(ops, out, lse)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
         kernel_lse, delta, dsinks = a.backward_stats(ops, out, lse, dout, dlse)
+        if self._gathers_tiles(ops, opts):
+            # The contract's (sink-including) out and lse: their probabilities and delta.
+            dq, dk, dv = _pallas_tpu_sliding.sliding_tile_bwd(
+                ops.q, ops.k, ops.v, opts.tile_mask, out, lse, dout, dlse, scale=opts.scale,
+                interpret=self.interpret)
+            return dq.astype(ops.q.dtype), dk.astype(ops.k.dtype), dv.astype(ops.v.dtype), None, dsinks
         flash = ops.bias is not None or ops.mask is not None
         dq, dk, dv, dbias = (self._flash_bwd if flash else self._splash_bwd)(
             ops, opts, kernel_lse, delta, dout
