@@ -12,7 +12,9 @@ kernel blocks, under `jax.default_matmul_precision("highest")`, against the floa
     blocks: every block fully visible or hidden) with a text prefix, and tiles of 32 and 24
     tokens ragged along every grid dimension (the mask evaluated in the kernel on the
     partial blocks) with a text suffix, per-head windows, a window on positions and a soft
-    cap, or segment ids; GQA and sinks throughout. Forward out / lse and the gradients of
+    cap, or segment ids; and without text on the tile-gathering kernels
+    (`sliding_tile="gather"`: 128-token tiles, and ragged 80-token tiles with per-head
+    windows); GQA and sinks throughout. Forward out / lse and the gradients of
     q, k, v and sinks (`attention_fwd`'s VJP, random cotangents on both outputs), against
     `oracle.attention` with the dense mask `oracle.sliding_tile_of` enumerates;
 - **video sparse attention** (`kernels.video_sparse_attention(...,
@@ -62,6 +64,7 @@ class Config:
     D: int = 128
     segments: bool = False
     options: tuple = ()  # (name, value) pairs: window, logits_soft_cap
+    kernel: str = "auto"  # PallasTpu(sliding_tile=...)
 
 
 PER_HEAD = ((1, 3, 3), (1, 3, 3), (3, 1, 3), (3, 3, 1))  # heads 0-1: a whole GQA group
@@ -79,6 +82,13 @@ if CHIP_SIZES:
         # 24-token tiles, ragged along W, a text prefix, segment ids with padding: 452 tokens.
         Config("ragged-prefix-segments",
                kernels.SlidingTileMask((3, 10, 10), (1, 4, 6), (3, 3, 3), text_len=20), segments=True),
+        # Without text: the tile-gathering kernels (window runs sliced from K/V in VMEM).
+        # 128-token tiles, 4 x 2 x 2 of them: 2,048 tokens; a shared window.
+        Config("gather-aligned", kernels.SlidingTileMask((4, 16, 32), (1, 8, 16), (3, 1, 1)), kernel="gather"),
+        # 80-token tiles ragged along H and W, per-head windows over a split GQA group:
+        # 2 x 3 x 4 tiles, 1,920 tokens in the layout.
+        Config("gather-ragged-perhead",
+               kernels.SlidingTileMask((4, 9, 35), (2, 4, 10), PER_HEAD), kernel="gather"),
     ]
 else:  # interpret mode: test_sparse_pallas's sizes
     STA_CONFIGS = [
@@ -89,6 +99,9 @@ else:  # interpret mode: test_sparse_pallas's sizes
                D=8, options=(("window", (60, 20)), ("logits_soft_cap", 5.0))),
         Config("ragged-prefix-segments",
                kernels.SlidingTileMask((5, 3, 7), (2, 2, 3), (1, 1, 3), text_len=12), D=8, segments=True),
+        Config("gather-aligned", kernels.SlidingTileMask((2, 4, 8), (1, 2, 4), (1, 1, 1)), D=8, kernel="gather"),
+        Config("gather-ragged-perhead", kernels.SlidingTileMask((3, 5, 5), (1, 2, 2), PER_HEAD), D=8,
+               kernel="gather"),
     ]
 
 
@@ -99,7 +112,11 @@ def test_sliding_tile_attention(cfg):
     rng = np.random.default_rng(zlib.crc32(cfg.name.encode()))
     a = harness.attention_inputs(1, S, cfg.H, cfg.D, H_kv=cfg.H_kv, rng=rng, dlse=True, sinks=True)
     seg = None
-    kw = dict(mask=tm, implementation=harness.pallas_tpu(), **options)
+    impl = harness.pallas_tpu()
+    if cfg.kernel != "auto":
+        impl = (kernels.PallasTpu(sliding_tile=cfg.kernel, interpret=not harness.on_chip())
+                if isinstance(impl, str) else dataclasses.replace(impl, sliding_tile=cfg.kernel))
+    kw = dict(mask=tm, implementation=impl, **options)
     if cfg.segments:
         seg = harness.segment_ids(rng, 1, S, ids=2, scattered=False, pad=(0, 0), holes=0.1)
         kw["segment_ids"] = jnp.asarray(seg)
