@@ -188,6 +188,20 @@ def test_copied_padding_is_taken_only_where_exact():
     assert not _copied_padding(*normalize(q16, q16, q16, kv_lengths=jnp.array([200], jnp.int32)))
 
 
+@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
+def test_kernel_precision_under_highest(dtype, want):
+    """A caller's `default_matmul_precision("highest")` reaches the kernels' matmuls of
+    float32 inputs, not those of 16-bit ones (Mosaic refuses a float32 contract precision
+    on 16-bit operands: seen compiling for a TPU v5e, every pallas_tpu kernel)."""
+    import re
+
+    q = jnp.zeros((1, 256, 2, 128), dtype)
+    with jax.default_matmul_precision("highest"):
+        text = str(jax.make_jaxpr(jax.grad(
+            lambda q: kernels.attention(q, q, q, implementation=TPU).astype(jnp.float32).sum()))(q))
+    assert set(re.findall(r"precision=\(Precision\.(\w+)", text)) == {want}
+
+
 def test_splash_blocks_choice():
     """The table's row for a problem, fitted: tiles no longer than the sequence, halved
     where padding to them would cost more than their speed gains, the fused backward

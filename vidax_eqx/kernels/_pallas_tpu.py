@@ -131,6 +131,17 @@ def _collapse(mask_info):
     return mask_info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
 
 
+def _kernel_precision(dtype):
+    """The matmul precision the kernels of `dtype` inputs are traced with: for 16-bit
+    inputs the default, whatever the caller's `jax.default_matmul_precision` (Mosaic
+    refuses a float32 contract precision on 16-bit operands: "highest" around a bf16
+    call would not compile, and their products are exact in one pass anyway); float32
+    inputs keep the caller's."""
+    if jnp.dtype(dtype).itemsize == 2:
+        return jax.default_matmul_precision("default")
+    return contextlib.nullcontext()
+
+
 def _copied_padding(ops: Operands, opts: Options) -> bool:
     """Whether the forward pads the keys with copies of the last key (and zero values)
     instead of hiding them with the mask: for full attention (no causal mask, window,
@@ -541,21 +552,31 @@ class PallasTpu(AbstractImplementation):
         """VSA's fine stage: block-sparse kernels over resident K/V, driven by the
         scalar-prefetched tile table (`_pallas_tpu_gather.sparse_fwd`; the per-tile
         kernels of `_pallas_tpu_sparse` when the resident arrays do not fit VMEM)."""
-        return _pallas_tpu_gather.sparse_fwd(
-            q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, interpret=self.interpret
-        )
+        with _kernel_precision(q.dtype):
+            return _pallas_tpu_gather.sparse_fwd(
+                q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, interpret=self.interpret
+            )
 
     def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
         """The gradients of `sparse_fwd`: a dQ pass over the table and a dK/dV pass over
         its inversion (`_pallas_tpu_gather.sparse_bwd`)."""
-        return _pallas_tpu_gather.sparse_bwd(
-            q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale,
-            interpret=self.interpret,
-        )
+        with _kernel_precision(q.dtype):
+            return _pallas_tpu_gather.sparse_bwd(
+                q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale,
+                interpret=self.interpret,
+            )
 
     # ------------------------------------------------------------------- contract
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        with _kernel_precision(ops.q.dtype):
+            return self._fwd(ops, opts)
+
+    def bwd(self, ops, opts, out, lse, dout, dlse):
+        with _kernel_precision(ops.q.dtype):
+            return self._bwd(ops, opts, out, lse, dout, dlse)
+
+    def _fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         if self._gathers_tiles(ops, opts):
             out, lse = _pallas_tpu_sliding.sliding_tile_fwd(
                 ops.q, ops.k, ops.v, opts.tile_mask, scale=opts.scale, interpret=self.interpret)
@@ -564,7 +585,7 @@ class PallasTpu(AbstractImplementation):
         out, lse = (self._flash_fwd if flash else self._splash_fwd)(ops, opts)
         return a.finish(ops, out, lse)
 
-    def bwd(self, ops, opts, out, lse, dout, dlse):
+    def _bwd(self, ops, opts, out, lse, dout, dlse):
         kernel_lse, delta, dsinks = a.backward_stats(ops, out, lse, dout, dlse)
         if self._gathers_tiles(ops, opts):
             # The contract's (sink-including) out and lse: their probabilities and delta.
