@@ -164,26 +164,29 @@ TABLES: dict[str, TuningTable] = {
         device_kind="TPU v5 lite",
         measured=(
             "2026-12-05, JAX 0.10.2, one TPU v5e chip (bf16 matmul 184.5 TFLOP/s), "
-            "benchmarks/tpu_attention.py --sweep: 12 heads of 128, bf16, at 32,768 and "
-            "8,192 tokens (full: forward, dK/dV, dQ and fused tiles; causal: forward)"
+            "benchmarks/tpu_attention.py --sweep and its table: 12 heads of 128, bf16, at "
+            "32,768 and 8,192 tokens (full: forward, dK/dV, dQ and fused tiles; causal: "
+            "forward, then its finalists' backward)"
         ),
         rows=(
             ("full", 0, SplashBlocks(512, 512)),
-            # 8,192 tokens: forward 2.70 ms (0.81 of matmul), fused backward 9.87 ms in all.
+            # 8,192 tokens (the table run): splash at these tiles 2.66 ms forward (0.83 of
+            # matmul), 9.27 ms with the fused backward, the fastest of the configurations
+            # timed (1024-token query tiles: 2.68 / 9.60 ms).
             ("full", 4096, SplashBlocks(
-                1024, 2048, 1024, block_q_dkv=1024, block_kv_dkv=1024, block_kv_dkv_compute=512,
-                block_q_dq=1024, block_kv_dq=1024, fused_bwd=True, vmem_limit_bytes=64 * _MiB)),
+                2048, 2048, 1024, block_q_dkv=1024, block_kv_dkv=2048, block_kv_dkv_compute=512,
+                block_q_dq=2048, block_kv_dq=1024, fused_bwd=True, vmem_limit_bytes=64 * _MiB)),
             # 32,768 tokens: forward 39.1 ms (0.92 of matmul); forward + fused backward
-            # 130.5 ms (0.83), unfused (dQ 2048 / 1024) 162.4 ms; JAX's defaults: 10x slower.
+            # 130.3 ms (0.83), unfused (dQ 2048 / 1024) 162.2 ms; JAX's defaults: 10x slower.
             ("full", 16384, SplashBlocks(
                 2048, 2048, 1024, block_q_dkv=1024, block_kv_dkv=2048, block_kv_dkv_compute=512,
                 block_q_dq=2048, block_kv_dq=1024, fused_bwd=True, vmem_limit_bytes=64 * _MiB)),
             ("causal", 0, SplashBlocks(512, 512)),
-            # 32,768 tokens: forward 22.1 ms (against 32.3 at 512-token tiles); the backward
-            # is not swept: unfused, whose dK/dV grid skips the hidden blocks.
+            # 32,768 tokens: forward 22.0 ms (against 32.3 at 512-token tiles); with the
+            # fused backward 77.6 ms in all, unfused 91.8.
             ("causal", 4096, SplashBlocks(
                 1024, 2048, 512, block_q_dkv=1024, block_kv_dkv=1024, block_kv_dkv_compute=512,
-                block_q_dq=1024, block_kv_dq=1024, vmem_limit_bytes=64 * _MiB)),
+                block_q_dq=1024, block_kv_dq=1024, fused_bwd=True, vmem_limit_bytes=64 * _MiB)),
             ("local", 0, SplashBlocks(512, 512)),
             ("local", 4096, SplashBlocks(
                 1024, 2048, 512, block_q_dkv=1024, block_kv_dkv=1024, block_kv_dkv_compute=512,

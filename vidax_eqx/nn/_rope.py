@@ -187,16 +187,18 @@ def _rope_pairs(x, cos, sin):
 
 
 def _rope_lanes(x, cos, sin):
-    """`apply_rope` along the feature axis as it is, for the TPU: the `(..., D/2, 2)`
-    view's two-wide minor axis costs relayout copies there (about 9% of a Wan 1.3B
-    step at 480p, measured). Each feature's pair partner comes from a rotation of the
-    axis (`-x[2i+1]` at `2i`, `x[2i]` at `2i+1`) and the tables are repeated per pair:
-    the same products and sums as `_rope_pairs` (which XLA may contract into other
-    fused multiply-adds: equal to float32 rounding, not bit for bit)."""
+    """`apply_rope` along the feature axis as it is, for the TPU, where the `(..., D/2, 2)`
+    view's two-wide minor axis costs relayout copies. Each feature's pair partner
+    (`-x[2i+1]` at `2i`, `x[2i]` at `2i+1`) comes from a product with a fixed signed
+    permutation (exact at the highest precision: one nonzero of magnitude 1 per column),
+    and the tables are repeated per pair: the products and sums of `_rope_pairs`, to
+    float32 rounding."""
     D = x.shape[-1]
     xf = x.astype(jnp.float32)
-    even = jnp.arange(D) % 2 == 0
-    partner = jnp.where(even, -jnp.roll(xf, -1, axis=-1), jnp.roll(xf, 1, axis=-1))
+    swap = np.zeros((D, D), np.float32)
+    swap[np.arange(1, D, 2), np.arange(0, D, 2)] = -1.0  # partner[2i] = -x[2i+1]
+    swap[np.arange(0, D, 2), np.arange(1, D, 2)] = 1.0  # partner[2i+1] = x[2i]
+    partner = jnp.matmul(xf, jnp.asarray(swap), precision=jax.lax.Precision.HIGHEST)
     c = jnp.repeat(cos.astype(jnp.float32), 2, axis=-1)[:, None, :]
     s = jnp.repeat(sin.astype(jnp.float32), 2, axis=-1)[:, None, :]
     return (xf * c + partner * s).astype(x.dtype)
