@@ -7,10 +7,10 @@ causal convolutions read (an explicit pytree); zero frames padded at the end to 
 last chunk change no earlier output, and their outputs are cut off.
 
 These VAEs treat the first frame (or first latent frame) apart. CogVideoX's runs it as a
-first chunk of its own before the scan ([`run_chunked`][]). Wan's runs every chunk,
-the first included, through ONE scan body ([`run_scanned`][]): the first chunk is the
+first chunk of its own before the scan (`run_chunked`). Wan's runs every chunk,
+the first included, through ONE scan body (`run_scanned`): the first chunk is the
 video after a few zero frames that line its first frame up with the others, and the
-layers that treat it apart do so by data (a [`FirstChunk`][] flag and selects), so the
+layers that treat it apart do so by data (a `FirstChunk` flag and selects), so the
 program holds the model once whatever the chunk size.
 
 Space is split over two mesh axes inside `shard_map` (a
@@ -112,14 +112,14 @@ def run_chunked(step: Step, x: Float[Array, "C T H W"], *, first: int, size: int
 
 
 class FirstChunk(NamedTuple):
-    """What a layer of [`run_scanned`][]'s step needs to treat the video's first frame
+    """What a layer of `run_scanned`'s step needs to treat the video's first frame
     apart, by data: `is_first` (a traced bool: this chunk holds the first frame) and
     `latent_frames` (static: latent frames per chunk).
 
     A chunk of `T` frames at some level of the model holds `T / latent_frames` frames per
     latent frame; in the first chunk the video's first frame is the last of its group
     (its group's frames before it are zeros the runner put in front), so it sits at
-    [`lead`][vidax_eqx.models._vae.FirstChunk.lead]` = T / latent_frames - 1`.
+    `lead` = T / latent_frames - 1`.
     """
 
     is_first: jax.Array
@@ -153,9 +153,9 @@ def run_scanned(step: ScannedStep, x: Float[Array, "C T H W"], *, size: int, lat
     """`step` over the frames of `x` in one `lax.scan`, the first chunk included.
 
     `lead` zero frames go before `x` (they line the first frame up as the last of its
-    group, see [`FirstChunk`][]), zero frames after it to a whole number of chunks of
+    group, see `FirstChunk`), zero frames after it to a whole number of chunks of
     `size` frames, and each step runs `step(chunk, cache, first)` with `first` a
-    [`FirstChunk`][] (`latent_frames` per chunk), carrying the caches; the first step's
+    `FirstChunk` (`latent_frames` per chunk), carrying the caches; the first step's
     cache is zeros (the zeros before the video), shaped by tracing `step` with `cache`
     `None`. Returns the outputs joined along time, `out_frames` of them after the first
     `out_lead` (the lead's outputs)."""

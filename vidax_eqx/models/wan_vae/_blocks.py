@@ -3,7 +3,7 @@
 Every block maps a chunk of frames `(C, T, H, W)` and its caches to the output chunk and
 the caches of the next: `block(x, cache, first=..., split=...) -> (y, cache)`. `cache` is
 a tuple over the block's causal convolutions (`None`: zeros, the start of the video);
-`first` (a [`FirstChunk`][vidax_eqx.models._vae.FirstChunk]) marks the first chunk by
+`first` (a `FirstChunk`) marks the first chunk by
 data, which Wan treats apart: the video's first frame is not doubled by a time
 upsampling, nor paired by a time downsampling, and the zero frames the runner put before
 it are zeroed again before every causal convolution reads them.
@@ -135,7 +135,7 @@ class WanResample(eqx.Module):
 def avg_down(x, out_channels: int, factor_t: int, factor_s: int):
     """diffusers' `AvgDown3D`: pixel (and frame) groups folded into channels, averaged in
     groups down to `out_channels`; an odd chunk gets a zero frame in front (in
-    [`run_scanned`][vidax_eqx.models._vae.run_scanned]'s chunks the first chunk's zero
+    `run_scanned`'s chunks the first chunk's zero
     frames stand for it)."""
     pad_t = (factor_t - x.shape[1] % factor_t) % factor_t
     x = jnp.pad(x, ((0, 0), (pad_t, 0), (0, 0), (0, 0)))
@@ -150,7 +150,7 @@ def avg_down(x, out_channels: int, factor_t: int, factor_s: int):
 def dup_up(x, out_channels: int, factor_t: int, factor_s: int):
     """diffusers' `DupUp3D`: channels repeated and unfolded into pixels (and frames).
     diffusers' first chunk drops the frames before its first; here they stay, in front
-    of the video's first frame (see [`FirstChunk`][vidax_eqx.models._vae.FirstChunk])."""
+    of the video's first frame (see `FirstChunk`)."""
     c, t, h, w = x.shape
     repeats = out_channels * factor_t * factor_s * factor_s // c
     x = jnp.repeat(x, repeats, axis=0)
