@@ -235,15 +235,18 @@ class PallasTpu(AbstractImplementation):
         notes=(
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
-            "lengths are padded to the tiles, the padding keys hidden by the kernel's mask "
-            "(segment ids and keys beyond kv_lengths by segment ids)",
+            "lengths are padded to the tiles (per chip and problem, from a table measured "
+            "on the chip: kernels.splash_blocks); padding keys are hidden by the kernel's "
+            "mask, or in full attention of 16-bit inputs are copies of the last key taken "
+            "out of the result exactly; keys beyond kv_lengths by segment ids",
             "no custom positions, yet ring attention runs on it when causal or unmasked "
             "(its steps then need none)",
-            "a sliding tile mask runs the splash kernel over the whole sequence: not with "
-            "custom positions (a chunk), nor with a bias",
-            "VSA's fine stage is a block-sparse kernel of its own (tile sizes padded to "
-            "multiples of 8), called per chunk of query tiles whose tile tables fit SMEM "
-            "(Wan 480p: one chunk; 720p: four)",
+            "a sliding tile mask without text runs the tile-gathering kernels (its windows "
+            "from K/V held in VMEM), else the splash kernel over the whole sequence; not "
+            "with custom positions (a chunk), nor with a bias",
+            "VSA's fine stage gathers the selected tiles from K/V held in VMEM (tiles padded "
+            "to multiples of 8, 16 for 16-bit dtypes), in chunks of query tiles whose tables "
+            "fit SMEM (Wan 480p: one; 720p: two); the per-tile kernels when K/V do not fit",
         ),
     )
 
