@@ -79,6 +79,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_runtest_logreport(report):
+    """With `VIDAX_TEST_DEVICE_LOG=FILE`, each failing test's id and the last lines of its
+    error are appended to FILE as it fails (a chip session's time limit may end the run
+    before pytest's summary is printed)."""
+    path = os.environ.get("VIDAX_TEST_DEVICE_LOG")
+    if not path or not report.failed:
+        return
+    text = str(report.longrepr).strip().splitlines()
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid} ({report.when}): " + " | ".join(line.strip() for line in text[-6:]) + "\n")
+
+
 # -- how XLA compiles in the test processes --------------------------------------------------
 
 
