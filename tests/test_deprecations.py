@@ -158,3 +158,16 @@ def test_the_changelog_lists_every_old_spelling_and_the_version():
                      ("parallel.ring_attention(axis_name=...)", "ring_axis=...")):
         assert old in deprecated and new in deprecated
     assert REMOVED_IN in deprecated
+
+
+def test_t5_encoder_embedding_attributes():
+    """`T5Encoder.shared` / `.relative_attention_bias` (0.1.0) are `embeddings.shared` /
+    `embeddings.relative_attention_bias`."""
+    from vidax_eqx.models import T5Encoder, T5EncoderConfig
+
+    model = T5Encoder(T5EncoderConfig(vocab_size=16, d_model=8, d_kv=4, d_ff=12, num_heads=2, num_layers=1),
+                      key=jax.random.key(0))
+    with pytest.warns(DeprecationWarning, match="embeddings.shared"):
+        assert model.shared is model.embeddings.shared
+    with pytest.warns(DeprecationWarning, match="embeddings.relative_attention_bias"):
+        assert model.relative_attention_bias is model.embeddings.relative_attention_bias

@@ -462,7 +462,8 @@ def test_attention_module_matches_the_oracle():
     # The same gate passed in to a module without the projection: the same numbers.
     bare = eqx.tree_at(lambda a: a.to_gate_compress, m, None)
     gate = jax.device_put(np.asarray(oracle.linear(x, m.to_gate_compress), np.float32))
-    np.testing.assert_allclose(run(bare, x, rope, gate), out, rtol=0, atol=1e-5)
+    # (To float32 round-off: XLA fuses the projection differently when it is the module's.)
+    assert harness.max_rel_error(run(bare, x, rope, gate), out) < 1e-6
 
 
 def test_attention_bad_inputs():

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ..._deprecation import warn_deprecated
 from ..._vma import as_varying
 from ... import nn
 from ...nn import sharding
@@ -116,6 +117,18 @@ class T5Encoder(eqx.Module):
     final_layer_norm: nn.RMSNorm
     config: T5EncoderConfig = eqx.field(static=True)
     implementation: str = eqx.field(static=True)
+
+    @property
+    def shared(self):
+        """Deprecated: `embeddings.shared` (the token embedding)."""
+        warn_deprecated("T5Encoder.shared", "T5Encoder.embeddings.shared")
+        return self.embeddings.shared
+
+    @property
+    def relative_attention_bias(self):
+        """Deprecated: `embeddings.relative_attention_bias`."""
+        warn_deprecated("T5Encoder.relative_attention_bias", "T5Encoder.embeddings.relative_attention_bias")
+        return self.embeddings.relative_attention_bias
 
     def __init__(self, config: T5EncoderConfig, *, dtype=jnp.float32,
                  implementation: str = "auto",
