@@ -152,7 +152,7 @@ class ExportedSampler:
         if received != s["signature"]:
             raise ValueError(
                 "ExportedSampler: the model (its structure, config or ParallelConfig), the "
-                "inputs' structure or the non-array model arguments (remat, sliding_tile) "
+                "inputs' structure or the non-array model arguments (remat, attention) "
                 "differ from those the sampler was exported for: "
                 f"{mismatch(s['signature'], received)}; export it again for them.")
         dynamic = eqx.filter(inputs, eqx.is_array)

@@ -54,7 +54,7 @@ class LoopOptions(eqx.Module):
     """How `condition` enters the model: `None`, `("concat", axis)` or `("frames", n)`."""
     text_cache: bool = eqx.field(static=True)
     model_static: dict
-    """The model's non-array keyword arguments (`remat`, `sliding_tile`), passed as
+    """The model's non-array keyword arguments (`remat`, `attention`), passed as
     they are (`eqx.filter_jit` keeps their non-array leaves static)."""
     threshold: Float[Array, ""] | None
     """The threshold of a `FirstBlockCache`, `None` for any other rule or none."""

@@ -63,12 +63,14 @@ class ProgressBar(AbstractProgress):
         self.desc, self.file, self.bar = desc, file, None
 
     def begin(self, steps: int) -> None:
+        """Opens a bar of `steps` steps (closing the previous one)."""
         import tqdm
 
         self.end()
         self.bar = tqdm.tqdm(total=int(steps), desc=self.desc, leave=True, file=self.file)
 
     def __call__(self, step: SampleStep) -> None:
+        """Moves the bar to the step; closes it after the last."""
         if self.bar is None:
             self.begin(step.steps)
         self.bar.update(step.step + 1 - self.bar.n)
@@ -76,6 +78,7 @@ class ProgressBar(AbstractProgress):
             self.end()
 
     def end(self) -> None:
+        """Closes the bar, if one is open."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -106,9 +109,11 @@ class ProgressLines(AbstractProgress):
         self.start = self.first = None
 
     def begin(self, steps: int) -> None:
+        """Starts the call's clock."""
         self.start, self.first = time.perf_counter(), None
 
     def __call__(self, step: SampleStep) -> None:
+        """Writes the step's line when it is the first, the last or every `every`-th."""
         now = time.perf_counter()
         if self.start is None:
             self.start = now

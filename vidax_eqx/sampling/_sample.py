@@ -140,7 +140,7 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
         inside a caller's trace only `True` (then ignored) or `None` are accepted.
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
-        (`remat`, `sliding_tile`) is passed as it is.
+        (`remat`, `attention`) is passed as it is.
 
     **Returns:**
 
