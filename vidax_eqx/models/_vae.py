@@ -119,7 +119,7 @@ class FirstChunk(NamedTuple):
     A chunk of `T` frames at some level of the model holds `T / latent_frames` frames per
     latent frame; in the first chunk the video's first frame is the last of its group
     (its group's frames before it are zeros the runner put in front), so it sits at
-    `lead` = T / latent_frames - 1`.
+    `lead = T / latent_frames - 1`.
     """
 
     is_first: jax.Array
