@@ -211,9 +211,10 @@ def matmul_tflops(smoke: bool) -> float:
 
 # -- the table -------------------------------------------------------------------------------
 
-def candidates(p: Problem) -> list:
+def candidates(p: Problem, tuned_only: bool = False) -> list:
     """The splash configurations the table times for `p`: JAX's default tiles (not at 40
-    heads, where they take seconds) and the sweep's finalists for the problem."""
+    heads, where they take seconds) and the sweep's finalists for the problem; with
+    `tuned_only`, the finalists alone (not the default tiles, not the issue's row)."""
     big_fused = block_sizes((2048, 2048, 1024), (1024, 2048, 512))
     big_unfused = block_sizes((2048, 2048, 1024), (1024, 2048, 512), (2048, 1024))
     mid_fused = block_sizes((1024, 2048, 1024), (1024, 1024, 512))
@@ -227,7 +228,7 @@ def candidates(p: Problem) -> list:
         found = [big_fused, big_unfused, issue]
     else:
         found = [mid_fused, big_fused, issue]
-    return [None] + found
+    return [bs for bs in found if bs is not issue] if tuned_only else [None] + found
 
 
 def _metrics(p: Problem, row: dict, best: dict, matmul: float) -> dict:
@@ -242,7 +243,7 @@ def _metrics(p: Problem, row: dict, best: dict, matmul: float) -> dict:
     return row
 
 
-def table_rows(problems, interpret, smoke, matmul) -> list[dict]:
+def table_rows(problems, interpret, smoke, matmul, tuned_only: bool = False) -> list[dict]:
     """Per problem, the library's rows (and XLA's), then splash's at each candidate (once
     per length splash runs, with the first problem of that length)."""
     rows, splash_of = [], {}
@@ -252,7 +253,7 @@ def table_rows(problems, interpret, smoke, matmul) -> list[dict]:
         if fresh:
             sp = dataclasses.replace(p, S=p.splash_S)
             args = inputs(sp, sp.S, True, smoke)
-            tried = [None] if smoke else candidates(p)
+            tried = [None] if smoke else candidates(p, tuned_only)
             splash_of[key] = [splash_row(sp, bs, args, interpret, smoke) for bs in tried]
             del args
         splash = splash_of[key]
@@ -362,7 +363,9 @@ def main():
     parser.add_argument("--out", default=".", metavar="DIR")
     parser.add_argument("--sweep", action="store_true", help="the tuning sweep instead of the table")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode off a TPU")
-    parser.add_argument("--quick", action="store_true", help="the table at 32,768 / 32,760 / 8,192, 12 heads only")
+    parser.add_argument("--quick", action="store_true",
+                        help="every problem against the tuned splash configurations only (not JAX's default "
+                             "tiles, not the issue's row)")
     parser.add_argument("--budget", type=float, default=float("inf"), metavar="SECONDS",
                         help="start no configuration after this many seconds")
     args = parser.parse_args()
@@ -393,13 +396,10 @@ def main():
         return
     if args.smoke or not on_tpu:
         problems = [Problem(500, 2, False, 64), Problem(512, 2, True, 64)]
-    elif args.quick:
-        problems = [Problem(32768, 12, False), Problem(32760, 12, False), Problem(32768, 12, True),
-                    Problem(8192, 12, False)]
     else:
         problems = [Problem(S, 12, False) for S in (32768, 32760, 8192)]
         problems += [Problem(32768, 12, True), Problem(32760, 12, True), Problem(32760, 40, False)]
-    rows = table_rows(problems, interpret, args.smoke or not on_tpu, matmul)
+    rows = table_rows(problems, interpret, args.smoke or not on_tpu, matmul, tuned_only=args.quick)
     head = (f"{stamp['date']}, JAX {stamp['jax']}, {stamp['device']}; bf16 matmul "
             f"{matmul:.1f} TFLOP/s; B=1, D=128, bf16")
     md = markdown(rows, head)

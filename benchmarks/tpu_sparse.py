@@ -6,7 +6,8 @@ On the TPU machine, from the checkout (after the install line of
 `../shared/tpu/README.md`):
 
     python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
-    python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~2-3 min)
+    python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
+    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA or STA)
     python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
     python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
@@ -22,19 +23,23 @@ order they run:
   `kernels.video_sparse_attention(..., implementation="pallas_tpu")` (coarse stage
   included) at sparsity 0.9, then 0.75: `gather` (the tile-gathering kernels,
   `_pallas_tpu_gather`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
-  of `_pallas_tpu_sparse`, forced by a VMEM budget of 0 while tracing; at 0.75 last of
-  all, it is slow).
+  of `_pallas_tpu_sparse`, forced by a VMEM budget of 0 while tracing; last of all, they
+  are slow); with them VSA's stages apart (the fine stage at both sparsities, the coarse
+  ones at 0.9): the coarse stage to its scores, then with the top-k selection (forward
+  only); the fine stage alone on the selection of these inputs (a constant of the program);
 - **STA**: `SlidingTileMask(grid, tile, (3, 3, 3))`: `splash` (`kernels.attention(q,
   k, v, mask=tm)`, today's dispatch) and `gather`
   (`_pallas_tpu_sliding.sliding_tile_attention`), on the grid (24, 32, 64) in tiles of
   256 then 128 tokens ((4, 8, 8), (2, 8, 8));
-- the gathering kernels' knobs at sparsity 0.9 (`chains=1`; chunks of 1,024 keys);
+- the gathering kernels' knobs on the fine stage alone at sparsity 0.9 (`CHAINS = 4`;
+  chunks of 1,024 keys; both; the selection sorted by tile index);
 - STA: the issue's (3, 6, 4) on (21, 30, 52), tiles of 512 tokens (4, 8, 16) on (24, 32,
   64), and 720p's grid (24, 48, 80) in all three tile sizes;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
   number of tokens, first for each problem size: the ratios' denominator.
 
-`--quick` runs the first three groups. Each row: forward (`fwd`) and forward+backward
+`--quick` runs VSA's rows (not the per-tile ones, which run last), STA on the first grid and
+the knobs. Each row: forward (`fwd`) and forward+backward
 (`fwd+bwd`: the gradients of `sum(out * cotangent)` in q, k and v), compiled ahead of
 time, then timed as the best of `--reps` (3) measurements of `n` calls issued back to
 back (asynchronous dispatch; `n` from the first call's time), divided by `n`. A
@@ -65,6 +70,7 @@ import numpy as np
 
 from vidax_eqx import kernels
 from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sliding
+from vidax_eqx.kernels import _vsa as _vsa_internal
 
 
 BF16 = jnp.bfloat16
@@ -91,6 +97,7 @@ class Case:
     patch: dict = dataclasses.field(default_factory=dict)  # module attributes set while tracing
     priority: int = 0  # rows run in increasing priority; `--quick`: those up to `QUICK`
     knob: bool = False  # a tuning variant (not part of `--smoke`)
+    fwd_only: bool = False  # `attend` returns a tuple of outputs (a stage of VSA): no backward
 
 
 @contextlib.contextmanager
@@ -127,6 +134,41 @@ def _dense():
     return lambda q, k, v: kernels.attention(q, k, v)
 
 
+def _vsa_stage(grid, tile, sparsity, upto: str):
+    """VSA's coarse stage alone, `upto` `"scores"` (tile means, coarse attention) or
+    `"top-k"` (and the selection): a tuple of what it hands on, so nothing is dropped."""
+    vsa = kernels.internal.VsaLayout(grid, tile)
+
+    def stage(q, k, v):
+        valid, T = vsa.token_valid(), vsa.tile_size
+        q_c, k_c, v_c = (_vsa_internal.tile_means(x, valid, T) for x in (q, k, v))
+        out_c, scores = _vsa_internal.coarse_attention(q_c, k_c, v_c, vsa.tile_counts(), q.shape[-1] ** -0.5)
+        if upto == "scores":
+            return out_c, scores
+        return out_c, _vsa_internal.select_tiles(scores, vsa.topk(None, sparsity))
+
+    return stage
+
+
+def _vsa_fine(grid, tile, sparsity, impl, smoke: bool, order: str = "top-k"):
+    """VSA's fine stage alone on the selection of the inputs `_inputs` makes (computed once,
+    a constant of the program): `order` `"top-k"` as selected, `"sorted"` by tile index."""
+    vsa = kernels.internal.VsaLayout(grid, tile)
+    cache = {}
+
+    def fine(q, k, v):
+        if "tiles" not in cache:  # the selection of the concrete inputs, outside the timed program
+            with jax.ensure_compile_time_eval():
+                q0, k0, v0, _ = _inputs(vsa.video_len, smoke)
+                tiles = np.asarray(jax.jit(_vsa_stage(grid, tile, sparsity, "top-k"))(q0, k0, v0)[1])
+            cache["tiles"] = np.sort(tiles, axis=-1) if order == "sorted" else tiles
+        valid = jnp.asarray(vsa.token_valid())
+        return _vsa_internal.sparse_attention(q, k, v, jnp.asarray(cache["tiles"]), valid, tile_size=vsa.tile_size,
+                                              scale=q.shape[-1] ** -0.5, implementation=impl)[0]
+
+    return fine
+
+
 def cases(args) -> list[Case]:
     """The rows of this run, most important first."""
     if args.smoke:
@@ -149,11 +191,21 @@ def cases(args) -> list[Case]:
         attend = lambda sp=sp: _vsa(vsa_grid, vsa_tile, sp, tpu)
         rows.append(Case("VSA", name, "gather", S, attend(), density, "per-tile", priority=1 + 2 * i))
         rows.append(Case("VSA", name, "per-tile", S, attend(), density, patch={"VMEM_BUDGET": 0},
-                         priority=2 + 8 * i))
+                         priority=8 + 2 * i))
+        # Where the time goes: the coarse stage (scores; with the top-k), the fine stage alone.
+        fine = lambda order="top-k", sp=sp: _vsa_fine(vsa_grid, vsa_tile, sp, tpu, args.smoke, order)
+        rows.append(Case("VSA", name, "fine stage alone", S, fine(), density, priority=1 + 2 * i))
         if i == 0:
-            for path, patch in (("gather chains=1", {"CHAINS": 1}), ("gather 1024 keys", {"KV_TARGET": 1024})):
-                rows.append(Case("VSA", name, path, S, attend(), density, "per-tile", patch, priority=5,
+            for upto in ("scores", "top-k"):
+                rows.append(Case("VSA", name, f"coarse stage to {upto}", S, _vsa_stage(vsa_grid, vsa_tile, sp, upto),
+                                 density, priority=1, fwd_only=True))
+            # The gathering kernels' knobs (after STA's first rows).
+            for path, patch in (("fine alone chains=4", {"CHAINS": 4}), ("fine alone 1024 keys", {"KV_TARGET": 1024}),
+                                ("fine alone chains=4 1024 keys", {"CHAINS": 4, "KV_TARGET": 1024})):
+                rows.append(Case("VSA", name, path, S, fine(), density, "fine stage alone", patch, priority=5,
                                  knob=True))
+            rows.append(Case("VSA", name, "fine alone, tiles sorted", S, fine("sorted"), density, priority=5,
+                             knob=True))
     dense_done = set()
     for grid, tile, priority in sta:
         tm = kernels.SlidingTileMask(grid, tile, WINDOW)
@@ -167,6 +219,8 @@ def cases(args) -> list[Case]:
                          priority=priority))
     if args.quick or args.smoke:
         rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
+    if args.section:
+        rows = [r for r in rows if r.section == args.section]
     return sorted(rows, key=lambda r: r.priority)  # stable: the order above within a priority
 
 
@@ -219,7 +273,7 @@ def measure(case: Case, inputs: dict, outputs: dict, reps: int) -> dict:
     q, k, v, ct = inputs[case.S]
     row = dict(section=case.section, problem=case.problem, path=case.path, S=case.S, density=case.density)
     results = {}
-    for pass_ in h.PASSES:
+    for pass_ in h.PASSES[:1] if case.fwd_only else h.PASSES:
         fn, nargs = h.attention_pass(case.attend, pass_)
         args = (q, k, v, ct)[:nargs]
         try:
@@ -306,6 +360,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode (CPU)")
     parser.add_argument("--budget", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--section", choices=("VSA", "STA"), default=None, help="that section's rows only")
     parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
                         help="compile every row for this TPU topology (e.g. v5e:1x1) from this host, run none")
     args = parser.parse_args(argv)

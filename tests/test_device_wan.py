@@ -54,6 +54,15 @@ TEXT_LEN = 20
 # key block, a wrong mask, a lost gradient term) is O(1e-2) or more.
 RTOL = 1e-4
 FLOOR = 1e-3
+# The three weights of the timestep's path get their own bound. Their gradients are sums over
+# every token and block of the modulation's gradient (shift, scale, gate), large sums that
+# cancel, so the order in which the chip adds them shows more in them: measured on a TPU
+# v5e (2026-12-06) at 1.4e-4 to 7.5e-4, every other result under 1e-4. Not the chip's sin
+# and cos of the sinusoidal embedding: at these arguments (`t * freq` up to 500 radians)
+# they were 7.4e-8 from float64 there, 3.2e-8 on the CPU.
+TIMESTEP_LEAVES = (".time_embedding.linear_1.weight", ".time_embedding.linear_2.weight",
+                   ".time_projection.weight")
+RTOL_TIMESTEP = 2e-3
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -72,7 +81,8 @@ def _on(device, tree):
 def _forward_and_grads(model, x, timestep, context, cotangent, sliding_tile):
     """The output and the gradients of `sum(out * cotangent)` with respect to every
     parameter and to the latents."""
-    out, vjp = eqx.filter_vjp(lambda m, x: m(x, timestep, context, sliding_tile=sliding_tile), model, x)
+    attention = None if sliding_tile is None else models.SlidingTile(*sliding_tile)
+    out, vjp = eqx.filter_vjp(lambda m, x: m(x, timestep, context, attention=attention), model, x)
     return out, vjp(cotangent)
 
 
@@ -104,5 +114,5 @@ def test_wan_matches_cpu(attention):
     assert out.shape == ref_out.shape and out.dtype == np.float32
     errors = {"out": _rel_error(out, ref_out), "d latents": _rel_error(dx, ref_dx)}
     errors.update(harness.leaf_errors(grads, ref_grads, floor=FLOOR))
-    bad = {name: e for name, e in errors.items() if not e <= RTOL}
+    bad = {name: e for name, e in errors.items() if not e <= (RTOL_TIMESTEP if name in TIMESTEP_LEAVES else RTOL)}
     assert not bad, f"{len(bad)} of {len(errors)} results off (relative): {bad}"
