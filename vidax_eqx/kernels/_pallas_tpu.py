@@ -394,7 +394,11 @@ class PallasTpu(AbstractImplementation):
         seg = None
         if ops.seg_q is not None or ops.kv_lengths is not None:
             seg = a.kernel_segment_ids(ops, S_qp, S_kp)
-        q = _heads_major(ops.q * jnp.asarray(opts.scale, ops.q.dtype), S_qp)
+        # Scaled after the padding, so that XLA fuses the scale, the padding and the layout
+        # into one pass over q (scaled first, a length that is not a multiple of the tiles
+        # took two: the forward at 32,760 tokens moved 2.54 GB, now 1.94 GB, compiled for
+        # v5e). The same products either way.
+        q = _heads_major(ops.q, S_qp) * jnp.asarray(opts.scale, ops.q.dtype)
         k = ops.k
         if copies:
             k = jnp.concatenate([k, jnp.broadcast_to(k[:, -1:], (B, copies, H_kv, D))], axis=1)
