@@ -188,6 +188,30 @@ def test_copied_padding_is_taken_only_where_exact():
     assert not _copied_padding(*normalize(q16, q16, q16, kv_lengths=jnp.array([200], jnp.int32)))
 
 
+def test_rows_may_be_empty_only_where_a_feature_can_hide_every_key():
+    """The splash forward selects the rows that see nothing (a pass over the output) only
+    where a feature can hide every key of a row; a window that does still gives them 0
+    and lse -inf."""
+    from vidax_eqx.kernels._adapt import rows_may_be_empty
+
+    q, k = jnp.zeros((1, 100, 2, 16)), jnp.zeros((1, 7, 2, 16))
+    assert not rows_may_be_empty(*normalize(q, q, q))
+    assert not rows_may_be_empty(*normalize(q, k, k, causal=True))  # key 0: seen by every query
+    hiding = [dict(window=(0, 0)), dict(segment_ids=jnp.zeros((1, 100), jnp.int32)),
+              dict(kv_lengths=jnp.array([50], jnp.int32)), dict(bias=jnp.zeros((100, 100))),
+              dict(mask=jnp.ones((100, 100), bool)),
+              dict(mask=kernels.SlidingTileMask((4, 5, 5), (1, 5, 5), (3, 1, 1)))]
+    for kw in hiding:
+        assert rows_may_be_empty(*normalize(q, q, q, **kw)), kw
+    assert rows_may_be_empty(*normalize(q, q, q, q_positions=jnp.arange(100), kv_positions=jnp.arange(100)))
+    # Queries 7.. of a (0, 0) window over 7 keys see nothing.
+    rng = np.random.default_rng(0)
+    qa, ka = (jnp.asarray(harness.normal(rng, s)) for s in ((1, 100, 2, 16), (1, 7, 2, 16)))
+    out, lse = kernels.attention_fwd(qa, ka, ka, window=(0, 0), implementation=TPU)
+    assert np.all(np.asarray(out)[:, 7:] == 0.0) and np.all(np.asarray(lse)[:, :, 7:] == -np.inf)
+    assert np.all(np.isfinite(np.asarray(lse)[:, :, :7]))
+
+
 @pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
 def test_kernel_precision_under_highest(dtype, want):
     """A caller's `default_matmul_precision("highest")` reaches the kernels' matmuls of

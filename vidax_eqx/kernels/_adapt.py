@@ -97,23 +97,40 @@ def shared_segment_ids(ops: Operands, S_pad: int):
 
 
 def finish(
-    ops: Operands, out: jax.Array, lse: jax.Array, empty_below: float = MASKED_LSE
+    ops: Operands, out: jax.Array, lse: jax.Array, empty_below: float = MASKED_LSE,
+    rows_may_be_empty: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """A kernel's `(out (B, S_q, H, D), lse (B, H, S_q))` -> the contract's: rows that
     see nothing (lse below `empty_below`) give 0 and `-inf`, and the sinks join each
-    row's denominator."""
-    hidden = lse < min(MASKED_LSE, empty_below)
-    if ops.seg_q is not None:
-        hidden = hidden | (ops.seg_q < 0)[:, None, :]
-    lse = jnp.where(hidden, -jnp.inf, lse.astype(F32))
-    rows = jnp.swapaxes(hidden, 1, 2)[..., None]
-    out = jnp.where(rows, jnp.zeros((), out.dtype), out)
+    row's denominator. `rows_may_be_empty=False` (the caller knows that every row sees
+    a key: `rows_may_be_empty`) skips the selection, a pass over `out`."""
+    if rows_may_be_empty:
+        hidden = lse < min(MASKED_LSE, empty_below)
+        if ops.seg_q is not None:
+            hidden = hidden | (ops.seg_q < 0)[:, None, :]
+        lse = jnp.where(hidden, -jnp.inf, lse.astype(F32))
+        rows = jnp.swapaxes(hidden, 1, 2)[..., None]
+        out = jnp.where(rows, jnp.zeros((), out.dtype), out)
+    else:
+        lse = lse.astype(F32)
     if ops.sinks is not None:
         total = jnp.logaddexp(lse, ops.sinks.astype(F32)[None, :, None])
         keep = jnp.swapaxes(jnp.exp(lse - total), 1, 2)[..., None]
         out = (out.astype(F32) * keep).astype(out.dtype)
         lse = total
     return out, lse
+
+
+def rows_may_be_empty(ops: Operands, opts) -> bool:
+    """Whether a row of the request may see no key. Not in full or causal attention over
+    the default positions without segment ids, key lengths, a bias or mask, a window or a
+    tile mask: every query then sees key 0 at least."""
+    plain = (
+        opts.default_positions and ops.q_pos is None and ops.kv_pos is None and ops.seg_q is None
+        and ops.seg_kv is None and ops.kv_lengths is None and ops.bias is None and ops.mask is None
+        and opts.window is None and opts.tile_mask is None and ops.k.shape[1] > 0
+    )
+    return not plain
 
 
 def backward_stats(ops: Operands, out, lse, dout, dlse):

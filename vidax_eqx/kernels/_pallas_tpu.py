@@ -590,7 +590,9 @@ class PallasTpu(AbstractImplementation):
             return a.finish(ops, out, lse)
         flash = ops.bias is not None or ops.mask is not None
         out, lse = (self._flash_fwd if flash else self._splash_fwd)(ops, opts)
-        return a.finish(ops, out, lse)
+        # Full and causal attention: no selection of empty rows (at 8,192 tokens on v5e a
+        # pass over the output was 2% of the forward).
+        return a.finish(ops, out, lse, rows_may_be_empty=a.rows_may_be_empty(ops, opts))
 
     def _bwd(self, ops, opts, out, lse, dout, dlse):
         kernel_lse, delta, dsinks = a.backward_stats(ops, out, lse, dout, dlse)
