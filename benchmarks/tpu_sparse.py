@@ -31,8 +31,10 @@ order they run:
   k, v, mask=tm)`, today's dispatch) and `gather`
   (`_pallas_tpu_sliding.sliding_tile_attention`), on the grid (24, 32, 64) in tiles of
   256 then 128 tokens ((4, 8, 8), (2, 8, 8));
-- the gathering kernels' knobs on the fine stage alone at sparsity 0.9 (`CHAINS = 4`;
-  chunks of 1,024 keys; both; the selection sorted by tile index);
+- the gathering kernels' knobs on the fine stage alone at sparsity 0.9 (chunks gathered
+  through a VMEM copy, as before `GATHER = "load"`; full rows unrolled, `UNROLL`, with 2
+  and 4 chains; `CHAINS = 4`; chunks of 1,024 keys; both; the selection sorted by tile
+  index);
 - STA: the issue's (3, 6, 4) on (21, 30, 52), tiles of 512 tokens (4, 8, 16) on (24, 32,
   64), and 720p's grid (24, 48, 80) in all three tile sizes;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
@@ -206,7 +208,10 @@ def cases(args) -> list[Case]:
                 rows.append(Case("VSA", name, f"coarse stage to {upto}", S, _vsa_stage(vsa_grid, vsa_tile, sp, upto),
                                  density, priority=1, fwd_only=True))
             # The gathering kernels' knobs (after STA's first rows).
-            for path, patch in (("fine alone chains=4", {"CHAINS": 4}), ("fine alone 1024 keys", {"KV_TARGET": 1024}),
+            for path, patch in (("fine alone, gathered by copy", {"GATHER": "copy"}),
+                                ("fine alone unrolled", {"UNROLL": True}),
+                                ("fine alone unrolled chains=4", {"UNROLL": True, "CHAINS": 4}),
+                                ("fine alone chains=4", {"CHAINS": 4}), ("fine alone 1024 keys", {"KV_TARGET": 1024}),
                                 ("fine alone chains=4 1024 keys", {"CHAINS": 4, "KV_TARGET": 1024})):
                 rows.append(Case("VSA", name, path, S, fine(), density, "fine stage alone", patch, priority=5,
                                  knob=True))

@@ -96,15 +96,19 @@ def _fine_case(T: int, dtype, seed: int):
 FINE = [
     # Tiles of 8 float32 rows, chunks of 2 key tiles, one chain: 3 slots are a full and a
     # half-used chunk; an SMEM budget for 3 query tiles a call: 2 chunks (the last padded).
-    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=1), (NK + 1 + 2 * 3 * 2) * 2, id="float32-chunked"),
+    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=1), (NK + 1 + 2 * 3 * 2) * 2, {}, id="float32-chunked"),
     # Tiles of 12 bfloat16 rows padded to 16, chunks of one key tile in 2 chains: the
-    # second iteration's second chain is unused.
-    pytest.param(12, jnp.bfloat16, dict(kv_tiles=1, chains=2), None, id="bfloat16-padded"),
+    # second iteration's second chain is unused; chunks gathered through VMEM copies.
+    pytest.param(12, jnp.bfloat16, dict(kv_tiles=1, chains=2), None, {"GATHER": "copy"}, id="bfloat16-padded"),
+    # Rows that use all 3 slots (2 chunks of 2) run unrolled on 2 chains, the others loop.
+    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=2), None, {"UNROLL": True}, id="float32-unrolled"),
 ]
 
 
-@pytest.mark.parametrize("T, dtype, knobs, smem", FINE)
-def test_fine_stage_against_oracle(T, dtype, knobs, smem, monkeypatch):
+@pytest.mark.parametrize("T, dtype, knobs, smem, attrs", FINE)
+def test_fine_stage_against_oracle(T, dtype, knobs, smem, attrs, monkeypatch):
+    for name, value in attrs.items():
+        monkeypatch.setattr(_pallas_tpu_gather, name, value)
     if smem is not None:
         monkeypatch.setattr(_pallas_tpu_gather, "SMEM_ENTRIES", smem)
     p = _pallas_tpu_gather.plan((1, NQ * T, H, D), (1, NK * T, K, D), dtype, NSEL, T, **knobs)

@@ -86,6 +86,8 @@ VMEM_BUDGET = 80 * _MiB
 _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
 KV_TARGET = 512  # keys per chunk of the inner loop
 CHAINS = 2  # chunks per iteration of the inner loops
+GATHER = "load"  # a gathered chunk: "load" (tiles stacked in vregs) or "copy" (through VMEM)
+UNROLL = False  # forward / dQ: a row that uses every slot runs its chunks unrolled
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
@@ -201,10 +203,14 @@ def _chunk_row(rows_ref, index, W: int, T: int):
 
 def _gather(src_ref, dst_ref, tiles, T: int, direct: bool):
     """The chunk of `len(tiles)` tiles of `T` rows of `src_ref`: sliced from the
-    resident array when `direct` (consecutive tiles), else copied into `dst_ref`."""
+    resident array when `direct` (consecutive tiles); else each tile loaded and the
+    loads stacked along the sublanes (whole vregs: `T` is a multiple of the sublane
+    tiling), or, with `GATHER = "copy"`, copied into `dst_ref` and read back."""
     if direct:
         start = pl.multiple_of(tiles[0] * T, T)
         return src_ref[pl.ds(start, len(tiles) * T), :]
+    if GATHER == "load":
+        return jnp.concatenate([src_ref[pl.ds(pl.multiple_of(t * T, T), T), :] for t in tiles], axis=0)
     for j, t in enumerate(tiles):
         dst_ref[pl.ds(j * T, T), :] = src_ref[pl.ds(pl.multiple_of(t * T, T), T), :]
     return dst_ref[...]
@@ -244,11 +250,30 @@ def _load_fwd(C: int, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, 
     return g, i
 
 
-def _run_chunks(n, chains: int, chunk, commit):
+def _run_chunks(n, chains: int, chunk, commit, full: int | None = None):
     """Chunks `0 .. n - 1` (`n` dynamic): `chains` consecutive ones per iteration (chunk
     `it * chains + h` on chain `h`), the remainder one per iteration on chain 0.
     `chunk(j, h)` computes chunk `j` and returns its parts; `commit(parts)` adds up those
-    of one iteration."""
+    of one iteration.
+
+    With `full` (and `UNROLL`), a row of exactly `full` chunks (VSA's: every row selects
+    the same number of tiles) runs them unrolled, in the same order on the same chains,
+    so that the compiler can overlap one chunk's softmax with the next one's matmuls;
+    other rows take the loop."""
+    if full is not None and UNROLL:
+
+        @pl.when(n == full)
+        def _():
+            for it in range(full // chains):
+                commit([chunk(it * chains + h, h) for h in range(chains)])
+            for j in range(full // chains * chains, full):
+                commit([chunk(j, 0)])
+
+        @pl.when(n != full)
+        def _():
+            _run_chunks(n, chains, chunk, commit)
+
+        return
 
     def group(it, carry):
         commit([chunk(it * chains + h, h) for h in range(chains)])
@@ -295,7 +320,7 @@ def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse
         m_sc[h] = jnp.broadcast_to(m_new, m_sc.shape[1:])
         l_sc[h] = jnp.broadcast_to(l_new, l_sc.shape[1:])
 
-    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, lambda parts: None)
+    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, lambda parts: None, n_selp // CH)
     ms = [m_sc[h][:, :1] for h in range(chains)]
     mx = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(mx == low, 0.0, mx)
@@ -339,7 +364,7 @@ def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v
         ds = p * (dp - delta)
         return (lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32),)
 
-    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, _add_to(dq_sc))
+    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, _add_to(dq_sc), n_selp // CH)
     dq_ref[...] = dq_sc[...] * scale
 
 
