@@ -28,13 +28,15 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   A `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
   rounded up to chunks: unused slots cost nothing) runs over chunks of `CH` selected
   key tiles (`kv_chunk`: about 512 keys). Each chunk gathers its key and value tiles
-  from the resident K/V (`pl.ds(tile * T, T)`) into `(CH * T, D)` scratch, or, when
-  the table comes in runs of consecutive tiles (`run`: sliding tile attention's
-  windows along w) and each chunk lies inside one run, slices `pl.ds(start * T, CH *
-  T)` directly; then ONE `(T, CH * T)` logits matmul, the online softmax (float32
+  from the resident K/V (`pl.ds(tile * T, T)`), loaded and stacked along the sublanes
+  into `(CH * T, D)` values (`GATHER`), or, when the table comes in runs of
+  consecutive tiles (`run`: sliding tile attention's windows along w) and each chunk
+  lies inside one run, slices `pl.ds(start * T, CH * T)` directly; then ONE `(T, CH * T)` logits matmul, the online softmax (float32
   `m`, `l`, `acc` in scratch) and ONE `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp -
   delta)`, `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run ==
-  1`).
+  1`). A query tile whose slots are all used (every row of VSA's top-k) runs its chunks
+  unrolled instead (`UNROLL`), so that one chunk's softmax overlaps the next one's
+  products.
 - **dK/dV**: the table inverted on device into CSR form per (unit, chunk): the rows
   `g * n_qc + i` that selected each key tile, sorted by key tile (`lax.sort`), and each
   key tile's offset (a cumulative count). Grid `(unit, chunk, key tile)`: every key
@@ -54,9 +56,10 @@ Tuning knobs (`plan`): `kv_tiles` (tiles per chunk) and `chains`: a loop with a
 dynamic trip count is not unrolled, so each iteration runs `chains` consecutive chunks
 as independent computations the scheduler can interleave (the forward keeps an online
 softmax per chain and merges them at the end; a remainder of fewer than `chains`
-chunks runs one per iteration). Performance has not been measured here (no TPU);
-every kernel compiles for TPU v5e (Mosaic, ahead of time from a CPU host) at Wan 480p
-and 720p.
+chunks runs one per iteration); `GATHER` and `UNROLL` (module attributes). Measured on
+a TPU v5e (`benchmarks/tpu_sparse.py`, docs/benchmarks.md): stacking the loads instead
+of copying through VMEM took 5% off the fine stage's forward at VSA's Wan 480p problem,
+unrolling 15% more; 4 chains gained nothing over 2 once unrolled.
 """
 
 import contextlib
@@ -87,7 +90,7 @@ _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
 KV_TARGET = 512  # keys per chunk of the inner loop
 CHAINS = 2  # chunks per iteration of the inner loops
 GATHER = "load"  # a gathered chunk: "load" (tiles stacked in vregs) or "copy" (through VMEM)
-UNROLL = False  # forward / dQ: a row that uses every slot runs its chunks unrolled
+UNROLL = True  # forward / dQ: a row that uses every slot runs its chunks unrolled
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
