@@ -1,12 +1,15 @@
 """Whole reference models composed from `vidax_eqx.nn`: checkpoints in and out, and one
 call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan`][],
 [`vidax_eqx.models.cogvideox`][], [`vidax_eqx.models.wan_vae`][],
-[`vidax_eqx.models.cogvideox_vae`][], [`vidax_eqx.models.t5`][] and
-[`vidax_eqx.models.clip`][]; the names below are theirs, re-exported.
+[`vidax_eqx.models.cogvideox_vae`][], [`vidax_eqx.models.t5`][],
+[`vidax_eqx.models.clip`][] and [`vidax_eqx.models.skyreels`][]; the names below are
+theirs, re-exported.
 
 - [`WanTransformer3D`][]: Wan 2.1's and 2.2's video DiT (T2V, I2V, FLF2V, TI2V with a
     timestep per token), from diffusers or original Wan checkpoints;
     [`wan_image_timestep`][] builds TI2V's per-token timestep.
+- [`SkyReelsV2Transformer3D`][]: SkyReels-V2's diffusion forcing DiT (Wan 2.1's, a
+    timestep per latent frame, the fps embedding), from diffusers checkpoints.
 - [`WanExperts`][]: Wan 2.2 A14B, a high-noise and a low-noise expert routed by the
     timestep.
 - [`CogVideoXTransformer3D`][]: CogVideoX 1.0's video DiT (2B and 5B, T2V and I2V),
@@ -53,8 +56,8 @@ call that runs a model over a mesh. One folder per model: [`vidax_eqx.models.wan
 """
 
 from . import (
-    clip as clip, cogvideox as cogvideox, cogvideox_vae as cogvideox_vae, t5 as t5, wan as wan,
-    wan_vae as wan_vae,
+    clip as clip, cogvideox as cogvideox, cogvideox_vae as cogvideox_vae, skyreels as skyreels, t5 as t5,
+    wan as wan, wan_vae as wan_vae,
 )
 from ._base import (
     AbstractBatchedInput as AbstractBatchedInput,
@@ -86,6 +89,7 @@ from .cogvideox import (
 from .wan_vae import WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
 from .cogvideox_vae import CogVideoXVAE as CogVideoXVAE, CogVideoXVAEConfig as CogVideoXVAEConfig
 from .t5 import T5Encoder as T5Encoder, T5EncoderConfig as T5EncoderConfig
+from .skyreels import SkyReelsV2Config as SkyReelsV2Config, SkyReelsV2Transformer3D as SkyReelsV2Transformer3D
 from .clip import (
     CLIPImageProcessor as CLIPImageProcessor,
     CLIPVisionConfig as CLIPVisionConfig,

@@ -242,9 +242,10 @@ class WanTransformer3D(AbstractCachedModel):
                                  step=StepDecision(step_cache, may_reuse, threshold, axis_name))
 
     def _forward(self, x, timestep, context, *, context_image, remat, attention, text_cache,
-                 step=None):
+                 step=None, e0_shift=None):
         """The forward pass; with `step` (a `StepDecision`), through the step cache,
-        returning `(out, cache)`."""
+        returning `(out, cache)`. `e0_shift`: a float32 `(6, dim)` added to every token's
+        block modulation `e0` (not to the head's `t`), as SkyReels-V2's fps embedding is."""
         c = self.config
         policy = check_remat(remat)
         if (self.img_emb is None) != (context_image is None):
@@ -275,7 +276,7 @@ class WanTransformer3D(AbstractCachedModel):
                 f"{tuple(grid)}, patch_size {c.patch_size}); received {timestep.shape[0]}."
             )
         if not per_token:
-            t, e0 = self._time(timestep)
+            t, e0 = self._time(timestep, e0_shift)
         if text_cache is None:
             context, context_image = self._embed_context(context, context_image, dtype)
         else:
@@ -289,7 +290,7 @@ class WanTransformer3D(AbstractCachedModel):
         rope = functional.rope_3d(grid, c.head_dim, c.rope_theta)
         if per_token:
             patches, rope, timestep = layout.to_tokens((patches, rope, timestep))
-            t, e0 = self._time(timestep)
+            t, e0 = self._time(timestep, e0_shift)
         else:
             patches, rope = layout.to_tokens((patches, rope))
         tokens = self.patch_embedding.project(patches).astype(jnp.float32)
@@ -403,16 +404,18 @@ class WanTransformer3D(AbstractCachedModel):
             k, v, k_img, v_img = lax.scan(layer, None, arrays)[1]
             return WanTextCache(k, v, k_img, v_img)
 
-    def _time(self, timestep):
+    def _time(self, timestep, e0_shift=None):
         """`(t, e0)`: the float32 time embedding `(..., dim)` and its projection
-        `(..., 6, dim)` of a scalar timestep or of one per token `(S,)`."""
+        `(..., 6, dim)` of a scalar timestep or of one per token `(S,)`, plus `e0_shift`
+        `(6, dim)` when given."""
         t = self.time_embedding(timestep)
         # A scalar's projection is the Linear's own `W @ x` (what it always was: the same
         # program and bits); per token, `x @ W.T` on the (S, dim) rows.
         project = self.time_projection if timestep.ndim == 0 else (
             lambda h: linear(self.time_projection, h))
         e0 = project(jax.nn.silu(t))
-        return t.astype(jnp.float32), e0.reshape(*t.shape[:-1], 6, self.config.dim).astype(jnp.float32)
+        e0 = e0.reshape(*t.shape[:-1], 6, self.config.dim).astype(jnp.float32)
+        return t.astype(jnp.float32), e0 if e0_shift is None else e0 + e0_shift
 
     # -- checkpoints --------------------------------------------------------------------
 

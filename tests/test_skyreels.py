@@ -1,0 +1,156 @@
+"""SkyReels-V2's transformer (`models.SkyReelsV2Transformer3D`) against diffusers'
+`SkyReelsV2Transformer3DModel`, on the tiny random models of
+`tests/fixtures/skyreels/` (written by `scripts/make_skyreels_fixtures.py` with
+diffusers 0.42.1; CI never needs torch):
+
+1. parity, float32: diffusion forcing (a timestep per latent frame, the fps embedding),
+   one timestep per example with fps, and I2V;
+2. sharded (Ulysses x TP, the zigzag ring over dp x sp) equals one device, per-frame
+   timesteps and fps included;
+3. checkpoints: diffusers' names, `save_pretrained` -> `from_pretrained` bit for bit;
+4. what is refused: fps where the model has no embedding, none where it has one, an
+   index outside {0, 1}, a per-frame timestep of the wrong length, and the
+   frame-block causal mask (`num_frame_per_block > 1`) this library does not run yet.
+"""
+
+import functools
+import json
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import harness
+from vidax_eqx import models, nn
+
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "skyreels"
+RTOL = 1e-5  # max abs error over max abs output, float32
+JIT = functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
+
+
+def _load(name: str):
+    model = models.SkyReelsV2Transformer3D.from_pretrained(FIXTURES / name / "diffusers")
+    return model, {k: jnp.asarray(v) for k, v in np.load(FIXTURES / name / "io.npz").items()}
+
+
+@pytest.fixture(scope="module")
+def df():
+    return _load("df")
+
+
+@JIT
+def _batched(model, x, t, c, fps):
+    return jax.vmap(lambda x, t, c, f: model(x, t, c, fps=f))(x, t, c, fps)
+
+
+# -- 1. parity ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timestep, out", [("timestep", "out"), ("timestep_scalar", "out_scalar")],
+                         ids=["per-frame", "scalar"])
+def test_diffusion_forcing_matches_diffusers(df, timestep, out):
+    model, io = df
+    with jax.default_matmul_precision("highest"):
+        got = _batched(model, io["x"], io[timestep], io["context"], io["fps"])
+    assert harness.max_rel_error(got, io[out]) < RTOL
+
+
+def test_i2v_matches_diffusers():
+    model, io = _load("i2v")
+    with jax.default_matmul_precision("highest"):
+        got = JIT(lambda m, x, t, c, ci: jax.vmap(lambda *a: m(*a[:3], context_image=a[3]))(x, t, c, ci))(
+            model, io["x"], io["timestep"], io["context"], io["context_image"])
+    assert harness.max_rel_error(got, io["out"]) < RTOL
+
+
+def test_fps_changes_the_output(df):
+    """The embedding's two entries differ, so a dropped `fps` could not pass parity; and
+    a per-frame timestep that is constant is the scalar one."""
+    model, io = df
+    x, c = io["x"][0], io["context"][0]
+    t = jnp.full((x.shape[1],), 500.0)
+    a, b, s = (JIT(lambda m, t, f: m(x, t, c, fps=f))(model, tt, f) for tt, f in ((t, 0), (t, 1), (t[0], 1)))
+    assert harness.max_rel_error(a, b) > 1e-3
+    assert harness.max_rel_error(b, s) < 1e-6
+
+
+# -- 2. sharded == one device --------------------------------------------------------------
+
+SHARDED = {
+    "ulysses-sp4-tp2": (dict(sp=4, tp=2), dict(sequence="ulysses", tp_axis="tp"), None),
+    "ring-zigzag-dp2-sp4": (dict(dp=2, sp=4), dict(sequence="ring", layout="zigzag"), "dp"),
+}
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_sharded_equals_one_device(df, name):
+    model, io = df
+    mesh_axes, config, batch_axis = SHARDED[name]
+    mesh = harness.mesh(**mesh_axes)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
+    run = JIT(functools.partial(models.run_sharded, mesh=mesh, batch_axis=batch_axis))
+    out = run(sharded, io["x"], io["timestep"], io["context"], fps=io["fps"])
+    one = _batched(model, io["x"], io["timestep"], io["context"], io["fps"])
+    assert harness.max_rel_error(out, one) < 2e-6
+
+
+# -- 3. checkpoints ---------------------------------------------------------------------------
+
+
+def test_names_are_diffusers_and_round_trip(df, tmp_path):
+    model, _ = df
+    names = set(load_file(FIXTURES / "df" / "diffusers" / "diffusion_pytorch_model.safetensors"))
+    state = model.state_dict()
+    assert set(state) == names and {"fps_embedding.weight", "fps_projection.net.0.proj.weight",
+                                     "fps_projection.net.2.weight"} <= names
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    reference = json.loads((FIXTURES / "df" / "diffusers" / "config.json").read_text())
+    assert {k: v for k, v in config.items() if not k.startswith("_")} == {
+        k: v for k, v in reference.items() if not k.startswith("_") and k in config}
+    assert config["_class_name"] == "SkyReelsV2Transformer3DModel"
+    again = models.SkyReelsV2Transformer3D.from_pretrained(tmp_path)
+    assert again.config == model.config
+    for a, b in zip(jax.tree.leaves(eqx.filter(again, eqx.is_array)), jax.tree.leaves(eqx.filter(model, eqx.is_array))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="only diffusers' layout"):
+        model.save_pretrained(tmp_path / "wan", layout="wan")
+
+
+def test_a_wan_checkpoint_is_refused(tmp_path):
+    wan = FIXTURES.parent / "wan" / "t2v" / "diffusers"
+    with pytest.raises(ValueError, match="WanTransformer3DModel config, not a diffusers SkyReelsV2"):
+        models.SkyReelsV2Transformer3D.from_pretrained(wan)
+
+
+# -- 4. refused ----------------------------------------------------------------------------
+
+
+def test_fps_is_required_by_the_embedding_and_refused_without_it(df):
+    model, io = df
+    x, t, c = io["x"][0], io["timestep"][0], io["context"][0]
+    with pytest.raises(ValueError, match=r"needs `fps`"):
+        model(x, t, c)
+    with pytest.raises(ValueError, match=r"`fps` is an index, 0 or 1; received 2"):
+        model(x, t, c, fps=2)
+    i2v, io2 = _load("i2v")
+    with pytest.raises(ValueError, match=r"has none, received fps=1"):
+        i2v(io2["x"][0], io2["timestep"][0], io2["context"][0], context_image=io2["context_image"][0], fps=1)
+
+
+def test_per_frame_timestep_length(df):
+    model, io = df
+    with pytest.raises(ValueError, match=r"one value per latent frame of the patch grid: 4 .*received 3"):
+        model(io["x"][0], io["timestep"][0][:3], io["context"][0], fps=0)
+
+
+def test_block_causal_mask_is_not_run_yet():
+    model, io = _load("df_block3")
+    assert model.config.num_frame_per_block == 3
+    with pytest.raises(NotImplementedError, match=r"num_frame_per_block=3 .*frame-block causal"):
+        model(io["x"][0], io["timestep"][0], io["context"][0])

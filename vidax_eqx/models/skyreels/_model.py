@@ -1,0 +1,228 @@
+"""SkyReels-V2's video DiT (diffusers' `SkyReelsV2Transformer3DModel`): Wan 2.1's
+transformer with a timestep per latent frame (diffusion forcing) and the fps embedding."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Integer, PRNGKeyArray, Real
+
+from ..._shapes import checked
+from ... import nn
+from ...nn import sharding
+from ...nn.internal import init
+from .._checkpoint import load_pretrained, read_config
+from .._options import SlidingTile, VideoSparseTiles
+from .._step_cache import StepCache, StepDecision
+from ..wan._model import WanTransformer3D
+from ..wan._names import check_layout, rename
+from ..wan._text_cache import WanTextCache
+from ._config import SkyReelsV2Config
+
+
+class SkyReelsV2Transformer3D(WanTransformer3D):
+    """SkyReels-V2's video DiT, one example per call (`jax.vmap` for a batch): Wan 2.1's
+    [`WanTransformer3D`][] (T2V and I2V, the same blocks, RoPE, text and image branches,
+    parallelism, text cache and step cache) with
+
+        timestep (F',) per latent frame   # diffusion forcing: each frame its own noise level
+        e0 += fps_projection(fps_embedding[fps])   # inject_sample_info: every block's modulation
+
+    where diffusers' `SkyReelsV2Transformer3DModel` takes `enable_diffusion_forcing=True`
+    with a `(B, F')` timestep. A timestep per frame runs Wan's per-token path (each frame's
+    value for its tokens: the time embedding, every block's modulation and the head's).
+
+    **Not yet:** the frame-block causal mask of `num_frame_per_block > 1` (the
+    asynchronous, `causal_block_size` schedules): such a model loads, and its call raises
+    `NotImplementedError`.
+
+    **Fields:** Wan's (see [`WanTransformer3D`][]), and `fps_embedding` (`eqx.nn.Embedding`
+    of 2 entries) and `fps_projection` ([`vidax_eqx.nn.FeedForward`][], SiLU, to `6 * dim`)
+    when `config.inject_sample_info`, else `None`. `config` is a [`SkyReelsV2Config`][].
+    """
+
+    fps_embedding: eqx.nn.Embedding | None
+    fps_projection: nn.FeedForward | None
+
+    def __init__(
+        self,
+        config: SkyReelsV2Config,
+        *,
+        parallel: sharding.ParallelConfig = sharding.ParallelConfig(),
+        implementation="auto",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:** as [`WanTransformer3D`][]'s, with a [`SkyReelsV2Config`][]."""
+        if not isinstance(config, SkyReelsV2Config):
+            raise ValueError(
+                f"SkyReelsV2Transformer3D: `config` must be a SkyReelsV2Config; received {config!r}."
+            )
+        wan_key, embed_key, project_key = init.split(key, 3)
+        super().__init__(config, parallel=parallel, implementation=implementation, dtype=dtype, key=wan_key)
+        if config.inject_sample_info:
+            self.fps_embedding = eqx.nn.Embedding(2, config.dim, dtype=dtype, key=embed_key)
+            self.fps_projection = nn.FeedForward(config.dim, config.dim, 6 * config.dim, activation="silu",
+                                                 dtype=dtype, key=project_key)
+        else:
+            self.fps_embedding = self.fps_projection = None
+
+    @checked
+    def __call__(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""] | Real[Array, " T"],
+        context: Float[Array, "L {self.config.text_dim}"],
+        *,
+        fps: Integer[ArrayLike, ""] | None = None,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        remat: str | None = None,
+        attention: SlidingTile | VideoSparseTiles | None = None,
+        text_cache: WanTextCache | None = None,
+    ) -> Float[Array, "{self.config.out_channels} F H W"]:
+        """**Arguments:**
+
+        - `x`: the noisy latents `(C, F, H, W)` of one video.
+        - `timestep`: a scalar (every frame at one noise level), or one per latent frame
+            of the patch grid `(F / pt,)` (diffusion forcing; diffusers'
+            `enable_diffusion_forcing=True` with a `(B, F')` timestep, without the batch
+            axis).
+        - `fps`: a model with `inject_sample_info` only, and required there: the index
+            of its fps embedding, 0 or 1 (SkyReels-V2's pipelines pass 0 for 16 frames
+            per second, 1 otherwise). An index outside `{0, 1}` raises `ValueError`; a
+            traced one cannot be checked while the program is traced and is clipped to
+            `[0, 1]` (as `kernels.attention` clips traced `kv_lengths`: a runtime check
+            would be a host callback, which `jax.export` cannot serialize and which does
+            not type-check inside `shard_map` when the value varies over a mesh axis).
+        - `context`, `context_image`, `remat`, `attention`, `text_cache`: as
+            [`WanTransformer3D`][]'s.
+
+        **Returns:**
+
+        The prediction `(out_channels, F, H, W)` (the flow velocity), in the weights' dtype.
+        """
+        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D"):
+            timestep, shift = self._skyreels_inputs(x, timestep, fps)
+            return self._forward(x, timestep, context, context_image=context_image, remat=remat,
+                                 attention=attention, text_cache=text_cache, e0_shift=shift)
+
+    @checked
+    def cached_call(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""] | Real[Array, " T"],
+        context: Float[Array, "L {self.config.text_dim}"],
+        step_cache: StepCache,
+        *,
+        fps: Integer[ArrayLike, ""] | None = None,
+        may_reuse: Bool[ArrayLike, ""] = False,
+        threshold: Real[ArrayLike, ""] | None = None,
+        axis_name=None,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        remat: str | None = None,
+        attention: SlidingTile | VideoSparseTiles | None = None,
+        text_cache: WanTextCache | None = None,
+    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
+        """`__call__` with step caching, as [`WanTransformer3D.cached_call`][]; `fps` and
+        a timestep per frame as in `__call__`."""
+        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.cached_call"):
+            timestep, shift = self._skyreels_inputs(x, timestep, fps)
+            return self._forward(x, timestep, context, context_image=context_image, remat=remat,
+                                 attention=attention, text_cache=text_cache, e0_shift=shift,
+                                 step=StepDecision(step_cache, may_reuse, threshold, axis_name))
+
+    def _skyreels_inputs(self, x, timestep, fps):
+        """`(timestep, e0_shift)` for Wan's forward: a timestep per frame repeated over
+        its patch tokens (frame-major, diffusers' order), and the fps term."""
+        c = self.config
+        if c.num_frame_per_block > 1:
+            raise NotImplementedError(
+                "SkyReelsV2Transformer3D: num_frame_per_block="
+                f"{c.num_frame_per_block} asks for the frame-block causal attention of "
+                "asynchronous diffusion forcing, which this library does not run yet; "
+                "num_frame_per_block=1 (the released configs' value: no mask) runs."
+            )
+        pt, ph, pw = c.patch_size
+        frames, tokens_per_frame = x.shape[1] // pt, (x.shape[2] // ph) * (x.shape[3] // pw)
+        if timestep.ndim == 1:
+            if timestep.shape[0] != frames:
+                raise ValueError(
+                    "SkyReelsV2Transformer3D: a `timestep` per frame has one value per latent "
+                    f"frame of the patch grid: {frames} for x of shape {tuple(x.shape)} (patch "
+                    f"{c.patch_size}); received {timestep.shape[0]}."
+                )
+            timestep = jnp.repeat(timestep, tokens_per_frame, total_repeat_length=frames * tokens_per_frame)
+        if self.fps_embedding is None:
+            if fps is not None:
+                raise ValueError(
+                    "SkyReelsV2Transformer3D: `fps` is taken by a model with the fps embedding "
+                    "(inject_sample_info=True); this one has none, received fps="
+                    f"{fps!r}."
+                )
+            return timestep, None
+        if fps is None:
+            raise ValueError(
+                "SkyReelsV2Transformer3D: this model has the fps embedding "
+                "(inject_sample_info=True) and needs `fps`, its index (0: 16 frames per "
+                "second, 1: otherwise)."
+            )
+        fps = jnp.asarray(fps)
+        if isinstance(fps, jax.core.Tracer):  # cannot be checked while tracing: clipped
+            fps = jnp.clip(fps, 0, 1)
+        elif int(fps) not in (0, 1):
+            raise ValueError(f"SkyReelsV2Transformer3D: `fps` is an index, 0 or 1; received {int(fps)}.")
+        embedded = self.fps_embedding(fps)
+        shift = self.fps_projection(embedded[None])[0]
+        return timestep, shift.reshape(6, c.dim).astype(jnp.float32)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path,
+        *,
+        dtype=None,
+        parallel: sharding.ParallelConfig = sharding.ParallelConfig(),
+        implementation="auto",
+        mesh=None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir=None,
+    ) -> "SkyReelsV2Transformer3D":
+        """Loads a diffusers `SkyReelsV2Transformer3DModel` directory (`config.json` and
+        the safetensors weights), e.g. the `transformer/` folder of
+        `Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers` (`subfolder="transformer"`). Built
+        abstractly, every shape checked before any tensor is read, nothing partially
+        loaded; the arguments are [`WanTransformer3D.from_pretrained`][]'s."""
+        raw, tensors = read_config(path, "SkyReelsV2Transformer3D", subfolder=subfolder,
+                                   revision=revision, cache_dir=cache_dir)
+        if raw.get("_class_name", "SkyReelsV2Transformer3DModel") != "SkyReelsV2Transformer3DModel":
+            raise ValueError(
+                f"SkyReelsV2Transformer3D.from_pretrained: {os.fspath(path)!r}/config.json is a "
+                f"{raw['_class_name']} config, not a diffusers SkyReelsV2Transformer3DModel one."
+            )
+        config = SkyReelsV2Config.from_diffusers(raw)
+        return load_pretrained(cls, config, tensors, dtype=dtype, dtype_from="patch_embedding.weight",
+                               parallel=parallel, implementation=implementation, mesh=mesh,
+                               stacked=cls.stacked_layers, rename=rename)
+
+    def state_dict(self, *, layout: str = "diffusers"):
+        """The parameters under diffusers' names (the only layout SkyReels-V2 is read and
+        written in here)."""
+        if check_layout(layout) != "diffusers":
+            raise ValueError("SkyReelsV2Transformer3D: only diffusers' layout is read and written.")
+        return super().state_dict(layout=layout)
+
+    def save_pretrained(self, path, *, layout: str = "diffusers", max_shard_bytes: int | None = None) -> None:
+        """Writes `config.json` and the weights in diffusers' layout (loadable by diffusers'
+        `SkyReelsV2Transformer3DModel.from_pretrained` and by `from_pretrained`, bit for bit)."""
+        from ... import interop
+
+        tensors = self.state_dict(layout=layout)
+        os.makedirs(path, exist_ok=True)
+        interop.write_checkpoint(path, tensors, max_shard_bytes=max_shard_bytes)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(self.config.to_diffusers(), f, indent=2)
