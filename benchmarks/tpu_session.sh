@@ -38,10 +38,10 @@ case "$part" in
     step device_tests 240 env VIDAX_TEST_DEVICE=1 VIDAX_TEST_DEVICE_LOG="$out/device_failures.txt" \
       VIDAX_TEST_DEVICE_ERRORS="$out/device_errors.tsv" python3 -m pytest -o addopts="" -q -ra -m device \
       tests/test_device_kernels.py tests/test_device_sparse.py tests/test_device_wan.py --durations=10
-    step wan_step_again 40 python3 "$here/tpu_wan_step.py" --compile-cache /tmp/vidax-cc --no-ablate --out "$out/again"
-    step wan14b_block 45 python3 "$here/tpu_wan_step.py" --model 14b --layers 1 --no-ablate --out "$out"
-    step text_encoder 60 python3 "$here/text_encoder_device.py"
-    step vae_compile 100 python3 "$here/vae_compile.py" --chunks 1 --rounds 1
+    step wan_step_again 100 python3 "$here/tpu_wan_step.py" --compile-cache /tmp/vidax-cc --no-ablate --out "$out/again"
+    step wan14b_block 60 python3 "$here/tpu_wan_step.py" --model 14b --layers 1 --no-ablate --out "$out"
+    step text_encoder 50 python3 "$here/text_encoder_device.py"
+    step vae_compile 60 python3 "$here/vae_compile.py" --chunks 1 --rounds 1
     ;;
   *)
     echo "unknown part: $part (speed, sparse or checks)" >&2
