@@ -9,6 +9,10 @@ torch 2.13.0 (CPU) and diffusers 0.42.1:
     python scripts/make_skyreels_fixtures.py              # every model
     python scripts/make_skyreels_fixtures.py --only df    # only these (the others untouched)
 
+and, with `df`, `df/pipeline.npz` (the latents of diffusers' diffusion forcing pipeline,
+synchronous and asynchronous, on the `df` model) and `schedule.npz` (its
+`generate_timestep_matrix` on several cases).
+
 Each model directory holds `diffusers/` (its `save_pretrained`) and `io.npz`: the
 inputs and `out` (diffusers' float32 output), one example per call and stacked (batch
 axis first). diffusers' diffusion forcing path (`enable_diffusion_forcing=True`, a
@@ -101,6 +105,62 @@ def make(name: str, spec: dict, root: str, seed: int) -> None:
     print(f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters -> {folder}")
 
 
+# The denoising loop of `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) on the
+# `df` model: (name, ar_step, causal_block_size). UniPC as SkyReels-V2's DF releases ship it
+# (flow prediction, flow sigmas, shift 8), 4 steps, guidance 5, 24 fps (the fps index 1).
+PIPELINE_CASES = (("sync", 0, None), ("async", 1, 1))
+PIPELINE_STEPS, PIPELINE_GUIDANCE, PIPELINE_SHIFT = 4, 5.0, 8.0
+
+
+# `generate_timestep_matrix`'s cases, (latent frames, steps, ar_step, causal_block_size),
+# stored as `schedule.npz`: its step indices and update masks.
+SCHEDULE_CASES = ((4, 5, 0, 1), (4, 4, 1, 1), (6, 5, 2, 2), (10, 6, 3, 5), (9, 3, 5, 3), (1, 2, 0, 1))
+
+
+def make_schedules(root: str) -> None:
+    from diffusers import SkyReelsV2DiffusionForcingPipeline
+
+    out = {}
+    for n, (frames, steps, ar_step, block) in enumerate(SCHEDULE_CASES):
+        template = torch.arange(steps, 0, -1) * (1000 // (steps + 1))
+        _, index, update, interval = SkyReelsV2DiffusionForcingPipeline.generate_timestep_matrix(
+            None, frames, template, frames, ar_step=ar_step, num_pre_ready=0, causal_block_size=block)
+        assert all(i == (0, frames) for i in interval)  # the pipeline's: always the whole video
+        out[f"case{n}"] = np.asarray([frames, steps, ar_step, block])
+        out[f"index{n}"], out[f"update{n}"] = index.numpy().astype(np.int32), update.numpy()
+    np.savez_compressed(os.path.join(root, "schedule.npz"), **out)
+    print(f"schedules: {len(SCHEDULE_CASES)} cases -> {root}")
+
+
+def make_pipeline(root: str) -> None:
+    """`df/pipeline.npz`: diffusers' latents after the loop, from prompt embeddings and the
+    initial noise its generator draws (stored as `noise`), per case."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline, UniPCMultistepScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+
+    spec = MODELS["df"]
+    model = build(spec, seed=10 * list(MODELS).index("df"))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=PIPELINE_SHIFT, num_train_timesteps=1000)
+    pipe = SkyReelsV2DiffusionForcingPipeline(tokenizer=None, text_encoder=None, transformer=model, vae=None,
+                                              scheduler=scheduler)
+    c, f, h, w = spec["video"]
+    g = torch.Generator().manual_seed(123)
+    context = torch.randn(1, spec["text_len"], spec["config"]["text_dim"], generator=g)
+    negative = torch.randn(1, spec["text_len"], spec["config"]["text_dim"], generator=g)
+    io = {"context": context, "negative_context": negative,
+          "noise": randn_tensor((1, c, f, h, w), generator=torch.Generator().manual_seed(7), dtype=torch.float32)}
+    for name, ar_step, block in PIPELINE_CASES:
+        out = pipe(prompt=None, prompt_embeds=context, negative_prompt_embeds=negative, height=8 * h, width=8 * w,
+                   num_frames=4 * (f - 1) + 1, num_inference_steps=PIPELINE_STEPS, guidance_scale=PIPELINE_GUIDANCE,
+                   generator=torch.Generator().manual_seed(7), output_type="latent", ar_step=ar_step,
+                   causal_block_size=block, fps=24, return_dict=False)[0]
+        io[f"latents_{name}"] = out
+    np.savez_compressed(os.path.join(root, "df", "pipeline.npz"),
+                        **{k: v.numpy().astype(np.float32) for k, v in io.items()})
+    print(f"df pipeline: {', '.join(n for n, *_ in PIPELINE_CASES)} -> {os.path.join(root, 'df')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures",
@@ -110,6 +170,9 @@ def main() -> None:
     for i, (name, spec) in enumerate(MODELS.items()):
         if args.only is None or name in args.only:
             make(name, spec, args.out, seed=10 * i)
+    if args.only is None or "df" in args.only:
+        make_pipeline(args.out)
+        make_schedules(args.out)
 
 
 if __name__ == "__main__":

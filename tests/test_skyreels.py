@@ -10,7 +10,12 @@ diffusers 0.42.1; CI never needs torch):
 3. checkpoints: diffusers' names, `save_pretrained` -> `from_pretrained` bit for bit;
 4. what is refused: fps where the model has no embedding, none where it has one, an
    index outside {0, 1}, a per-frame timestep of the wrong length, and the
-   frame-block causal mask (`num_frame_per_block > 1`) this library does not run yet.
+   frame-block causal mask (`num_frame_per_block > 1`) this library does not run yet;
+5. diffusion forcing (`sampling.sample(forcing=...)`): the schedule is diffusers'
+   `generate_timestep_matrix` exactly, and the loop's latents are those of diffusers'
+   `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) from the same noise,
+   synchronous and asynchronous; without the reference's aliasing, the synchronous loop
+   is the ordinary one.
 """
 
 import functools
@@ -25,7 +30,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import harness
-from vidax_eqx import models, nn
+from vidax_eqx import models, nn, sampling
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "skyreels"
@@ -154,3 +159,58 @@ def test_block_causal_mask_is_not_run_yet():
     assert model.config.num_frame_per_block == 3
     with pytest.raises(NotImplementedError, match=r"num_frame_per_block=3 .*frame-block causal"):
         model(io["x"][0], io["timestep"][0], io["context"][0])
+
+
+# -- 5. diffusion forcing ----------------------------------------------------------------------
+
+
+def test_schedule_is_diffusers():
+    cases = np.load(FIXTURES / "schedule.npz")
+    for n in range(len([k for k in cases if k.startswith("case")])):
+        frames, steps, ar_step, block = (int(v) for v in cases[f"case{n}"])
+        progress, update = sampling.DiffusionForcing(ar_step, block).rows(frames, steps)
+        np.testing.assert_array_equal(progress, cases[f"index{n}"])
+        np.testing.assert_array_equal(update, cases[f"update{n}"])
+        # every frame takes each of its steps once, in order
+        assert np.all(update.sum(axis=0) == steps)
+
+
+FORCING = dict(steps=4, scheduler=sampling.UniPC(shift=8.0), guidance=sampling.Guidance(scale=5.0))
+
+
+@pytest.fixture(scope="module")
+def loop_io():
+    return {k: jnp.asarray(v) for k, v in np.load(FIXTURES / "df" / "pipeline.npz").items()}
+
+
+def _loop(model, io, **kwargs):
+    with jax.default_matmul_precision("highest"):
+        return sampling.sample(model, io["noise"], io["context"], negative_context=io["negative_context"],
+                               fps=jnp.ones(1, jnp.int32), **FORCING, **kwargs)
+
+
+@pytest.mark.parametrize("case, ar_step", [("sync", 0), ("async", 1)])
+def test_diffusion_forcing_loop_matches_diffusers(df, loop_io, case, ar_step):
+    latents = _loop(df[0], loop_io, forcing=sampling.DiffusionForcing(ar_step=ar_step))
+    assert harness.max_rel_error(latents, loop_io[f"latents_{case}"]) < RTOL
+
+
+def test_textbook_synchronous_forcing_is_the_ordinary_loop(df, loop_io):
+    textbook = _loop(df[0], loop_io, forcing=sampling.DiffusionForcing(reference_aliasing=False))
+    assert harness.max_rel_error(textbook, _loop(df[0], loop_io)) < 1e-6
+    assert harness.max_rel_error(textbook, loop_io["latents_sync"]) > 1e-2  # the aliasing matters
+
+
+def test_forcing_refusals(df, loop_io):
+    model, io = df
+    forcing = sampling.DiffusionForcing()
+    with pytest.raises(ValueError, match=r"`forcing.causal_block_size` \(2\) must be the model's num_frame_per_block \(1\)"):
+        _loop(model, loop_io, forcing=sampling.DiffusionForcing(causal_block_size=2))
+    with pytest.raises(ValueError, match=r"without `compilation.max_steps`"):
+        _loop(model, loop_io, forcing=forcing, compilation=sampling.Compilation(max_steps=6))
+    with pytest.raises(ValueError, match=r"must divide the latent frames; received 5 frames"):
+        sampling.DiffusionForcing(causal_block_size=2).rows(5, 3)
+    wan = models.WanTransformer3D.from_pretrained(FIXTURES.parent / "wan" / "t2v" / "diffusers")
+    with pytest.raises(ValueError, match=r"timestep per latent frame .*received a WanTransformer3D"):
+        sampling.sample(wan, jnp.zeros((1, 4, 3, 6, 10)), jnp.zeros((1, 7, 32)), steps=2,
+                        guidance=sampling.Guidance(scale=1.0), forcing=forcing)

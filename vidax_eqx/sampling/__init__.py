@@ -7,6 +7,8 @@ above [`vidax_eqx.models`][].
     objects: [`Guidance`][], [`Placement`][], [`Caching`][], [`Compilation`][]; its
     progress goes to a callback of the call, told each [`SampleStep`][]
     ([`ProgressBar`][], [`ProgressLines`][], or any [`AbstractProgress`][] or callable).
+- [`DiffusionForcing`][]: `sample(forcing=...)`, SkyReels-V2's diffusion forcing loop:
+    every latent frame at its own timestep, synchronous or in a staggered wave.
 - [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
     `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` in its
     flow-prediction form, the default of diffusers' Wan pipelines).
@@ -34,6 +36,7 @@ from ._schedulers import (
     SchedulerPlan as SchedulerPlan,
     SchedulerState as SchedulerState,
 )
+from ._forcing import DiffusionForcing as DiffusionForcing
 from ._export import ExportedSampler as ExportedSampler, export_sample as export_sample
 from ._options import (
     Caching as Caching,

@@ -17,7 +17,7 @@ _FORMAT = "vidax_eqx.sampling.ExportedSampler/2"
 # The loop's `LoopInputs`, slot by slot, as a signature names them (the names of format
 # 2: its sixth, `dynamic_cfg`, is called "model_kwargs" there).
 _ARGS = ("model", "noise", "context", "negative_context", "guidance_scales",
-         "model_kwargs", "plan", "key", "batched", "reuse", "count", "condition")
+         "model_kwargs", "plan", "key", "batched", "reuse", "count", "condition", "forcing")
 _CLASSES = {cls.__name__: cls for cls in (
     _flow_match.FlowMatchEuler, _flow_match.UniPC, _cogvideox.CogVideoXDDIM,
     _cogvideox.CogVideoXDPM, _step_cache.StaticStepCache, _step_cache.FirstBlockCache)}

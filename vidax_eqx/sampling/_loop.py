@@ -14,8 +14,9 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import models
+from ._forcing import FINISHED_TIMESTEP, NOT_STARTED_TIMESTEP
 from ._progress import SampleStep
-from ._schedulers import AbstractScheduler, SchedulerPlan
+from ._schedulers import AbstractScheduler, SchedulerPlan, SchedulerState
 
 
 class LoopInputs(NamedTuple):
@@ -40,6 +41,10 @@ class LoopInputs(NamedTuple):
     count: int | Int[Array, ""]
     """The trip count: a Python int (static), or a traced int32 with `max_steps`."""
     condition: Array | None
+    forcing: tuple[Int[Array, "N F"], Bool[Array, "N F"], Bool[Array, "N F"]] | None = None
+    """Diffusion forcing: each iteration's per-frame progress and update mask
+    (`DiffusionForcing.rows`) and where the reference's aliasing rewrites a frame's last
+    sample (`DiffusionForcing.reference_aliasing`); `None` for the ordinary loop."""
 
 
 class LoopOptions(eqx.Module):
@@ -172,7 +177,13 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
 
     def body(i, carry):
         latents, state, cache_carry = carry
-        t = scheduler.timestep(plan, i)
+        if inputs.forcing is None:
+            t = scheduler.timestep(plan, i)
+        else:  # each frame's timestep at its own place in the schedule
+            progress = inputs.forcing[0][i]
+            t = jnp.where(progress == 0, NOT_STARTED_TIMESTEP, jnp.where(
+                progress > plan.steps, FINISHED_TIMESTEP,
+                plan.timesteps[jnp.clip(progress - 1, 0, plan.steps - 1)]))
         x, t_in = model_input(latents, t)
         if cache_carry is None:
             out = predict(model, x, t_in, context)
@@ -187,6 +198,10 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
             if inputs.dynamic_cfg is not None:  # CogVideoX's use_dynamic_cfg
                 scale = 1 + scale * inputs.dynamic_cfg[i]
             out = uncond + scale.astype(out.dtype) * (cond - uncond)
+        if inputs.forcing is not None:
+            latents, state = _forcing_step(scheduler, plan, state, *(a[i] for a in inputs.forcing),
+                                           out, latents)
+            return latents, state, cache_carry
         step_key = None if inputs.key is None else jax.random.fold_in(inputs.key, i)
         latents, state = scheduler.step(plan, state, i, out, latents, key=step_key)
         return latents, state, cache_carry
@@ -198,6 +213,27 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
         return LoopResult(latents, None if cache_carry is None else cache_carry[1])
 
     return _Steps(body, init, finish)
+
+
+def _forcing_step(scheduler, plan, state, progress, update, alias, out, latents):
+    """Diffusion forcing's step of latents `(B, C, F, H, W)`: each frame `f` that `update`
+    marks takes step `progress[f] - 1` of the schedule with its own slice of the state
+    (the frames' schedulers are independent, as SkyReels-V2's per-frame scheduler copies
+    are); the others, and their states, are kept. Where `alias` is set, the frame's last
+    sample in the state (`history[0]`, UniPC's) becomes the step's output."""
+
+    def frame(i, history, out, x):
+        x, state = scheduler.step(plan, SchedulerState(history), i, out, x)
+        return x, state.history
+
+    index = jnp.clip(progress - 1, 0, plan.steps - 1)
+    stepped, history = jax.vmap(frame, in_axes=(0, 3, 2, 2), out_axes=(2, 3))(
+        index, state.history, out, latents)
+    keep = update[:, None, None]
+    history = jnp.where(keep, history, state.history)
+    if history.shape[0]:
+        history = history.at[0].set(jnp.where(alias[:, None, None], stepped, history[0]))
+    return jnp.where(keep, stepped, latents), SchedulerState(history)
 
 
 @eqx.filter_jit

@@ -15,6 +15,8 @@ from ._inputs import (
     check_inputs, check_placement, check_step_cache, conditioning_of, expert_switches,
     scheduler_of,
 )
+from ._flow_match import UniPC
+from ._forcing import DiffusionForcing
 from ._loop import denoising_loop, LoopInputs, LoopOptions, stepwise_loop
 from ._options import Caching, Compilation, Guidance, Placement
 from ._progress import AbstractProgress, default_progress
@@ -73,7 +75,8 @@ def old_return_reused(owner: str, kwargs: dict) -> bool:
 def sample(model, noise, context, *, negative_context=None, steps: int = 50, scheduler=None,
            guidance: Guidance = Guidance(), placement: Placement = Placement(),
            caching: Caching = Caching(), compilation: Compilation = Compilation(),
-           condition=None, key=None, progress=None, **model_kwargs):
+           condition=None, key=None, progress=None, forcing: DiffusionForcing | None = None,
+           **model_kwargs):
     """Generates latents: the whole denoising loop of diffusers' `WanPipeline`
     (`output_type="latent"`), or `CogVideoXPipeline`'s for a CogVideoX model, as one
     compiled program.
@@ -138,6 +141,14 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
         call at a time from the host (the same latents, bit for bit; the call returns
         when they are done), the per-call work before them (the text cache) once;
         inside a caller's trace only `True` (then ignored) or `None` are accepted.
+    - `forcing`: diffusion forcing, a [`DiffusionForcing`][] (SkyReels-V2's
+        `SkyReelsV2DiffusionForcingPipeline` loop, `output_type="latent"`): every latent
+        frame at its own timestep, synchronous (`ar_step=0`) or staggered, each frame
+        stepped by its own scheduler state; the model takes a timestep per latent frame
+        ([`vidax_eqx.models.SkyReelsV2Transformer3D`][], its `fps` a model argument).
+        The loop runs `DiffusionForcing.rows(frames, steps)`' iterations; not with
+        `condition`, step caching, `compilation.max_steps`, a stochastic scheduler or
+        two experts. `None` (default): one timestep per step.
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
         repeated for the unconditional pass (e.g. `context_image`); anything else
         (`remat`, `attention`) is passed as it is.
@@ -166,17 +177,19 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
         callback = None
     inputs, options = prepare(
         "sample", model, noise, context, negative_context=negative_context, steps=steps,
-        scheduler=scheduler, condition=condition, key=key, model_kwargs=model_kwargs, **groups)
+        scheduler=scheduler, condition=condition, key=key, model_kwargs=model_kwargs,
+        forcing=forcing, **groups)
     if return_reused and inputs.reuse is None:
         raise ValueError("sample: `return_reused` reports which steps reused the step "
                          "cache; it needs `caching=Caching(step=...)`, which is None.")
     if callback is None:
         result = denoising_loop(inputs, options)
     else:
+        iterations = inputs.count  # the steps; diffusion forcing's iterations
         if isinstance(callback, AbstractProgress):
-            callback.begin(steps)
+            callback.begin(iterations)
         try:
-            result = stepwise_loop(inputs, options, steps, callback)
+            result = stepwise_loop(inputs, options, iterations, callback)
         finally:
             if isinstance(callback, AbstractProgress):
                 callback.end()
@@ -185,7 +198,7 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
 
 def prepare(owner, model, noise, context, *, negative_context, steps, scheduler, guidance,
             placement, caching, compilation, condition, key,
-            model_kwargs) -> tuple[LoopInputs, LoopOptions]:
+            model_kwargs, forcing=None) -> tuple[LoopInputs, LoopOptions]:
     """`sample`'s arguments checked and turned into `denoising_loop`'s:
     `(inputs, options)`."""
     for name, value, cls in (("guidance", guidance, Guidance), ("placement", placement, Placement),
@@ -250,16 +263,61 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
                                             mode="edge"))
         if reuse is not None:
             reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
+    rows = None
+    if forcing is not None:
+        rows = _forcing_rows(owner, forcing, model, noise, steps, scheduler, caching, compilation,
+                             condition, experts)
+        count = rows[0].shape[0]
     inputs = LoopInputs(
         model=model, noise=noise, context=context,
         negative_context=negative_context if guided else None, guidance_scales=scales,
         dynamic_cfg=dynamic, plan=plan, key=key, batched=batched, reuse=reuse, count=count,
-        condition=condition)
+        condition=condition, forcing=rows)
     options = LoopOptions(
         scheduler=scheduler, mesh=placement.mesh, batch_axis=placement.batch_axis,
         cfg_axis=placement.cfg_axis, conditioning=conditioning, text_cache=caching.text,
         model_static=static, threshold=_threshold(caching.step))
     return inputs, options
+
+
+def _forcing_rows(owner, forcing, model, noise, steps, scheduler, caching, compilation, condition,
+                  experts):
+    """Diffusion forcing's iterations, checked against what the loop can run with them."""
+    if not isinstance(forcing, DiffusionForcing):
+        raise ValueError(f"{owner}: `forcing` must be a sampling.DiffusionForcing or None; "
+                         f"received a {type(forcing).__name__}.")
+    refused = [name for name, on in (
+        ("`condition`", condition is not None), ("step caching", caching.step is not None),
+        ("`compilation.max_steps`", compilation.max_steps is not None),
+        (f"the stochastic scheduler {type(scheduler).__name__}", scheduler.stochastic),
+        ("two experts", experts)) if on]
+    if refused:
+        raise ValueError(f"{owner}: diffusion forcing (`forcing`) runs without "
+                         f"{', '.join(refused)}; received them.")
+    if noise.ndim != 5:
+        raise ValueError(f"{owner}: diffusion forcing takes latents (B, C, F, H, W); received "
+                         f"shape {noise.shape}.")
+    config = getattr(model, "config", None)
+    if isinstance(model, models.AbstractModel) and not isinstance(model, models.SkyReelsV2Transformer3D):
+        raise ValueError(
+            f"{owner}: diffusion forcing needs a model that takes a timestep per latent frame "
+            f"(models.SkyReelsV2Transformer3D); received a {type(model).__name__}.")
+    if config is not None and getattr(config, "patch_size", (1,))[0] != 1:
+        raise ValueError(f"{owner}: diffusion forcing steps each latent frame; the model's "
+                         f"temporal patch is {config.patch_size[0]}, not 1.")
+    block = getattr(config, "num_frame_per_block", None)
+    if block is not None and forcing.causal_block_size != block:
+        raise ValueError(
+            f"{owner}: `forcing.causal_block_size` ({forcing.causal_block_size}) must be the "
+            f"model's num_frame_per_block ({block}), the frames of its causal attention "
+            "blocks.")
+    progress, update = forcing.rows(noise.shape[2], steps)
+    alias = np.zeros_like(update)
+    if forcing.reference_aliasing and isinstance(scheduler, UniPC):
+        # The steps whose corrector does not run (a frame's first; after a disabled one).
+        uncorrected = np.asarray(scheduler.plan(steps).coefficients)[:, 0] == 0
+        alias = update & uncorrected[np.clip(progress - 1, 0, steps - 1)]
+    return tuple(jax.device_put(a) for a in (progress, update, alias))
 
 
 def _threshold(step_cache):
