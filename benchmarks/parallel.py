@@ -210,6 +210,7 @@ def build(cfg: Config, args):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from vidax_eqx import kernels, parallel
+    from vidax_eqx._jax_private import single_device_sharding
 
     if cfg.kind == "single":
         mask = None if cfg.mask is None else dense_mask(cfg.mask, args.child_seq)
@@ -217,7 +218,7 @@ def build(cfg: Config, args):
         def attend(q, k, v):
             return kernels.attention(q, k, v, causal=cfg.causal, mask=mask, implementation=KERNEL)
 
-        return attend, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return attend, single_device_sharding(jax.devices()[0])
 
     if cfg.kind == "usp":
         if not hasattr(parallel, "usp_attention"):

@@ -214,6 +214,7 @@ def attention_fn(args, config: str, window):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from vidax_eqx import kernels, parallel
+    from vidax_eqx._jax_private import single_device_sharding
 
     if vsa_window(window) is not None:
         return vsa_fn(args, config, window)
@@ -224,7 +225,7 @@ def attention_fn(args, config: str, window):
         def attend(q, k, v):
             return kernels.attention(q, k, v, mask=tm, implementation=impl)
 
-        return attend, jax.sharding.SingleDeviceSharding(jax.devices()[0]), None
+        return attend, single_device_sharding(jax.devices()[0]), None
 
     layout = config.removeprefix("ring-")
     if tm is not None and "mask" not in inspect.signature(parallel.ring_attention).parameters:
@@ -254,11 +255,12 @@ def vsa_fn(args, config: str, window):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from vidax_eqx import kernels, parallel
+    from vidax_eqx._jax_private import single_device_sharding
     from vidax_eqx.kernels import _vsa
 
     what, topk = vsa_window(window)
     grid, tile = tuple(args.grid), tuple(args.tile)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = single_device_sharding(jax.devices()[0])
     if what == COARSE:
         layout = vsa_layout(args)
         valid, T = layout.token_valid(), layout.tile_size

@@ -340,8 +340,10 @@ def compile_only(todo: list[Case], topology: str) -> list[dict]:
     unsupported operations) and the compile time."""
     from jax.experimental import topologies
 
+    from vidax_eqx._jax_private import single_device_sharding
+
     device = topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=[1, 1, 1]).devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = single_device_sharding(device)
     rows = []
     for case in todo:
         shape = (1, case.S, HEADS, HEAD_DIM)

@@ -161,6 +161,53 @@ def make_pipeline(root: str) -> None:
     print(f"df pipeline: {', '.join(n for n, *_ in PIPELINE_CASES)} -> {os.path.join(root, 'df')}")
 
 
+# The whole `SkyReelsV2DiffusionForcingPipeline` on tiny components: the tokenizer, UMT5
+# text encoder and VAE of tests/fixtures/wan_pipeline/t2v (not copied: the test assembles
+# the folder), a SkyReels-V2 transformer with the fps embedding for them (16 channels,
+# text_dim 32) and UniPC with shift 8. `df_pipeline/`: `transformer/`, `scheduler/`,
+# `model_index.json` and `io.npz` (`noise`, then per case the `latents` and `frames` of
+# `output_type="latent"` / `"np"`).
+DF_PIPELINE_CALL = dict(prompt=["A cat walks on the grass"], negative_prompt="bad quality", height=32, width=48,
+                        num_frames=9, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=32, fps=24)
+DF_PIPELINE_CASES = (("sync", 0), ("async", 1))
+
+
+def make_df_pipeline(root: str) -> None:
+    from diffusers import (AutoencoderKLWan, SkyReelsV2DiffusionForcingPipeline, UniPCMultistepScheduler)
+    from diffusers.utils.torch_utils import randn_tensor
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    wan = os.path.join(root, "..", "wan_pipeline", "t2v")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(wan, "tokenizer"))
+    text_encoder = UMT5EncoderModel.from_pretrained(os.path.join(wan, "text_encoder")).eval()
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(wan, "vae")).eval()
+    spec = dict(config=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                            out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2,
+                            cross_attn_norm=True, eps=1e-6, rope_max_seq_len=32, inject_sample_info=True))
+    transformer = build(spec, seed=77)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=PIPELINE_SHIFT, num_train_timesteps=1000)
+    pipe = SkyReelsV2DiffusionForcingPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                                              vae=vae, scheduler=scheduler)
+    folder = os.path.join(root, "df_pipeline")
+    pipe.save_pretrained(folder)
+    for part in ("tokenizer", "text_encoder", "vae"):  # the Wan fixture's, assembled by the test
+        import shutil
+        shutil.rmtree(os.path.join(folder, part))
+    call = DF_PIPELINE_CALL
+    frames = 4 * ((call["num_frames"] - 1) // 4) + 1
+    shape = (1, 16, (frames - 1) // 4 + 1, call["height"] // 8, call["width"] // 8)
+    io = {"noise": randn_tensor(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float32)}
+    for name, ar_step in DF_PIPELINE_CASES:
+        for output in ("latent", "np"):
+            out = pipe(**call, generator=torch.Generator().manual_seed(5), output_type=output, ar_step=ar_step,
+                       return_dict=False)[0]
+            out = torch.as_tensor(np.asarray(out))
+            io[f"{'latents' if output == 'latent' else 'frames'}_{name}"] = out
+    np.savez_compressed(os.path.join(folder, "io.npz"), **{k: v.numpy().astype(np.float32) for k, v in io.items()})
+    print(f"df pipeline: {', '.join(n for n, _ in DF_PIPELINE_CASES)} -> {folder}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures",
@@ -173,6 +220,7 @@ def main() -> None:
     if args.only is None or "df" in args.only:
         make_pipeline(args.out)
         make_schedules(args.out)
+        make_df_pipeline(args.out)
 
 
 if __name__ == "__main__":

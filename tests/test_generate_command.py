@@ -204,7 +204,7 @@ def test_help_and_the_shared_vocabulary():
               "--first-block-cache", "--static-step-cache", "--cache-warmup"}
     assert ours - theirs == extras  # the example's own; every other flag is the command's
     assert theirs - ours == {"--image", "--last-image", "--use-dynamic-cfg",
-                             "--num-videos-per-prompt"}
+                             "--num-videos-per-prompt", "--ar-step"}
 
 
 def test_compile_cache_switches(tmp_path, monkeypatch):

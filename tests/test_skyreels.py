@@ -15,12 +15,15 @@ diffusers 0.42.1; CI never needs torch):
    `generate_timestep_matrix` exactly, and the loop's latents are those of diffusers'
    `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) from the same noise,
    synchronous and asynchronous; without the reference's aliasing, the synchronous loop
-   is the ordinary one.
+   is the ordinary one;
+6. the pipeline (`pipelines.SkyReelsV2DiffusionForcingPipeline`, torch-free): diffusers'
+   frames from the same initial latents, and `vidax-generate --ar-step` on its folder.
 """
 
 import functools
 import json
 import pathlib
+import shutil
 
 import equinox as eqx
 import jax
@@ -30,7 +33,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import harness
-from vidax_eqx import models, nn, sampling
+from vidax_eqx import generate, models, nn, pipelines, sampling
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "skyreels"
@@ -214,3 +217,55 @@ def test_forcing_refusals(df, loop_io):
     with pytest.raises(ValueError, match=r"timestep per latent frame .*received a WanTransformer3D"):
         sampling.sample(wan, jnp.zeros((1, 4, 3, 6, 10)), jnp.zeros((1, 7, 32)), steps=2,
                         guidance=sampling.Guidance(scale=1.0), forcing=forcing)
+
+
+# -- 6. the pipeline ----------------------------------------------------------------------------
+
+DF_CALL = dict(prompt=["A cat walks on the grass"], negative_prompt="bad quality", height=32, width=48,
+               num_frames=9, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=32, fps=24)
+
+
+@pytest.fixture(scope="module")
+def df_folder(tmp_path_factory):
+    """The diffusion forcing pipeline folder: the Wan pipeline fixture's tokenizer, text
+    encoder and VAE with the SkyReels-V2 transformer, scheduler and model index."""
+    folder = tmp_path_factory.mktemp("skyreels_df")
+    for part in ("tokenizer", "text_encoder", "vae"):
+        shutil.copytree(FIXTURES.parent / "wan_pipeline" / "t2v" / part, folder / part)
+    for part in ("transformer", "scheduler"):
+        shutil.copytree(FIXTURES / "df_pipeline" / part, folder / part)
+    shutil.copy(FIXTURES / "df_pipeline" / "model_index.json", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def df_pipe(df_folder):
+    return pipelines.SkyReelsV2DiffusionForcingPipeline.from_pretrained(df_folder, compile_cache=False)
+
+
+@pytest.mark.parametrize("case, ar_step", [("sync", 0), ("async", 1)])
+def test_pipeline_matches_diffusers(df_pipe, case, ar_step):
+    io = np.load(FIXTURES / "df_pipeline" / "io.npz")
+    with jax.default_matmul_precision("highest"):
+        out = df_pipe(**DF_CALL, latents=io["noise"], ar_step=ar_step, progress=None)
+    assert harness.max_rel_error(out.latents, io[f"latents_{case}"]) < RTOL
+    assert np.abs(out.frames - io[f"frames_{case}"]).max() < 2e-4  # frames in [0, 1]
+
+
+def test_pipeline_refusals(df_pipe):
+    with pytest.raises(NotImplementedError, match=r"causal_block_size=2 needs the frame-block causal"):
+        df_pipe(**DF_CALL, causal_block_size=2)
+    with pytest.raises(NotImplementedError, match=r"long video \(9 frames over base_num_frames=5"):
+        df_pipe(**DF_CALL, overlap_history=1, base_num_frames=5)
+
+
+def test_generate_command(df_folder, tmp_path, capsys):
+    path = tmp_path / "df.mp4"
+    assert generate.main([str(df_folder), "--prompt", "a cat", "--height", "32", "--width", "48",
+                          "--num-frames", "9", "--steps", "2", "--max-sequence-length", "32",
+                          "--ar-step", "1", "--output", str(path)]) == 0
+    assert path.stat().st_size > 0 and capsys.readouterr().out.strip() == str(path)
+    with pytest.raises(SystemExit):
+        generate.main([str(FIXTURES.parent / "wan_pipeline" / "t2v"), "--prompt", "a", "--ar-step", "1",
+                       "--output", str(tmp_path / "x.mp4")])
+    assert "--ar-step is for SkyReels-V2" in capsys.readouterr().err

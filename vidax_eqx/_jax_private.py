@@ -380,6 +380,15 @@ def splash_vmem_limit(limit_bytes: int | None):
         module.pltpu = original
 
 
+def single_device_sharding(device) -> jax.sharding.Sharding:
+    """The sharding of an array whole on `device`: `jax.sharding.make_single_device_sharding`
+    where JAX has it (0.12.1 deprecates the `SingleDeviceSharding` class), else the class."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device)
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 def __getattr__(name: str):
     if name in MISSING:
         entry = ENTRY_POINTS[name]

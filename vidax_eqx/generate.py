@@ -6,8 +6,10 @@
     vidax-generate /models/Wan2.1-I2V-14B-480P-Diffusers --image first.png \\
         --prompt "The cat turns its head" --dtype bfloat16 --sp 4 --tp 2 --output i2v.mp4
 
-The pipeline ([`vidax_eqx.pipelines.WanPipeline`][] or
-[`vidax_eqx.pipelines.CogVideoXPipeline`][], by `model_index.json`'s class) is read from a
+The pipeline ([`vidax_eqx.pipelines.WanPipeline`][],
+[`vidax_eqx.pipelines.CogVideoXPipeline`][] or
+[`vidax_eqx.pipelines.SkyReelsV2DiffusionForcingPipeline`][] (`--ar-step`), by
+`model_index.json`'s class) is read from a
 folder saved by diffusers or a Hub id; the size, steps, guidance, prompt length and frame
 rate default to the family's [`CallDefaults`][vidax_eqx.pipelines.CallDefaults] (Wan:
 480 x 832, 81 frames, 50 steps, guidance 5, 512 tokens, 16 fps; CogVideoX: 480 x 720,
@@ -59,9 +61,10 @@ class CommandError(Exception):
 
 
 def _families() -> dict:
-    from .pipelines import CogVideoXPipeline, WanPipeline
+    from .pipelines import CogVideoXPipeline, SkyReelsV2DiffusionForcingPipeline, WanPipeline
 
-    return {name: cls for cls in (WanPipeline, CogVideoXPipeline) for name in cls.pipeline_classes}
+    return {name: cls for cls in (WanPipeline, CogVideoXPipeline, SkyReelsV2DiffusionForcingPipeline)
+            for name in cls.pipeline_classes}
 
 
 def _default(field: str, unit: str = "") -> str:
@@ -111,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Wan 2.2 A14B: the low-noise expert's scale (default --guidance-scale)")
     s.add_argument("--use-dynamic-cfg", action="store_true",
                    help="CogVideoX: the cosine guidance schedule")
+    s.add_argument("--ar-step", type=int, default=None,
+                   help="SkyReels-V2 diffusion forcing: the iterations a frame lags the one "
+                        "before it (default 0: every frame at once)")
     s.add_argument("--seed", type=int, default=0, help="the initial latents' seed (default 0)")
     s.add_argument("--num-videos-per-prompt", type=int, default=1, help="default 1")
     s.add_argument("--max-sequence-length", type=int,
@@ -274,7 +280,10 @@ def _run(args, start: float) -> list[str]:
         raise CommandError(f"{args.model!r} is a {name!r} pipeline; {_PROG} runs "
                            f"{', '.join(families)}.")
     cls = families[name]
-    wan = cls.__name__ == "WanPipeline"
+    wan = not cls.__name__.startswith("CogVideoX")  # Wan and SkyReels-V2 (Wan's components)
+    skyreels = cls.__name__ == "SkyReelsV2DiffusionForcingPipeline"
+    if args.ar_step is not None and not skyreels:
+        raise CommandError(f"--ar-step is for SkyReels-V2 diffusion forcing pipelines; {args.model!r} is {name}.")
     for flag, given, family in (("--guidance-scale-2", args.guidance_scale_2 is not None, "Wan"),
                                 ("--last-image", args.last_image is not None, "Wan"),
                                 ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
@@ -293,6 +302,8 @@ def _run(args, start: float) -> list[str]:
                   guidance_scale_2=args.guidance_scale_2, use_dynamic_cfg=args.use_dynamic_cfg,
                   max_sequence_length=args.max_sequence_length, seed=args.seed,
                   num_videos_per_prompt=args.num_videos_per_prompt)
+    if skyreels:  # the frame rate the model is conditioned on is the written one
+        kwargs.update(ar_step=args.ar_step or 0, fps=defaults.fps if args.fps is None else args.fps)
     if args.image is not None:
         kwargs["image"] = _read_image(args.image)
     if args.last_image is not None:

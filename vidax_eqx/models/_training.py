@@ -7,9 +7,10 @@ import os
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import nn
+from .._jax_private import single_device_sharding
 
 
 _KEYS = ("model", "opt_state", "step")
@@ -215,7 +216,7 @@ def _model_shardings(model, mesh):
     """A sharding per array of `model` (the arrays part's structure)."""
     arrays = eqx.filter(model, _is_parameter)
     if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
+        device = single_device_sharding(jax.devices()[0])
         return jax.tree.map(lambda _: device, arrays)
     specs = nn.sharding.partition_specs(model, mesh)
     specs = eqx.filter(specs, lambda s: isinstance(s, P), is_leaf=lambda s: isinstance(s, P))
@@ -237,7 +238,7 @@ def _state_shardings(opt_state, model, model_shardings, mesh):
     places it: a subtree shaped like the model's arrays gets their shardings, every
     other array is replicated (on the one device without a mesh)."""
     structure = jax.tree.structure(eqx.filter(model, _is_parameter))
-    replicated = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+    replicated = (single_device_sharding(jax.devices()[0]) if mesh is None
                   else NamedSharding(mesh, P()))
 
     def is_params(node):

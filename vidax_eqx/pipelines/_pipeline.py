@@ -241,6 +241,13 @@ class AbstractVideoPipeline(abc.ABC):
         [`vidax_eqx.sampling.sample`][] takes it and further per-example model arguments
         (CLIP features); `key` the call's seed key."""
 
+    def model_arguments(self, batch: int, call: dict) -> dict:
+        """The family's per-example model arguments of a call of `batch` videos (arrays
+        `(batch, ...)`, e.g. SkyReels-V2's fps index), from its own keywords in `call`
+        (the call's extra keywords, which it pops; the rest go to
+        [`vidax_eqx.sampling.sample`][]). None by default."""
+        return {}
+
     @abc.abstractmethod
     def decode(self, latents) -> np.ndarray:
         """diffusers' decode and `postprocess_video(output_type="np")`: the final
@@ -352,12 +359,14 @@ class AbstractVideoPipeline(abc.ABC):
             negative = None if not guided or negative is None else negative.astype(dtype)
         batch = context.shape[0]
 
-        condition, model_kwargs = None, {}
+        kwargs = dict(sample_kwargs)
+        condition, model_kwargs = None, self.model_arguments(batch, kwargs)
         if has_image:
             with timer("image"):
-                condition, model_kwargs = self.image_condition(
+                condition, image_kwargs = self.image_condition(
                     **images, height=height, width=width, num_frames=num_frames, grid=grid,
                     batch=batch, dtype=dtype, key=seed_key)
+                model_kwargs.update(image_kwargs)
                 condition = jax.block_until_ready(condition)
 
         shape = self.latent_shape(batch, grid)
@@ -370,7 +379,6 @@ class AbstractVideoPipeline(abc.ABC):
                     f"{owner}: `latents` must be the initial latents {self.latent_layout} = "
                     f"{shape} for {batch} videos of {num_frames} x {height} x {width}; "
                     f"received shape {noise.shape}.")
-        kwargs = dict(sample_kwargs)
         if self.scheduler.stochastic:  # its noise from the seed, unless a key is given
             kwargs.setdefault("key", jax.random.fold_in(seed_key, SCHEDULER_STREAM))
         placement = sampling.Placement(mesh=self.mesh, batch_axis=self.batch_axis,
