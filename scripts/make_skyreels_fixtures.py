@@ -3,9 +3,10 @@ diffusers `SkyReelsV2Transformer3DModel`s (saved by diffusers' `save_pretrained`
 inputs and diffusers' outputs.
 
 Run by hand, with torch and diffusers installed (CI never needs them); written with
-torch 2.13.0 (CPU) and diffusers 0.42.1:
+torch 2.13.0 (CPU), diffusers 0.42.1, transformers 5.25.0 and ftfy 6.3.1 (the pipeline's
+text encoder and prompt cleaning):
 
-    pip install torch==2.13.0 diffusers==0.42.1 safetensors
+    pip install torch==2.13.0 diffusers==0.42.1 transformers ftfy safetensors
     python scripts/make_skyreels_fixtures.py              # every model
     python scripts/make_skyreels_fixtures.py --only df    # only these (the others untouched)
 
