@@ -31,9 +31,9 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   from the resident K/V (`pl.ds(tile * T, T)`), loaded and stacked along the sublanes
   into `(CH * T, D)` values (`GATHER`), or, when the table comes in runs of
   consecutive tiles (`run`: sliding tile attention's windows along w) and each chunk
-  lies inside one run, slices `pl.ds(start * T, CH * T)` directly; then ONE `(T, CH * T)` logits matmul, the online softmax (float32
-  `m`, `l`, `acc` in scratch) and ONE `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp -
-  delta)`, `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run ==
+  lies inside one run, slices `pl.ds(start * T, CH * T)` directly; then ONE `(T, CH *
+  T)` logits matmul, the online softmax (float32 `m`, `l`, `acc` in scratch) and ONE
+  `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp - delta)`, `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run ==
   1`). A query tile whose slots are all used (every row of VSA's top-k) runs its chunks
   unrolled instead (`UNROLL`), so that one chunk's softmax overlaps the next one's
   products.

@@ -265,8 +265,8 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
             reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
     rows = None
     if forcing is not None:
-        rows = _forcing_rows(owner, forcing, model, noise, steps, scheduler, caching, compilation,
-                             condition, experts)
+        rows = _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
+                             compilation, condition, experts)
         count = rows[0].shape[0]
     inputs = LoopInputs(
         model=model, noise=noise, context=context,
@@ -280,8 +280,8 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
     return inputs, options
 
 
-def _forcing_rows(owner, forcing, model, noise, steps, scheduler, caching, compilation, condition,
-                  experts):
+def _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching, compilation,
+                  condition, experts):
     """Diffusion forcing's iterations, checked against what the loop can run with them."""
     if not isinstance(forcing, DiffusionForcing):
         raise ValueError(f"{owner}: `forcing` must be a sampling.DiffusionForcing or None; "
@@ -315,7 +315,7 @@ def _forcing_rows(owner, forcing, model, noise, steps, scheduler, caching, compi
     alias = np.zeros_like(update)
     if forcing.reference_aliasing and isinstance(scheduler, UniPC):
         # The steps whose corrector does not run (a frame's first; after a disabled one).
-        uncorrected = np.asarray(scheduler.plan(steps).coefficients)[:, 0] == 0
+        uncorrected = np.asarray(plan.coefficients)[:, 0] == 0
         alias = update & uncorrected[np.clip(progress - 1, 0, steps - 1)]
     return tuple(jax.device_put(a) for a in (progress, update, alias))
 

@@ -53,4 +53,5 @@ class SkyReelsV2Config(WanConfig):
                 "num_frame_per_block": self.num_frame_per_block}
 
     def to_wan(self) -> dict:
-        raise ValueError("SkyReelsV2Config: only diffusers' config layout is written (to_diffusers).")
+        raise ValueError("SkyReelsV2Config: only diffusers' layout is read and written (to_diffusers); "
+                         "SkyReels-V2 has no original Wan layout here.")

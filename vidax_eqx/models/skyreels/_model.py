@@ -1,7 +1,6 @@
 """SkyReels-V2's video DiT (diffusers' `SkyReelsV2Transformer3DModel`): Wan 2.1's
 transformer with a timestep per latent frame (diffusion forcing) and the fps embedding."""
 
-import json
 import os
 
 import equinox as eqx
@@ -218,11 +217,6 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
 
     def save_pretrained(self, path, *, layout: str = "diffusers", max_shard_bytes: int | None = None) -> None:
         """Writes `config.json` and the weights in diffusers' layout (loadable by diffusers'
-        `SkyReelsV2Transformer3DModel.from_pretrained` and by `from_pretrained`, bit for bit)."""
-        from ... import interop
-
-        tensors = self.state_dict(layout=layout)
-        os.makedirs(path, exist_ok=True)
-        interop.write_checkpoint(path, tensors, max_shard_bytes=max_shard_bytes)
-        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(self.config.to_diffusers(), f, indent=2)
+        `SkyReelsV2Transformer3DModel.from_pretrained` and by `from_pretrained`, bit for bit);
+        `max_shard_bytes` as [`WanTransformer3D.save_pretrained`][]'s."""
+        super().save_pretrained(path, layout=layout, max_shard_bytes=max_shard_bytes)
