@@ -19,7 +19,8 @@ score matrix in float64 and implements the documented semantics directly.
 `sliding_tile_dense` builds the dense mask of sliding tile attention (the
 documented semantics of `kernels.SlidingTileMask`, by enumerating the tile layout
 token by token), to hand to the oracle as `mask`; `sliding_tile_of` does it for a
-mask object, reading its fields only.
+mask object, reading its fields only. `block_causal_dense` does the same for the
+frame-block causal mask of `kernels.BlockCausalMask` (frames enumerated in raster order).
 
 The layers (`linear`, `rms_norm`, `layer_norm`, `rope`, and the attention modules
 `wan_self_attention`, `wan_cross_attention`, `cogvideox_attention`) are float64
@@ -285,6 +286,39 @@ def sliding_tile_of(mask, q_pos=None, kv_pos=None):
     windows = [mask.window] if isinstance(mask.window[0], int) else list(mask.window)
     return sliding_tile_dense(mask.grid, mask.tile, windows, mask.text_len, mask.text_position,
                               q_pos, kv_pos)
+
+
+def block_causal_dense(grid, frames_per_block, window=None, text_len=0, text_position="prefix",
+                       q_pos=None, kv_pos=None):
+    """The frame-block causal mask as bool `(S_q, S_k)`: the `F x H x W` video tokens in
+    raster order (frame `t // (H * W)` of video token `t`), text before or after them; a
+    video query of frame `f` sees the video keys of frame `g` when `g // k <= f // k`
+    (and, with a `window` of blocks, `g // k > f // k - window`); text sees and is seen
+    by every token; positions outside `[0, seq_len)` are padding, seeing nothing and
+    seen by nothing."""
+    F, H, W = grid
+    V = F * H * W
+    S = text_len + V
+    kind = np.zeros(S, np.int64)  # 0 text, 1 video
+    block = np.zeros(S, np.int64)
+    video = slice(text_len, S) if text_position == "prefix" else slice(0, V)
+    kind[video] = 1
+    block[video] = (np.arange(V) // (H * W)) // frames_per_block
+
+    def at(pos):
+        pos = np.arange(S) if pos is None else np.asarray(pos, np.int64)
+        inside = (pos >= 0) & (pos < S)
+        p = np.where(inside, pos, 0)
+        return np.where(inside, kind[p], 2), block[p]
+
+    qk, qb = at(q_pos)
+    kk, kb = at(kv_pos)
+    seen = kb[None] <= qb[:, None]
+    if window is not None:
+        seen &= kb[None] > qb[:, None] - window
+    q_text, q_video = (qk == 0)[:, None], (qk == 1)[:, None]
+    k_text, k_video = (kk == 0)[None], (kk == 1)[None]
+    return (q_text & (k_text | k_video)) | (q_video & (k_text | (k_video & seen)))
 
 
 # -- layers of the reference models ---------------------------------------------------

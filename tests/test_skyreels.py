@@ -9,8 +9,9 @@ diffusers 0.42.1; CI never needs torch):
    timesteps and fps included;
 3. checkpoints: diffusers' names, `save_pretrained` -> `from_pretrained` bit for bit;
 4. what is refused: fps where the model has no embedding, none where it has one, an
-   index outside {0, 1}, a per-frame timestep of the wrong length, and the
-   frame-block causal mask (`num_frame_per_block > 1`) this library does not run yet;
+   index outside {0, 1}, a per-frame timestep of the wrong length; and the frame-block
+   causal mask (`num_frame_per_block=3`): diffusers' output, a rolling window, sharded
+   (Ulysses x TP, the zigzag ring) equal to one device;
 5. diffusion forcing (`sampling.sample(forcing=...)`): the schedule is diffusers'
    `generate_timestep_matrix` exactly, and the loop's latents are those of diffusers'
    `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) from the same noise,
@@ -157,11 +158,65 @@ def test_per_frame_timestep_length(df):
         model(io["x"][0], io["timestep"][0][:3], io["context"][0], fps=0)
 
 
-def test_block_causal_mask_is_not_run_yet():
-    model, io = _load("df_block3")
+@pytest.fixture(scope="module")
+def block3():
+    return _load("df_block3")
+
+
+def _no_mask(tmp_path):
+    """The `df_block3` weights with `num_frame_per_block = 1`: attending to every frame."""
+    folder = tmp_path / "no_mask"
+    shutil.copytree(FIXTURES / "df_block3" / "diffusers", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, num_frame_per_block=1)))
+    return models.SkyReelsV2Transformer3D.from_pretrained(folder)
+
+
+def test_block_causal_matches_diffusers(block3, tmp_path):
+    """`num_frame_per_block=3` over 6 latent frames: diffusers' frame-block causal mask
+    (frames 0-2 see themselves, 3-5 all six), per-frame timesteps; and the mask matters
+    (the same weights without it are far from diffusers' output)."""
+    model, io = block3
     assert model.config.num_frame_per_block == 3
-    with pytest.raises(NotImplementedError, match=r"num_frame_per_block=3 .*frame-block causal"):
-        model(io["x"][0], io["timestep"][0], io["context"][0])
+    call = JIT(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c))(x, t, c))
+    with jax.default_matmul_precision("highest"):
+        got = call(model, io["x"], io["timestep"], io["context"])
+        full = call(_no_mask(tmp_path), io["x"], io["timestep"], io["context"])
+    assert harness.max_rel_error(got, io["out"]) < RTOL
+    assert harness.max_rel_error(full, io["out"]) > 1e-2
+    # The first block sees only itself: its output is blind to the later frames.
+    x = io["x"][0]
+    later = x.at[:, 3:].set(0.0)
+    a, b = (JIT(lambda m, x: m(x, io["timestep"][0], io["context"][0]))(model, xx) for xx in (x, later))
+    np.testing.assert_array_equal(np.asarray(a[:, :3]), np.asarray(b[:, :3]))
+    assert harness.max_rel_error(a[:, 3:], b[:, 3:]) > 1e-3
+
+
+def test_block_causal_window_and_refusals(block3):
+    """A call may narrow the model's mask with a rolling window (one block: the second
+    block no longer sees the first) but not replace it."""
+    model, io = block3
+    x, t, c = io["x"][0], io["timestep"][0], io["context"][0]
+    one = JIT(lambda m, x: m(x, t, c, attention=models.BlockCausal(3, window=1)))
+    a, b = one(model, x), one(model, x.at[:, :3].set(0.0))
+    np.testing.assert_array_equal(np.asarray(a[:, 3:]), np.asarray(b[:, 3:]))
+    with pytest.raises(ValueError, match=r"num_frame_per_block=3.*None or BlockCausal\(3, window\), received "
+                                         r"BlockCausal\(frames_per_block=2"):
+        model(x, t, c, attention=models.BlockCausal(2))
+    with pytest.raises(ValueError, match=r"received SlidingTile"):
+        model(x, t, c, attention=models.SlidingTile((1, 2, 2), (1, 1, 1)))
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_block_causal_sharded_equals_one_device(block3, name):
+    model, io = block3
+    mesh_axes, config, batch_axis = SHARDED[name]
+    mesh = harness.mesh(**mesh_axes)
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
+    run = JIT(functools.partial(models.run_sharded, mesh=mesh, batch_axis=batch_axis))
+    out = run(sharded, io["x"], io["timestep"], io["context"])
+    one = JIT(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c))(x, t, c))(model, io["x"], io["timestep"], io["context"])
+    assert harness.max_rel_error(out, one) < 2e-6
 
 
 # -- 5. diffusion forcing ----------------------------------------------------------------------

@@ -10,7 +10,9 @@ windows (several splash kernels, GQA groups whole and split), with causal / wind
 / soft cap / segment ids, lengths padded to 256. Then, without running a kernel:
 the in-kernel mask function and the NumPy blocks against the dense mask, the block
 map (hidden / fully visible / partial) of a small case written out by hand, the
-mask infos against those splash's own `process_mask` builds, and the refusals.
+mask infos against those splash's own `process_mask` builds, and the refusals. The
+frame-block causal mask's splash mask (`SplashBlockCausalMask`) is checked the same
+way here; its kernels against the oracle in `tests/test_block_causal.py`.
 """
 
 import dataclasses
@@ -28,7 +30,9 @@ from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
 from vidax_eqx.kernels import _pallas_tpu_mask
 from vidax_eqx.kernels._args import Operands, Options
 from vidax_eqx.kernels._pallas_tpu import _head_groups
-from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for, SplashPositionsMask, SplashTileMask
+from vidax_eqx.kernels._pallas_tpu_mask import (
+    splash_kernel_for, SplashBlockCausalMask, SplashPositionsMask, SplashTileMask,
+)
 
 
 F32 = np.float32
@@ -260,6 +264,35 @@ def test_positions_mask_info_is_splash_own(shape, kv_len, window, fused):
         for j in range(kinds.shape[1]):
             block = dense[i * 128:(i + 1) * 128, j * 256:(j + 1) * 256]
             assert kinds[i, j] == (2 if block.all() else 1 if block.any() else 0), (i, j)
+
+
+BLOCK_CAUSAL = [  # (mask, padded length)
+    pytest.param(kernels.BlockCausalMask((5, 4, 8), 2, text_len=12), 256, id="prefix-ragged"),
+    pytest.param(kernels.BlockCausalMask((6, 4, 8), 1, window=3), 256, id="window"),
+    pytest.param(kernels.BlockCausalMask((3, 8, 16), 1, text_len=128, text_position="suffix"), 512,
+                 id="aligned-suffix"),
+    pytest.param(kernels.BlockCausalMask((4, 4, 12), 3, window=1), 256, id="ragged-window"),
+]
+
+
+@pytest.mark.parametrize("bc, S_pad", BLOCK_CAUSAL)
+def test_block_causal_mask_matches_dense(bc, S_pad):
+    """The frame-block causal splash mask: its in-kernel function (evaluated with jnp)
+    and its NumPy blocks are the oracle's dense mask, padding hidden; its block kinds
+    classify each block exactly, and its mask infos are splash's own."""
+    mask = SplashBlockCausalMask(bc, (S_pad, S_pad))
+    pos = np.arange(S_pad)
+    want = oracle.block_causal_dense(bc.grid, bc.frames_per_block, bc.window, bc.text_len,
+                                     bc.text_position, pos, pos)
+    assert not want[bc.seq_len:].any() and not want[:, bc.seq_len:].any()
+    jpos = jnp.asarray(pos, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(mask.mask_function)(jpos[:, None], jpos[None, :])), want)
+    np.testing.assert_array_equal(mask[:, :], want)
+    for bq, bk in ((128, 128), (64, 128), (128, 64)):
+        blocks = want.reshape(S_pad // bq, bq, S_pad // bk, bk)
+        kinds = np.where(blocks.all(axis=(1, 3)), 2, np.where(blocks.any(axis=(1, 3)), 1, 0))
+        np.testing.assert_array_equal(mask.block_kinds(bq, bk), kinds)
+    _assert_same_kernel_infos(mask, kernels.SplashBlocks(128, 128))
 
 
 def test_head_groups():

@@ -9,7 +9,8 @@ and `"cudnn"` (cuDNN through `jax.nn`). The Pallas kernels run on any platform
 in interpret mode (`PallasTpu(interpret=True)`, `PallasGpu(interpret=True)`).
 `SlidingTileMask` (with `tile_permute` / `tile_unpermute` / `tile_positions`) is
 sliding tile attention: a 3D window mask over a video's tile layout, passed as
-`mask=`, whose hidden tiles the kernels skip. `video_sparse_attention` is video sparse
+`mask=`, whose hidden tiles the kernels skip; `BlockCausalMask` is frame-block
+causal attention (autoregressive video), passed the same way. `video_sparse_attention` is video sparse
 attention (VSA): a coarse tile-level attention selects, per query tile, the key
 tiles a block-sparse fine attention computes. `gpu_target` names the GPU a program is
 lowered for from a host without one.
@@ -29,6 +30,7 @@ from ._base import (
     Capabilities as Capabilities,
     Request as Request,
 )
+from ._block_causal import BlockCausalMask as BlockCausalMask
 from ._blockwise import Blockwise as Blockwise
 from ._cudnn import Cudnn as Cudnn
 from ._dispatch import gpu_target as gpu_target

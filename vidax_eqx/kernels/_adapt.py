@@ -128,7 +128,8 @@ def rows_may_be_empty(ops: Operands, opts) -> bool:
     plain = (
         opts.default_positions and ops.q_pos is None and ops.kv_pos is None and ops.seg_q is None
         and ops.seg_kv is None and ops.kv_lengths is None and ops.bias is None and ops.mask is None
-        and opts.window is None and opts.tile_mask is None and ops.k.shape[1] > 0
+        and opts.window is None and opts.tile_mask is None and opts.block_causal is None
+        and ops.k.shape[1] > 0
     )
     return not plain
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._block_causal import BlockCausalMask
 from ._tile import SlidingTileMask
 
 
@@ -50,7 +51,11 @@ class Options:
     array was given (the positions are `arange`), which lets implementations
     with a fixed causal layout serve the request. `tile_mask` is a structured
     [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] passed as `mask=`
-    (evaluated on the positions; never materialized outside `"xla"`).
+    (evaluated on the positions; never materialized outside `"xla"`), and
+    `block_causal` a [`BlockCausalMask`][vidax_eqx.kernels.BlockCausalMask] passed
+    as `mask=` (`causal` and `window` are then False and None: it is the causal
+    structure; implementations that declare it run it natively or through
+    `_block_causal.lower`).
     """
 
     causal: bool
@@ -59,6 +64,7 @@ class Options:
     logits_soft_cap: float | None
     default_positions: bool
     tile_mask: SlidingTileMask | None = None
+    block_causal: BlockCausalMask | None = None
 
 
 class Operands(NamedTuple):
@@ -298,6 +304,22 @@ def normalize(
                 f"S_q={S_q}, S_k={S_k}. Lay the video out with tile_permute (which pads the grid "
                 "to whole tiles) and add the text, or pass q_positions / kv_positions for a chunk."
             )
+    block_causal = None
+    if isinstance(mask, BlockCausalMask):
+        block_causal, mask = mask, None
+        if causal or window is not None:
+            raise ValueError(
+                "a BlockCausalMask is the request's causal structure: it takes no `causal` or "
+                f"`window` beside it (a rolling window is its own `window`, in blocks); received "
+                f"causal={causal!r}, window={window!r}."
+            )
+        if q_positions is None and kv_positions is None and not S_q == S_k == block_causal.seq_len:
+            raise ValueError(
+                f"a BlockCausalMask over {block_causal.seq_len} tokens (text_len="
+                f"{block_causal.text_len} + the {block_causal.video_len} tokens of grid "
+                f"{block_causal.grid}) needs S_q == S_k == {block_causal.seq_len}; received "
+                f"S_q={S_q}, S_k={S_k}. Pass q_positions / kv_positions for a chunk."
+            )
     if mask is not None:
         mask = _as_array("mask", mask)
         if mask.dtype != jnp.bool_:
@@ -378,5 +400,6 @@ def normalize(
             raise ValueError(f"`logits_soft_cap` must be > 0; received {logits_soft_cap}.")
 
     operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos, kv_lengths)
-    options = Options(bool(causal), window, scale, logits_soft_cap, default_positions, tile_mask)
+    options = Options(bool(causal), window, scale, logits_soft_cap, default_positions, tile_mask,
+                      block_causal)
     return operands, options

@@ -25,6 +25,7 @@ FEATURES: tuple[tuple[str, str], ...] = (
     ("bias", "additive bias (+ gradient)"),
     ("mask", "boolean mask"),
     ("tile_mask", "sliding tile mask (3D, skips hidden tiles)"),
+    ("block_causal", "frame-block causal mask (skips hidden blocks)"),
     ("segment_ids", "segment ids"),
     ("kv_lengths", "key-only padding (kv_lengths)"),
     ("video_sparse", "video sparse attention (VSA fine stage)"),
@@ -68,6 +69,7 @@ class Request:
     tile_mask: bool = False
     kv_lengths: bool = False
     video_sparse: bool = False
+    block_causal: bool = False
 
     @classmethod
     def of(
@@ -103,6 +105,7 @@ class Request:
             shared_segment_ids=ops.seg_q is not None and ops.seg_q is ops.seg_kv,
             tile_mask=opts.tile_mask is not None,
             kv_lengths=ops.kv_lengths is not None,
+            block_causal=opts.block_causal is not None,
         )
 
     @classmethod
@@ -151,7 +154,7 @@ class Capabilities:
 
     Every boolean corresponds to a [`Request`][] field of the same name;
     `platforms`, `dtypes` and `max_head_dim` bound the rest. `tile_mask`,
-    `kv_lengths` and `video_sparse` are off unless declared (an implementation must
+    `block_causal`, `kv_lengths` and `video_sparse` are off unless declared (an implementation must
     apply them itself; `video_sparse` means it has the `sparse_fwd` / `sparse_bwd`
     methods of VSA's fine stage, see `kernels/_sparse.py`). `float32_lse` says the log-sum-exp comes back in float32 with a gradient and that the
     backward takes an external `(out, lse, dlse)` (what `attention_fwd`,
@@ -178,6 +181,7 @@ class Capabilities:
     # Off unless declared: an implementation must evaluate the structure itself.
     tile_mask: bool = False
     kv_lengths: bool = False
+    block_causal: bool = False
     # VSA's fine stage: the implementation has `sparse_fwd` / `sparse_bwd` (`_vsa.py`).
     video_sparse: bool = False
     float32_lse: bool = True

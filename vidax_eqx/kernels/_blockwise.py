@@ -27,6 +27,7 @@ from . import _math as m
 from . import _sparse
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
+from ._block_causal import lower as lower_block_causal
 from ._tile_tables import (
     block_may_see, kv_block_ranges, kv_features, q_block_ranges, layout_valid, q_features, tile_block,
     window_table,
@@ -179,6 +180,7 @@ class Blockwise(AbstractImplementation):
         dtypes=("float32", "bfloat16", "float16", "float64"),
         portable=True,
         tile_mask=True,
+        block_causal=True,
         kv_lengths=True,
         video_sparse=True,
         memory="O(S)",
@@ -451,6 +453,7 @@ class Blockwise(AbstractImplementation):
         return lax.cond(may_see, compute, lambda c: c, carry)
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        ops, opts = lower_block_causal(ops, opts)
         plan = self._table_plan(ops, opts)
         if plan is not None:
             return self._table_fwd(ops, opts, plan)
@@ -461,6 +464,7 @@ class Blockwise(AbstractImplementation):
         return out, lse
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
+        ops, opts = lower_block_causal(ops, opts)
         plan = self._table_plan(ops, opts)
         if plan is not None:
             return self._table_bwd(ops, opts, plan, out, lse, dout, dlse)

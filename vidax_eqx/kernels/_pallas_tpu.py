@@ -154,7 +154,8 @@ def _copied_padding(ops: Operands, opts: Options) -> bool:
     dominated by the last key would amplify `copies` times."""
     return (
         not opts.causal and opts.window is None and opts.tile_mask is None
-        and ops.seg_q is None and ops.kv_lengths is None and jnp.dtype(ops.q.dtype).itemsize == 2
+        and opts.block_causal is None and ops.seg_q is None and ops.kv_lengths is None
+        and jnp.dtype(ops.q.dtype).itemsize == 2
     )
 
 
@@ -230,6 +231,7 @@ class PallasTpu(AbstractImplementation):
         window=True,
         logits_soft_cap=True,
         tile_mask=True,
+        block_causal=True,
         kv_lengths=True,
         video_sparse=True,
         notes=(
@@ -292,6 +294,8 @@ class PallasTpu(AbstractImplementation):
                 missing.append(f"logit soft cap together with {what} (the flash kernel has none)")
             if request.tile_mask:
                 missing.append(f"sliding tile mask together with {what} (the flash kernel has none)")
+            if request.block_causal:
+                missing.append(f"frame-block causal mask together with {what} (the flash kernel has none)")
         if request.tile_mask and request.positions:
             missing.append(
                 "sliding tile mask with custom positions (its splash mask is static over the "
@@ -352,8 +356,10 @@ class PallasTpu(AbstractImplementation):
             blocks = SplashBlocks(self.block_q or 512, self.block_kv or 512)
         else:
             tm = opts.tile_mask
-            mask = ("tile" if tm is not None else "causal" if opts.causal and opts.window is None
-                    else "local" if opts.causal or opts.window is not None else "full")
+            bc = opts.block_causal
+            mask = ("tile" if tm is not None
+                    else "causal" if (opts.causal and opts.window is None) or (bc and bc.left is None)
+                    else "local" if opts.causal or opts.window is not None or bc else "full")
             blocks = choose_blocks(
                 mask=mask, batch=B, heads=H, S_q=S_q, S_k=S_k, head_dim=D,
                 itemsize=jnp.dtype(ops.q.dtype).itemsize, fused_bwd_max_bytes=self.fused_bwd_max_bytes,
@@ -382,7 +388,7 @@ class PallasTpu(AbstractImplementation):
             _Group(
                 splash_kernel_for(
                     (S_qp, S_kp), S_k + copies, opts.causal, opts.window, opts.logits_soft_cap,
-                    blocks, self.interpret, head_mask,
+                    blocks, self.interpret, head_mask, opts.block_causal,
                 ),
                 heads,
                 kv_heads,

@@ -7,7 +7,9 @@ evaluated in the kernel only on partially visible blocks), never materialized:
 - `SplashPositionsMask`: a causal mask or sliding window on positions, and the padding
   keys beyond the real length (a sequence padded to the kernels' tiles costs one column
   of partially visible blocks, not a segment-id comparison on every block);
-- `SplashTileMask`: the sliding tile mask.
+- `SplashTileMask`: the sliding tile mask;
+- `SplashBlockCausalMask`: the frame-block causal mask (causal attention on the
+  tokens' block keys).
 
 `splash_kernel_for` builds the kernels (forward, dQ and dK/dV, or the fused backward)
 of one mask at one configuration ([`SplashBlocks`][vidax_eqx.kernels.SplashBlocks]).
@@ -27,6 +29,7 @@ from .._jax_private import (
     SplashComputableMask,
     SplashMaskInfo,
 )
+from ._block_causal import BlockCausalMask
 from ._pallas_tpu_tuning import SplashBlocks
 from ._tile import SlidingTileMask
 
@@ -311,6 +314,85 @@ class SplashPositionsMask(SplashComputableMask):
         return np.where(hidden, 0, np.where(full, 2, 1)).astype(np.int32)
 
 
+class SplashBlockCausalMask(SplashComputableMask):
+    """A [`BlockCausalMask`][] as a splash mask over the kernels' padded `shape`
+    (positions beyond `seq_len` are padding: the mask hides them).
+
+    In the kernel, `mask_function` computes the block keys of a partially visible
+    block's positions (integer division by the block length, selects) and compares
+    them. At trace time `block_kinds` classifies every `(q block, kv block)` pair from
+    the ranges of its keys, so the kernel never visits the hidden ones.
+    """
+
+    def __init__(self, block_causal: BlockCausalMask, shape: tuple[int, int]):
+        self.block_causal = block_causal
+        self._key = (type(self), block_causal, tuple(shape))
+        bc = block_causal
+        n, size, vs, V, ts, T, left = (bc.blocks, bc.block_len, bc.video_start, bc.video_len,
+                                       bc.text_start, bc.text_len, bc.left)
+        div = jax.lax.div
+
+        def keys(p, text_key, other_key):
+            v = p - vs
+            video = (v >= 0) & (v < V)
+            key = div(jnp.maximum(v, 0), jnp.asarray(size, v.dtype))
+            if T:
+                other = jnp.where((p >= ts) & (p < ts + T), text_key, other_key)
+            else:
+                other = other_key
+            return jnp.where(video, key, other)
+
+        def mask_function(q_ids, kv_ids):
+            if isinstance(q_ids, np.ndarray):  # a block read at trace time (`__getitem__`)
+                q_keys, kv_keys = bc.keys(q_ids, kv_ids, np)
+                vis = kv_keys <= q_keys
+                return vis if left is None else vis & (kv_keys >= q_keys - left)
+            q_keys, kv_keys = keys(q_ids, n, -2), keys(kv_ids, -1, n + 1)
+            vis = kv_keys <= q_keys
+            return vis if left is None else vis & (kv_keys >= q_keys - left)
+
+        super().__init__(tuple(shape), mask_function)
+
+    def __eq__(self, other):
+        if not isinstance(other, SplashBlockCausalMask):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self):
+        return f"SplashBlockCausalMask({self.block_causal!r}, shape={self.shape})"
+
+    def __getitem__(self, idx) -> np.ndarray:
+        (q0, q1), (k0, k1) = _bounds(idx, self.shape)
+        return self.mask_function(np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
+
+    def block_kinds(self, block_q: int, block_kv: int) -> np.ndarray:
+        """As `SplashTileMask.block_kinds`: int32 `(S_q / block_q, S_k / block_kv)`, 0
+        hidden, 1 partially visible, 2 fully visible; from each block's key range."""
+        S_q, S_k = self.shape
+        bc = self.block_causal
+        q_keys, kv_keys = bc.keys(np.arange(S_q), np.arange(S_k), np)
+        q_keys, kv_keys = q_keys.reshape(-1, block_q), kv_keys.reshape(-1, block_kv)
+        # Fully visible: every pair, padding included (a padding row or column is not).
+        full = kv_keys.max(1)[None, :] <= q_keys.min(1)[:, None]
+        # Hidden: no pair of real tokens visible. Their keys in a block are a run of
+        # consecutive blocks (and, without a window, possibly text), so the ranges decide
+        # exactly: query keys [lo, hi] see the keys [lo - left, hi].
+        q_real, kv_real = q_keys >= -1, kv_keys <= bc.blocks
+        big = np.iinfo(np.int32).max
+        q_lo = np.where(q_real, q_keys, big).min(1)[:, None]
+        q_hi = np.where(q_real, q_keys, -big).max(1)[:, None]
+        k_lo = np.where(kv_real, kv_keys, big).min(1)[None, :]
+        k_hi = np.where(kv_real, kv_keys, -big).max(1)[None, :]
+        hidden = k_lo > q_hi
+        if bc.left is not None:
+            hidden = hidden | (k_hi < q_lo - bc.left)
+            full = full & (kv_keys.min(1)[None, :] >= q_keys.max(1)[:, None] - bc.left)
+        return np.where(hidden, 0, np.where(full, 2, 1)).astype(np.int32)
+
+
 def _bounds(idx, shape) -> list[tuple[int, int]]:
     """The `(start, stop)` of a 2D slice of a mask of `shape` (splash reads blocks so)."""
     if not (isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx)):
@@ -449,19 +531,25 @@ def splash_kernel_for(
     blocks: SplashBlocks,
     interpret: bool,
     tile_mask: SlidingTileMask | None = None,
+    block_causal: BlockCausalMask | None = None,
 ):
     """A splash kernel (forward with lse; dK/dV and dQ, or fused, backward blocks) for
     one static mask over the kernels' padded `shape`, at `blocks`.
 
     `kv_len`: the real key length (keys beyond it are padding, hidden by the mask);
     `tile_mask`: one head's sliding tile mask (a shared window; it hides the padding
-    itself), ANDed with the causal mask / window, for every head of the kernel.
+    itself), ANDed with the causal mask / window, for every head of the kernel;
+    `block_causal`: a frame-block causal mask (it hides the padding itself; no causal
+    mask or window beside it).
     """
     left, right = (None, None) if window is None else window
     if causal:  # causal and a window: the window with its right side cut at 0
         right = 0 if right is None else min(right, 0)
     local = None if left is None and right is None else (left, right)
-    if tile_mask is not None:
+    if block_causal is not None:
+        assert local is None and tile_mask is None, "normalize refuses these beside a BlockCausalMask"
+        mask = SplashBlockCausalMask(block_causal, shape)
+    elif tile_mask is not None:
         mask = SplashTileMask(tile_mask, shape, local)
     else:
         mask = SplashPositionsMask(shape, kv_len, local)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from . import _math as m
 from . import _sparse
+from ._block_causal import lower
 from ._args import Operands, Options
 from ._base import AbstractImplementation, Capabilities
 
@@ -27,6 +28,7 @@ class Xla(AbstractImplementation):
         dtypes=("float32", "bfloat16", "float16", "float64"),
         portable=True,
         tile_mask=True,
+        block_causal=True,
         kv_lengths=True,
         video_sparse=True,
         memory="O(S^2)",
@@ -65,6 +67,7 @@ class Xla(AbstractImplementation):
         return q, m.split_kv(ops.k, S_k)[0], m.rows_4d(ops.bias, K, H, S_q), vis
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        ops, opts = lower(ops, opts)
         H, K = ops.q.shape[2], ops.k.shape[2]
         q, k, bias, vis = self._tile(ops, opts)
         qs, rest = m.fold_scale(opts, q)
@@ -76,6 +79,7 @@ class Xla(AbstractImplementation):
         return m.merge_q(out[None], H), m.merge_rows(lse[None], H)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
+        ops, opts = lower(ops, opts)
         S_q, H = ops.q.shape[1], ops.q.shape[2]
         S_k, K = ops.k.shape[1], ops.k.shape[2]
         q, k, bias, vis = self._tile(ops, opts)

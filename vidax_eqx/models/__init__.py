@@ -70,7 +70,11 @@ from ._base import (
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
-from ._options import SlidingTile as SlidingTile, VideoSparseTiles as VideoSparseTiles
+from ._options import (
+    BlockCausal as BlockCausal,
+    SlidingTile as SlidingTile,
+    VideoSparseTiles as VideoSparseTiles,
+)
 from ._token_layout import AttentionInputs as AttentionInputs, TokenLayout as TokenLayout
 from ._run_sharded import run_sharded as run_sharded
 from ._step_cache import StepCache as StepCache

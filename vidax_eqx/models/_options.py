@@ -1,5 +1,6 @@
 """A model call's attention option, as small named types: `SlidingTile` (sliding tile
-attention) and `VideoSparseTiles` (video sparse attention), the check of a call's
+attention), `VideoSparseTiles` (video sparse attention) and `BlockCausal` (frame-block
+causal attention, autoregressive video), the check of a call's
 `attention=`, and the keywords it replaced (`sliding_tile=`, `video_sparse=`), kept
 working for a release."""
 
@@ -44,11 +45,30 @@ class VideoSparseTiles(NamedTuple):
     topk_or_sparsity: int | float
 
 
+class BlockCausal(NamedTuple):
+    """A model call's `attention=BlockCausal(frames_per_block, window)`: every
+    self-attention as frame-block causal attention
+    ([`vidax_eqx.kernels.BlockCausalMask`][]) over the model's patch grid, tokens in
+    raster order: the latent frames in blocks of `frames_per_block`, each block seeing
+    itself and the blocks before it (autoregressive video: SkyReels-V2's diffusion
+    forcing, CausVid, Self-Forcing).
+
+    **Fields:** `frames_per_block`, latent frames per block (after the patch
+    embedding's temporal patch); `window`, the key blocks a block sees, its own
+    included (`None`: every earlier block; a rolling key/value cache of that many
+    blocks attends so).
+    """
+
+    frames_per_block: int
+    window: int | None = None
+
+
 def check_attention(owner: str, attention):
-    """`attention` (a [`SlidingTile`][], a [`VideoSparseTiles`][] or `None`) after
-    checking its type; a `ValueError` naming `owner` otherwise. The values inside are
-    checked where they are used (`kernels.SlidingTileMask`, `nn.VideoSparse`)."""
-    if attention is None or isinstance(attention, SlidingTile):
+    """`attention` (a [`SlidingTile`][], a [`VideoSparseTiles`][], a [`BlockCausal`][]
+    or `None`) after checking its type; a `ValueError` naming `owner` otherwise. The
+    values inside are checked where they are used (`kernels.SlidingTileMask`,
+    `nn.VideoSparse`, `kernels.BlockCausalMask`)."""
+    if attention is None or isinstance(attention, (SlidingTile, BlockCausal)):
         return attention
     if isinstance(attention, VideoSparseTiles):
         amount = attention.topk_or_sparsity
@@ -65,7 +85,8 @@ def check_attention(owner: str, attention):
                 "VideoSparseTiles(*pair).")
     raise ValueError(
         f"{owner}: `attention` must be models.SlidingTile(tile, window), "
-        f"models.VideoSparseTiles(tile, topk_or_sparsity) or None (full attention); "
+        f"models.VideoSparseTiles(tile, topk_or_sparsity), models.BlockCausal(frames_per_block) "
+        f"or None (full attention); "
         f"received {attention!r}.{hint}"
     )
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..nn import sharding
 from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
-from ._options import attention_keywords, check_attention, SlidingTile, VideoSparseTiles
+from ._options import attention_keywords, check_attention, BlockCausal, SlidingTile, VideoSparseTiles
 from ._step_cache import step_cache_specs
 
 
@@ -99,7 +99,7 @@ _BATCH = "vidax_eqx.batch"
 def run_sharded(model, x, timestep, context, *, mesh,
                 batch_axis: str | tuple[str, ...] | None = None,
                 remat: str | None = None,
-                attention: SlidingTile | VideoSparseTiles | None = None,
+                attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
                 step_cache=None, may_reuse=False, threshold=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int
 from .. import kernels, nn, parallel as par
 from ..nn import sharding
 from ..nn.internal import sequence_multiple
-from ._options import check_attention, SlidingTile, VideoSparseTiles
+from ._options import BlockCausal, check_attention, SlidingTile, VideoSparseTiles
 
 
 class AttentionInputs(eqx.Module):
@@ -29,15 +29,15 @@ class AttentionInputs(eqx.Module):
         device's video tokens in the layout's order; `None`: no RoPE.
     - `segment_ids`: int `(text_len + S,)`: the devices' padding at -1, the rest 0
         (a text prefix first when the layout has one); `None` when nothing is padded.
-    - `mask`: the attention's [`vidax_eqx.kernels.SlidingTileMask`][], or `None`
-        (static).
+    - `mask`: the attention's [`vidax_eqx.kernels.SlidingTileMask`][] or
+        [`vidax_eqx.kernels.BlockCausalMask`][], or `None` (static).
     - `video_sparse`: the attention's [`vidax_eqx.nn.VideoSparse`][], or `None`
         (static).
     """
 
     rope: tuple[Float[Array, "S half"], Float[Array, "S half"]] | None
     segment_ids: Int[Array, " S"] | None
-    mask: kernels.SlidingTileMask | None = eqx.field(static=True, default=None)
+    mask: kernels.SlidingTileMask | kernels.BlockCausalMask | None = eqx.field(static=True, default=None)
     video_sparse: nn.VideoSparse | None = eqx.field(static=True, default=None)
 
     def kwargs(self) -> dict:
@@ -68,7 +68,8 @@ class TokenLayout(eqx.Module):
 
     1. in the attention's order: tile by tile ([`vidax_eqx.kernels.tile_permute`][],
         each grid dimension padded with zero rows to whole tiles) for
-        [`SlidingTile`][] and [`VideoSparseTiles`][]; as they are for full attention;
+        [`SlidingTile`][] and [`VideoSparseTiles`][]; as they are for full attention
+        and [`BlockCausal`][];
     2. padded with zero rows to what the sequence axes take: a multiple of the
         devices (whole tiles per device on a ring with sliding tiles; whole empty tiles
         to [`vidax_eqx.parallel.vsa_padded_length`][] with video sparse attention),
@@ -81,8 +82,8 @@ class TokenLayout(eqx.Module):
     whole on every device (as [`run_sharded`][] calls a model); on one device they
     are the tile permutation alone.
 
-    The transformers know nothing of the options: a new kind of attention (a
-    frame-block causal mask over the frames, for autoregressive video) is one more case
+    The transformers know nothing of the options: a kind of attention (as the
+    frame-block causal mask of [`BlockCausal`][], for autoregressive video) is one case
     here (its token order, its padding over the devices, its kernel mask) and in
     [`AttentionInputs`][] (what its attention layers take), with the models' code
     unchanged.
@@ -90,8 +91,8 @@ class TokenLayout(eqx.Module):
     **Arguments:**
 
     - `grid`: the patch grid `(F, H, W)` of the video tokens.
-    - `attention`: a [`SlidingTile`][], a [`VideoSparseTiles`][], or `None` (full
-        attention).
+    - `attention`: a [`SlidingTile`][], a [`VideoSparseTiles`][], a [`BlockCausal`][],
+        or `None` (full attention).
     - `parallel`: the model's [`ParallelConfig`][vidax_eqx.nn.sharding.ParallelConfig];
         default one device.
     - `text_len`: text tokens before the video tokens in the self-attention's sequence
@@ -101,15 +102,16 @@ class TokenLayout(eqx.Module):
     - `owner`: the name the errors start with (the model's).
 
     **Fields:** `grid`, `attention`, `parallel`, `text_len`, and the attention's
-    `mask` (a [`vidax_eqx.kernels.SlidingTileMask`][]) or `video_sparse` (a
+    `mask` (a [`vidax_eqx.kernels.SlidingTileMask`][] or
+    [`vidax_eqx.kernels.BlockCausalMask`][]) or `video_sparse` (a
     [`vidax_eqx.nn.VideoSparse`][]), all static.
     """
 
     grid: tuple[int, int, int] = eqx.field(static=True)
-    attention: SlidingTile | VideoSparseTiles | None = eqx.field(static=True)
+    attention: SlidingTile | VideoSparseTiles | BlockCausal | None = eqx.field(static=True)
     parallel: sharding.ParallelConfig = eqx.field(static=True)
     text_len: int = eqx.field(static=True)
-    mask: kernels.SlidingTileMask | None = eqx.field(static=True)
+    mask: kernels.SlidingTileMask | kernels.BlockCausalMask | None = eqx.field(static=True)
     video_sparse: nn.VideoSparse | None = eqx.field(static=True)
 
     def __init__(self, grid, attention=None,
@@ -134,6 +136,9 @@ class TokenLayout(eqx.Module):
         if isinstance(attention, SlidingTile):
             mask = kernels.SlidingTileMask(grid, attention.tile, attention.window,
                                            text_len=text_len)
+        elif isinstance(attention, BlockCausal):
+            mask = kernels.BlockCausalMask(grid, attention.frames_per_block,
+                                           window=attention.window, text_len=text_len)
         elif isinstance(attention, VideoSparseTiles):
             if text_len:
                 raise NotImplementedError(
@@ -155,7 +160,7 @@ class TokenLayout(eqx.Module):
     @property
     def tile(self) -> tuple[int, int, int] | None:
         """The tile of the tile layout, `None` for raster order."""
-        if self.mask is not None:
+        if isinstance(self.mask, kernels.SlidingTileMask):
             return self.mask.tile
         return None if self.video_sparse is None else self.video_sparse.tile
 

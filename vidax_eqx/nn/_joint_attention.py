@@ -111,7 +111,7 @@ class JointAttention(AbstractParallelLayer):
         rope: Rope | None = None,
         segment_ids: Int[Array, " T+S"] | None = None,
         context_copies: bool = False,
-        mask: kernels.SlidingTileMask | None = None,
+        mask: kernels.SlidingTileMask | kernels.BlockCausalMask | None = None,
         context_length: Array | int | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T {self.dim}"]]:
         """**Arguments:**

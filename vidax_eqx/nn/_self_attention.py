@@ -122,7 +122,7 @@ class Attention(AbstractParallelLayer):
         *,
         rope: Rope | None = None,
         segment_ids: Int[Array, " S"] | None = None,
-        mask: kernels.SlidingTileMask | None = None,
+        mask: kernels.SlidingTileMask | kernels.BlockCausalMask | None = None,
         kv_length: Array | int | None = None,
         video_sparse: VideoSparse | None = None,
         gate: Float[Array, "S {self.dim}"] | None = None,
@@ -142,7 +142,9 @@ class Attention(AbstractParallelLayer):
             [`vidax_eqx.kernels.tile_permute`][], padded to whole tiles (and, sharded,
             to the devices as the parallel function asks); the hidden tiles are
             skipped. Per-head windows follow their heads (under tensor parallelism
-            too). `None`: full attention.
+            too). Or a [`vidax_eqx.kernels.BlockCausalMask`][] (frame-block causal
+            attention) over the whole sequence in raster order, padded as the parallel
+            function asks. `None`: full attention.
         - `kv_length`: key-only padding: an int scalar (a 0-d integer array, one per
             example under `jax.vmap`, or a Python int), the number of real tokens; the
             tokens at index `>= kv_length` of the whole sequence (global indices under

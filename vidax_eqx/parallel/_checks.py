@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import kernels
+from ..kernels.internal import STRUCTURED_MASKS
 from ._rank_masks import RankMasks
 
 
@@ -75,31 +76,33 @@ def check_sinks(fn: str, sinks, H: int):
 
 
 def check_tile_mask(fn: str, tile_mask, global_len: int, heads: int, unit: int, what: str = "sequence"):
-    """Raises a `ValueError` unless `tile_mask` (a `kernels.SlidingTileMask` or None) fits
-    a global sequence of `global_len` tokens and `heads` query heads: the sequence is
-    the mask's, padded by fewer than `unit` tiles' tokens (positions past the mask's
-    `seq_len` are padding)."""
+    """Raises a `ValueError` unless `tile_mask` (a structured kernel mask, a
+    `kernels.SlidingTileMask` or `kernels.BlockCausalMask`, or None) fits a global
+    sequence of `global_len` tokens and `heads` query heads: the sequence is the mask's,
+    padded by fewer than `unit` tiles' tokens (`unit` tokens for a frame-block causal
+    mask; positions past the mask's `seq_len` are padding)."""
     if tile_mask is None:
         return
     if isinstance(tile_mask, RankMasks):
         for mask in tile_mask.masks:
             check_tile_mask(fn, mask, global_len, heads, unit, what)
         return
-    if not isinstance(tile_mask, kernels.SlidingTileMask):
+    if not isinstance(tile_mask, STRUCTURED_MASKS):
         raise TypeError(
-            f"{fn}: `mask` must be a kernels.SlidingTileMask (or None); received "
-            f"{type(tile_mask).__name__}."
+            f"{fn}: `mask` must be a kernels.SlidingTileMask, a kernels.BlockCausalMask or "
+            f"None; received {type(tile_mask).__name__}."
         )
     tile_mask.check_heads(heads, fn)
     need = tile_mask.seq_len if what == "sequence" else tile_mask.video_len
-    slack = unit * tile_mask.tile_size
+    tiles = isinstance(tile_mask, kernels.SlidingTileMask)
+    slack = unit * (tile_mask.tile_size if tiles else 1)
     if not need <= global_len < need + slack:
         raise ValueError(
-            f"{fn}: the SlidingTileMask lays out {need} tokens ({what}; grid {tile_mask.grid}, "
-            f"tile {tile_mask.tile}, text_len {tile_mask.text_len}), but the devices hold "
+            f"{fn}: the {type(tile_mask).__name__} lays out {need} tokens ({what}; {tile_mask!r}), "
+            f"but the devices hold "
             f"{global_len} in all (sp_size x local length). The global {what} must be the "
-            f"mask's, padded at the end by fewer than {slack} tokens (pad to whole tiles per "
-            "device; padding is invisible)."
+            f"mask's, padded at the end by fewer than {slack} tokens "
+            f"({'pad to whole tiles per device; ' if tiles else ''}padding is invisible)."
         )
 
 

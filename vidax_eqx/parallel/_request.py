@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels.internal import check_request  # what `kernels.attention` would raise, once
+from ..kernels.internal import STRUCTURED_MASKS
 from .._checks import static_int
 from ._checks import (
     check_head_split, check_lengths, check_no_text_lengths, check_qkv, check_sinks,
@@ -176,7 +177,7 @@ def _ulysses_request(request: dict, q, k, v, text_lengths, mask, options: dict) 
                                  "text tokens per device")
     kv_lengths = check_lengths(fn, "kv_lengths", options.pop("kv_lengths", None), B, S,
                                "keys of the whole sequence: text_len + sp * visual local length")
-    if isinstance(mask, kernels.SlidingTileMask):
+    if isinstance(mask, STRUCTURED_MASKS):
         _check_suffix_tile_mask(fn, text_len, request["text_position"], mask,
                                 options.get("causal"), options.get("window"))
         _check_ulysses_tile_mask(fn, mask, S, H, U, text_len, request["text_position"])
@@ -187,21 +188,21 @@ def _ulysses_request(request: dict, q, k, v, text_lengths, mask, options: dict) 
 
 def _check_ulysses_tile_mask(fn: str, tile_mask, S: int, H: int, sp: int, text_len: int,
                              position: str) -> None:
-    """A `SlidingTileMask` over the whole gathered sequence `[text_len text; visual]` (or
-    `[visual; text]`) of `S` tokens: the mask's layout, the video padded at its end by
-    fewer than `sp` tokens."""
+    """A structured mask (`SlidingTileMask`, `BlockCausalMask`) over the whole gathered
+    sequence `[text_len text; visual]` (or `[visual; text]`) of `S` tokens: the mask's
+    layout, the video padded at its end by fewer than `sp` tokens."""
     tile_mask.check_heads(H, fn)
+    kind = type(tile_mask).__name__
     if text_len and (tile_mask.text_len != text_len or tile_mask.text_position != position):
         raise ValueError(
             f"{fn}: the joint layout puts a text {position} of text_len={text_len} tokens "
-            f"{'before' if position == 'prefix' else 'after'} the video, so the SlidingTileMask "
+            f"{'before' if position == 'prefix' else 'after'} the video, so the {kind} "
             f"needs text_len={text_len}, text_position={position!r}; received "
             f"text_len={tile_mask.text_len}, text_position={tile_mask.text_position!r}."
         )
     if not tile_mask.seq_len <= S < tile_mask.seq_len + sp:
         raise ValueError(
-            f"{fn}: the SlidingTileMask lays out {tile_mask.seq_len} tokens (grid "
-            f"{tile_mask.grid}, tile {tile_mask.tile}, text_len {tile_mask.text_len}), but the "
+            f"{fn}: the {kind} lays out {tile_mask.seq_len} tokens ({tile_mask!r}), but the "
             f"devices hold {S} in all. The whole sequence must be the mask's, padded at the end "
             f"to a multiple of sp={sp} (pad_to_multiple; padding is invisible)."
         )
@@ -239,7 +240,7 @@ def _check_per_token_options(fn: str, opts: dict, *, B: int, S_local: int, S: in
         )
     for name in ("bias", "mask"):
         x = opts.get(name)
-        if x is None or isinstance(x, kernels.SlidingTileMask):
+        if x is None or isinstance(x, STRUCTURED_MASKS):
             continue
         shape = jnp.shape(x)
         full = (B, H, S, S)
@@ -266,7 +267,7 @@ def check_ring(
     check_tile_mask(fn, tile_mask, n * L_q, q.shape[2], layout_parts(layout) * n)
     if tile_mask is not None and L_q != L_k:
         raise ValueError(
-            f"{fn}: a SlidingTileMask is a self-attention mask: q and k/v must hold "
+            f"{fn}: a {type(tile_masks(tile_mask)[0]).__name__} is a self-attention mask: q and k/v must hold "
             f"the same local length; received q: {q.shape}, k: {k.shape}."
         )
     check_sharded(fn, (axis_name,), q=q if L_q else None, k=k if L_k else None,

@@ -26,7 +26,8 @@ import numpy as np
 
 from .._order import Sequence
 from .._vma import as_varying, varying_axes
-from ..kernels import attention, SegmentIds, SlidingTileMask
+from ..kernels import attention, SegmentIds
+from ..kernels.internal import STRUCTURED_MASKS
 from ._keys import hide_keys
 
 
@@ -131,7 +132,7 @@ def _per_token_options(
 
     for name in ("bias", "mask"):
         x = opts.get(name)
-        if x is None or isinstance(x, SlidingTileMask):  # a tile mask: see `_attend_heads`
+        if x is None or isinstance(x, STRUCTURED_MASKS):  # see `_attend_heads`
             continue
         x = jnp.asarray(x)
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
@@ -147,15 +148,15 @@ def _attend_heads(q, k, v, opts: dict, *, H: int, sp: int, text_len: int, sp_axi
                   suffix: bool = False):
     """The one kernel call over the whole sequence and this device's heads.
 
-    With a `SlidingTileMask` (`opts["mask"]`, checked against the sequence): each device
-    takes its heads' windows (a `lax.switch` on the rank when the devices' windows
-    differ), and the padding past the mask (the sequence padded to a multiple of sp) is
+    With a structured mask (`opts["mask"]`, a `SlidingTileMask` or `BlockCausalMask`,
+    checked against the sequence): each device takes its heads' windows (a `lax.switch`
+    on the rank when the devices' windows differ), and the padding past the mask (the sequence padded to a multiple of sp) is
     cut off before the kernel and its rows' output set to 0, so the kernel sees exactly
     the mask's layout (and its default positions, with whole-tile blocks). With a text
     suffix that padding lies between the video and the text, and is cut from there.
     """
     tile_mask = opts.get("mask")
-    if not isinstance(tile_mask, SlidingTileMask):
+    if not isinstance(tile_mask, STRUCTURED_MASKS):
         return attention(q, k, v, **opts)
     S = q.shape[1]
     cut = S

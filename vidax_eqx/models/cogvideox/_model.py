@@ -19,7 +19,7 @@ from ...nn.internal import check_text, init, linear
 from .._base import AbstractModel
 from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
-from .._options import attention_keywords, SlidingTile, VideoSparseTiles
+from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._token_layout import TokenLayout
 from ._blocks import (
     CogVideoXAdaLayerNorm, CogVideoXBlock, CogVideoXBlockInputs, CogVideoXPatchEmbed,
@@ -162,7 +162,7 @@ class CogVideoXTransformer3D(AbstractModel):
         context: Float[Array, "T {self.config.text_embed_dim}"],
         *,
         remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | None = None,
+        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
     ) -> Float[Array, "F {self.config.out_channels} H W"]:
         """**Arguments:**
 

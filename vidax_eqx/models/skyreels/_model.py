@@ -13,7 +13,7 @@ from ... import nn
 from ...nn import sharding
 from ...nn.internal import init
 from .._checkpoint import load_pretrained, read_config
-from .._options import SlidingTile, VideoSparseTiles
+from .._options import BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import StepCache, StepDecision
 from ..wan._model import WanTransformer3D
 from ..wan._names import check_layout, rename
@@ -78,7 +78,7 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         fps: Integer[ArrayLike, ""] | None = None,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | None = None,
+        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
@@ -105,7 +105,8 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D"):
             timestep, shift = self._skyreels_inputs(x, timestep, fps)
             return self._forward(x, timestep, context, context_image=context_image, remat=remat,
-                                 attention=attention, text_cache=text_cache, e0_shift=shift)
+                                 attention=self._attention(attention), text_cache=text_cache,
+                                 e0_shift=shift)
 
     @checked
     def cached_call(
@@ -121,7 +122,7 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         axis_name=None,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | None = None,
+        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
         """`__call__` with step caching, as [`WanTransformer3D.cached_call`][]; `fps` and
@@ -129,20 +130,30 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.cached_call"):
             timestep, shift = self._skyreels_inputs(x, timestep, fps)
             return self._forward(x, timestep, context, context_image=context_image, remat=remat,
-                                 attention=attention, text_cache=text_cache, e0_shift=shift,
-                                 step=StepDecision(step_cache, may_reuse, threshold, axis_name))
+                                 attention=self._attention(attention), text_cache=text_cache,
+                                 e0_shift=shift, step=StepDecision(step_cache, may_reuse, threshold, axis_name))
+
+    def _attention(self, attention):
+        """The call's attention: with `num_frame_per_block > 1`, the model's frame-block
+        causal mask ([`BlockCausal`][]`(num_frame_per_block)`, diffusers' mask), which
+        a call may narrow with a rolling `window` but not replace."""
+        k = self.config.num_frame_per_block
+        if k == 1:
+            return attention
+        if attention is None:
+            return BlockCausal(k)
+        if isinstance(attention, BlockCausal) and attention.frames_per_block == k:
+            return attention
+        raise ValueError(
+            f"SkyReelsV2Transformer3D: this model attends frame-block causally "
+            f"(num_frame_per_block={k}); `attention` may be None or BlockCausal({k}, window), "
+            f"received {attention!r}."
+        )
 
     def _skyreels_inputs(self, x, timestep, fps):
         """`(timestep, e0_shift)` for Wan's forward: a timestep per frame repeated over
         its patch tokens (frame-major, diffusers' order), and the fps term."""
         c = self.config
-        if c.num_frame_per_block > 1:
-            raise NotImplementedError(
-                "SkyReelsV2Transformer3D: num_frame_per_block="
-                f"{c.num_frame_per_block} asks for the frame-block causal attention of "
-                "asynchronous diffusion forcing, which this library does not run yet; "
-                "num_frame_per_block=1 (the released configs' value: no mask) runs."
-            )
         pt, ph, pw = c.patch_size
         frames, tokens_per_frame = x.shape[1] // pt, (x.shape[2] // ph) * (x.shape[3] // pw)
         if timestep.ndim == 1:

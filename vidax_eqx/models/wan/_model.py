@@ -20,7 +20,7 @@ from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
 from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
-from .._options import attention_keywords, SlidingTile, VideoSparseTiles
+from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import cached_blocks, check_step_cache, StepCache, StepDecision
 from .._token_layout import TokenLayout
 from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
@@ -128,7 +128,7 @@ class WanTransformer3D(AbstractCachedModel):
         *,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | None = None,
+        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
     ) -> Float[Array, "{self.config.out_channels} F H W"]:
         """**Arguments:**
@@ -170,7 +170,10 @@ class WanTransformer3D(AbstractCachedModel):
             empty), and VSA is [`vidax_eqx.parallel.video_sparse_attention`][]. The
             keywords this replaced, `sliding_tile=(tile, window)` and
             `video_sparse=(tile, topk or sparsity)`, still work for a release, with a
-            `DeprecationWarning`.
+            `DeprecationWarning`. [`BlockCausal`][]`(frames_per_block, window)`:
+            frame-block causal attention ([`vidax_eqx.kernels.BlockCausalMask`][]), the
+            tokens in raster order, each block of latent frames seeing itself and the
+            blocks before it (autoregressive video, as CausVid's causal Wan).
         - `text_cache`: the blocks' cross-attention keys and values of this `context`
             (and `context_image`), a [`WanTextCache`][] computed by
             [`text_cache`][WanTransformer3D.text_cache] (inside `shard_map`: this
@@ -203,7 +206,7 @@ class WanTransformer3D(AbstractCachedModel):
         axis_name=None,
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | None = None,
+        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
         """`__call__` with step caching: a denoising step that may reuse the residual of

@@ -15,13 +15,14 @@ from .._video_sparse import VideoSparse
 
 def check_tile_mask(owner: str, mask, num_heads: int) -> None:
     """Raises unless `mask` (an argument of the attention layer `owner` of `num_heads`
-    heads) is `None` or a `kernels.SlidingTileMask` with one window or one per head."""
+    heads) is `None`, a `kernels.SlidingTileMask` with one window or one per head, or a
+    `kernels.BlockCausalMask`."""
     if mask is None:
         return
-    if not isinstance(mask, kernels.SlidingTileMask):
+    if not isinstance(mask, (kernels.SlidingTileMask, kernels.BlockCausalMask)):
         raise TypeError(
-            f"{owner}: `mask` must be a vidax_eqx.kernels.SlidingTileMask or None; received "
-            f"{type(mask).__name__}."
+            f"{owner}: `mask` must be a vidax_eqx.kernels.SlidingTileMask, a "
+            f"vidax_eqx.kernels.BlockCausalMask or None; received {type(mask).__name__}."
         )
     mask.check_heads(num_heads, owner)
 
@@ -36,7 +37,7 @@ def attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int =
     a replicated text of `text_len` tokens before (`"prefix"`, CogVideoX) or after
     (`"suffix"`, MMDiT) this device's tokens, `text_lengths` its key-only padding (an
     int32 scalar). `mask`: a `SlidingTileMask` over the whole sequence (per-head windows
-    follow the heads to their tensor-parallel rank). `kv_length`: an int32 scalar,
+    follow the heads to their tensor-parallel rank) or a `BlockCausalMask`. `kv_length`: an int32 scalar,
     key-only padding at global indices.
     """
     segment_ids = jax.tree.map(lambda a: a[None], segment_ids)  # an array or SegmentIds
