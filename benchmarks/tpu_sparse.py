@@ -1,13 +1,14 @@
 """Sparse attention on a TPU against dense attention over the same tokens: video sparse
-attention (VSA) with the tile-gathering fine stage and with the per-tile one, and
-sliding tile attention (STA) through splash and through the tile-gathering kernels.
+attention (VSA) with the tile-gathering fine stage and with the per-tile one, sliding
+tile attention (STA) through splash and through the tile-gathering kernels, and
+frame-block causal attention (BC) through splash.
 
 On the TPU machine, from the checkout (after the install line of
 `../shared/tpu/README.md`):
 
     python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
     python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
-    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA or STA)
+    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA or BC)
     python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
     python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
@@ -37,6 +38,11 @@ order they run:
   index);
 - STA: the issue's (3, 6, 4) on (21, 30, 52), tiles of 512 tokens (4, 8, 16) on (24, 32,
   64), and 720p's grid (24, 48, 80) in all three tile sizes;
+- **BC**: `BlockCausalMask(grid, frames_per_block)` on Wan 480p's grid (21, 30, 52)
+  (32,760 tokens): blocks of 1 frame (21 blocks, density 0.52), of 3 frames (7 blocks,
+  SkyReels-V2's `causal_block_size`, density 0.57), blocks of 1 frame in a rolling window
+  of 6 blocks (density 0.24); with `kernels.attention(causal=True)` over the same tokens
+  (token-causal, density 0.50) for comparison;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
   number of tokens, first for each problem size: the ratios' denominator.
 
@@ -82,6 +88,8 @@ VSA_GRID, VSA_TILE = (24, 32, 52), (4, 4, 4)
 STA_GRIDS = ((24, 32, 64), (24, 48, 80))
 STA_TILES = ((2, 8, 8), (4, 8, 8), (4, 8, 16))
 STA_ISSUE = ((21, 30, 52), (3, 6, 4))
+BC_GRID = (21, 30, 52)
+BC_MASKS = ((1, None), (3, None), (1, 6))  # (frames_per_block, window)
 WINDOW = (3, 3, 3)
 QUICK = 5  # the rows of `--quick`: VSA, its knobs, STA on the first grid in tiles of 128 and 256
 
@@ -90,7 +98,7 @@ QUICK = 5  # the rows of `--quick`: VSA, its knobs, STA on the first grid in til
 class Case:
     """One row: a named function of `(q, k, v)` over `S` tokens."""
 
-    section: str  # "VSA" | "STA"
+    section: str  # "VSA" | "STA" | "BC"
     problem: str  # the grid, tile (and sparsity)
     path: str  # "dense", "gather", "per-tile", "splash", ...
     S: int
@@ -133,8 +141,8 @@ def _sta_gather(tm, interpret):
     return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret)[0]
 
 
-def _dense():
-    return lambda q, k, v: kernels.attention(q, k, v)
+def _dense(**options):
+    return lambda q, k, v: kernels.attention(q, k, v, **options)
 
 
 def _vsa_stage(grid, tile, sparsity, upto: str):
@@ -183,7 +191,9 @@ def cases(args) -> list[Case]:
         tpu, interpret = kernels.PallasTpu(interpret=True), True
         vsa_grid, vsa_tile, sparsities = (4, 6, 8), (2, 2, 2), (0.75,)
         sta = [((3, 4, 8), (1, 2, 2), 3)]
+        bc_grid, bc_masks = (3, 8, 16), ((1, None),)
     else:
+        bc_grid, bc_masks = BC_GRID, BC_MASKS
         tpu, interpret = "pallas_tpu", False
         vsa_grid, vsa_tile, sparsities = VSA_GRID, VSA_TILE, (0.9, 0.75)
         # (grid, tile, priority): the first grid in tiles of 256 and 128 tokens first.
@@ -228,6 +238,13 @@ def cases(args) -> list[Case]:
                          priority=priority))
         rows.append(Case("STA", name, "gather", tm.video_len, _sta_gather(tm, interpret), tm.density(), "splash",
                          priority=priority))
+    S = math.prod(bc_grid)
+    rows.append(Case("BC", f"{bc_grid}", "dense", S, _dense(), priority=2))
+    rows.append(Case("BC", f"{bc_grid} token-causal", "causal", S, _dense(causal=True), 0.5, priority=2))
+    for frames, window in bc_masks:
+        bc = kernels.BlockCausalMask(bc_grid, frames, window=window)
+        name = f"{bc_grid} blocks of {frames} frame{'s' * (frames > 1)}" + (f" window {window}" if window else "")
+        rows.append(Case("BC", name, "splash", S, _dense(mask=bc, implementation=tpu), bc.density(), priority=2))
     if args.quick or args.smoke:
         rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
     if args.section:
@@ -373,7 +390,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode (CPU)")
     parser.add_argument("--budget", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--section", choices=("VSA", "STA"), default=None, help="that section's rows only")
+    parser.add_argument("--section", choices=("VSA", "STA", "BC"), default=None, help="that section's rows only")
     parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
                         help="compile every row for this TPU topology (e.g. v5e:1x1) from this host, run none")
     args = parser.parse_args(argv)

@@ -17,6 +17,9 @@ kernel blocks, under `jax.default_matmul_precision("highest")`, against the floa
     windows); GQA and sinks throughout. Forward out / lse and the gradients of
     q, k, v and sinks (`attention_fwd`'s VJP, random cotangents on both outputs), against
     `oracle.attention` with the dense mask `oracle.sliding_tile_of` enumerates;
+- **frame-block causal attention** (`kernels.BlockCausalMask` on `"pallas_tpu"`): whole
+    128-token blocks with a text prefix, 120-token blocks (partial kernel blocks) with a
+    text suffix and segment ids, and a rolling window; against `oracle.block_causal_dense`;
 - **video sparse attention** (`kernels.video_sparse_attention(...,
     implementation="pallas_tpu")`: the block-sparse fine-stage kernel): the public
     function with GQA, partial tiles and a gate, out and lse and the gradients of q, k, v
@@ -140,6 +143,60 @@ def test_sliding_tile_attention(cfg):
     oracle.assert_close(lse, ref.lse, F32, "lse")
     for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
         oracle.assert_close(got, getattr(ref, name), F32, name)
+
+
+# -- frame-block causal attention -----------------------------------------------------------
+
+if CHIP_SIZES:
+    BC_CONFIGS = [
+        # 1-frame blocks of 128 tokens (whole kernel blocks), a 128-token text prefix: 896 tokens.
+        ("aligned-prefix", kernels.BlockCausalMask((6, 8, 16), 1, text_len=128), False),
+        # 2-frame blocks of 120 tokens over 5 frames (the mask evaluated on partial blocks),
+        # a text suffix, segment ids with padding: 640 tokens.
+        ("ragged-suffix-segments", kernels.BlockCausalMask((5, 6, 10), 2, text_len=40, text_position="suffix"),
+         True),
+        # A rolling window of 3 one-frame blocks of 64 tokens: 768 tokens.
+        ("window", kernels.BlockCausalMask((12, 4, 16), 1, window=3), False),
+    ]
+else:  # interpret mode: test_block_causal's sizes
+    BC_CONFIGS = [
+        ("aligned-prefix", kernels.BlockCausalMask((3, 8, 16), 1, text_len=128), False),
+        ("ragged-suffix-segments", kernels.BlockCausalMask((5, 4, 8), 2, text_len=12, text_position="suffix"),
+         True),
+        ("window", kernels.BlockCausalMask((6, 4, 8), 1, window=2), False),
+    ]
+
+
+@pytest.mark.parametrize("name, mask, segments", BC_CONFIGS, ids=[c[0] for c in BC_CONFIGS])
+def test_block_causal_attention(name, mask, segments):
+    """`kernels.BlockCausalMask` on `"pallas_tpu"` (the splash kernel with the mask's block
+    structure), GQA and sinks: out / lse and the gradients of q, k, v and sinks against
+    `oracle.attention` with `oracle.block_causal_dense`."""
+    S, D = mask.seq_len, 128 if CHIP_SIZES else 8
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    a = harness.attention_inputs(1, S, 4, D, H_kv=2, rng=rng, dlse=True, sinks=True)
+    kw = dict(mask=mask, implementation=harness.pallas_tpu())
+    seg = None
+    if segments:
+        seg = harness.segment_ids(rng, 1, S, ids=2, scattered=False, pad=(0, 0), holes=0.1)
+        kw["segment_ids"] = jnp.asarray(seg)
+
+    @jax.jit
+    def run(q, k, v, sinks, dout, dlse):
+        fwd = lambda q, k, v, sinks: kernels.attention_fwd(q, k, v, sinks=sinks, **kw)
+        (out, lse), vjp = jax.vjp(fwd, q, k, v, sinks)
+        return out, lse, vjp((dout, dlse))
+
+    out, lse, grads = jax.tree.map(
+        np.asarray, run(*(jnp.asarray(a[n]) for n in ("q", "k", "v", "sinks", "dout", "dlse"))))
+    dense = oracle.block_causal_dense(mask.grid, mask.frames_per_block, mask.window, mask.text_len,
+                                      mask.text_position)
+    ref = oracle.attention(a["q"], a["k"], a["v"], mask=dense, sinks=a["sinks"], segment_ids=seg,
+                           dout=a["dout"], dlse=a["dlse"])
+    oracle.assert_close(out, ref.out, F32, "out")
+    oracle.assert_close(lse, ref.lse, F32, "lse")
+    for n, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        oracle.assert_close(got, getattr(ref, n), F32, n)
 
 
 # -- video sparse attention: the public function -----------------------------------------------

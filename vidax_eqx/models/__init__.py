@@ -32,8 +32,8 @@ theirs, re-exported.
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
     stack's residual of an earlier step ([`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call],
     [`run_sharded`][]`(step_cache=...)`).
-- [`SlidingTile`][], [`VideoSparseTiles`][]: a model call's `attention=` option (sparse
-    attention; `None` is full attention).
+- [`SlidingTile`][], [`VideoSparseTiles`][], [`BlockCausal`][]: a model call's
+    `attention=` option (sparse or frame-block causal attention; `None` is full attention).
 - [`TokenLayout`][]: the one token layout of every transformer: patch tokens (and their
     RoPE tables and per-token arrays) into the attention's order, padded and split over
     the sequence axes, and back; [`AttentionInputs`][], what each self-attention takes in
