@@ -205,9 +205,10 @@ def test_block_map():
         assert (kernel.kwargs["mask_function"] is not None) == causal
 
 
-def _assert_same_kernel_infos(mask, blocks: kernels.SplashBlocks):
+def _assert_same_kernel_infos(mask, blocks: kernels.SplashBlocks, q_ids=None):
     """The mask infos `_pallas_tpu_mask` builds from `mask`'s block kinds are those
-    splash's `make_splash_mha` builds by evaluating every block of it in NumPy."""
+    splash's `make_splash_mha` builds by evaluating every block of it in NumPy (with
+    `q_ids`, the query ids the kernel's mask function takes instead of positions)."""
     with jax.ensure_compile_time_eval():
         ours = _pallas_tpu_mask._kernel(mask, blocks, None, True)
         theirs = make_splash_mha(
@@ -218,6 +219,9 @@ def _assert_same_kernel_infos(mask, blocks: kernels.SplashBlocks):
     if ours.kwargs["mask_function"] is None:  # no partially visible block: no mask needed
         theirs.kwargs["mask_function"] = None
         theirs = type(theirs)(*(None if i is None else i._replace(q_sequence=None) for i in (
+            theirs.fwd_mask_info, theirs.dq_mask_info, theirs.dkv_mask_info)), **theirs.kwargs)
+    elif q_ids is not None:
+        theirs = type(theirs)(*(None if i is None else i._replace(q_sequence=np.asarray(q_ids, np.int32)) for i in (
             theirs.fwd_mask_info, theirs.dq_mask_info, theirs.dkv_mask_info)), **theirs.kwargs)
     assert ours.kwargs == theirs.kwargs
     for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
@@ -277,22 +281,24 @@ BLOCK_CAUSAL = [  # (mask, padded length)
 
 @pytest.mark.parametrize("bc, S_pad", BLOCK_CAUSAL)
 def test_block_causal_mask_matches_dense(bc, S_pad):
-    """The frame-block causal splash mask: its in-kernel function (evaluated with jnp)
-    and its NumPy blocks are the oracle's dense mask, padding hidden; its block kinds
-    classify each block exactly, and its mask infos are splash's own."""
+    """The frame-block causal splash mask: its in-kernel function (evaluated with jnp, on
+    the per-query ids the kernel takes) and its NumPy blocks are the oracle's dense mask,
+    padding hidden; its block kinds classify each block exactly, and its mask infos are
+    splash's own but for the query ids."""
     mask = SplashBlockCausalMask(bc, (S_pad, S_pad))
     pos = np.arange(S_pad)
     want = oracle.block_causal_dense(bc.grid, bc.frames_per_block, bc.window, bc.text_len,
                                      bc.text_position, pos, pos)
     assert not want[bc.seq_len:].any() and not want[:, bc.seq_len:].any()
-    jpos = jnp.asarray(pos, jnp.int32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(mask.mask_function)(jpos[:, None], jpos[None, :])), want)
+    ids = jnp.asarray(mask.query_ids())
+    got = jax.jit(mask.mask_function)(ids[:, None], jnp.arange(S_pad, dtype=jnp.int32)[None, :])
+    np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(mask[:, :], want)
     for bq, bk in ((128, 128), (64, 128), (128, 64)):
         blocks = want.reshape(S_pad // bq, bq, S_pad // bk, bk)
         kinds = np.where(blocks.all(axis=(1, 3)), 2, np.where(blocks.any(axis=(1, 3)), 1, 0))
         np.testing.assert_array_equal(mask.block_kinds(bq, bk), kinds)
-    _assert_same_kernel_infos(mask, kernels.SplashBlocks(128, 128))
+    _assert_same_kernel_infos(mask, kernels.SplashBlocks(128, 128), q_ids=mask.query_ids())
 
 
 def test_head_groups():
