@@ -109,7 +109,9 @@ def make(name: str, spec: dict, root: str, seed: int) -> None:
 # The denoising loop of `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) on the
 # `df` model: (name, ar_step, causal_block_size). UniPC as SkyReels-V2's DF releases ship it
 # (flow prediction, flow sigmas, shift 8), 4 steps, guidance 5, 24 fps (the fps index 1).
-PIPELINE_CASES = (("sync", 0, None), ("async", 1, 1))
+# With `causal_block_size` 2 the pipeline sets the model's frame-block causal mask
+# (`_set_ar_attention`), which stays set: those cases run last.
+PIPELINE_CASES = (("sync", 0, None), ("async", 1, 1), ("sync_block2", 0, 2), ("async_block2", 1, 2))
 PIPELINE_STEPS, PIPELINE_GUIDANCE, PIPELINE_SHIFT = 4, 5.0, 8.0
 
 
@@ -171,6 +173,9 @@ def make_pipeline(root: str) -> None:
 DF_PIPELINE_CALL = dict(prompt=["A cat walks on the grass"], negative_prompt="bad quality", height=32, width=48,
                         num_frames=9, num_inference_steps=4, guidance_scale=5.0, max_sequence_length=32, fps=24)
 DF_PIPELINE_CASES = (("sync", 0), ("async", 1))
+# Then 13 frames (4 latent frames) in causal blocks of 2, asynchronous (the model's mask
+# set by the pipeline, last): `noise_block2`, `latents_async_block2`, `frames_async_block2`.
+DF_PIPELINE_BLOCK = dict(num_frames=13, ar_step=1, causal_block_size=2)
 
 
 def make_df_pipeline(root: str) -> None:
@@ -205,6 +210,12 @@ def make_df_pipeline(root: str) -> None:
                        return_dict=False)[0]
             out = torch.as_tensor(np.asarray(out))
             io[f"{'latents' if output == 'latent' else 'frames'}_{name}"] = out
+    block = dict(call, **DF_PIPELINE_BLOCK)
+    shape = (1, 16, (block["num_frames"] - 1) // 4 + 1, call["height"] // 8, call["width"] // 8)
+    io["noise_block2"] = randn_tensor(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+    for output in ("latent", "np"):
+        out = pipe(**block, generator=torch.Generator().manual_seed(5), output_type=output, return_dict=False)[0]
+        io[f"{'latents' if output == 'latent' else 'frames'}_async_block2"] = torch.as_tensor(np.asarray(out))
     np.savez_compressed(os.path.join(folder, "io.npz"), **{k: v.numpy().astype(np.float32) for k, v in io.items()})
     print(f"df pipeline: {', '.join(n for n, _ in DF_PIPELINE_CASES)} -> {folder}")
 

@@ -15,10 +15,12 @@ diffusers 0.42.1; CI never needs torch):
 5. diffusion forcing (`sampling.sample(forcing=...)`): the schedule is diffusers'
    `generate_timestep_matrix` exactly, and the loop's latents are those of diffusers'
    `SkyReelsV2DiffusionForcingPipeline` (`output_type="latent"`) from the same noise,
-   synchronous and asynchronous; without the reference's aliasing, the synchronous loop
-   is the ordinary one;
+   synchronous and asynchronous, in blocks of 1 and of 2 frames (the model's attention
+   then frame-block causal); without the reference's aliasing, the synchronous loop is
+   the ordinary one;
 6. the pipeline (`pipelines.SkyReelsV2DiffusionForcingPipeline`, torch-free): diffusers'
-   frames from the same initial latents, and `vidax-generate --ar-step` on its folder.
+   frames from the same initial latents (synchronous, asynchronous, asynchronous in causal
+   blocks of 2), and `vidax-generate --ar-step --causal-block-size` on its folder.
 """
 
 import functools
@@ -192,18 +194,20 @@ def test_block_causal_matches_diffusers(block3, tmp_path):
     assert harness.max_rel_error(a[:, 3:], b[:, 3:]) > 1e-3
 
 
-def test_block_causal_window_and_refusals(block3):
-    """A call may narrow the model's mask with a rolling window (one block: the second
-    block no longer sees the first) but not replace it."""
+def test_block_causal_call_sets_the_blocks(block3, tmp_path):
+    """A call's `BlockCausal` sets the blocks (diffusers' `_set_ar_attention`): a rolling
+    window of one block (the second block no longer sees the first), or other blocks (the
+    block-3 model at blocks of 2 is its unmasked copy at blocks of 2); nothing else
+    replaces the model's mask."""
     model, io = block3
     x, t, c = io["x"][0], io["timestep"][0], io["context"][0]
     one = JIT(lambda m, x: m(x, t, c, attention=models.BlockCausal(3, window=1)))
     a, b = one(model, x), one(model, x.at[:, :3].set(0.0))
     np.testing.assert_array_equal(np.asarray(a[:, 3:]), np.asarray(b[:, 3:]))
-    with pytest.raises(ValueError, match=r"num_frame_per_block=3.*None or BlockCausal\(3, window\), received "
-                                         r"BlockCausal\(frames_per_block=2"):
-        model(x, t, c, attention=models.BlockCausal(2))
-    with pytest.raises(ValueError, match=r"received SlidingTile"):
+    two = JIT(lambda m, x: m(x, t, c, attention=models.BlockCausal(2)))
+    np.testing.assert_array_equal(np.asarray(two(model, x)), np.asarray(two(_no_mask(tmp_path), x)))
+    with pytest.raises(ValueError, match=r"num_frame_per_block=3.*None or a BlockCausal\(frames, window\), "
+                                         r"received SlidingTile"):
         model(x, t, c, attention=models.SlidingTile((1, 2, 2), (1, 1, 1)))
 
 
@@ -247,9 +251,14 @@ def _loop(model, io, **kwargs):
                                fps=jnp.ones(1, jnp.int32), **FORCING, **kwargs)
 
 
-@pytest.mark.parametrize("case, ar_step", [("sync", 0), ("async", 1)])
-def test_diffusion_forcing_loop_matches_diffusers(df, loop_io, case, ar_step):
-    latents = _loop(df[0], loop_io, forcing=sampling.DiffusionForcing(ar_step=ar_step))
+@pytest.mark.parametrize("case, ar_step, block", [("sync", 0, 1), ("async", 1, 1), ("sync_block2", 0, 2),
+                                                   ("async_block2", 1, 2)])
+def test_diffusion_forcing_loop_matches_diffusers(df, loop_io, case, ar_step, block):
+    """Synchronous and asynchronous; with `causal_block_size=2` the model attends in
+    frame-block causal blocks of 2 (diffusers sets them on its model)."""
+    kwargs = {} if block == 1 else {"attention": models.BlockCausal(block)}
+    latents = _loop(df[0], loop_io, forcing=sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block),
+                    **kwargs)
     assert harness.max_rel_error(latents, loop_io[f"latents_{case}"]) < RTOL
 
 
@@ -262,7 +271,8 @@ def test_textbook_synchronous_forcing_is_the_ordinary_loop(df, loop_io):
 def test_forcing_refusals(df, loop_io):
     model, io = df
     forcing = sampling.DiffusionForcing()
-    with pytest.raises(ValueError, match=r"`forcing.causal_block_size` \(2\) must be the model's num_frame_per_block \(1\)"):
+    with pytest.raises(ValueError, match=r"`forcing.causal_block_size` \(2\) must be the model's num_frame_per_block \(1\)"
+                                         r".*attention=models.BlockCausal\(causal_block_size\)"):
         _loop(model, loop_io, forcing=sampling.DiffusionForcing(causal_block_size=2))
     with pytest.raises(ValueError, match=r"without `compilation.max_steps`"):
         _loop(model, loop_io, forcing=forcing, compilation=sampling.Compilation(max_steps=6))
@@ -307,8 +317,19 @@ def test_pipeline_matches_diffusers(df_pipe, case, ar_step):
     assert np.abs(out.frames - io[f"frames_{case}"]).max() < 2e-4  # frames in [0, 1]
 
 
+def test_pipeline_causal_blocks_match_diffusers(df_pipe):
+    """13 frames (4 latent frames) asynchronously in causal blocks of 2: the transformer's
+    attention frame-block causal, as diffusers sets it."""
+    io = np.load(FIXTURES / "df_pipeline" / "io.npz")
+    with jax.default_matmul_precision("highest"):
+        out = df_pipe(**dict(DF_CALL, num_frames=13), latents=io["noise_block2"], ar_step=1, causal_block_size=2,
+                      progress=None)
+    assert harness.max_rel_error(out.latents, io["latents_async_block2"]) < RTOL
+    assert np.abs(out.frames - io["frames_async_block2"]).max() < 2e-4
+
+
 def test_pipeline_refusals(df_pipe):
-    with pytest.raises(NotImplementedError, match=r"causal_block_size=2 needs the frame-block causal"):
+    with pytest.raises(ValueError, match=r"`causal_block_size` \(2\) must divide the latent frames; received 3"):
         df_pipe(**DF_CALL, causal_block_size=2)
     with pytest.raises(NotImplementedError, match=r"long video \(9 frames over base_num_frames=5"):
         df_pipe(**DF_CALL, overlap_history=1, base_num_frames=5)
@@ -320,7 +341,16 @@ def test_generate_command(df_folder, tmp_path, capsys):
                           "--num-frames", "9", "--steps", "2", "--max-sequence-length", "32",
                           "--ar-step", "1", "--output", str(path)]) == 0
     assert path.stat().st_size > 0 and capsys.readouterr().out.strip() == str(path)
+    blocks = tmp_path / "df_blocks.mp4"
+    assert generate.main([str(df_folder), "--prompt", "a cat", "--height", "32", "--width", "48",
+                          "--num-frames", "13", "--steps", "2", "--max-sequence-length", "32",
+                          "--ar-step", "1", "--causal-block-size", "2", "--output", str(blocks)]) == 0
+    assert blocks.stat().st_size > 0 and capsys.readouterr().out.strip() == str(blocks)
     with pytest.raises(SystemExit):
         generate.main([str(FIXTURES.parent / "wan_pipeline" / "t2v"), "--prompt", "a", "--ar-step", "1",
                        "--output", str(tmp_path / "x.mp4")])
     assert "--ar-step is for SkyReels-V2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main([str(FIXTURES.parent / "wan_pipeline" / "t2v"), "--prompt", "a", "--causal-block-size", "2",
+                       "--output", str(tmp_path / "x.mp4")])
+    assert "--causal-block-size is for SkyReels-V2" in capsys.readouterr().err

@@ -8,7 +8,8 @@
 
 The pipeline ([`vidax_eqx.pipelines.WanPipeline`][],
 [`vidax_eqx.pipelines.CogVideoXPipeline`][] or
-[`vidax_eqx.pipelines.SkyReelsV2DiffusionForcingPipeline`][] (`--ar-step`), by
+[`vidax_eqx.pipelines.SkyReelsV2DiffusionForcingPipeline`][] (`--ar-step`,
+`--causal-block-size`), by
 `model_index.json`'s class) is read from a
 folder saved by diffusers or a Hub id; the size, steps, guidance, prompt length and frame
 rate default to the family's [`CallDefaults`][vidax_eqx.pipelines.CallDefaults] (Wan:
@@ -117,6 +118,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ar-step", type=int, default=None,
                    help="SkyReels-V2 diffusion forcing: the iterations a frame lags the one "
                         "before it (default 0: every frame at once)")
+    s.add_argument("--causal-block-size", type=int, default=None,
+                   help="SkyReels-V2 diffusion forcing: latent frames per causal block, the "
+                        "transformer's attention frame-block causal above 1 (default: the "
+                        "transformer's num_frame_per_block)")
     s.add_argument("--seed", type=int, default=0, help="the initial latents' seed (default 0)")
     s.add_argument("--num-videos-per-prompt", type=int, default=1, help="default 1")
     s.add_argument("--max-sequence-length", type=int,
@@ -282,8 +287,9 @@ def _run(args, start: float) -> list[str]:
     cls = families[name]
     wan = not cls.__name__.startswith("CogVideoX")  # Wan and SkyReels-V2 (Wan's components)
     skyreels = cls.__name__ == "SkyReelsV2DiffusionForcingPipeline"
-    if args.ar_step is not None and not skyreels:
-        raise CommandError(f"--ar-step is for SkyReels-V2 diffusion forcing pipelines; {args.model!r} is {name}.")
+    for flag, given in (("--ar-step", args.ar_step), ("--causal-block-size", args.causal_block_size)):
+        if given is not None and not skyreels:
+            raise CommandError(f"{flag} is for SkyReels-V2 diffusion forcing pipelines; {args.model!r} is {name}.")
     for flag, given, family in (("--guidance-scale-2", args.guidance_scale_2 is not None, "Wan"),
                                 ("--last-image", args.last_image is not None, "Wan"),
                                 ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
@@ -303,7 +309,8 @@ def _run(args, start: float) -> list[str]:
                   max_sequence_length=args.max_sequence_length, seed=args.seed,
                   num_videos_per_prompt=args.num_videos_per_prompt)
     if skyreels:  # the frame rate the model is conditioned on is the written one
-        kwargs.update(ar_step=args.ar_step or 0, fps=defaults.fps if args.fps is None else args.fps)
+        kwargs.update(ar_step=args.ar_step or 0, causal_block_size=args.causal_block_size,
+                      fps=defaults.fps if args.fps is None else args.fps)
     if args.image is not None:
         kwargs["image"] = _read_image(args.image)
     if args.last_image is not None:

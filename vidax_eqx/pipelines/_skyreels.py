@@ -29,9 +29,10 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
     reproduces its frames from the same initial latents; its defaults are diffusers':
     544 x 960, 97 frames, 50 steps, guidance 6.0, 24 fps.
 
-    **Not yet** (each raises): the frame-block causal attention of `causal_block_size >
-    1`, long videos in windows (`overlap_history` with `num_frames > base_num_frames`),
-    and so `addnoise_condition`, which only acts on the overlapping frames of a window.
+    `causal_block_size > 1` runs the transformer's attention frame-block causal
+    ([`vidax_eqx.models.BlockCausal`][]). **Not yet** (raises): long videos in windows
+    (`overlap_history` with `num_frames > base_num_frames`), and so
+    `addnoise_condition`, which only acts on the overlapping frames of a window.
     """
 
     defaults = CallDefaults(height=544, width=960, num_frames=97, num_inference_steps=50,
@@ -58,7 +59,9 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         - `ar_step`: the iterations a block of frames lags the one before it (0: all
             frames at once, the synchronous schedule).
         - `causal_block_size`: the frames of a block (default: the transformer's
-            `num_frame_per_block`); only 1 runs yet.
+            `num_frame_per_block`): the schedule's blocks and, above 1, the transformer's
+            frame-block causal attention ([`vidax_eqx.models.BlockCausal`][]), as
+            diffusers sets it. It must divide the latent frames.
         - `fps`: the video's frame rate as the model is conditioned on it (16, or any
             other value for its second entry), when it has the fps embedding.
         - `overlap_history`, `base_num_frames`, `addnoise_condition`: long videos in
@@ -69,10 +72,6 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         config = self.transformer_config
         block = config.num_frame_per_block if causal_block_size is None else causal_block_size
         check_int(_OWNER, "causal_block_size", block, 1)
-        if block != 1:
-            raise NotImplementedError(
-                f"{_OWNER}: causal_block_size={block} needs the frame-block causal attention, "
-                "which this library does not run yet; causal_block_size=1 (no mask) runs.")
         if isinstance(fps, bool) or not isinstance(fps, (int, float)):
             raise ValueError(f"{_OWNER}: `fps` must be a number (frames per second); received {fps!r}.")
         num_frames = kwargs.get("num_frames") or self.call_defaults.num_frames
@@ -84,11 +83,17 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
                 "base_num_frames frames, or leave overlap_history out.")
         forcing = sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block)
         return super().__call__(prompt, negative_prompt, forcing=forcing,
-                                skyreels_fps=0 if fps == 16 else 1, **kwargs)
+                                skyreels_fps=0 if fps == 16 else 1, skyreels_block=block, **kwargs)
 
     def model_arguments(self, batch: int, call: dict) -> dict:
-        """The fps index of every example (for a transformer with the fps embedding)."""
-        index = call.pop("skyreels_fps", 1)
-        if not self.transformer_config.inject_sample_info:
-            return {}
-        return {"fps": jnp.full((batch,), index, jnp.int32)}
+        """The fps index of every example (for a transformer with the fps embedding), and
+        the frame-block causal attention of `causal_block_size` when it is not the
+        transformer's own blocks (diffusers sets them on its model, `_set_ar_attention`)."""
+        index, block = call.pop("skyreels_fps", 1), call.pop("skyreels_block", None)
+        config = self.transformer_config
+        arguments = {}
+        if block is not None and block != config.num_frame_per_block:
+            arguments["attention"] = models.BlockCausal(block)
+        if config.inject_sample_info:
+            arguments["fps"] = jnp.full((batch,), index, jnp.int32)
+        return arguments

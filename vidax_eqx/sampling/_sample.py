@@ -266,7 +266,7 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
     rows = None
     if forcing is not None:
         rows = _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
-                             compilation, condition, experts)
+                             compilation, condition, experts, static)
         count = rows[0].shape[0]
     inputs = LoopInputs(
         model=model, noise=noise, context=context,
@@ -281,7 +281,7 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
 
 
 def _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching, compilation,
-                  condition, experts):
+                  condition, experts, model_static):
     """Diffusion forcing's iterations, checked against what the loop can run with them."""
     if not isinstance(forcing, DiffusionForcing):
         raise ValueError(f"{owner}: `forcing` must be a sampling.DiffusionForcing or None; "
@@ -306,11 +306,14 @@ def _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
         raise ValueError(f"{owner}: diffusion forcing steps each latent frame; the model's "
                          f"temporal patch is {config.patch_size[0]}, not 1.")
     block = getattr(config, "num_frame_per_block", None)
+    attention = model_static.get("attention")
+    if isinstance(attention, models.BlockCausal):  # the call sets the model's blocks
+        block = attention.frames_per_block
     if block is not None and forcing.causal_block_size != block:
         raise ValueError(
             f"{owner}: `forcing.causal_block_size` ({forcing.causal_block_size}) must be the "
             f"model's num_frame_per_block ({block}), the frames of its causal attention "
-            "blocks.")
+            "blocks (pass attention=models.BlockCausal(causal_block_size) to set them).")
     progress, update = forcing.rows(noise.shape[2], steps)
     alias = np.zeros_like(update)
     if forcing.reference_aliasing and isinstance(scheduler, UniPC):

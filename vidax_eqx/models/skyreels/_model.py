@@ -33,9 +33,11 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
     with a `(B, F')` timestep. A timestep per frame runs Wan's per-token path (each frame's
     value for its tokens: the time embedding, every block's modulation and the head's).
 
-    **Not yet:** the frame-block causal mask of `num_frame_per_block > 1` (the
-    asynchronous, `causal_block_size` schedules): such a model loads, and its call raises
-    `NotImplementedError`.
+    With `num_frame_per_block = k > 1` every self-attention is frame-block causal
+    ([`BlockCausal`][]`(k)`: blocks of `k` latent frames, each seeing itself and the blocks
+    before it, diffusers' mask); a call's `attention=BlockCausal(k', window)` sets other
+    blocks (as diffusers' `_set_ar_attention(k')`, which the pipelines call for their
+    `causal_block_size`), or a rolling window.
 
     **Fields:** Wan's (see [`WanTransformer3D`][]), and `fps_embedding` (`eqx.nn.Embedding`
     of 2 entries) and `fps_projection` ([`vidax_eqx.nn.FeedForward`][], SiLU, to `6 * dim`)
@@ -135,18 +137,17 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
 
     def _attention(self, attention):
         """The call's attention: with `num_frame_per_block > 1`, the model's frame-block
-        causal mask ([`BlockCausal`][]`(num_frame_per_block)`, diffusers' mask), which
-        a call may narrow with a rolling `window` but not replace."""
+        causal mask ([`BlockCausal`][]`(num_frame_per_block)`, diffusers' mask). A call's
+        `BlockCausal(k, window)` sets the blocks instead (what diffusers'
+        `_set_ar_attention(k)` does to its model; a rolling `window` narrows them)."""
         k = self.config.num_frame_per_block
-        if k == 1:
+        if k == 1 or isinstance(attention, BlockCausal):
             return attention
         if attention is None:
             return BlockCausal(k)
-        if isinstance(attention, BlockCausal) and attention.frames_per_block == k:
-            return attention
         raise ValueError(
             f"SkyReelsV2Transformer3D: this model attends frame-block causally "
-            f"(num_frame_per_block={k}); `attention` may be None or BlockCausal({k}, window), "
+            f"(num_frame_per_block={k}); `attention` may be None or a BlockCausal(frames, window), "
             f"received {attention!r}."
         )
 
