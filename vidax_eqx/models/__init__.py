@@ -29,6 +29,10 @@ theirs, re-exported.
 - [`WanTextCache`][]: Wan's cross-attention keys and values of a text, computed once
     ([`WanTransformer3D.text_cache`][vidax_eqx.models.WanTransformer3D.text_cache], [`sharded_text_cache`][] over a mesh) and taken
     by every denoising step.
+- [`KVCache`][]: the self-attention keys and values of the finished latent frames, what
+    streaming generation carries from one chunk to the next
+    ([`WanTransformer3D.stream`][vidax_eqx.models.WanTransformer3D.stream]; a rolling
+    window of fixed size).
 - [`StepCache`][]: step caching, what a denoising loop carries to reuse the block
     stack's residual of an earlier step ([`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call],
     [`run_sharded`][]`(step_cache=...)`).
@@ -77,6 +81,7 @@ from ._options import (
 )
 from ._token_layout import AttentionInputs as AttentionInputs, TokenLayout as TokenLayout
 from ._run_sharded import run_sharded as run_sharded
+from ._kv_cache import KVCache as KVCache
 from ._step_cache import StepCache as StepCache
 from ._vae import GaussianPosterior as GaussianPosterior, Tiling as Tiling
 from ._training import (

@@ -59,3 +59,14 @@ def scan_layers(fn, x, layers, policy):
     elif policy is not _NO_REMAT:
         step = jax.checkpoint(step, policy=policy)
     return lax.scan(step, x, arrays)[0]
+
+
+def scan_layers_with_outputs(fn, x, layers):
+    """`x, y = fn(x, layer)` for each layer of a stacked module, by `lax.scan`: the final
+    `x` and the `y`s stacked over the layers (inference: no rematerialization, no FSDP)."""
+    arrays, static = eqx.partition(layers, eqx.is_array)
+
+    def step(x, layer_arrays):
+        return fn(x, eqx.combine(layer_arrays, static))
+
+    return lax.scan(step, x, arrays)

@@ -68,6 +68,9 @@ def rope_3d(
     theta: float = 10000.0,
     split: tuple[int, int, int] | None = None,
     positions=None,
+    *,
+    frame_offset=None,
+    max_frames: int | None = None,
 ) -> tuple[Float[Array, "S half"], Float[Array, "S half"]]:
     """3D rotary tables for a `(frames, height, width)` grid of video tokens (Wan, CogVideoX).
 
@@ -93,6 +96,15 @@ def rope_3d(
     - `positions`: the coordinate of each grid index along each axis, three 1-D
         arrays of lengths `grid` (floats allowed: CogVideoX places its tokens on a
         crop of a base-resolution grid); default `arange` on every axis (Wan).
+    - `frame_offset`: a chunk of a longer video (streaming generation): the frames
+        are `frame_offset + arange(frames)`, an int scalar that may be traced (one
+        program for every chunk); needs `max_frames` and no `positions`. The frame
+        axis's table is computed for `arange(max_frames)` and the chunk's rows sliced
+        from it, so the tables are bitwise those of the whole video's grid. A chunk
+        past `max_frames` is clamped to its last frames (as `lax.dynamic_slice`):
+        callers check the bound (the models' `stream` does).
+    - `max_frames`: the frames the table covers with `frame_offset` (a model's
+        `rope_max_seq_len`).
 
     **Returns:**
 
@@ -130,6 +142,18 @@ def rope_3d(
             f"summing to head_dim // 2 = {c}; received {split!r}."
         )
     f, h, w = (int(g) for g in grid)
+    if frame_offset is not None:
+        if positions is not None or not is_int(max_frames) or max_frames < f:
+            raise ValueError(
+                "rope_3d: `frame_offset` takes `max_frames` (an int >= frames, the frames its "
+                f"table covers) and no `positions`; received max_frames={max_frames!r}, "
+                f"positions={'given' if positions is not None else None}, grid={grid!r}."
+            )
+        frames = jax.lax.dynamic_slice_in_dim(
+            jnp.asarray(_cos_sin(np.arange(max_frames), split[0], theta)),
+            jnp.asarray(frame_offset, jnp.int32), f, axis=1)
+        tables = (frames, *(_cos_sin(np.arange(n), m, theta) for n, m in zip((h, w), split[1:])))
+        return _grid_tables(tables, (0, 1, 2))
     if positions is None:
         positions = tuple(np.arange(n) for n in (f, h, w))
     positions = tuple(np.asarray(p, np.float64) for p in positions)
@@ -140,11 +164,14 @@ def rope_3d(
         )
     # cos / sin of each axis's angles (float64 NumPy, tiny), expanded over the grid in
     # the program: the (S, c) tables are never constants of a traced or exported program.
-    tables = tuple(
-        np.stack([np.cos(a), np.sin(a)]).astype(np.float32)
-        for a in (_angles(p, n, theta) for p, n in zip(positions, split))
-    )
+    tables = tuple(_cos_sin(p, n, theta) for p, n in zip(positions, split))
     return _grid_tables(tables, (0, 1, 2))
+
+
+def _cos_sin(positions, pairs: int, theta: float) -> np.ndarray:
+    """float32 `(2, len(positions), pairs)`: the cosines and sines of `_angles`."""
+    a = _angles(positions, pairs, theta)
+    return np.stack([np.cos(a), np.sin(a)]).astype(np.float32)
 
 
 @checked

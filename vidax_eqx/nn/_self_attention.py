@@ -179,15 +179,9 @@ class Attention(AbstractParallelLayer):
                                      None if self.parallel.sequence_axes else x.shape[0])
             self, (x, rope) = fsdp_gather(self, (x, rope))
             H = local_heads("Attention", self, self.q)
-            S = x.shape[0]
             x = tp_input(x, self.parallel.tp_axis)
-            q = qk_rms_norm(self.norm_q, linear(self.q, x), self).reshape(S, H, self.head_dim)
-            k = qk_rms_norm(self.norm_k, after_tp(linear(self.k, x), q, self), self)
-            k = k.reshape(S, H, self.head_dim)
-            v = linear(self.v, x).reshape(S, H, self.head_dim)
-            if rope is not None:
-                q = apply_rope(q, *rope)
-                k = apply_rope(k, *rope)
+            q, k, v = self._project(x, rope, H)
+            S = x.shape[0]
             if video_sparse is not None:
                 if self.to_gate_compress is not None:
                     gate = linear(self.to_gate_compress, x)
@@ -202,3 +196,81 @@ class Attention(AbstractParallelLayer):
             out = attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
                          mask=mask, kv_length=kv_length)
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
+
+    def _project(self, x, rope, H: int):
+        """`(q, k, v)`, each `(S, H, head_dim)` (`H` this device's heads), normed and
+        rotated; `x` the layer's input after `tp_input`."""
+        S = x.shape[0]
+        q = qk_rms_norm(self.norm_q, linear(self.q, x), self).reshape(S, H, self.head_dim)
+        k = qk_rms_norm(self.norm_k, after_tp(linear(self.k, x), q, self), self)
+        k = k.reshape(S, H, self.head_dim)
+        v = linear(self.v, x).reshape(S, H, self.head_dim)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        return q, k, v
+
+    @checked
+    def with_past(
+        self,
+        x: Float[Array, "S {self.dim}"],
+        past_k: Float[Array, "P H D"],
+        past_v: Float[Array, "P H D"],
+        *,
+        rope: Rope | None = None,
+        mask: kernels.BlockCausalMask | None = None,
+        q_positions: Int[Array, " S"] | None = None,
+        kv_positions: Int[Array, " P+S"] | None = None,
+    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "S H D"], Float[Array, "S H D"]]:
+        """Attention of new tokens to themselves and to the keys and values of earlier ones
+        (a key/value cache: streaming generation, chunk by chunk).
+
+        **Arguments:**
+
+        - `x`: the new tokens `(S, dim)` of one example, whole on this device.
+        - `past_k`, `past_v`: `(P, H, head_dim)`, the earlier tokens' keys (normed and
+            rotated, as this method returns them) and values; `H` this device's heads.
+        - `rope`: `(cos, sin)` of the new tokens (`(S, head_dim // 2)` each), or `None`.
+        - `mask`: a [`vidax_eqx.kernels.BlockCausalMask`][] over the positions below
+            (a window of the cache and the new tokens), or `None`: every key visible.
+        - `q_positions`, `kv_positions`: the new tokens' positions `(S,)` and the keys'
+            `(P + S,)` (the past's, then the new tokens'), on which `mask` is evaluated;
+            a negative position is an empty cache slot, invisible. `None`: `arange`.
+
+        **Returns:**
+
+        `(out, k, v)`: the attention output `(S, dim)` and the new tokens' keys and
+        values `(S, H, head_dim)`, to append to the cache.
+
+        One device or tensor parallelism (the cache holds this device's heads); not
+        under sequence parallelism, where the new tokens would be split.
+        """
+        with jax.named_scope("vidax_eqx.nn.Attention.with_past"):
+            if self.parallel.sequence_axes:
+                raise NotImplementedError(
+                    "Attention.with_past: a key/value cache runs on one device or under tensor "
+                    f"parallelism, not under sequence parallelism ({self.parallel})."
+                )
+            self, (x, rope) = fsdp_gather(self, (x, rope))
+            H = local_heads("Attention", self, self.q)
+            x = tp_input(x, self.parallel.tp_axis)
+            q, k, v = self._project(x, rope, H)
+            S = x.shape[0]
+            if past_k.shape[1:] != k.shape[1:] or past_v.shape != past_k.shape:
+                raise ValueError(
+                    f"Attention.with_past: `past_k` and `past_v` must be (P, H, head_dim) = "
+                    f"(P, {H}, {self.head_dim}) (this device's heads); received "
+                    f"{past_k.shape} and {past_v.shape}."
+                )
+            keys = jnp.concatenate([past_k.astype(k.dtype), k])
+            values = jnp.concatenate([past_v.astype(v.dtype), v])
+            positions = {}
+            if q_positions is not None or kv_positions is not None:
+                positions = dict(
+                    q_positions=(past_k.shape[0] + jnp.arange(S, dtype=jnp.int32))
+                    if q_positions is None else q_positions,
+                    kv_positions=jnp.arange(keys.shape[0], dtype=jnp.int32)
+                    if kv_positions is None else kv_positions)
+            out = kernels.attention(q[None], keys[None], values[None], mask=mask,
+                                    implementation=self.implementation, **positions)[0]
+            return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis), k, v

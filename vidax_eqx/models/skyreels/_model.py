@@ -13,6 +13,7 @@ from ... import nn
 from ...nn import sharding
 from ...nn.internal import init
 from .._checkpoint import load_pretrained, read_config
+from .._kv_cache import KVCache
 from .._options import BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import StepCache, StepDecision
 from ..wan._model import WanTransformer3D
@@ -134,6 +135,30 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
             return self._forward(x, timestep, context, context_image=context_image, remat=remat,
                                  attention=self._attention(attention), text_cache=text_cache,
                                  e0_shift=shift, step=StepDecision(step_cache, may_reuse, threshold, axis_name))
+
+    @checked
+    def stream(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""] | Real[Array, " T"],
+        context: Float[Array, "L {self.config.text_dim}"],
+        cache: KVCache,
+        *,
+        fps: Integer[ArrayLike, ""] | None = None,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        attention: BlockCausal | None = None,
+        text_cache: WanTextCache | None = None,
+    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], KVCache]:
+        """One chunk of a video generated chunk by chunk with a key/value cache, as
+        [`WanTransformer3D.stream`][]; `timestep` a scalar or one per latent frame of the
+        chunk, `fps` as `__call__`. `attention` defaults to the model's own blocks
+        (`BlockCausal(num_frame_per_block)` when it is above 1), else one block per chunk."""
+        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.stream"):
+            timestep, shift = self._skyreels_inputs(x, timestep, fps)
+            if attention is None and self.config.num_frame_per_block > 1:
+                attention = BlockCausal(self.config.num_frame_per_block)
+            return self._stream(x, timestep, context, cache, context_image=context_image,
+                                attention=attention, text_cache=text_cache, e0_shift=shift)
 
     def _attention(self, attention):
         """The call's attention: with `num_frame_per_block > 1`, the model's frame-block

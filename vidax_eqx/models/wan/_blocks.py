@@ -211,24 +211,47 @@ class WanBlock(eqx.Module):
             old = () if inputs is None else (inputs,)
             inputs = _deprecated_inputs(*old, *deprecated_args, **deprecated_kwargs)
         with jax.named_scope("vidax_eqx.models.WanBlock"):
-            unused = None if inputs.context_kv is None else (lambda b: _context_weights(b.cross_attn))
-            attention = inputs.attention
-            self, (x, e0, context, rope, context_image) = sharding.fsdp_gather(
-                self, (x, inputs.e0, inputs.context, attention.rope, inputs.context_image),
-                exclude=unused)
-            attention = dataclasses.replace(attention, rope=rope)
-            dtype = self.self_attn.q.weight.dtype
-            e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
-            shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
-            h = self.norm1(x, shift1, scale1).astype(dtype)
-            y = self.self_attn(h, **attention.kwargs())
-            x = x + y.astype(jnp.float32) * gate1
-            h = x if self.norm3 is None else self.norm3(x)
-            y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
-                                context_copies=True, context_kv=inputs.context_kv)
-            x = x + y.astype(jnp.float32)
-            h = self.norm2(x, shift2, scale2).astype(dtype)
-            return x + self.ffn(h).astype(jnp.float32) * gate2
+            return self._run(x, inputs, lambda attn, h, a: (attn(h, **a.kwargs()), None))[0]
+
+    def with_past(self, x: Float[Array, "S dim"], inputs: WanBlockInputs, past_k, past_v, *,
+                  q_positions, kv_positions):
+        """The block on new tokens whose self-attention also sees earlier tokens' keys and
+        values (a key/value cache, [`vidax_eqx.nn.Attention.with_past`][]): `inputs` as
+        for the call (its `attention.mask` a `BlockCausalMask` over the positions, or
+        `None`); `past_k`, `past_v` `(P, H, head_dim)`; the positions of the new tokens
+        `(S,)` and of the keys `(P + S,)`.
+
+        **Returns:** `(x, (k, v))`: the residual stream after the block and the new
+        tokens' keys and values `(S, H, head_dim)`."""
+        with jax.named_scope("vidax_eqx.models.WanBlock.with_past"):
+            def attend(attn, h, a):
+                y, k, v = attn.with_past(h, past_k, past_v, rope=a.rope, mask=a.mask,
+                                         q_positions=q_positions, kv_positions=kv_positions)
+                return y, (k, v)
+
+            return self._run(x, inputs, attend)
+
+    def _run(self, x, inputs: WanBlockInputs, attend):
+        """The block, its self-attention `attend(self_attn, h, attention_inputs) -> (y,
+        extra)`; returns `(x, extra)`."""
+        unused = None if inputs.context_kv is None else (lambda b: _context_weights(b.cross_attn))
+        attention = inputs.attention
+        self, (x, e0, context, rope, context_image) = sharding.fsdp_gather(
+            self, (x, inputs.e0, inputs.context, attention.rope, inputs.context_image),
+            exclude=unused)
+        attention = dataclasses.replace(attention, rope=rope)
+        dtype = self.self_attn.q.weight.dtype
+        e = self.modulation[0].astype(jnp.float32) + e0  # (6, dim) or (S, 6, dim)
+        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.moveaxis(e, -2, 0)
+        h = self.norm1(x, shift1, scale1).astype(dtype)
+        y, extra = attend(self.self_attn, h, attention)
+        x = x + y.astype(jnp.float32) * gate1
+        h = x if self.norm3 is None else self.norm3(x)
+        y = self.cross_attn(h.astype(dtype), context, context_image=context_image,
+                            context_copies=True, context_kv=inputs.context_kv)
+        x = x + y.astype(jnp.float32)
+        h = self.norm2(x, shift2, scale2).astype(dtype)
+        return x + self.ffn(h).astype(jnp.float32) * gate2, extra
 
 
 def _deprecated_inputs(e0=None, context=None, rope=None, segment_ids=None, context_image=None,

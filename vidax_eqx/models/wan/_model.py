@@ -14,15 +14,16 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from ..._shapes import checked
-from ... import interop, nn
+from ... import interop, kernels, nn
 from ...nn import functional, sharding
 from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
 from .._checkpoint import load_pretrained, read_config
-from .._layers import check_remat, scan_layers
+from .._kv_cache import KVCache
+from .._layers import check_remat, scan_layers, scan_layers_with_outputs
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import cached_blocks, check_step_cache, StepCache, StepDecision
-from .._token_layout import TokenLayout
+from .._token_layout import AttentionInputs, TokenLayout
 from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
 from ._config import WanConfig
 from ._names import check_gate_compress, check_layout, rename
@@ -251,12 +252,7 @@ class WanTransformer3D(AbstractCachedModel):
         block modulation `e0` (not to the head's `t`), as SkyReels-V2's fps embedding is."""
         c = self.config
         policy = check_remat(remat)
-        if (self.img_emb is None) != (context_image is None):
-            raise ValueError(
-                "WanTransformer3D: `context_image` is required by an I2V model (image_dim "
-                f"set) and refused otherwise; the model has image_dim={c.image_dim}, "
-                f"received context_image={None if context_image is None else context_image.shape}."
-            )
+        self._check_image(context_image)
         parallel = self.parallel
         # The text must come in whole and the same on every device: checked here,
         # once (the blocks see it embedded, by weights FSDP may have gathered).
@@ -335,6 +331,150 @@ class WanTransformer3D(AbstractCachedModel):
         out = layout.from_tokens(self.head(tokens, t))
         out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
         return out if step is None else (out, cache)
+
+    # -- streaming: chunk by chunk with a key/value cache ----------------------------------
+
+    def kv_cache(self, height: int, width: int, max_frames: int, *, dtype=None) -> KVCache:
+        """An empty [`KVCache`][] for [`stream`][vidax_eqx.models.WanTransformer3D.stream]:
+        the self-attention keys and values of the last `max_frames` latent frames of a video
+        of latents `height x width`, in the weights' dtype (or `dtype`). Its size is fixed:
+        `num_layers x max_frames * tokens_per_frame x num_heads x head_dim`, twice."""
+        c = self.config
+        _, ph, pw = c.patch_size
+        if height % ph or width % pw or height < 1 or width < 1:
+            raise ValueError(
+                f"WanTransformer3D.kv_cache: the latents' height and width must be positive "
+                f"multiples of the patch {(ph, pw)}; received {height} x {width}."
+            )
+        return KVCache.empty(layers=c.num_layers, max_frames=max_frames,
+                             tokens_per_frame=(height // ph) * (width // pw), heads=c.num_heads,
+                             head_dim=c.head_dim,
+                             dtype=self.patch_embedding.weight.dtype if dtype is None else dtype)
+
+    @checked
+    def stream(
+        self,
+        x: Float[Array, "{self.config.in_channels} F H W"],
+        timestep: Real[Array, ""] | Real[Array, " S"],
+        context: Float[Array, "L {self.config.text_dim}"],
+        cache: KVCache,
+        *,
+        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
+        attention: BlockCausal | None = None,
+        text_cache: WanTextCache | None = None,
+    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], KVCache]:
+        """One chunk of a video generated chunk by chunk (autoregressive video, as CausVid
+        and Self-Forcing run Wan): the chunk's latent frames attend to themselves and to
+        the cached keys and values of the frames before them, frame-block causally.
+
+            cache = model.kv_cache(60, 104, max_frames=12)
+            for chunk in chunks:                       # each a few latent frames
+                for t in timesteps:                    # denoise it; the cache is only read
+                    v, _ = model.stream(x, t, context, cache)
+                    ...
+                _, cache = model.stream(x, 0.0, context, cache)   # finished: cache it
+
+        **Arguments:**
+
+        - `x`: the chunk's latents `(C, F, H, W)`, `F` latent frames.
+        - `timestep`: a scalar, or one per patch token of the chunk (as `__call__`).
+        - `context`, `context_image`, `text_cache`: as `__call__` (a text cache spares
+            every chunk and step the text's keys and values).
+        - `cache`: the [`KVCache`][] of the frames before the chunk (from
+            [`kv_cache`][vidax_eqx.models.WanTransformer3D.kv_cache], then from the
+            previous chunk's call).
+        - `attention`: the [`BlockCausal`][]`(frames_per_block, window)` the chunks
+            attend with; default one block per chunk. `F` and the cache's `max_frames`
+            must be multiples of `frames_per_block`; `window` (in blocks) narrows what
+            the cache holds.
+
+        **Returns:**
+
+        `(out, cache)`: the prediction `(out_channels, F, H, W)`, equal to the model's
+        call over the whole video so far with `attention=BlockCausal(...)` on these
+        frames (when the cache holds every earlier frame, or the window's), and the
+        cache with the chunk's keys and values appended (its oldest frames dropped
+        beyond `max_frames`).
+
+        One device (the cache's heads are every head); not under a mesh yet. The frames
+        of the whole stream stay below the config's `rope_max_seq_len` (the RoPE tables'
+        reach; a chunk beyond it raises at run time).
+        """
+        with jax.named_scope("vidax_eqx.models.WanTransformer3D.stream"):
+            return self._stream(x, timestep, context, cache, context_image=context_image,
+                                attention=attention, text_cache=text_cache)
+
+    def _stream(self, x, timestep, context, cache, *, context_image, attention, text_cache,
+                e0_shift=None):
+        """`stream`'s forward (SkyReels-V2 adds `e0_shift`, its fps term)."""
+        c = self.config
+        owner = f"{type(self).__name__}.stream"
+        if self.parallel.tp_axis is not None or self.parallel.sequence_axes or self.parallel.fsdp_axes:
+            raise NotImplementedError(
+                f"{owner}: streaming with a key/value cache runs on one device; this model is "
+                f"configured for a mesh ({self.parallel})."
+            )
+        self._check_image(context_image)
+        dtype = self.patch_embedding.weight.dtype
+        grid = functional.patch_grid(x.shape, c.patch_size, owner)
+        f, h, w = grid
+        if h * w != cache.tokens_per_frame:
+            raise ValueError(
+                f"{owner}: the chunk's frames hold {h * w} patch tokens (patch grid {grid}); "
+                f"the cache's {cache.tokens_per_frame}: build the cache for these latents."
+            )
+        if attention is None:
+            attention = BlockCausal(f)
+        if not isinstance(attention, BlockCausal):
+            raise ValueError(f"{owner}: `attention` must be a models.BlockCausal or None; received "
+                             f"{attention!r}.")
+        k = attention.frames_per_block
+        if f % k or cache.max_frames % k:
+            raise ValueError(
+                f"{owner}: the chunk's latent frames ({f}) and the cache's max_frames "
+                f"({cache.max_frames}) must be multiples of the blocks' frames_per_block={k}."
+            )
+        S = f * h * w
+        if timestep.ndim == 1 and timestep.shape[0] != S:
+            raise ValueError(f"{owner}: a per-token `timestep` has one value per patch token of "
+                             f"the chunk: {S}; received {timestep.shape[0]}.")
+        t, e0 = self._time(timestep, e0_shift)
+        if text_cache is None:
+            context, context_image = self._embed_context(context, context_image, dtype)
+        else:
+            check_text_cache(text_cache, c, self.parallel, self._text_length(context), context_image,
+                             dtype)
+            context = context_image = None
+        rope = functional.rope_3d(grid, c.head_dim, c.rope_theta, frame_offset=cache.frame,
+                                  max_frames=max(c.rope_max_seq_len, f))
+        tokens = self.patch_embedding.project(functional.patchify(x.astype(dtype), c.patch_size))
+        # The attention's sequence is [the cache's buffer; the chunk], in time order.
+        mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window)
+        q_pos = cache.capacity + jnp.arange(S, dtype=jnp.int32)
+        kv_pos = jnp.concatenate([cache.positions(), q_pos])
+        inputs = WanBlockInputs(AttentionInputs(rope, None, mask), e0, context, context_image)
+
+        def block(x, layer):
+            b, past_k, past_v, kv = layer
+            layer_inputs = inputs if kv is None else dataclasses.replace(
+                inputs, context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
+            return b.with_past(x, layer_inputs, past_k, past_v, q_positions=q_pos, kv_positions=kv_pos)
+
+        tokens, (k_new, v_new) = scan_layers_with_outputs(
+            block, tokens.astype(jnp.float32), (self.blocks, cache.k, cache.v, text_cache))
+        out = functional.unpatchify(self.head(tokens, t), grid, c.patch_size).astype(dtype)
+        out = eqx.error_if(out, cache.frame + f > c.rope_max_seq_len,
+                           f"{owner}: the stream has passed the config's rope_max_seq_len="
+                           f"{c.rope_max_seq_len} latent frames, the reach of its RoPE tables.")
+        return out, cache.append(k_new, v_new, f)
+
+    def _check_image(self, context_image):
+        if (self.img_emb is None) != (context_image is None):
+            raise ValueError(
+                "WanTransformer3D: `context_image` is required by an I2V model (image_dim "
+                f"set) and refused otherwise; the model has image_dim={self.config.image_dim}, "
+                f"received context_image={None if context_image is None else context_image.shape}."
+            )
 
     def _embed_context(self, context, context_image, dtype):
         """The text padded to `text_len` (when the config pads) and embedded, and the

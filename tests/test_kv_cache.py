@@ -1,0 +1,177 @@
+"""Streaming generation with a key/value cache (`models.KVCache`, `WanTransformer3D.stream`,
+`SkyReelsV2Transformer3D.stream`): chunk by chunk, each chunk's latent frames attending
+to themselves and to the cached keys and values of the frames before them.
+
+The cached path is checked against the model's ordinary call over the whole video with
+the same frame-block causal attention (`attention=models.BlockCausal(...)`), whose own
+numbers are checked against diffusers in `tests/test_skyreels.py` (the frame-block causal
+mask of `num_frame_per_block=3`) and against the float64 oracle in
+`tests/test_block_causal.py`:
+
+- SkyReels-V2's `df_block3` model (diffusers' weights, blocks of 3 frames) streamed in
+  two chunks with per-frame timesteps: equal to its call on all six frames;
+- a small Wan in one-frame chunks over blocks of 1 and 2 frames, with a rolling window
+  (a cache of one block and `window=2`; then a cache larger than the window): equal to
+  the whole video with the same window as a mask; the text cache's path equal to the
+  text's; the cache's memory flat however many chunks (its shapes fixed, its length
+  capped);
+- the RoPE tables of a chunk (`rope_3d(frame_offset=...)`) are bitwise the whole
+  video's rows;
+- the refusals: a chunk the blocks do not divide, a cache built for other latents, an
+  attention that is not frame-block causal, a model configured for a mesh.
+"""
+
+import functools
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+from vidax_eqx import models, nn
+from vidax_eqx.nn import functional
+
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "skyreels"
+JIT = functools.partial(eqx.filter_jit, compiler_options=harness.FAST_COMPILE)
+TOL = 1e-5  # max abs error over max abs output, float32
+
+
+@pytest.fixture(autouse=True)
+def _highest():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _stream(model, x, timesteps, context, cache, chunk: int, **kwargs):
+    """`x (C, F, H, W)` in chunks of `chunk` latent frames (`timesteps` one per frame,
+    sliced likewise), each chunk's output and the cache it leaves; returns the outputs
+    concatenated over frames and the caches after each chunk."""
+    step = JIT(lambda m, x, t, c, cache: m.stream(x, t, c, cache, **kwargs))
+    outs, caches = [], []
+    for start in range(0, x.shape[1], chunk):
+        out, cache = step(model, x[:, start:start + chunk], timesteps[start:start + chunk], context, cache)
+        outs.append(out)
+        caches.append(cache)
+    return jnp.concatenate(outs, axis=1), caches
+
+
+def test_skyreels_stream_equals_the_whole_video():
+    """Two chunks of one block (3 frames) of the `df_block3` model, a timestep per frame:
+    the model's call on all six frames (diffusers' numbers, `test_skyreels.py`)."""
+    model = models.SkyReelsV2Transformer3D.from_pretrained(FIXTURES / "df_block3" / "diffusers")
+    io = {k: jnp.asarray(v) for k, v in np.load(FIXTURES / "df_block3" / "io.npz").items()}
+    x, t, c = io["x"][0], io["timestep"][0], io["context"][0]
+    whole = JIT(lambda m: m(x, t, c))(model)
+    cache = model.kv_cache(x.shape[2], x.shape[3], max_frames=3)
+    streamed, caches = _stream(model, x, t, c, cache, chunk=3)
+    assert harness.max_rel_error(streamed, whole) < TOL
+    assert harness.max_rel_error(streamed, io["out"][0]) < TOL
+    assert int(caches[-1].frame) == 6 and int(caches[-1].length) == 12
+
+
+# -- a small Wan -------------------------------------------------------------------------
+
+CONFIG = models.WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_channels=4, out_channels=4,
+                          text_dim=16, freq_dim=16)
+FRAMES, HEIGHT, WIDTH = 6, 4, 6
+
+
+@pytest.fixture(scope="module")
+def wan():
+    model = models.WanTransformer3D(CONFIG, key=jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (4, FRAMES, HEIGHT, WIDTH))
+    t = jax.random.uniform(keys[1], (FRAMES,), maxval=1000.0)
+    c = jax.random.normal(keys[2], (5, 16))
+    return model, x, t, c
+
+
+def _per_token(t, frames):
+    """Per-frame timesteps as Wan's per-token ones (2 x 3 patch tokens per frame)."""
+    return jnp.repeat(t[:frames], (HEIGHT // 2) * (WIDTH // 2))
+
+
+def _whole(model, x, t, c, attention):
+    return JIT(lambda m: m(x, _per_token(t, FRAMES), c, attention=attention))(model)
+
+
+@pytest.mark.parametrize(
+    "frames_per_block, window, max_frames, chunk",
+    [(1, None, FRAMES, 1), (2, None, FRAMES, 2), (1, 2, 1, 1), (2, 2, 2, 2), (1, 2, 4, 1), (2, 1, 4, 2)],
+    ids=["frame-causal", "blocks2", "rolling-window", "rolling-window-blocks2", "cache-beyond-window",
+         "window1-blocks2"],
+)
+def test_wan_stream_equals_the_whole_video(wan, frames_per_block, window, max_frames, chunk):
+    """Chunk by chunk with a cache of `max_frames` frames equals the whole video with the
+    same frame-block causal attention; a rolling window (a cache of exactly the window's
+    earlier blocks, or more, which the mask then narrows) equals the window as a mask."""
+    model, x, t, c = wan
+    attention = models.BlockCausal(frames_per_block, window)
+    cache = model.kv_cache(HEIGHT, WIDTH, max_frames=max_frames)
+    streamed, caches = _stream_per_token(model, x, t, c, cache, chunk, attention)
+    assert harness.max_rel_error(streamed, _whole(model, x, t, c, attention)) < TOL
+    # Memory is flat: every cache has the first one's shapes; its length is capped.
+    tokens = (HEIGHT // 2) * (WIDTH // 2)
+    assert all(k.k.shape == cache.k.shape and k.v.shape == cache.v.shape for k in caches)
+    assert [int(k.length) for k in caches] == [min((i + 1) * chunk, max_frames) * tokens for i in range(len(caches))]
+
+
+def _stream_per_token(model, x, t, c, cache, chunk, attention, **kwargs):
+    step = JIT(lambda m, x, t, cache: m.stream(x, t, c, cache, attention=attention, **kwargs))
+    outs, caches = [], []
+    for start in range(0, FRAMES, chunk):
+        out, cache = step(model, x[:, start:start + chunk], _per_token(t[start:], chunk), cache)
+        outs.append(out)
+        caches.append(cache)
+    return jnp.concatenate(outs, axis=1), caches
+
+
+def test_window_changes_the_output(wan):
+    """The rolling window matters: without it the last frames see the first."""
+    model, x, t, c = wan
+    a = _whole(model, x, t, c, models.BlockCausal(1, 2))
+    b = _whole(model, x, t, c, models.BlockCausal(1))
+    assert harness.max_rel_error(a[:, :2], b[:, :2]) < 1e-6 and harness.max_rel_error(a[:, 2:], b[:, 2:]) > 1e-3
+
+
+def test_text_cache(wan):
+    """The text's keys and values computed once (`text_cache`) give the text's numbers."""
+    model, x, t, c = wan
+    attention = models.BlockCausal(1)
+    cache = model.kv_cache(HEIGHT, WIDTH, max_frames=2)
+    plain, _ = _stream_per_token(model, x, t, c, cache, 1, attention)
+    cached, _ = _stream_per_token(model, x, t, c, cache, 1, attention, text_cache=model.text_cache(c))
+    assert harness.max_rel_error(cached, plain) < 1e-6
+
+
+def test_rope_of_a_chunk_is_the_whole_videos():
+    whole = functional.rope_3d((9, 3, 4), 12)
+    part = jax.jit(lambda o: functional.rope_3d((3, 3, 4), 12, frame_offset=o, max_frames=32))(4)
+    for a, b in zip(whole, part):
+        np.testing.assert_array_equal(np.asarray(a)[4 * 12:7 * 12], np.asarray(b))
+    with pytest.raises(ValueError, match=r"`frame_offset` takes `max_frames`"):
+        functional.rope_3d((3, 3, 4), 12, frame_offset=0)
+
+
+def test_refusals(wan):
+    model, x, t, c = wan
+    cache = model.kv_cache(HEIGHT, WIDTH, max_frames=2)
+    chunk = x[:, :3]
+    with pytest.raises(ValueError, match=r"chunk's latent frames \(3\) and the cache's max_frames \(2\) must be "
+                                         r"multiples of the blocks' frames_per_block=2"):
+        model.stream(chunk, t[0], c, cache, attention=models.BlockCausal(2))
+    with pytest.raises(ValueError, match=r"hold 6 patch tokens .* the cache's 4"):
+        model.stream(chunk, t[0], c, model.kv_cache(4, 4, max_frames=2))
+    with pytest.raises(TypeError, match=r"`attention` must be BlockCausal or None; received a tuple"):
+        model.stream(chunk, t[0], c, cache, attention=models.SlidingTile((1, 2, 2), (1, 1, 1)))
+    with pytest.raises(ValueError, match=r"`max_frames` must be an int >= 0; received -1"):
+        model.kv_cache(HEIGHT, WIDTH, max_frames=-1)
+    with pytest.raises(ValueError, match=r"positive multiples of the patch \(2, 2\); received 5 x 6"):
+        model.kv_cache(5, WIDTH, max_frames=1)
+    tp = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(tp_axis="tp"))
+    with pytest.raises(NotImplementedError, match=r"runs on one device"):
+        tp.stream(chunk, t[0], c, cache)

@@ -1,0 +1,79 @@
+"""The key/value cache of streaming generation: the self-attention keys and values of the
+latent frames a video transformer has finished, carried from one chunk's call to the
+next (an input and an output of the call, as the VAE's time cache is)."""
+
+import operator
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+class KVCache(eqx.Module):
+    """Every block's self-attention keys and values of the last `max_frames` latent frames
+    a transformer finished, for the next chunk's call (streaming, chunk by chunk: the
+    model's `stream`).
+
+    A rolling window of fixed size: the newest tokens at the end of the buffer, the
+    oldest dropped as new frames come, so memory stays flat however long the video. Built
+    empty by the model (`WanTransformer3D.kv_cache`); `stream` returns the cache with the
+    chunk's keys and values appended (keep it once the chunk is final, e.g. after a pass at
+    the clean timestep, and drop the others).
+
+    **Fields:**
+
+    - `k`, `v`: `(num_layers, max_frames * tokens_per_frame, heads, head_dim)`, the keys
+        (normed and rotated at their frames) and values, in time order, right-aligned.
+    - `length`: int32 scalar, the valid tokens at the end of the buffer.
+    - `frame`: int32 scalar, the latent frame the next chunk starts at (its RoPE offset).
+    - `tokens_per_frame` (static): patch tokens per latent frame.
+    """
+
+    k: Float[Array, "L C H D"]
+    v: Float[Array, "L C H D"]
+    length: Int[Array, ""]
+    frame: Int[Array, ""]
+    tokens_per_frame: int = eqx.field(static=True)
+
+    @classmethod
+    def empty(cls, *, layers: int, max_frames: int, tokens_per_frame: int, heads: int, head_dim: int,
+              dtype) -> "KVCache":
+        """An empty cache of `max_frames` latent frames (0: the chunks see only themselves)."""
+        for name, value, least in (("max_frames", max_frames, 0), ("tokens_per_frame", tokens_per_frame, 1)):
+            try:
+                value = operator.index(value)
+            except TypeError:
+                value = None
+            if value is None or isinstance(value, bool) or value < least:
+                raise ValueError(f"KVCache: `{name}` must be an int >= {least}; received {value!r}.")
+        shape = (layers, max_frames * tokens_per_frame, heads, head_dim)
+        zeros = jnp.zeros(shape, dtype)
+        return cls(zeros, zeros, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), tokens_per_frame)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffer holds."""
+        return self.k.shape[1]
+
+    @property
+    def max_frames(self) -> int:
+        """Latent frames the buffer holds."""
+        return self.capacity // self.tokens_per_frame
+
+    def positions(self) -> Int[Array, " C"]:
+        """The buffer's slots as positions of the attention's sequence `[buffer; chunk]`:
+        `arange(C)` where a slot holds a token, -1 (invisible) where it is empty."""
+        slots = jnp.arange(self.capacity, dtype=jnp.int32)
+        return jnp.where(slots >= self.capacity - self.length, slots, -1)
+
+    def append(self, k: Float[Array, "L S H D"], v: Float[Array, "L S H D"], frames: int) -> "KVCache":
+        """The cache with a chunk of `frames` latent frames appended (`k`, `v`: its tokens'
+        keys and values per layer), the oldest tokens dropped beyond the capacity."""
+        C = self.capacity
+
+        def keep(old, new):  # the last C tokens of [old; new]
+            return jnp.concatenate([old, new.astype(old.dtype)], axis=1)[:, -C:] if C else old
+
+        length = jnp.minimum(self.length + k.shape[1], C).astype(jnp.int32)
+        return KVCache(keep(self.k, k), keep(self.v, v), length, (self.frame + frames).astype(jnp.int32),
+                       self.tokens_per_frame)
