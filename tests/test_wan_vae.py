@@ -123,6 +123,28 @@ def test_save_pretrained(tmp_path):
     assert WanVAEConfig.from_file(os.path.join(tmp_path, "config.json")) == config
 
 
+# -- the streaming decode ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["wan21", "wan22"])
+def test_decode_stream_equals_the_whole_decode(name):
+    """Latents decoded in chunks of 2, 1 and 2 latent frames, the decoder's time caches
+    carried across the calls: the frames of `decode` on all five at once (1 + 4 (2 - 1)
+    frames first, then 4 per latent frame); the state is refused when it is not one."""
+    vae = WanVAE.from_pretrained(os.path.join(FIXTURES, name, "diffusers"))
+    z = jax.random.normal(jax.random.key(0), (vae.z_dim, 5, 4, 6))
+    with jax.default_matmul_precision("highest"):
+        whole = vae.decode(z)
+        parts, state = [], None
+        for a, b in ((0, 2), (2, 3), (3, 5)):
+            video, state = vae.decode_stream(z[:, a:b], state)
+            parts.append(video)
+    assert [p.shape[1] for p in parts] == [5, 4, 8]
+    assert rel(jnp.concatenate(parts, axis=1), whole) < TOL
+    with pytest.raises(ValueError, match=r"`state` must be None \(the first chunk\) or the DecodeStream"):
+        vae.decode_stream(z[:, :1], {"cache": 0})
+
+
 # -- the frames split over a mesh --------------------------------------------------------
 
 @pytest.fixture(scope="module")

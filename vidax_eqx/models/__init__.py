@@ -16,7 +16,8 @@ theirs, re-exported.
     from diffusers checkpoints.
 - [`WanVAE`][]: Wan 2.1's and 2.2's video VAE ([`WanVAEConfig`][]): video to latents
     ([`GaussianPosterior`][]) and back, time in chunks, frames split over a mesh or
-    tiled ([`Tiling`][]).
+    tiled ([`Tiling`][]), or decoded chunk by chunk as latents stream in
+    ([`DecodeStream`][]).
 - [`CogVideoXVAE`][]: CogVideoX's video VAE ([`CogVideoXVAEConfig`][]), diffusers'
     frame chunks, frames split over a mesh or tiled.
 - [`T5Encoder`][]: the pipelines' text encoders ([`T5EncoderConfig`][]): UMT5 (Wan 2.1 /
@@ -95,7 +96,7 @@ from .cogvideox import (
     CogVideoXTransformer3D as CogVideoXTransformer3D,
     rope_crop_positions as rope_crop_positions,
 )
-from .wan_vae import WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
+from .wan_vae import DecodeStream as DecodeStream, WanVAE as WanVAE, WanVAEConfig as WanVAEConfig
 from .cogvideox_vae import CogVideoXVAE as CogVideoXVAE, CogVideoXVAEConfig as CogVideoXVAEConfig
 from .t5 import T5Encoder as T5Encoder, T5EncoderConfig as T5EncoderConfig
 from .skyreels import SkyReelsV2Config as SkyReelsV2Config, SkyReelsV2Transformer3D as SkyReelsV2Transformer3D

@@ -2,4 +2,4 @@
 [`WanVAEConfig`][vidax_eqx.models.WanVAEConfig]."""
 
 from ._config import WanVAEConfig as WanVAEConfig
-from ._model import WanVAE as WanVAE
+from ._model import DecodeStream as DecodeStream, WanVAE as WanVAE

@@ -16,12 +16,20 @@ from .._base import AbstractVideoVAE
 from .._vae import (
     blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
     checkpoint_path,
-    CONFIG_FILE, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks, run_scanned,
-    save_vae, Tiling,
+    CONFIG_FILE, FirstChunk, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks,
+    run_scanned, save_vae, Tiling,
 )
 from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
 from ._config import WanVAEConfig
 from ._names import checkpoint_name
+
+
+class DecodeStream(eqx.Module):
+    """The state of [`WanVAE.decode_stream`][vidax_eqx.models.WanVAE.decode_stream] between
+    two chunks of a streamed decode: the decoder's causal time caches (the last frames
+    each causal convolution and time upsampler needs), a PyTree of arrays of fixed size."""
+
+    cache: object
 
 
 class WanVAE(AbstractVideoVAE):
@@ -179,6 +187,59 @@ class WanVAE(AbstractVideoVAE):
         if max_frames is not None:  # the padding's frames cut off
             video = video[:, :1 + self.temporal_factor * (frames - 1)]
         return video
+
+    def decode_stream(self, latents: Float[Array, "z T h w"], state: "DecodeStream | None" = None
+                      ) -> tuple[Float[Array, "C F H W"], "DecodeStream"]:
+        """The video of a chunk of latent frames, decoded as the chunks come (streaming
+        generation): the decoder's causal time caches carried from one call to the next
+        in `state`, so that the chunks' frames joined are the video of all the latents
+        decoded at once ([`decode`][vidax_eqx.models.WanVAE.decode]), and the first
+        frames can be written before the last latents exist.
+
+        **Arguments:**
+
+        - `latents`: the chunk's `(z_dim, T, h, w)` (not normalised).
+        - `state`: `None` for the video's first chunk, then the state the previous
+            call returned.
+
+        **Returns:**
+
+        `(video, state)`: the chunk's frames, clamped to [-1, 1] (`1 + 4 (T - 1)` for
+        the first chunk, `4 T` after it; 4 is the temporal factor), and the state for
+        the next chunk. One device; each call runs one latent frame per scan step (two
+        programs in all: the first chunk's and the others').
+        """
+        owner = "WanVAE.decode_stream"
+        check_latents(owner, latents, channels=self.z_dim)
+        first = state is None
+        if not (first or isinstance(state, DecodeStream)):
+            raise ValueError(f"{owner}: `state` must be None (the first chunk) or the DecodeStream "
+                             f"the previous call returned; received {type(state).__name__}.")
+        split = SpatialSplit()
+        x = self.post_quant_conv(latents, split=split)[0]
+
+        def step(x, cache, is_first):
+            return self.decoder(x, cache, first=FirstChunk(is_first, 1), split=split)
+
+        if first:
+            shapes = jax.eval_shape(lambda c: step(c, None, jnp.bool_(True))[1], x[:, :1])
+            cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        else:
+            cache = state.cache
+
+        def body(cache, xs):
+            frame, is_first = xs
+            y, cache = step(frame[:, None], cache, is_first)
+            return cache, y
+
+        frames = jnp.moveaxis(x, 1, 0)
+        is_first = (jnp.arange(x.shape[1]) == 0) & first
+        cache, ys = jax.lax.scan(body, cache, (frames, is_first))
+        out = jnp.moveaxis(ys, 0, 1)
+        out = out.reshape(out.shape[0], -1, *out.shape[3:])
+        if first:  # the first latent frame's group ends with the video's first frame
+            out = out[:, self.temporal_factor - 1:]
+        return jnp.clip(unpatchify(out, self.config.patch_size), -1.0, 1.0), DecodeStream(cache)
 
     # The per-device bodies: `x` is this device's block of every frame.
 
