@@ -219,7 +219,8 @@ def test_block_causal_sharded_equals_one_device(block3, name):
     sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(**config)), mesh)
     run = JIT(functools.partial(models.run_sharded, mesh=mesh, batch_axis=batch_axis))
     out = run(sharded, io["x"], io["timestep"], io["context"])
-    one = JIT(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c))(x, t, c))(model, io["x"], io["timestep"], io["context"])
+    batched = JIT(lambda m, x, t, c: jax.vmap(lambda x, t, c: m(x, t, c))(x, t, c))
+    one = batched(model, io["x"], io["timestep"], io["context"])
     assert harness.max_rel_error(out, one) < 2e-6
 
 
@@ -271,8 +272,8 @@ def test_textbook_synchronous_forcing_is_the_ordinary_loop(df, loop_io):
 def test_forcing_refusals(df, loop_io):
     model, io = df
     forcing = sampling.DiffusionForcing()
-    with pytest.raises(ValueError, match=r"`forcing.causal_block_size` \(2\) must be the model's num_frame_per_block \(1\)"
-                                         r".*attention=models.BlockCausal\(causal_block_size\)"):
+    with pytest.raises(ValueError, match=r"`forcing.causal_block_size` \(2\) must be the model's "
+                                         r"num_frame_per_block \(1\).*attention=models.BlockCausal\(causal_block_size\)"):
         _loop(model, loop_io, forcing=sampling.DiffusionForcing(causal_block_size=2))
     with pytest.raises(ValueError, match=r"without `compilation.max_steps`"):
         _loop(model, loop_io, forcing=forcing, compilation=sampling.Compilation(max_steps=6))

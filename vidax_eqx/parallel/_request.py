@@ -267,8 +267,8 @@ def check_ring(
     check_tile_mask(fn, tile_mask, n * L_q, q.shape[2], layout_parts(layout) * n)
     if tile_mask is not None and L_q != L_k:
         raise ValueError(
-            f"{fn}: a {type(tile_masks(tile_mask)[0]).__name__} is a self-attention mask: q and k/v must hold "
-            f"the same local length; received q: {q.shape}, k: {k.shape}."
+            f"{fn}: a {type(tile_masks(tile_mask)[0]).__name__} is a self-attention mask: q "
+            f"and k/v must hold the same local length; received q: {q.shape}, k: {k.shape}."
         )
     check_sharded(fn, (axis_name,), q=q if L_q else None, k=k if L_k else None,
                   v=v if L_k else None)

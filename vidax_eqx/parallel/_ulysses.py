@@ -150,9 +150,10 @@ def _attend_heads(q, k, v, opts: dict, *, H: int, sp: int, text_len: int, sp_axi
 
     With a structured mask (`opts["mask"]`, a `SlidingTileMask` or `BlockCausalMask`,
     checked against the sequence): each device takes its heads' windows (a `lax.switch`
-    on the rank when the devices' windows differ), and the padding past the mask (the sequence padded to a multiple of sp) is
-    cut off before the kernel and its rows' output set to 0, so the kernel sees exactly
-    the mask's layout (and its default positions, with whole-tile blocks). With a text
+    on the rank when the devices' windows differ), and the padding past the mask (the
+    sequence padded to a multiple of sp) is cut off before the kernel and its rows'
+    output set to 0, so the kernel sees exactly the mask's layout (and its default
+    positions, with whole-tile blocks). With a text
     suffix that padding lies between the video and the text, and is cut from there.
     """
     tile_mask = opts.get("mask")
