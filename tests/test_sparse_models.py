@@ -99,7 +99,7 @@ def test_bad_attention_names_the_argument():
     # A plain pair (what `sliding_tile=` took) says neither which option: refused by
     # the call's type check (TokenLayout's ValueError says how to wrap it).
     with pytest.raises(ShapeError, match="`attention` must be SlidingTile or VideoSparseTiles "
-                       "or None; received a tuple"):
+                       "or BlockCausal or None; received a tuple"):
         _run(model, x, context, ((1, 2, 2), (1, 1, 1)))
     with pytest.raises(ValueError, match="odd"):
         _run(model, x, context, models.SlidingTile((1, 2, 2), (2, 1, 1)))

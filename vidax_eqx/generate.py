@@ -122,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
                    help="SkyReels-V2 diffusion forcing: latent frames per causal block, the "
                         "transformer's attention frame-block causal above 1 (default: the "
                         "transformer's num_frame_per_block)")
+    s.add_argument("--stream", action="store_true",
+                   help="Wan / SkyReels-V2: generate chunk by chunk against a key/value cache, "
+                        "each chunk decoded and appended to the file as it is finished "
+                        "(few-step sampling by default; --steps: the folder's scheduler)")
+    s.add_argument("--chunk-frames", type=int, default=3,
+                   help="--stream: latent frames per chunk (default 3)")
+    s.add_argument("--max-cached-frames", type=int, default=None,
+                   help="--stream: latent frames the key/value cache keeps (default: all)")
     s.add_argument("--seed", type=int, default=0, help="the initial latents' seed (default 0)")
     s.add_argument("--num-videos-per-prompt", type=int, default=1, help="default 1")
     s.add_argument("--max-sequence-length", type=int,
@@ -322,6 +330,8 @@ def _run(args, start: float) -> list[str]:
         f"{shown['height']} x {shown['width']}: {shown['num_inference_steps']} steps, "
         f"guidance {shown['guidance_scale']}")
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
+    if args.stream:
+        return _stream(args, pipe, prompt, kwargs, start)
     out = pipe(prompt, args.negative_prompt, progress=progress_callback(),
                report=lambda stage, seconds: log(f"{stage:<10} {seconds:8.1f} s"), **kwargs)
     written = time.perf_counter()
@@ -336,6 +346,47 @@ def _run(args, start: float) -> list[str]:
     log(f"{'write':<10} {time.perf_counter() - written:8.1f} s")
     log(f"{'total':<10} {time.perf_counter() - start:8.1f} s  (wall time: load, "
         f"{', '.join(out.timings)}, write)")
+    return paths
+
+
+def _stream(args, pipe, prompt, kwargs: dict, start: float) -> list[str]:
+    """`--stream`: `pipe.stream(...)`, every chunk's frames appended to its video's file as
+    soon as they are decoded."""
+    from .interop import VideoWriter
+
+    if not hasattr(pipe, "stream"):
+        raise CommandError(f"--stream is for Wan and SkyReels-V2 pipelines; this is a "
+                           f"{type(pipe).__name__}.")
+    for flag, given in (("--image", args.image), ("--last-image", args.last_image),
+                        ("--ar-step", args.ar_step), ("--causal-block-size", args.causal_block_size),
+                        ("--latents", args.latents)):
+        if given is not None and given is not False:
+            raise CommandError(f"{flag} does not go with --stream.")
+    options = {k: kwargs[k] for k in ("height", "width", "num_frames", "max_sequence_length", "seed",
+                                      "num_videos_per_prompt", "fps") if k in kwargs}
+    if args.steps is not None:  # the folder's scheduler, that many steps per chunk
+        options.update(scheduler=pipe.scheduler, num_inference_steps=args.steps)
+    if args.guidance_scale is not None:
+        options["guidance_scale"] = args.guidance_scale
+    fps = pipe.call_defaults.fps if args.fps is None else args.fps
+    stem, ext = os.path.splitext(args.output)
+    writers, paths = [], []
+    try:
+        for chunk in pipe.stream(prompt, args.negative_prompt, chunk_frames=args.chunk_frames,
+                                 max_cached_frames=args.max_cached_frames, **options):
+            if not writers:
+                paths = [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(len(chunk.frames))]
+                for path in paths:
+                    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                writers = [VideoWriter(path, fps=fps) for path in paths]
+            for writer, frames in zip(writers, chunk.frames):
+                writer.write(frames)
+            log(f"{'chunk ' + str(chunk.index):<10} {chunk.seconds:8.1f} s  ({writers[0].frames} "
+                "frames written)")
+    finally:
+        for writer in writers:
+            writer.close()
+    log(f"{'total':<10} {time.perf_counter() - start:8.1f} s  (wall time)")
     return paths
 
 

@@ -8,8 +8,8 @@ placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices h
 reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
 repository id (`resolve_checkpoint`, and a whole diffusers pipeline by
 `resolve_pipeline`; `huggingface_hub` is optional). Video files go in
-and out as frames (`read_video`, `write_video`; PyAV is optional), converted to and from
-the VAEs' layout by `frames_to_video` and `video_to_frames`. Prompts become token ids
+and out as frames (`read_video`, `write_video`, `VideoWriter` as they come; PyAV is
+optional), converted to and from the VAEs' layout by `frames_to_video` and `video_to_frames`. Prompts become token ids
 and masks as transformers' tokenizers give them (`TextTokenizer`, over the `tokenizers`
 library; `prompt_clean`, diffusers' cleaning), without torch or transformers.
 """
@@ -40,6 +40,7 @@ from ._video import (
     frames_to_video as frames_to_video,
     read_video as read_video,
     video_to_frames as video_to_frames,
+    VideoWriter as VideoWriter,
     write_video as write_video,
 )
 from ._tokenizer import prompt_clean as prompt_clean, TextTokenizer as TextTokenizer

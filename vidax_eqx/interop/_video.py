@@ -133,11 +133,23 @@ def write_video(frames, path, *, fps: float = 16, codec: str = "libx264",
     height or width; `ImportError` without PyAV (`pip install av`).
     """
     owner = "write_video"
+    frames = _even_frames(owner, frames)
+    _check_encoding(owner, fps, codec, crf)
+    with VideoWriter(path, fps=fps, codec=codec, crf=crf) as writer:
+        writer.write(frames)
+
+
+def _even_frames(owner: str, frames) -> np.ndarray:
+    """`frames` checked (`_check_frames`) and of even height and width."""
     frames = _check_frames(owner, frames)
     if frames.shape[1] % 2 or frames.shape[2] % 2:
         raise ValueError(f"{owner}: `frames` must have an even height and width (the 4:2:0 "
                          f"chroma of .mp4 players halves both); received {_received(frames)}. "
                          "Crop or pad a row or column.")
+    return frames
+
+
+def _check_encoding(owner: str, fps, codec, crf) -> None:
     if not is_real(fps) or not fps > 0 or not np.isfinite(fps):
         raise ValueError(f"{owner}: `fps` must be a positive number; received {fps!r}.")
     if not isinstance(codec, str) or not codec:
@@ -146,17 +158,66 @@ def write_video(frames, path, *, fps: float = 16, codec: str = "libx264",
     if crf is not None and (not is_int(crf) or not 0 <= crf <= 63):
         raise ValueError(f"{owner}: `crf` must be None or an int in [0, 63] (x264: 0 to 51); "
                          f"received {crf!r}.")
-    av = _import_av(owner)
-    frames = _to_uint8(frames)
-    rate = fractions.Fraction(fps).limit_denominator(1001)
-    options = {} if crf is None else {"crf": str(int(crf))}
-    with av.open(os.fspath(path), mode="w") as container:
-        stream = container.add_stream(codec, rate=rate, options=options)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder
+
+
+class VideoWriter:
+    """A video file written as its frames come (streaming generation: the first frames
+    are on disk before the last exist), through PyAV in 4:2:0 YUV; what
+    [`write_video`][vidax_eqx.interop.write_video] writes in one call.
+
+        with VideoWriter("out.mp4", fps=16) as writer:
+            for frames in chunks:          # (F, H, W, 3) each
+                writer.write(frames)
+
+    **Arguments:** `path`, `fps`, `codec`, `crf` as [`write_video`][vidax_eqx.interop.write_video]'s.
+    Every chunk must have the first one's height and width (even). Each `write` encodes
+    and writes its frames; `close` (the `with` block's end) flushes the encoder.
+    """
+
+    def __init__(self, path, *, fps: float = 16, codec: str = "libx264", crf: int | None = 18):
+        owner = "VideoWriter"
+        _check_encoding(owner, fps, codec, crf)
+        self._av = _import_av(owner)
+        self._container = self._av.open(os.fspath(path), mode="w")
+        options = {} if crf is None else {"crf": str(int(crf))}
+        rate = fractions.Fraction(fps).limit_denominator(1001)
+        self._stream = self._container.add_stream(codec, rate=rate, options=options)
+        self._stream.pix_fmt = "yuv420p"
+        self._size = None
+        self.frames = 0  # written so far
+
+    def write(self, frames) -> None:
+        """Encodes and writes `frames` `(F, H, W, 3)` (uint8, or float in [0, 1])."""
+        owner = "VideoWriter.write"
+        if self._container is None:
+            raise ValueError(f"{owner}: the writer is closed.")
+        frames = _even_frames(owner, frames)
+        if self._size is None:
+            self._size = frames.shape[1:3]
+            self._stream.height, self._stream.width = self._size
+        elif frames.shape[1:3] != self._size:
+            raise ValueError(f"{owner}: every chunk must be {self._size[0]} x {self._size[1]} (the "
+                             f"first chunk's); received {_received(frames)}.")
+        for frame in _to_uint8(frames):
+            self._container.mux(self._stream.encode(self._av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        self.frames += frames.shape[0]
+
+    def close(self) -> None:
+        """Flushes the encoder and closes the file (once; later calls do nothing)."""
+        if self._container is None:
+            return
+        try:
+            if self._size is not None:
+                self._container.mux(self._stream.encode())  # flush the encoder
+        finally:
+            self._container.close()
+            self._container = None
+
+    def __enter__(self) -> "VideoWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_video(path, *, num_frames: int | None = None, start: int = 0, stride: int = 1,

@@ -16,6 +16,9 @@ PyTorch, above [`vidax_eqx.sampling`][].
 - [`SkyReelsV2DiffusionForcingPipeline`][]: SkyReels-V2 text-to-video by diffusion
     forcing (diffusers' pipeline of that name): a `WanPipeline` whose loop steps every
     latent frame at its own timestep (`ar_step`), with the fps conditioning.
+- [`WanPipeline.stream`][vidax_eqx.pipelines.WanPipeline.stream]: streaming generation,
+    chunk by chunk against a key/value cache, each chunk decoded as it is finished
+    ([`StreamChunk`][]).
 - [`save_video`][]: a video's frames to an `.mp4`.
 - [`enable_compile_cache`][]: JAX's persistent compilation cache in a folder under the
     user's cache directory ([`default_compile_cache_dir`][]), as `from_pretrained` and
@@ -33,4 +36,5 @@ from ._compile_cache import (
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
 from ._pipeline import AbstractVideoPipeline as AbstractVideoPipeline, CallDefaults as CallDefaults
 from ._skyreels import SkyReelsV2DiffusionForcingPipeline as SkyReelsV2DiffusionForcingPipeline
+from ._stream import StreamChunk as StreamChunk
 from ._wan import WanPipeline as WanPipeline

@@ -255,6 +255,31 @@ class AbstractVideoPipeline(abc.ABC):
         `(B, F, H, W, 3)` float32 NumPy in [0, 1], one video at a time through the VAE
         (split over the mesh)."""
 
+    def text_context(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, *,
+                     guided: bool, num_videos_per_prompt: int, max_sequence_length: int):
+        """The `"text"` stage: `(context, negative)` in the transformer's dtype, from the
+        prompts (encoded) or the embeddings given; `negative` is `None` without
+        guidance."""
+        owner = type(self).__name__
+        if prompt_embeds is None:
+            if negative_prompt_embeds is not None:
+                raise ValueError(f"{owner}: `negative_prompt_embeds` goes with "
+                                 "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
+            self.check_text_length("max_sequence_length", max_sequence_length)
+            context, negative = self.encode_prompt(
+                prompt, negative_prompt, do_classifier_free_guidance=guided,
+                num_videos_per_prompt=num_videos_per_prompt,
+                max_sequence_length=max_sequence_length)
+        else:
+            context, negative = given_embeddings(
+                owner, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
+                guided=guided, num_videos_per_prompt=num_videos_per_prompt)
+            self.check_text_length("prompt_embeds.shape[1]", context.shape[1])
+        dtype = self.transformer_dtype
+        context = jax.block_until_ready(context.astype(dtype))
+        negative = None if not guided or negative is None else negative.astype(dtype)
+        return context, negative
+
     def check_text_length(self, name: str, length: int) -> None:
         """Raises unless the transformer takes `length` text tokens."""
         expected = self.fixed_text_length
@@ -342,21 +367,9 @@ class AbstractVideoPipeline(abc.ABC):
         dtype = self.transformer_dtype
 
         with timer("text"):
-            if prompt_embeds is None:
-                if negative_prompt_embeds is not None:
-                    raise ValueError(f"{owner}: `negative_prompt_embeds` goes with "
-                                     "`prompt_embeds`; pass `negative_prompt` with `prompt`.")
-                self.check_text_length("max_sequence_length", length)
-                context, negative = self.encode_prompt(
-                    prompt, negative_prompt, do_classifier_free_guidance=guided,
-                    num_videos_per_prompt=n, max_sequence_length=length)
-            else:
-                context, negative = given_embeddings(
-                    owner, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
-                    guided=guided, num_videos_per_prompt=n)
-                self.check_text_length("prompt_embeds.shape[1]", context.shape[1])
-            context = jax.block_until_ready(context.astype(dtype))
-            negative = None if not guided or negative is None else negative.astype(dtype)
+            context, negative = self.text_context(
+                prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
+                num_videos_per_prompt=n, max_sequence_length=length)
         batch = context.shape[0]
 
         kwargs = dict(sample_kwargs)

@@ -85,6 +85,22 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         return super().__call__(prompt, negative_prompt, forcing=forcing,
                                 skyreels_fps=0 if fps == 16 else 1, skyreels_block=block, **kwargs)
 
+    def stream(self, prompt=None, negative_prompt=None, *, fps: int = 24, **kwargs):
+        """[`WanPipeline.stream`][vidax_eqx.pipelines.WanPipeline.stream] with the fps
+        conditioning (a transformer with the fps embedding): generation chunk by chunk
+        against the key/value cache, diffusers' `causal_block_size` being the chunk's
+        `chunk_frames`."""
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)):
+            raise ValueError(f"{_OWNER}.stream: `fps` must be a number (frames per second); "
+                             f"received {fps!r}.")
+        if self.transformer_config.inject_sample_info:
+            n = kwargs.get("num_videos_per_prompt", 1)
+            prompts = kwargs.get("prompt_embeds")
+            batch = (len(prompt) if isinstance(prompt, (list, tuple)) else 1) if prompts is None else (
+                len(prompts))
+            kwargs["fps"] = jnp.full((batch * n,), 0 if fps == 16 else 1, jnp.int32)
+        return super().stream(prompt, negative_prompt, **kwargs)
+
     def model_arguments(self, batch: int, call: dict) -> dict:
         """The fps index of every example (for a transformer with the fps embedding), and
         the frame-block causal attention of `causal_block_size` when it is not the

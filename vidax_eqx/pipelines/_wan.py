@@ -6,9 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, models
+from collections.abc import Iterator
+
+from .. import interop, models, sampling
 from ._common import check_int, dtype_of, image_array, vae_call
 from ._pipeline import AbstractVideoPipeline, CallDefaults
+from ._stream import check_stream, stream_video, StreamChunk
 
 
 _OWNER = "WanPipeline"
@@ -244,6 +247,83 @@ class WanPipeline(AbstractVideoPipeline):
                 features, (batch, *features.shape[1:])).astype(dtype)
         condition = self.prepare_condition(image, last_image, height, width, num_frames, batch)
         return condition, kwargs
+
+    def stream(self, prompt=None, negative_prompt=None, *, height: int | None = None,
+               width: int | None = None, num_frames: int | None = None, chunk_frames: int = 3,
+               max_cached_frames: int | None = None, window: int | None = None, scheduler=None,
+               num_inference_steps: int | None = None, guidance_scale: float = 1.0,
+               num_videos_per_prompt: int = 1, seed: int = 0, latents=None, prompt_embeds=None,
+               negative_prompt_embeds=None, max_sequence_length: int | None = None,
+               output_type: str = "np", **model_kwargs) -> Iterator[StreamChunk]:
+        """Generates a video chunk by chunk, yielding each chunk's frames as soon as they
+        are decoded (autoregressive video, as CausVid and Self-Forcing sample it): every
+        chunk of `chunk_frames` latent frames is denoised from fresh noise by `scheduler`
+        against the key/value cache of the chunks before it (the transformer's
+        [`stream`][vidax_eqx.models.WanTransformer3D.stream], frame-block causal with a
+        block per chunk), then run once more at timestep 0 to append its keys and values
+        to the cache, then decoded by [`vidax_eqx.models.WanVAE.decode_stream`][] with the
+        decoder's time caches carried to the next chunk. Memory stays flat however long
+        the video: the cache holds at most `max_cached_frames` latent frames.
+
+            for chunk in pipe.stream("A cat walks", num_frames=81, chunk_frames=3):
+                writer.write(chunk.frames[0])         # (4 x 3 frames, H, W, 3) each
+
+        **Arguments:**
+
+        - `prompt`, `negative_prompt`, `height`, `width`, `num_frames`,
+            `num_videos_per_prompt`, `seed`, `prompt_embeds`, `negative_prompt_embeds`,
+            `max_sequence_length`, `output_type`: as the call's. The negative prompt is
+            used when `guidance_scale > 1` (each guidance branch then has its own cache).
+        - `chunk_frames`: latent frames per chunk (3: CausVid's and Self-Forcing's); it
+            must divide the video's latent frames.
+        - `max_cached_frames`: the latent frames the cache keeps (a multiple of
+            `chunk_frames`); default every earlier frame of the video.
+        - `window`: the chunks (blocks) a chunk attends to, its own included (`None`:
+            every cached one).
+        - `scheduler`, `num_inference_steps`: a [`vidax_eqx.sampling`][] scheduler and its
+            steps per chunk; default [`vidax_eqx.sampling.FewStep`][]`()` (four steps).
+            Each chunk's noise is drawn from the seed's key folded with the chunk's index,
+            or is its frames of `latents`, the whole video's initial latents `(B, z, F,
+            h, w)`.
+        - `guidance_scale`: classifier-free guidance (default 1.0: none, as distilled
+            models run).
+        - `**model_kwargs`: further arguments of the transformer's `stream` (arrays per
+            example, `(B, ...)`).
+
+        **Yields:**
+
+        A [`StreamChunk`][vidax_eqx.pipelines.StreamChunk] per chunk, in order. One
+        device; text-to-video.
+        """
+        owner = f"{type(self).__name__}.stream"
+        defaults = self.call_defaults
+        height = defaults.height if height is None else height
+        width = defaults.width if width is None else width
+        num_frames = defaults.num_frames if num_frames is None else num_frames
+        length = defaults.max_sequence_length if max_sequence_length is None else max_sequence_length
+        if output_type not in ("np", "latent"):
+            raise ValueError(f"{owner}: `output_type` must be 'np' or 'latent'; received "
+                             f"{output_type!r}.")
+        grid = self.check_size(height, width, num_frames)
+        max_cached_frames, scheduler, steps = check_stream(
+            owner, self, grid, chunk_frames, max_cached_frames, window, scheduler, num_inference_steps)
+        n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
+        guided = sampling.Guidance(scale=guidance_scale).guided
+        context, negative = self.text_context(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
+            num_videos_per_prompt=n, max_sequence_length=length)
+        key = jax.random.key(check_int(owner, "seed", seed, 0))
+        if latents is not None:
+            latents = jnp.asarray(latents, jnp.float32)
+            shape = self.latent_shape(context.shape[0], grid)
+            if latents.shape != shape:
+                raise ValueError(f"{owner}: `latents` must be the video's initial latents "
+                                 f"{self.latent_layout} = {shape}; received shape {latents.shape}.")
+        return stream_video(self, context=context, negative=negative, grid=grid,
+                            chunk_frames=chunk_frames, max_cached_frames=max_cached_frames,
+                            window=window, scheduler=scheduler, steps=steps,
+                            guidance_scale=guidance_scale, key=key, latents=latents,
+                            output_type=output_type, model_kwargs=model_kwargs)
 
     def decode(self, latents) -> np.ndarray:
         videos = []

@@ -12,6 +12,8 @@ above [`vidax_eqx.models`][].
 - [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
     `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` in its
     flow-prediction form, the default of diffusers' Wan pipelines).
+- [`FewStep`][]: the few-step sampler of distilled causal video models (CausVid,
+    Self-Forcing): a clean prediction at each listed timestep, noised afresh to the next.
 - [`CogVideoXDDIM`][], [`CogVideoXDPM`][]: CogVideoX's (diffusers'
     `CogVideoXDDIMScheduler`, CogVideoX-2B's default, and `CogVideoXDPMScheduler`,
     which CogVideoX runs its 5B models with).
@@ -30,6 +32,7 @@ above [`vidax_eqx.models`][].
 
 from ._cogvideox import CogVideoXDDIM as CogVideoXDDIM, CogVideoXDPM as CogVideoXDPM
 from ._config import scheduler_from_config as scheduler_from_config
+from ._few_step import FewStep as FewStep
 from ._flow_match import FlowMatchEuler as FlowMatchEuler, UniPC as UniPC
 from ._schedulers import (
     AbstractScheduler as AbstractScheduler,

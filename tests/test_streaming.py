@@ -18,11 +18,19 @@ mask of `num_frame_per_block=3`) and against the float64 oracle in
 - the RoPE tables of a chunk (`rope_3d(frame_offset=...)`) are bitwise the whole
   video's rows;
 - the refusals: a chunk the blocks do not divide, a cache built for other latents, an
-  attention that is not frame-block causal, a model configured for a mesh.
+  attention that is not frame-block causal, a model configured for a mesh;
+- `sampling.FewStep`, the few-step sampler of CausVid / Self-Forcing: its warped
+  timesteps and its step against a NumPy re-derivation;
+- the streaming pipeline (`SkyReelsV2DiffusionForcingPipeline.stream` on the tiny
+  diffusers folder of `test_skyreels.py`): each chunk equal to denoising it with the
+  model's ordinary call over the finished chunks (at timestep 0) and itself, the
+  prefix recomputed at every step instead of cached; its frames the VAE's decode of all
+  the latents; `vidax-generate --stream` writing the video chunk by chunk; the refusals.
 """
 
 import functools
 import pathlib
+import shutil
 
 import equinox as eqx
 import jax
@@ -31,7 +39,7 @@ import numpy as np
 import pytest
 
 import harness
-from vidax_eqx import models, nn
+from vidax_eqx import generate, interop, models, nn, pipelines, sampling
 from vidax_eqx.nn import functional
 
 
@@ -175,3 +183,109 @@ def test_refusals(wan):
     tp = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(tp_axis="tp"))
     with pytest.raises(NotImplementedError, match=r"runs on one device"):
         tp.stream(chunk, t[0], c, cache)
+
+
+# -- the few-step sampler ----------------------------------------------------------------------
+
+
+def test_few_step_schedule_and_step():
+    """Self-Forcing's warped list (`timesteps[1000 - t]` of its shift-5 flow schedule):
+    1000, 937.5, 833.3, 625; a step is `(1 - s') (x - s v) + s' eps`, the last `x - s v`."""
+    scheduler = sampling.FewStep()
+    plan = scheduler.plan(4)
+    np.testing.assert_allclose(np.asarray(plan.timesteps), [1000.0, 937.5, 2500 / 3, 625.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(plan.sigmas), [1.0, 0.9375, 5 / 6, 0.625, 0.0], rtol=1e-6)
+    x = jax.random.normal(jax.random.key(0), (2, 3))
+    v = jax.random.normal(jax.random.key(1), (2, 3))
+    key = jax.random.key(2)
+    state = scheduler.init(x)
+    got, _ = scheduler.step(plan, state, 1, v, x, key=key)
+    eps = np.asarray(jax.random.normal(key, x.shape))
+    x0 = np.asarray(x, np.float64) - 0.9375 * np.asarray(v, np.float64)
+    np.testing.assert_allclose(np.asarray(got), (1 - 5 / 6) * x0 + 5 / 6 * eps, rtol=1e-5, atol=1e-6)
+    last, _ = scheduler.step(plan, state, 3, v, x, key=key)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(x) - 0.625 * np.asarray(v), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"`steps` must be the number of its timesteps, 4"):
+        scheduler.plan(3)
+    with pytest.raises(ValueError, match=r"strictly decreasing"):
+        sampling.FewStep(timesteps=(500.0, 750.0))
+    with pytest.raises(ValueError, match=r"needs a `key`"):
+        scheduler.step(plan, state, 0, v, x)
+
+
+# -- the streaming pipeline -----------------------------------------------------------------------
+
+STREAM = dict(prompt="A cat walks on the grass", height=32, width=48, num_frames=13, max_sequence_length=32)
+
+
+@pytest.fixture(scope="module")
+def df_pipe(tmp_path_factory):
+    """The tiny SkyReels-V2 diffusion forcing folder of `test_skyreels.py` (the Wan pipeline
+    fixture's tokenizer, text encoder and VAE, a transformer with the fps embedding)."""
+    folder = tmp_path_factory.mktemp("stream_df")
+    for part in ("tokenizer", "text_encoder", "vae"):
+        shutil.copytree(FIXTURES.parent / "wan_pipeline" / "t2v" / part, folder / part)
+    for part in ("transformer", "scheduler"):
+        shutil.copytree(FIXTURES / "df_pipeline" / part, folder / part)
+    shutil.copy(FIXTURES / "df_pipeline" / "model_index.json", folder)
+    return folder, pipelines.SkyReelsV2DiffusionForcingPipeline.from_pretrained(folder, compile_cache=False)
+
+
+def test_stream_equals_recomputing_the_prefix(df_pipe):
+    """Four latent frames in chunks of two, two Euler steps each, from given latents: each
+    chunk's latents equal denoising it with the transformer's ordinary call over [the
+    finished chunks at timestep 0; the chunk] in blocks of two frames (the prefix
+    recomputed at every step); the frames equal the VAE's decode of all the latents."""
+    _, pipe = df_pipe
+    scheduler = sampling.FlowMatchEuler(shift=5.0)
+    noise = jax.random.normal(jax.random.key(3), (1, 16, 4, 4, 6))
+    chunks = list(pipe.stream(**STREAM, chunk_frames=2, scheduler=scheduler, num_inference_steps=2,
+                              latents=noise))
+    assert [c.frames.shape[1] for c in chunks] == [5, 8]
+    model = pipe.transformer
+    context, _ = pipe.text_context(STREAM["prompt"], None, None, None, guided=False, num_videos_per_prompt=1,
+                                   max_sequence_length=32)
+    plan = scheduler.plan(2)
+    call = JIT(lambda m, x, t, c: m(x, t, c, fps=1, attention=models.BlockCausal(2)))
+    done = []
+    for i, chunk in enumerate(chunks):
+        x = noise[0, :, 2 * i:2 * i + 2]
+        state = scheduler.init(x)
+        for step in range(2):
+            t = scheduler.timestep(plan, step)
+            video = jnp.concatenate(done + [x], axis=1)
+            timesteps = jnp.concatenate([jnp.zeros(2 * i), jnp.full((2,), t)])
+            v = call(model, video, timesteps, context[0])[:, 2 * i:]
+            x, state = scheduler.step(plan, state, step, v, x)
+        assert harness.max_rel_error(chunk.latents[0], x) < TOL
+        done.append(jnp.asarray(chunk.latents[0]))
+    whole = pipe.decode(np.concatenate([c.latents for c in chunks], axis=2))
+    frames = np.concatenate([c.frames for c in chunks], axis=1)
+    assert np.abs(frames - whole).max() < 1e-5
+
+
+def test_stream_command(df_pipe, tmp_path, capsys):
+    """`vidax-generate --stream`: the video written chunk by chunk (13 frames: 5, then 8)."""
+    folder, _ = df_pipe
+    path = tmp_path / "stream.mp4"
+    assert generate.main([str(folder), "--prompt", "a cat", "--height", "32", "--width", "48",
+                          "--num-frames", "13", "--max-sequence-length", "32", "--stream",
+                          "--chunk-frames", "2", "--steps", "1", "--output", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == str(path)
+    assert interop.read_video(path).shape == (13, 32, 48, 3)
+    with pytest.raises(SystemExit):
+        generate.main([str(folder), "--prompt", "a", "--stream", "--ar-step", "1", "--output",
+                       str(tmp_path / "x.mp4")])
+    assert "--ar-step does not go with --stream" in capsys.readouterr().err
+
+
+def test_stream_refusals(df_pipe):
+    _, pipe = df_pipe
+    with pytest.raises(ValueError, match=r"`chunk_frames` \(3 latent frames\) must divide the video's 4"):
+        next(pipe.stream(**STREAM, chunk_frames=3))
+    with pytest.raises(ValueError, match=r"`max_cached_frames` \(3\) must be a multiple of `chunk_frames` \(2\)"):
+        next(pipe.stream(**STREAM, chunk_frames=2, max_cached_frames=3))
+    with pytest.raises(ValueError, match=r"`num_inference_steps` is needed with a FlowMatchEuler"):
+        next(pipe.stream(**STREAM, chunk_frames=2, scheduler=sampling.FlowMatchEuler()))
+    with pytest.raises(ValueError, match=r"`latents` must be the video's initial latents"):
+        next(pipe.stream(**STREAM, chunk_frames=2, latents=np.zeros((1, 16, 3, 4, 6))))
