@@ -160,6 +160,33 @@ def test_chunk_by_positions(impl):
     check(run_kernel(impl, mask, a, q_pos, kv_pos), a, CHUNK.dense(q_pos, kv_pos))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_query_offset(impl):
+    """`query_offset`: the last frames' tokens as queries over every key (a chunk attending
+    to a cache before it), the cache's empty slots hidden by segment ids; a window of 2
+    blocks. The splash kernel serves it (static positions)."""
+    mask = kernels.BlockCausalMask((6, 4, 8), 2, window=2, query_offset=128)
+    S, S_q = mask.seq_len, mask.seq_len - 128
+    rng = np.random.default_rng(11)
+    a = harness.attention_inputs(1, S_q, 2, 8, S_k=S, rng=rng, dlse=True)
+    seg_kv = np.zeros((1, S), np.int32)
+    seg_kv[:, :40] = -1  # empty slots of the cache
+    a["seg"] = None
+    kw = dict(mask=mask, implementation=impl,
+              segment_ids=kernels.SegmentIds(q=jnp.zeros((1, S_q), jnp.int32), kv=jnp.asarray(seg_kv)))
+
+    def f(q, k, v, dout, dlse):
+        fwd = lambda q, k, v: kernels.attention_fwd(q, k, v, **kw)
+        (out, lse), vjp = jax.vjp(fwd, q, k, v)
+        return out, lse, (*vjp((dout, dlse)), None)
+
+    got = jax.tree.map(np.asarray, jax.jit(f)(*(jnp.asarray(a[n]) for n in ("q", "k", "v", "dout", "dlse"))))
+    dense = oracle.block_causal_dense((6, 4, 8), 2, 2, q_pos=128 + np.arange(S_q), kv_pos=np.arange(S))
+    dense = dense & (seg_kv[0] >= 0)[None, :]
+    a.pop("seg")
+    check(got, a, dense)
+
+
 def test_splash_refuses_custom_positions():
     mask = CHUNK.mask()
     q = jnp.zeros((1, 16, 2, 8))
@@ -235,6 +262,7 @@ def test_hashable_static():
         (dict(grid=(4, 2, 2), text_len=-1), r"`text_len` must be an int >= 0; received -1"),
         (dict(grid=(4, 2, 2), text_position="middle"), r"`text_position` must be one of"),
         (dict(grid=(4, 2, 2), window=2, text_len=3), r"text \(text_len > 0\) with a rolling `window`"),
+        (dict(grid=(4, 2, 2), query_offset=16), r"`query_offset` must be below the sequence's 16 tokens"),
     ],
 )
 def test_bad_mask(kwargs, match):
@@ -249,7 +277,7 @@ def test_bad_requests():
         kernels.attention(q, q, q, mask=mask, causal=True)
     with pytest.raises(ValueError, match=r"takes no `causal` or `window`.*window=\(4, 0\)"):
         kernels.attention(q, q, q, mask=mask, window=(4, 0))
-    with pytest.raises(ValueError, match=r"BlockCausalMask over 8 tokens .* needs S_q == S_k == 8; received S_q=9"):
+    with pytest.raises(ValueError, match=r"BlockCausalMask over 8 tokens .* needs S_k == 8 and S_q == 8 .*received S_q=9"):
         kernels.attention(jnp.zeros((1, 9, 2, 8)), q, q, mask=mask)
     # Implementations that cannot evaluate it say so (cuDNN has no such mask).
     with pytest.raises(NotImplementedError, match="frame-block causal mask"):

@@ -276,6 +276,7 @@ BLOCK_CAUSAL = [  # (mask, padded length)
     pytest.param(kernels.BlockCausalMask((3, 8, 16), 1, text_len=128, text_position="suffix"), 512,
                  id="aligned-suffix"),
     pytest.param(kernels.BlockCausalMask((4, 4, 12), 3, window=1), 256, id="ragged-window"),
+    pytest.param(kernels.BlockCausalMask((8, 4, 8), 2, window=2, query_offset=128), 128, id="query-offset"),
 ]
 
 
@@ -285,17 +286,17 @@ def test_block_causal_mask_matches_dense(bc, S_pad):
     the per-query ids the kernel takes) and its NumPy blocks are the oracle's dense mask,
     padding hidden; its block kinds classify each block exactly, and its mask infos are
     splash's own but for the query ids."""
-    mask = SplashBlockCausalMask(bc, (S_pad, S_pad))
-    pos = np.arange(S_pad)
+    S_k = S_pad + bc.query_offset
+    mask = SplashBlockCausalMask(bc, (S_pad, S_k))
     want = oracle.block_causal_dense(bc.grid, bc.frames_per_block, bc.window, bc.text_len,
-                                     bc.text_position, pos, pos)
-    assert not want[bc.seq_len:].any() and not want[:, bc.seq_len:].any()
+                                     bc.text_position, bc.query_offset + np.arange(S_pad), np.arange(S_k))
+    assert not want[bc.seq_len - bc.query_offset:].any() and not want[:, bc.seq_len:].any()
     ids = jnp.asarray(mask.query_ids())
-    got = jax.jit(mask.mask_function)(ids[:, None], jnp.arange(S_pad, dtype=jnp.int32)[None, :])
+    got = jax.jit(mask.mask_function)(ids[:, None], jnp.arange(S_k, dtype=jnp.int32)[None, :])
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(mask[:, :], want)
     for bq, bk in ((128, 128), (64, 128), (128, 64)):
-        blocks = want.reshape(S_pad // bq, bq, S_pad // bk, bk)
+        blocks = want.reshape(S_pad // bq, bq, S_k // bk, bk)
         kinds = np.where(blocks.all(axis=(1, 3)), 2, np.where(blocks.any(axis=(1, 3)), 1, 0))
         np.testing.assert_array_equal(mask.block_kinds(bq, bk), kinds)
     _assert_same_kernel_infos(mask, kernels.SplashBlocks(128, 128), q_ids=mask.query_ids())

@@ -313,12 +313,13 @@ def normalize(
                 f"`window` beside it (a rolling window is its own `window`, in blocks); received "
                 f"causal={causal!r}, window={window!r}."
             )
-        if q_positions is None and kv_positions is None and not S_q == S_k == block_causal.seq_len:
+        n, offset = block_causal.seq_len, block_causal.query_offset
+        if q_positions is None and kv_positions is None and not (S_k == n and S_q == n - offset):
             raise ValueError(
-                f"a BlockCausalMask over {block_causal.seq_len} tokens (text_len="
-                f"{block_causal.text_len} + the {block_causal.video_len} tokens of grid "
-                f"{block_causal.grid}) needs S_q == S_k == {block_causal.seq_len}; received "
-                f"S_q={S_q}, S_k={S_k}. Pass q_positions / kv_positions for a chunk."
+                f"a BlockCausalMask over {n} tokens (text_len={block_causal.text_len} + the "
+                f"{block_causal.video_len} tokens of grid {block_causal.grid}) needs S_k == {n} and "
+                f"S_q == {n - offset} (the tokens from query_offset={offset}); received S_q={S_q}, "
+                f"S_k={S_k}. Pass q_positions / kv_positions for a chunk."
             )
     if mask is not None:
         mask = _as_array("mask", mask)

@@ -61,6 +61,12 @@ class BlockCausalMask:
         earlier blocks).
     - `text_len`: the number of text tokens (0: video only).
     - `text_position`: `"prefix"` (text before the video) or `"suffix"` (after).
+    - `query_offset`: with the default positions, the queries are the positions
+        `query_offset + arange(S_q)` (and the keys `arange(S_k)`, `S_k = seq_len`): the
+        last `S_q` tokens attending to themselves and to every token before them, as a
+        chunk of a video attends to the key/value cache of the frames before it (the
+        models' `stream`). Default 0: `S_q = S_k = seq_len`. A static offset keeps the
+        mask static, so the splash kernel serves it.
 
     Frozen and hashable: static configuration, like `causal` or `window`.
     """
@@ -70,11 +76,12 @@ class BlockCausalMask:
     window: int | None = None
     text_len: int = 0
     text_position: str = "prefix"
+    query_offset: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "grid", triple("grid", self.grid, owner="BlockCausalMask"))
         for name, value, least in (("frames_per_block", self.frames_per_block, 1),
-                                   ("text_len", self.text_len, 0)):
+                                   ("text_len", self.text_len, 0), ("query_offset", self.query_offset, 0)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
                 raise ValueError(
                     f"BlockCausalMask: `{name}` must be an int >= {least}; received {value!r}."
@@ -92,6 +99,11 @@ class BlockCausalMask:
             raise ValueError(
                 f"BlockCausalMask: `text_position` must be one of {TEXT_POSITIONS}; received "
                 f"{self.text_position!r}."
+            )
+        if self.query_offset >= self.seq_len:
+            raise ValueError(
+                f"BlockCausalMask: `query_offset` must be below the sequence's {self.seq_len} tokens; "
+                f"received {self.query_offset}."
             )
         if self.text_len and self.left is not None:
             raise ValueError(
@@ -217,6 +229,8 @@ class BlockCausalMask:
 
     def __repr__(self) -> str:
         extra = "" if self.window is None else f", window={self.window}"
+        if self.query_offset:
+            extra += f", query_offset={self.query_offset}"
         if self.text_len:
             extra += f", text_len={self.text_len}, text_position={self.text_position!r}"
         return f"BlockCausalMask(grid={self.grid}, frames_per_block={self.frames_per_block}{extra})"
@@ -230,7 +244,7 @@ def lower(ops, opts):
     if mask is None:
         return ops, opts
     S_q, S_k = ops.q.shape[1], ops.k.shape[1]
-    q_pos = jnp.arange(S_q, dtype=jnp.int32) if ops.q_pos is None else ops.q_pos
+    q_pos = mask.query_offset + jnp.arange(S_q, dtype=jnp.int32) if ops.q_pos is None else ops.q_pos
     kv_pos = jnp.arange(S_k, dtype=jnp.int32) if ops.kv_pos is None else ops.kv_pos
     q_keys, kv_keys = mask.keys(q_pos, kv_pos)
     window = None if mask.left is None else (mask.left, None)

@@ -316,7 +316,8 @@ class SplashPositionsMask(SplashComputableMask):
 
 class SplashBlockCausalMask(SplashComputableMask):
     """A [`BlockCausalMask`][] as a splash mask over the kernels' padded `shape`
-    (positions beyond `seq_len` are padding: the mask hides them).
+    (positions beyond `seq_len` are padding: the mask hides them; the queries start at
+    its `query_offset`).
 
     The kernel takes one int per query (splash's `q_sequence`, here [`query_ids`][]
     instead of the positions): the end of the video keys it sees, `video_start + (b + 1)
@@ -354,7 +355,7 @@ class SplashBlockCausalMask(SplashComputableMask):
         """What the kernel's `mask_function` takes per query (splash's `q_sequence`):
         int32 `(S_q,)`, the end of the video keys each query sees (-1: padding)."""
         bc = self.block_causal
-        q_keys, _ = bc.keys(np.arange(self.shape[0]), np.zeros(1, np.int64), np)
+        q_keys, _ = bc.keys(bc.query_offset + np.arange(self.shape[0]), np.zeros(1, np.int64), np)
         ends = np.where(q_keys >= 0, bc.video_start + (np.minimum(q_keys, bc.blocks - 1) + 1) * bc.block_len, -1)
         text = q_keys == bc.blocks
         return np.where(text, bc.video_start + bc.video_len, ends).astype(np.int32)
@@ -372,14 +373,15 @@ class SplashBlockCausalMask(SplashComputableMask):
 
     def __getitem__(self, idx) -> np.ndarray:
         (q0, q1), (k0, k1) = _bounds(idx, self.shape)
-        return np.asarray(self.block_causal.visible(np.arange(q0, q1), np.arange(k0, k1), np))
+        offset = self.block_causal.query_offset
+        return np.asarray(self.block_causal.visible(offset + np.arange(q0, q1), np.arange(k0, k1), np))
 
     def block_kinds(self, block_q: int, block_kv: int) -> np.ndarray:
         """As `SplashTileMask.block_kinds`: int32 `(S_q / block_q, S_k / block_kv)`, 0
         hidden, 1 partially visible, 2 fully visible; from each block's key range."""
         S_q, S_k = self.shape
         bc = self.block_causal
-        q_keys, kv_keys = bc.keys(np.arange(S_q), np.arange(S_k), np)
+        q_keys, kv_keys = bc.keys(bc.query_offset + np.arange(S_q), np.arange(S_k), np)
         q_keys, kv_keys = q_keys.reshape(-1, block_q), kv_keys.reshape(-1, block_kv)
         # Fully visible: every pair, padding included (a padding row or column is not).
         full = kv_keys.max(1)[None, :] <= q_keys.min(1)[:, None]

@@ -6,7 +6,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._shapes import checked
 from .. import kernels
@@ -219,8 +219,7 @@ class Attention(AbstractParallelLayer):
         *,
         rope: Rope | None = None,
         mask: kernels.BlockCausalMask | None = None,
-        q_positions: Int[Array, " S"] | None = None,
-        kv_positions: Int[Array, " P+S"] | None = None,
+        past_valid: Bool[Array, " P"] | None = None,
     ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "S H D"], Float[Array, "S H D"]]:
         """Attention of new tokens to themselves and to the keys and values of earlier ones
         (a key/value cache: streaming generation, chunk by chunk).
@@ -231,11 +230,11 @@ class Attention(AbstractParallelLayer):
         - `past_k`, `past_v`: `(P, H, head_dim)`, the earlier tokens' keys (normed and
             rotated, as this method returns them) and values; `H` this device's heads.
         - `rope`: `(cos, sin)` of the new tokens (`(S, head_dim // 2)` each), or `None`.
-        - `mask`: a [`vidax_eqx.kernels.BlockCausalMask`][] over the positions below
-            (a window of the cache and the new tokens), or `None`: every key visible.
-        - `q_positions`, `kv_positions`: the new tokens' positions `(S,)` and the keys'
-            `(P + S,)` (the past's, then the new tokens'), on which `mask` is evaluated;
-            a negative position is an empty cache slot, invisible. `None`: `arange`.
+        - `mask`: a [`vidax_eqx.kernels.BlockCausalMask`][] over the keys `[past; new]`
+            with `query_offset = P` (the new tokens are its last ones), or `None`: every
+            key visible.
+        - `past_valid`: bool `(P,)`, the past slots that hold a token (an empty slot of a
+            cache is invisible); `None`: every one.
 
         **Returns:**
 
@@ -264,13 +263,11 @@ class Attention(AbstractParallelLayer):
                 )
             keys = jnp.concatenate([past_k.astype(k.dtype), k])
             values = jnp.concatenate([past_v.astype(v.dtype), v])
-            positions = {}
-            if q_positions is not None or kv_positions is not None:
-                positions = dict(
-                    q_positions=(past_k.shape[0] + jnp.arange(S, dtype=jnp.int32))
-                    if q_positions is None else q_positions,
-                    kv_positions=jnp.arange(keys.shape[0], dtype=jnp.int32)
-                    if kv_positions is None else kv_positions)
+            segment_ids = None
+            if past_valid is not None:  # empty slots: segment -1, invisible
+                seg_kv = jnp.concatenate([jnp.where(past_valid, 0, -1), jnp.zeros(S, jnp.int32)])
+                segment_ids = kernels.SegmentIds(q=jnp.zeros((1, S), jnp.int32),
+                                                 kv=seg_kv.astype(jnp.int32)[None])
             out = kernels.attention(q[None], keys[None], values[None], mask=mask,
-                                    implementation=self.implementation, **positions)[0]
+                                    segment_ids=segment_ids, implementation=self.implementation)[0]
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis), k, v

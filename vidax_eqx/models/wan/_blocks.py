@@ -214,19 +214,19 @@ class WanBlock(eqx.Module):
             return self._run(x, inputs, lambda attn, h, a: (attn(h, **a.kwargs()), None))[0]
 
     def with_past(self, x: Float[Array, "S dim"], inputs: WanBlockInputs, past_k, past_v, *,
-                  q_positions, kv_positions):
+                  past_valid=None):
         """The block on new tokens whose self-attention also sees earlier tokens' keys and
         values (a key/value cache, [`vidax_eqx.nn.Attention.with_past`][]): `inputs` as
-        for the call (its `attention.mask` a `BlockCausalMask` over the positions, or
-        `None`); `past_k`, `past_v` `(P, H, head_dim)`; the positions of the new tokens
-        `(S,)` and of the keys `(P + S,)`.
+        for the call (its `attention.mask` a `BlockCausalMask` over `[past; new]` with
+        `query_offset = P`, or `None`); `past_k`, `past_v` `(P, H, head_dim)`;
+        `past_valid` bool `(P,)`, the past slots that hold a token.
 
         **Returns:** `(x, (k, v))`: the residual stream after the block and the new
         tokens' keys and values `(S, H, head_dim)`."""
         with jax.named_scope("vidax_eqx.models.WanBlock.with_past"):
             def attend(attn, h, a):
                 y, k, v = attn.with_past(h, past_k, past_v, rope=a.rope, mask=a.mask,
-                                         q_positions=q_positions, kv_positions=kv_positions)
+                                         past_valid=past_valid)
                 return y, (k, v)
 
             return self._run(x, inputs, attend)

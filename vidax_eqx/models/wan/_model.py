@@ -448,17 +448,18 @@ class WanTransformer3D(AbstractCachedModel):
         rope = functional.rope_3d(grid, c.head_dim, c.rope_theta, frame_offset=cache.frame,
                                   max_frames=max(c.rope_max_seq_len, f))
         tokens = self.patch_embedding.project(functional.patchify(x.astype(dtype), c.patch_size))
-        # The attention's sequence is [the cache's buffer; the chunk], in time order.
-        mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window)
-        q_pos = cache.capacity + jnp.arange(S, dtype=jnp.int32)
-        kv_pos = jnp.concatenate([cache.positions(), q_pos])
+        # The attention's sequence is [the cache's buffer; the chunk], in time order, the
+        # chunk its last tokens (static: the splash kernel serves it on a TPU).
+        mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window,
+                                       query_offset=cache.capacity)
+        valid = cache.positions() >= 0
         inputs = WanBlockInputs(AttentionInputs(rope, None, mask), e0, context, context_image)
 
         def block(x, layer):
             b, past_k, past_v, kv = layer
             layer_inputs = inputs if kv is None else dataclasses.replace(
                 inputs, context_kv=(kv.k, kv.v, kv.k_img, kv.v_img))
-            return b.with_past(x, layer_inputs, past_k, past_v, q_positions=q_pos, kv_positions=kv_pos)
+            return b.with_past(x, layer_inputs, past_k, past_v, past_valid=valid)
 
         tokens, (k_new, v_new) = scan_layers_with_outputs(
             block, tokens.astype(jnp.float32), (self.blocks, cache.k, cache.v, text_cache))
