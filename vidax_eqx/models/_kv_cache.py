@@ -6,7 +6,7 @@ import operator
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 class KVCache(eqx.Module):
@@ -60,11 +60,9 @@ class KVCache(eqx.Module):
         """Latent frames the buffer holds."""
         return self.capacity // self.tokens_per_frame
 
-    def positions(self) -> Int[Array, " C"]:
-        """The buffer's slots as positions of the attention's sequence `[buffer; chunk]`:
-        `arange(C)` where a slot holds a token, -1 (invisible) where it is empty."""
-        slots = jnp.arange(self.capacity, dtype=jnp.int32)
-        return jnp.where(slots >= self.capacity - self.length, slots, -1)
+    def valid(self) -> Bool[Array, " C"]:
+        """The buffer's slots that hold a token (the last `length`)."""
+        return jnp.arange(self.capacity) >= self.capacity - self.length
 
     def append(self, k: Float[Array, "L S H D"], v: Float[Array, "L S H D"], frames: int) -> "KVCache":
         """The cache with a chunk of `frames` latent frames appended (`k`, `v`: its tokens'

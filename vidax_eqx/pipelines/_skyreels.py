@@ -93,13 +93,7 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         if isinstance(fps, bool) or not isinstance(fps, (int, float)):
             raise ValueError(f"{_OWNER}.stream: `fps` must be a number (frames per second); "
                              f"received {fps!r}.")
-        if self.transformer_config.inject_sample_info:
-            n = kwargs.get("num_videos_per_prompt", 1)
-            prompts = kwargs.get("prompt_embeds")
-            batch = (len(prompt) if isinstance(prompt, (list, tuple)) else 1) if prompts is None else (
-                len(prompts))
-            kwargs["fps"] = jnp.full((batch * n,), 0 if fps == 16 else 1, jnp.int32)
-        return super().stream(prompt, negative_prompt, **kwargs)
+        return super().stream(prompt, negative_prompt, skyreels_fps=0 if fps == 16 else 1, **kwargs)
 
     def model_arguments(self, batch: int, call: dict) -> dict:
         """The fps index of every example (for a transformer with the fps embedding), and

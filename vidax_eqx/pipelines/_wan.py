@@ -313,6 +313,8 @@ class WanPipeline(AbstractVideoPipeline):
             prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
             num_videos_per_prompt=n, max_sequence_length=length)
         key = jax.random.key(check_int(owner, "seed", seed, 0))
+        model_kwargs = dict(model_kwargs)  # the family's own keywords popped, as the call's
+        model_kwargs.update(self.model_arguments(context.shape[0], model_kwargs))
         if latents is not None:
             latents = jnp.asarray(latents, jnp.float32)
             shape = self.latent_shape(context.shape[0], grid)

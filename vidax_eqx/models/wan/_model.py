@@ -452,7 +452,7 @@ class WanTransformer3D(AbstractCachedModel):
         # chunk its last tokens (static: the splash kernel serves it on a TPU).
         mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window,
                                        query_offset=cache.capacity)
-        valid = cache.positions() >= 0
+        valid = cache.valid()
         inputs = WanBlockInputs(AttentionInputs(rope, None, mask), e0, context, context_image)
 
         def block(x, layer):
