@@ -118,6 +118,8 @@ PIPELINE_STEPS, PIPELINE_GUIDANCE, PIPELINE_SHIFT = 4, 5.0, 8.0
 # `generate_timestep_matrix`'s cases, (latent frames, steps, ar_step, causal_block_size),
 # stored as `schedule.npz`: its step indices and update masks.
 SCHEDULE_CASES = ((4, 5, 0, 1), (4, 4, 1, 1), (6, 5, 2, 2), (10, 6, 3, 5), (9, 3, 5, 3), (1, 2, 0, 1))
+# (frames, steps, ar_step, block, num_pre_ready): a given prefix (whole blocks of it ready).
+SCHEDULE_PREFIX_CASES = ((6, 4, 1, 2, 2), (5, 3, 2, 1, 3), (6, 5, 0, 3, 2), (8, 4, 2, 2, 5))
 
 
 def make_schedules(root: str) -> None:
@@ -131,6 +133,12 @@ def make_schedules(root: str) -> None:
         assert all(i == (0, frames) for i in interval)  # the pipeline's: always the whole video
         out[f"case{n}"] = np.asarray([frames, steps, ar_step, block])
         out[f"index{n}"], out[f"update{n}"] = index.numpy().astype(np.int32), update.numpy()
+    for n, (frames, steps, ar_step, block, ready) in enumerate(SCHEDULE_PREFIX_CASES):
+        template = torch.arange(steps, 0, -1) * (1000 // (steps + 1))
+        _, index, update, _ = SkyReelsV2DiffusionForcingPipeline.generate_timestep_matrix(
+            None, frames, template, frames, ar_step=ar_step, num_pre_ready=ready, causal_block_size=block)
+        out[f"prefix_case{n}"] = np.asarray([frames, steps, ar_step, block, ready])
+        out[f"prefix_index{n}"], out[f"prefix_update{n}"] = index.numpy().astype(np.int32), update.numpy()
     np.savez_compressed(os.path.join(root, "schedule.npz"), **out)
     print(f"schedules: {len(SCHEDULE_CASES)} cases -> {root}")
 
@@ -178,7 +186,7 @@ DF_PIPELINE_CASES = (("sync", 0), ("async", 1))
 DF_PIPELINE_BLOCK = dict(num_frames=13, ar_step=1, causal_block_size=2)
 
 
-def make_df_pipeline(root: str) -> None:
+def make_df_pipeline(root: str, windows_only: bool = False) -> None:
     from diffusers import (AutoencoderKLWan, SkyReelsV2DiffusionForcingPipeline, UniPCMultistepScheduler)
     from diffusers.utils.torch_utils import randn_tensor
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -196,6 +204,11 @@ def make_df_pipeline(root: str) -> None:
     pipe = SkyReelsV2DiffusionForcingPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                                               vae=vae, scheduler=scheduler)
     folder = os.path.join(root, "df_pipeline")
+    if windows_only:  # the saved transformer, rebuilt: check that it is the same
+        saved = SkyReelsV2Transformer3DModel.from_pretrained(os.path.join(folder, "transformer")).state_dict()
+        assert all(torch.equal(saved[k], v) for k, v in transformer.state_dict().items())
+        return make_df_windows(folder, dict(tokenizer=tokenizer, text_encoder=text_encoder,
+                                            transformer=transformer, vae=vae, scheduler=scheduler))
     pipe.save_pretrained(folder)
     for part in ("tokenizer", "text_encoder", "vae"):  # the Wan fixture's, assembled by the test
         import shutil
@@ -218,17 +231,110 @@ def make_df_pipeline(root: str) -> None:
         io[f"{'latents' if output == 'latent' else 'frames'}_async_block2"] = torch.as_tensor(np.asarray(out))
     np.savez_compressed(os.path.join(folder, "io.npz"), **{k: v.numpy().astype(np.float32) for k, v in io.items()})
     print(f"df pipeline: {', '.join(n for n, _ in DF_PIPELINE_CASES)} -> {folder}")
+    make_df_windows(folder, dict(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                                 scheduler=scheduler))
+
+
+# Long videos, image and video to video on the same components: `df_pipeline/windows.npz`.
+# Per case, `noise_<case>`: every window's draw of diffusers' generator, one after the
+# other on the frame axis; `addnoise_<case>` (with addnoise_condition): the noise of
+# `addnoise_condition` at each iteration of a window (diffusers draws it with
+# `torch.randn_like` from the global generator; here iteration `i` of every window gets
+# `torch.randn(shape, generator=manual_seed(1000 + i))`, stacked); `latents_<case>`,
+# `frames_<case>`. The I2V / V2V inputs: `image`, `last_image` (uint8 (32, 48, 3)),
+# `video` (uint8 (9, 32, 48, 3)).
+DF_WINDOW_CASES = {
+    # 17 frames in windows of 9 overlapping by 5: three windows of 3 latent frames.
+    "long": dict(mode="t2v", num_frames=17, base_num_frames=9, overlap_history=5, ar_step=1, addnoise_condition=20),
+    # 21 frames in windows of 13 overlapping by 9 (3 latent frames, cut to 2 for blocks of 2).
+    "long_block2": dict(mode="t2v", num_frames=21, base_num_frames=13, overlap_history=9, ar_step=1,
+                        causal_block_size=2),
+    "i2v": dict(mode="i2v", num_frames=9, ar_step=1, addnoise_condition=20),
+    "i2v_last": dict(mode="i2v", num_frames=9, last=True),
+    "v2v": dict(mode="v2v", num_frames=13, base_num_frames=9, overlap_history=5),
+}
+
+
+def make_df_windows(folder: str, components: dict) -> None:
+    from diffusers import (SkyReelsV2DiffusionForcingImageToVideoPipeline, SkyReelsV2DiffusionForcingPipeline,
+                           SkyReelsV2DiffusionForcingVideoToVideoPipeline)
+    import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing as t2v_module
+    import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing_i2v as i2v_module
+    import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing_v2v as v2v_module
+    from PIL import Image
+
+    classes = {"t2v": (SkyReelsV2DiffusionForcingPipeline, t2v_module),
+               "i2v": (SkyReelsV2DiffusionForcingImageToVideoPipeline, i2v_module),
+               "v2v": (SkyReelsV2DiffusionForcingVideoToVideoPipeline, v2v_module)}
+    rng = np.random.default_rng(3)
+    io = {"image": rng.integers(0, 256, (32, 48, 3), dtype=np.uint8),
+          "last_image": rng.integers(0, 256, (32, 48, 3), dtype=np.uint8),
+          "video": rng.integers(0, 256, (9, 32, 48, 3), dtype=np.uint8)}
+    call = {k: v for k, v in DF_PIPELINE_CALL.items()}
+    for name, case in DF_WINDOW_CASES.items():
+        case = dict(dict(causal_block_size=1), **case)  # explicit: set on the shared model
+        cls, module = classes[case.pop("mode")]
+        pipe = cls(**components)
+        draws, addnoise, counter = [], {}, [0]
+        original_randn, original_matrix = module.randn_tensor, cls.generate_timestep_matrix
+
+        def recording_randn(*args, **kwargs):
+            noise = original_randn(*args, **kwargs)
+            draws.append(noise.clone())  # the pipeline writes into its latents
+            return noise
+
+        def window_matrix(self, *args, **kwargs):  # a new window: its iterations from 0
+            counter[0] = 0
+            return original_matrix(self, *args, **kwargs)
+
+        def table_randn_like(x, *args, **kwargs):
+            i = counter[0]
+            counter[0] += 1
+            addnoise.setdefault(i, torch.randn(x.shape, generator=torch.Generator().manual_seed(1000 + i)))
+            return addnoise[i].to(x.dtype)
+
+        extra = {}
+        if "last" in case:
+            case.pop("last")
+            extra["last_image"] = Image.fromarray(io["last_image"])
+        if cls is SkyReelsV2DiffusionForcingImageToVideoPipeline:
+            extra["image"] = Image.fromarray(io["image"])
+        if cls is SkyReelsV2DiffusionForcingVideoToVideoPipeline:
+            extra["video"] = [Image.fromarray(f) for f in io["video"]]
+        out = {}
+        for output in ("latent", "np"):
+            draws.clear()
+            addnoise.clear()
+            module.randn_tensor, cls.generate_timestep_matrix = recording_randn, window_matrix
+            randn_like, torch.randn_like = torch.randn_like, table_randn_like
+            try:
+                result = pipe(**dict(call, **case), **extra, generator=torch.Generator().manual_seed(5),
+                              output_type=output, return_dict=False)[0]
+            finally:
+                module.randn_tensor, cls.generate_timestep_matrix = original_randn, original_matrix
+                torch.randn_like = randn_like
+            out[output] = torch.as_tensor(np.asarray(result))
+        io[f"noise_{name}"] = torch.cat(draws, dim=2)
+        if addnoise:
+            io[f"addnoise_{name}"] = torch.stack([addnoise[i] for i in sorted(addnoise)])
+        io[f"latents_{name}"], io[f"frames_{name}"] = out["latent"], out["np"]
+    np.savez_compressed(os.path.join(folder, "windows.npz"),
+                        **{k: (v if isinstance(v, np.ndarray) else v.numpy().astype(np.float32)) for k, v in io.items()})
+    print(f"df windows: {', '.join(DF_WINDOW_CASES)} -> {folder}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures",
                                                       "skyreels"))
-    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS) + ["windows"], default=None)
     args = parser.parse_args()
     for i, (name, spec) in enumerate(MODELS.items()):
         if args.only is None or name in args.only:
             make(name, spec, args.out, seed=10 * i)
+    if args.only == ["windows"]:  # only the long video, I2V, V2V cases and the schedules
+        make_schedules(args.out)
+        return make_df_pipeline(args.out, windows_only=True)
     if args.only is None or "df" in args.only:
         make_pipeline(args.out)
         make_schedules(args.out)

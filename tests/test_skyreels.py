@@ -23,6 +23,7 @@ diffusers 0.42.1; CI never needs torch):
    blocks of 2), and `vidax-generate --ar-step --causal-block-size` on its folder.
 """
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -236,6 +237,38 @@ def test_schedule_is_diffusers():
         np.testing.assert_array_equal(update, cases[f"update{n}"])
         # every frame takes each of its steps once, in order
         assert np.all(update.sum(axis=0) == steps)
+    for n in range(len([k for k in cases if k.startswith("prefix_case")])):
+        frames, steps, ar_step, block, ready = (int(v) for v in cases[f"prefix_case{n}"])
+        forcing = sampling.DiffusionForcing(ar_step, block, prefix_frames=ready)
+        progress, update = forcing.rows(frames, steps)
+        np.testing.assert_array_equal(progress, cases[f"prefix_index{n}"])
+        np.testing.assert_array_equal(update, cases[f"prefix_update{n}"])
+        given = ready // block * block  # diffusers' whole blocks of the prefix
+        assert np.all(update[:, :given].sum(axis=0) == 0) and np.all(update[:, given:].sum(axis=0) == steps)
+
+
+def test_given_frames_are_kept(df, loop_io):
+    """The prefix's whole blocks and the suffix come back as they went in (never
+    stepped), the prefix seen noised with `addnoise_condition` changes the others, and
+    the noise needs a key."""
+    model, io = df[0], loop_io
+    noise = io["noise"]
+    given = sampling.DiffusionForcing(ar_step=1, prefix_frames=1, suffix_frames=1)
+    out = _loop(model, io, forcing=given)
+    np.testing.assert_array_equal(out[:, :, :1], noise[:, :, :1])
+    np.testing.assert_array_equal(out[:, :, -1:], noise[:, :, -1:])
+    noised = dataclasses.replace(given, addnoise_condition=20.0)
+    with pytest.raises(ValueError, match=r"addnoise_condition` \(20.0\).*pass `key`"):
+        _loop(model, io, forcing=noised)
+    key = jax.random.key(0)
+    other = _loop(model, io, forcing=noised, key=key)
+    np.testing.assert_array_equal(other[:, :, :1], noise[:, :, :1])
+    assert harness.max_rel_error(other, out) > 1e-3
+    assert harness.max_rel_error(_loop(model, io, forcing=noised, key=jax.random.key(1)), other) > 1e-4
+    with pytest.raises(ValueError, match=r"must leave some of the 4 latent frames"):
+        sampling.DiffusionForcing(prefix_frames=3, suffix_frames=1).rows(4, 2)
+    with pytest.raises(ValueError, match=r"`addnoise_condition` must be a number in \[0, 1000\)"):
+        sampling.DiffusionForcing(addnoise_condition=-1)
 
 
 FORCING = dict(steps=4, scheduler=sampling.UniPC(shift=8.0), guidance=sampling.Guidance(scale=5.0))
@@ -329,11 +362,92 @@ def test_pipeline_causal_blocks_match_diffusers(df_pipe):
     assert np.abs(out.frames - io["frames_async_block2"]).max() < 2e-4
 
 
+@pytest.fixture
+def recorded_addnoise(monkeypatch):
+    """`addnoise_condition`'s noise at iteration `i` replaced by the fixture's table (the
+    draw diffusers' pipeline was given there), the compiled programs cleared around it."""
+    tables = {}
+
+    def noise(key, i, shape):
+        table = tables["current"]
+        assert table.shape[1:] == shape
+        return jnp.asarray(table)[i]
+
+    jax.clear_caches()
+    monkeypatch.setattr(sampling._forcing, "condition_noise", noise)
+    yield tables
+    jax.clear_caches()
+
+
+WINDOW_CASES = {  # scripts/make_skyreels_fixtures.py's DF_WINDOW_CASES
+    "long": dict(num_frames=17, base_num_frames=9, overlap_history=5, ar_step=1, addnoise_condition=20),
+    "long_block2": dict(num_frames=21, base_num_frames=13, overlap_history=9, ar_step=1, causal_block_size=2),
+    "i2v": dict(num_frames=9, ar_step=1, addnoise_condition=20, image="image"),
+    "i2v_last": dict(num_frames=9, image="image", last_image="last_image"),
+    "v2v": dict(num_frames=13, base_num_frames=9, overlap_history=5, video="video"),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_windows_image_and_video_match_diffusers(df_pipe, recorded_addnoise, case):
+    """Long videos in overlapping windows (the overlap given, noised with
+    `addnoise_condition`; cut to whole causal blocks), image to video (first, and last
+    frame) and video to video, against diffusers' three pipelines from the same draws."""
+    io = np.load(FIXTURES / "df_pipeline" / "windows.npz")
+    call = dict(WINDOW_CASES[case])
+    for name in ("image", "last_image", "video"):
+        if name in call:
+            call[name] = io[call[name]]
+    recorded_addnoise["current"] = io.get(f"addnoise_{case}")
+    with jax.default_matmul_precision("highest"):
+        out = df_pipe(**dict(DF_CALL, **call), latents=io[f"noise_{case}"], progress=None)
+    expected = io[f"latents_{case}"]
+    if case == "i2v_last":  # diffusers' latents keep the given last frame; its frames do not
+        expected = expected[:, :, :-1]
+    assert out.latents.shape == expected.shape
+    assert harness.max_rel_error(out.latents, expected) < RTOL
+    assert out.frames.shape == io[f"frames_{case}"].shape
+    assert np.abs(out.frames - io[f"frames_{case}"]).max() < 2e-4
+
+
+def test_windows_plan():
+    plan = pipelines._skyreels.plan_windows
+    W = pipelines._skyreels.Window
+    assert plan(5, base=3, overlap=2, block=1) == [W(3, 0), W(3, 2), W(3, 2)]
+    assert plan(6, base=4, overlap=3, block=2) == [W(4, 0), W(4, 2), W(4, 2)]
+    assert plan(5, base=8, overlap=2, block=1) == [W(5, 0)]  # fits: one window
+    assert plan(5, base=3, overlap=None, block=1, first_prefix=1) == [W(5, 1)]
+    assert plan(4, base=3, overlap=2, block=1, video=True) == [W(3, 2), W(3, 2)]
+    # every latent frame of the video is generated once: the first window, then the new ones
+    for frames, base, overlap in ((21, 9, 3), (30, 10, 5), (11, 10, 9)):
+        windows = plan(frames, base=base, overlap=overlap, block=1)
+        assert windows[0].frames + sum(w.frames - overlap for w in windows[1:]) == frames
+
+
 def test_pipeline_refusals(df_pipe):
     with pytest.raises(ValueError, match=r"`causal_block_size` \(2\) must divide the latent frames; received 3"):
         df_pipe(**DF_CALL, causal_block_size=2)
-    with pytest.raises(NotImplementedError, match=r"long video \(9 frames over base_num_frames=5"):
-        df_pipe(**DF_CALL, overlap_history=1, base_num_frames=5)
+    with pytest.raises(ValueError, match=r"9 frames, longer than base_num_frames \(5\).*pass overlap_history"):
+        df_pipe(**DF_CALL, base_num_frames=5)
+    with pytest.raises(ValueError, match=r"`overlap_history` must leave new frames.*\[1, 1\]"):
+        df_pipe(**DF_CALL, overlap_history=5, base_num_frames=5)
+    image = np.zeros((32, 48, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"`video` \(V2V\) and `image` \(I2V\) are two modes"):
+        df_pipe(**DF_CALL, image=image, video=np.zeros((5, 32, 48, 3), np.uint8), overlap_history=5)
+    with pytest.raises(ValueError, match=r"`video` is continued from its last `overlap_history`"):
+        df_pipe(**DF_CALL, video=np.zeros((5, 32, 48, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"`video` must have at least overlap_history \(5\) frames; received 3"):
+        df_pipe(**DF_CALL, video=np.zeros((3, 32, 48, 3), np.uint8), overlap_history=5)
+    with pytest.raises(ValueError, match=r"`last_image` needs `image`"):
+        df_pipe(**DF_CALL, last_image=image)
+    with pytest.raises(ValueError, match=r"`image_embeds` is not taken by diffusion forcing"):
+        df_pipe(**DF_CALL, image=image, image_embeds=np.zeros((1, 4, 8)))
+    with pytest.raises(NotImplementedError, match=r"`last_image` with a long video"):
+        df_pipe(**dict(DF_CALL, num_frames=17), image=image, last_image=image, base_num_frames=9,
+                overlap_history=5)
+    with pytest.raises(ValueError, match=r"`latents` must be the initial latents .*\(1, 16, 9, 4, 6\)"):
+        df_pipe(**dict(DF_CALL, num_frames=17), base_num_frames=9, overlap_history=5,
+                latents=np.zeros((1, 16, 5, 4, 6), np.float32))
 
 
 def test_generate_command(df_folder, tmp_path, capsys):

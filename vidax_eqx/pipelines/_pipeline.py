@@ -4,6 +4,7 @@ call defaults as class data."""
 
 import abc
 import dataclasses
+import functools
 import numbers
 from typing import ClassVar
 
@@ -248,6 +249,22 @@ class AbstractVideoPipeline(abc.ABC):
         [`vidax_eqx.sampling.sample`][]). None by default."""
         return {}
 
+    def noise_shape(self, batch: int, grid, call: dict) -> tuple[int, ...]:
+        """The shape of a call's initial latents (its `latents=`, or the seed's draw):
+        [`latent_shape`][vidax_eqx.pipelines.AbstractVideoPipeline.latent_shape] by
+        default; a family that draws more (SkyReels-V2's windows) says so from its
+        keywords in `call`."""
+        return self.latent_shape(batch, grid)
+
+    def denoise(self, noise, *, condition, seed_key, call: dict, sample) -> jax.Array:
+        """The `"denoise"` stage: the final latents from the initial ones. `sample` is
+        [`vidax_eqx.sampling.sample`][] with the model, the text and the call's settings
+        bound (`sample(noise, condition=..., **more)`), `call` the call's remaining
+        keywords (the family pops its own; the rest go to `sample`), `seed_key` the
+        call's seed key. One `sample` call by default; a family may run several
+        (SkyReels-V2's windows of a long video)."""
+        return sample(noise, condition=condition, **call)
+
     @abc.abstractmethod
     def decode(self, latents) -> np.ndarray:
         """diffusers' decode and `postprocess_video(output_type="np")`: the final
@@ -382,7 +399,7 @@ class AbstractVideoPipeline(abc.ABC):
                 model_kwargs.update(image_kwargs)
                 condition = jax.block_until_ready(condition)
 
-        shape = self.latent_shape(batch, grid)
+        shape = self.noise_shape(batch, grid, kwargs)
         if latents is None:
             noise = jax.random.normal(seed_key, shape, jnp.float32)
         else:
@@ -398,10 +415,12 @@ class AbstractVideoPipeline(abc.ABC):
                                        cfg_axis=self.cfg_axis if guided else None)
 
         with timer("denoise"):
-            out = sampling.sample(
-                self.transformer, noise, context, negative_context=negative, steps=steps,
-                scheduler=self.scheduler, guidance=guidance, placement=placement,
-                condition=condition, progress=progress, **model_kwargs, **kwargs)
+            sample = functools.partial(
+                sampling.sample, self.transformer, context=context, negative_context=negative,
+                steps=steps, scheduler=self.scheduler, guidance=guidance, placement=placement,
+                progress=progress, **model_kwargs)
+            out = self.denoise(noise, condition=condition, seed_key=seed_key, call=kwargs,
+                               sample=sample)
             out = jax.block_until_ready(out)
         frames = None
         if output_type == "np":

@@ -14,6 +14,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import models
+from . import _forcing
 from ._forcing import FINISHED_TIMESTEP, NOT_STARTED_TIMESTEP
 from ._progress import SampleStep
 from ._schedulers import AbstractScheduler, SchedulerPlan, SchedulerState
@@ -58,6 +59,9 @@ class LoopOptions(eqx.Module):
     conditioning: tuple | None = eqx.field(static=True)
     """How `condition` enters the model: `None`, `("concat", axis)` or `("frames", n)`."""
     text_cache: bool = eqx.field(static=True)
+    noised_prefix: tuple[int, float] | None = eqx.field(static=True)
+    """Diffusion forcing's `(prefix_frames, addnoise_condition)` when the prefix is shown
+    noised (`addnoise_condition > 0`), else `None`."""
     model_static: dict
     """The model's non-array keyword arguments (`remat`, `attention`), passed as
     they are (`eqx.filter_jit` keeps their non-array leaves static)."""
@@ -177,6 +181,7 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
 
     def body(i, carry):
         latents, state, cache_carry = carry
+        shown = latents
         if inputs.forcing is None:
             t = scheduler.timestep(plan, i)
         else:  # each frame's timestep at its own place in the schedule
@@ -184,7 +189,9 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
             t = jnp.where(progress == 0, NOT_STARTED_TIMESTEP, jnp.where(
                 progress > plan.steps, FINISHED_TIMESTEP,
                 plan.timesteps[jnp.clip(progress - 1, 0, plan.steps - 1)]))
-        x, t_in = model_input(latents, t)
+            if options.noised_prefix is not None:
+                shown, t = _noised_prefix(latents, t, inputs.key, i, *options.noised_prefix)
+        x, t_in = model_input(shown, t)
         if cache_carry is None:
             out = predict(model, x, t_in, context)
         else:
@@ -213,6 +220,17 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
         return LoopResult(latents, None if cache_carry is None else cache_carry[1])
 
     return _Steps(body, init, finish)
+
+
+def _noised_prefix(latents, t, key, i, frames: int, level: float):
+    """diffusers' `addnoise_condition`: the model sees the first `frames` latent frames
+    as `x (1 - level / 1000) + n level / 1000` at timestep `level`, fresh noise `n` at
+    every iteration (the latents themselves are kept)."""
+    factor = 0.001 * level
+    prefix = latents[:, :, :frames]
+    noise = _forcing.condition_noise(key, i, prefix.shape).astype(latents.dtype)
+    noised = prefix * (1.0 - factor) + noise * factor
+    return latents.at[:, :, :frames].set(noised), t.at[:frames].set(level)
 
 
 def _forcing_step(scheduler, plan, state, progress, update, alias, out, latents):

@@ -131,8 +131,9 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
           ([`vidax_eqx.models.wan_image_timestep`][]), and the returned latents hold
           them (diffusers' `expand_timesteps`).
         Pass the CLIP features of an I2V model as `context_image=` (a model argument).
-    - `key`: a PRNG key, required by a stochastic scheduler (`CogVideoXDPM`): step `i`
-        draws with `jax.random.fold_in(key, i)`.
+    - `key`: a PRNG key, required by a stochastic scheduler (`CogVideoXDPM`) and by
+        diffusion forcing's `addnoise_condition`: step `i` draws with
+        `jax.random.fold_in(key, i)`.
     - `progress`: this call's progress: a callable told each finished step, in order,
         as a [`SampleStep`][] of Python values (an [`AbstractProgress`][] such as
         [`ProgressBar`][] or [`ProgressLines`][] is also told when the call begins and
@@ -146,7 +147,9 @@ def sample(model, noise, context, *, negative_context=None, steps: int = 50, sch
         frame at its own timestep, synchronous (`ar_step=0`) or staggered, each frame
         stepped by its own scheduler state; the model takes a timestep per latent frame
         ([`vidax_eqx.models.SkyReelsV2Transformer3D`][], its `fps` a model argument).
-        The loop runs `DiffusionForcing.rows(frames, steps)`' iterations; not with
+        The loop runs `DiffusionForcing.rows(frames, steps)`' iterations; given frames
+        (`prefix_frames`, `suffix_frames`: an image's, a video's, the window before)
+        are in `noise` in place of noise and come back unchanged; not with
         `condition`, step caching, `compilation.max_steps`, a stochastic scheduler or
         two experts. `None` (default): one timestep per step.
     - `**model_kwargs`: further model arguments: arrays are per example `(B, ...)` and
@@ -263,11 +266,18 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
                                             mode="edge"))
         if reuse is not None:
             reuse = jax.device_put(np.pad(np.asarray(reuse), (0, max_steps - steps)))
-    rows = None
+    rows = noised_prefix = None
     if forcing is not None:
         rows = _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
                              compilation, condition, experts, static)
         count = rows[0].shape[0]
+        if forcing.addnoise_condition > 0 and forcing.prefix_frames > 0:
+            if key is None:
+                raise ValueError(
+                    f"{owner}: `forcing.addnoise_condition` ({forcing.addnoise_condition}) "
+                    "shows the prefix frames with fresh noise at every iteration; pass `key` "
+                    "(a PRNG key) to draw it.")
+            noised_prefix = (forcing.prefix_frames, float(forcing.addnoise_condition))
     inputs = LoopInputs(
         model=model, noise=noise, context=context,
         negative_context=negative_context if guided else None, guidance_scales=scales,
@@ -276,7 +286,8 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
     options = LoopOptions(
         scheduler=scheduler, mesh=placement.mesh, batch_axis=placement.batch_axis,
         cfg_axis=placement.cfg_axis, conditioning=conditioning, text_cache=caching.text,
-        model_static=static, threshold=_threshold(caching.step))
+        noised_prefix=noised_prefix, model_static=static,
+        threshold=_threshold(caching.step))
     return inputs, options
 
 
