@@ -205,7 +205,8 @@ def test_help_and_the_shared_vocabulary():
     assert ours - theirs == extras  # the example's own; every other flag is the command's
     assert theirs - ours == {"--image", "--last-image", "--use-dynamic-cfg",
                              "--num-videos-per-prompt", "--ar-step", "--causal-block-size", "--stream",
-                             "--chunk-frames", "--max-cached-frames"}
+                             "--chunk-frames", "--max-cached-frames", "--overlap-history", "--base-num-frames",
+                             "--addnoise-condition", "--video"}
 
 
 def test_compile_cache_switches(tmp_path, monkeypatch):

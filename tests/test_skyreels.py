@@ -461,6 +461,26 @@ def test_generate_command(df_folder, tmp_path, capsys):
                           "--num-frames", "13", "--steps", "2", "--max-sequence-length", "32",
                           "--ar-step", "1", "--causal-block-size", "2", "--output", str(blocks)]) == 0
     assert blocks.stat().st_size > 0 and capsys.readouterr().out.strip() == str(blocks)
+    long = tmp_path / "df_long.mp4"  # three windows; then that video continued (V2V)
+    assert generate.main([str(df_folder), "--prompt", "a cat", "--height", "32", "--width", "48",
+                          "--num-frames", "17", "--steps", "2", "--max-sequence-length", "32",
+                          "--base-num-frames", "9", "--overlap-history", "5", "--addnoise-condition", "20",
+                          "--output", str(long)]) == 0
+    assert capsys.readouterr().out.strip() == str(long)
+    from vidax_eqx import interop
+    assert interop.read_video(long).shape == (17, 32, 48, 3)
+    more = tmp_path / "df_v2v.mp4"
+    assert generate.main([str(df_folder), "--prompt", "a cat", "--height", "32", "--width", "48",
+                          "--num-frames", "13", "--steps", "2", "--max-sequence-length", "32",
+                          "--base-num-frames", "9", "--overlap-history", "5", "--video", str(long),
+                          "--output", str(more)]) == 0
+    assert interop.read_video(more).shape == (17 + 13, 32, 48, 3)  # diffusers': [video; generated]
+    capsys.readouterr()
+    for flag, value in (("--overlap-history", "5"), ("--video", str(long))):
+        with pytest.raises(SystemExit):
+            generate.main([str(FIXTURES.parent / "wan_pipeline" / "t2v"), "--prompt", "a", flag, value,
+                           "--output", str(tmp_path / "x.mp4")])
+        assert f"{flag} is for SkyReels-V2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         generate.main([str(FIXTURES.parent / "wan_pipeline" / "t2v"), "--prompt", "a", "--ar-step", "1",
                        "--output", str(tmp_path / "x.mp4")])

@@ -9,7 +9,9 @@
 The pipeline ([`vidax_eqx.pipelines.WanPipeline`][],
 [`vidax_eqx.pipelines.CogVideoXPipeline`][] or
 [`vidax_eqx.pipelines.SkyReelsV2DiffusionForcingPipeline`][] (`--ar-step`,
-`--causal-block-size`), by
+`--causal-block-size`; long videos with `--overlap-history`, `--base-num-frames`,
+`--addnoise-condition`; `--image` / `--last-image` and `--video` for its image and
+video to video), by
 `model_index.json`'s class) is read from a
 folder saved by diffusers or a Hub id; the size, steps, guidance, prompt length and frame
 rate default to the family's [`CallDefaults`][vidax_eqx.pipelines.CallDefaults] (Wan:
@@ -94,7 +96,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-prompt", default=None,
                    help="the negative prompt, used when --guidance-scale > 1 (default '')")
     p.add_argument("--image", help="image-to-video: the first frame (an image file)")
-    p.add_argument("--last-image", help="Wan FLF2V: the last frame (an image file)")
+    p.add_argument("--last-image", help="Wan FLF2V, SkyReels-V2 DF I2V: the last frame (an image file)")
+    p.add_argument("--video", help="SkyReels-V2 diffusion forcing: video to video, the video file "
+                                   "continued from its last --overlap-history frames")
     v = p.add_argument_group("video")
     v.add_argument("--height", type=int, help=f"pixels ({_default('height')})")
     v.add_argument("--width", type=int, help=f"pixels ({_default('width')})")
@@ -122,6 +126,15 @@ def parser() -> argparse.ArgumentParser:
                    help="SkyReels-V2 diffusion forcing: latent frames per causal block, the "
                         "transformer's attention frame-block causal above 1 (default: the "
                         "transformer's num_frame_per_block)")
+    s.add_argument("--overlap-history", type=int, default=None,
+                   help="SkyReels-V2 diffusion forcing: a video longer than --base-num-frames "
+                        "in windows overlapping by this many frames (17 or 37 recommended); "
+                        "with --video, the input's frames continued")
+    s.add_argument("--base-num-frames", type=int, default=None,
+                   help="SkyReels-V2 diffusion forcing: the frames of a window (default 97)")
+    s.add_argument("--addnoise-condition", type=float, default=None,
+                   help="SkyReels-V2 diffusion forcing: the noise level the overlapping frames "
+                        "are shown at (20 recommended; default 0)")
     s.add_argument("--stream", action="store_true",
                    help="Wan / SkyReels-V2: generate chunk by chunk against a key/value cache, "
                         "each chunk decoded and appended to the file as it is finished "
@@ -267,10 +280,19 @@ def _read_image(path: str):
 # -- the run -----------------------------------------------------------------------------
 
 
+def _forcing_flags(args) -> tuple:
+    """The SkyReels-V2 diffusion forcing flags, `(flag, value or None)`."""
+    return (("--ar-step", args.ar_step), ("--causal-block-size", args.causal_block_size),
+            ("--overlap-history", args.overlap_history), ("--base-num-frames", args.base_num_frames),
+            ("--addnoise-condition", args.addnoise_condition), ("--video", args.video))
+
+
 def _run(args, start: float) -> list[str]:
     needs = [_TEXT, _VIDEO]
     if args.image or args.last_image:
         needs.append(_IMAGE)
+    if args.video:
+        needs.append(("PIL", "pillow", "resizing --video"))
     if not os.path.isdir(args.model):
         needs.append(_HUB)
     check_libraries(needs)
@@ -295,11 +317,11 @@ def _run(args, start: float) -> list[str]:
     cls = families[name]
     wan = not cls.__name__.startswith("CogVideoX")  # Wan and SkyReels-V2 (Wan's components)
     skyreels = cls.__name__ == "SkyReelsV2DiffusionForcingPipeline"
-    for flag, given in (("--ar-step", args.ar_step), ("--causal-block-size", args.causal_block_size)):
+    for flag, given in _forcing_flags(args):
         if given is not None and not skyreels:
             raise CommandError(f"{flag} is for SkyReels-V2 diffusion forcing pipelines; {args.model!r} is {name}.")
     for flag, given, family in (("--guidance-scale-2", args.guidance_scale_2 is not None, "Wan"),
-                                ("--last-image", args.last_image is not None, "Wan"),
+                                ("--last-image", args.last_image is not None and not skyreels, "Wan"),
                                 ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
         if given and wan != (family == "Wan"):
             raise CommandError(f"{flag} is for {family} pipelines; {args.model!r} is {name}.")
@@ -318,7 +340,14 @@ def _run(args, start: float) -> list[str]:
                   num_videos_per_prompt=args.num_videos_per_prompt)
     if skyreels:  # the frame rate the model is conditioned on is the written one
         kwargs.update(ar_step=args.ar_step or 0, causal_block_size=args.causal_block_size,
-                      fps=defaults.fps if args.fps is None else args.fps)
+                      fps=defaults.fps if args.fps is None else args.fps,
+                      overlap_history=args.overlap_history, addnoise_condition=args.addnoise_condition or 0)
+        if args.base_num_frames is not None:
+            kwargs["base_num_frames"] = args.base_num_frames
+        if args.video is not None:
+            if not os.path.isfile(args.video):
+                raise FileNotFoundError(f"--video: no file {args.video!r}.")
+            kwargs["video"] = interop.read_video(args.video)
     if args.image is not None:
         kwargs["image"] = _read_image(args.image)
     if args.last_image is not None:
@@ -358,8 +387,7 @@ def _stream(args, pipe, prompt, kwargs: dict, start: float) -> list[str]:
         raise CommandError(f"--stream is for Wan and SkyReels-V2 pipelines; this is a "
                            f"{type(pipe).__name__}.")
     for flag, given in (("--image", args.image), ("--last-image", args.last_image),
-                        ("--ar-step", args.ar_step), ("--causal-block-size", args.causal_block_size),
-                        ("--latents", args.latents)):
+                        *_forcing_flags(args), ("--latents", args.latents)):
         if given is not None and given is not False:
             raise CommandError(f"{flag} does not go with --stream.")
     options = {k: kwargs[k] for k in ("height", "width", "num_frames", "max_sequence_length", "seed",
