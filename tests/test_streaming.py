@@ -18,7 +18,10 @@ mask of `num_frame_per_block=3`) and against the float64 oracle in
 - the RoPE tables of a chunk (`rope_3d(frame_offset=...)`) are bitwise the whole
   video's rows;
 - the refusals: a chunk the blocks do not divide, a cache built for other latents, an
-  attention that is not frame-block causal, a model configured for a mesh;
+  attention that is not frame-block causal, a ring;
+- over a mesh (`run_sharded(kv_cache=...)`, dp x sp x tp = 2 x 2 x 2: Ulysses x TP, with
+  FSDP, TP with FSDP): every chunk's output and the cache equal one device's; the
+  streaming pipeline over Ulysses equal to one device;
 - `sampling.FewStep`, the few-step sampler of CausVid / Self-Forcing: its warped
   timesteps and its step against a NumPy re-derivation;
 - the streaming pipeline (`SkyReelsV2DiffusionForcingPipeline.stream` on the tiny
@@ -180,9 +183,58 @@ def test_refusals(wan):
         model.kv_cache(HEIGHT, WIDTH, max_frames=-1)
     with pytest.raises(ValueError, match=r"positive multiples of the patch \(2, 2\); received 5 x 6"):
         model.kv_cache(5, WIDTH, max_frames=1)
-    tp = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(tp_axis="tp"))
-    with pytest.raises(NotImplementedError, match=r"runs on one device"):
-        tp.stream(chunk, t[0], c, cache)
+    ring = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ring"))
+    with pytest.raises(NotImplementedError, match=r"not over a ring"):
+        ring.stream(chunk, t[0], c, cache)
+
+
+# -- over a mesh -------------------------------------------------------------------------------
+
+MESH_CONFIG = models.WanConfig(
+    dim=32, ffn_dim=64, num_heads=4, num_layers=2, in_channels=4, out_channels=4, text_dim=16, freq_dim=16)
+SHARDED = {
+    "ulysses-sp2-tp2-dp2": dict(sequence="ulysses", tp_axis="tp"),
+    "ulysses-tp-fsdp": dict(sequence="ulysses", tp_axis="tp", fsdp_axes=("dp", "sp")),
+    "tp-dp-fsdp": dict(tp_axis="tp", fsdp_axes=("dp",)),
+}
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_stream_over_a_mesh_equals_one_device(name):
+    """Two videos over dp x sp x tp (2 x 2 x 2), chunk by chunk through
+    `run_sharded(kv_cache=...)` with a rolling window and the text cache: every chunk's
+    output and the cache (gathered: split by heads over tp then sp) equal one device's."""
+    model = models.WanTransformer3D(MESH_CONFIG, key=jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (2, 4, 4, HEIGHT, WIDTH))
+    t = jax.random.uniform(keys[1], (2, 4), maxval=1000.0)
+    c = jax.random.normal(keys[2], (2, 5, 16))
+    attention = models.BlockCausal(1, 2)
+    empty = model.kv_cache(HEIGHT, WIDTH, max_frames=2)
+    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (2, *a.shape)), empty)
+    text = jax.vmap(model.text_cache)(c)
+    mesh = harness.mesh(dp=2, sp=2, tp=2)
+    parallel = nn.sharding.ParallelConfig(**SHARDED[name])
+    sharded = nn.sharding.shard_module(nn.sharding.with_parallel(model, parallel), mesh)
+    text_sharded = models.sharded_text_cache(sharded, c, mesh=mesh, batch_axis="dp")
+    run = JIT(lambda m, x, t, cache, text: models.run_sharded(
+        m, x, t, c, mesh=mesh, batch_axis="dp", attention=attention, kv_cache=cache, text_cache=text))
+    one = JIT(jax.vmap(lambda m, x, t, c, cache, text: m.stream(x, t, c, cache, attention=attention,
+                                                               text_cache=text), in_axes=(None, 0, 0, 0, 0, 0)))
+    mine, theirs = cache, cache
+    for f in range(4):
+        out, mine = run(sharded, x[:, :, f:f + 1], t[:, f], mine, text_sharded)
+        expected, theirs = one(model, x[:, :, f:f + 1], t[:, f], c, theirs, text)
+        assert harness.max_rel_error(out, expected) < 2e-6
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            assert harness.max_rel_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 2e-6
+    ring = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ring"))
+    with pytest.raises(NotImplementedError, match=r"not over a ring"):
+        models.run_sharded(nn.sharding.shard_module(ring, mesh), x[:, :, :1], t[:, 0], c, mesh=mesh,
+                           batch_axis="dp", kv_cache=cache)
+    with pytest.raises(ValueError, match=r"`kv_cache` \(streaming\) does not take `remat`"):
+        models.run_sharded(sharded, x[:, :, :1], t[:, 0], c, mesh=mesh, batch_axis="dp", kv_cache=cache,
+                           remat="blocks")
 
 
 # -- the few-step sampler ----------------------------------------------------------------------
@@ -277,6 +329,19 @@ def test_stream_command(df_pipe, tmp_path, capsys):
         generate.main([str(folder), "--prompt", "a", "--stream", "--ar-step", "1", "--output",
                        str(tmp_path / "x.mp4")])
     assert "--ar-step does not go with --stream" in capsys.readouterr().err
+
+
+def test_stream_over_a_mesh(df_pipe):
+    """The pipeline on a mesh (Ulysses over sp = 2, two guidance branches, each with its
+    cache): every chunk's latents and frames equal one device's."""
+    folder, pipe = df_pipe
+    meshed = pipelines.SkyReelsV2DiffusionForcingPipeline.from_pretrained(folder, compile_cache=False,
+                                                                          mesh=harness.mesh(sp=2))
+    call = dict(STREAM, chunk_frames=2, scheduler=sampling.FlowMatchEuler(shift=5.0), num_inference_steps=2,
+                guidance_scale=3.0, negative_prompt="bad", seed=4)
+    for a, b in zip(meshed.stream(**call), pipe.stream(**call)):
+        assert harness.max_rel_error(a.latents, b.latents) < 1e-5
+        assert np.abs(a.frames - b.frames).max() < 1e-3  # the latents' round-off through the VAE
 
 
 def test_stream_refusals(df_pipe):

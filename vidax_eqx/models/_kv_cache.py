@@ -5,11 +5,16 @@ next (an input and an output of the call, as the VAE's time cache is)."""
 import operator
 
 import equinox as eqx
+
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from ..nn import sharding
+from ._base import AbstractBatchedInput
 
-class KVCache(eqx.Module):
+
+class KVCache(AbstractBatchedInput):
     """Every block's self-attention keys and values of the last `max_frames` latent frames
     a transformer finished, for the next chunk's call (streaming, chunk by chunk: the
     model's `stream`).
@@ -34,6 +39,17 @@ class KVCache(eqx.Module):
     length: Int[Array, ""]
     frame: Int[Array, ""]
     tokens_per_frame: int = eqx.field(static=True)
+
+    def partition_specs(self, parallel: sharding.ParallelConfig, batch_axis=None) -> "KVCache":
+        """The `shard_map` specs of a batched cache (`k`, `v` `(B, num_layers, C, heads,
+        head_dim)`) for a model configured with `parallel`: the batch over `batch_axis`,
+        the heads over `parallel.tp_axis` then `parallel.ulysses_axis` (each device keeps
+        the heads its attention computes: Megatron's share, then Ulysses' share of it
+        after the `all_to_all`), the rest whole. What [`run_sharded`][]`(kv_cache=)`
+        places it by."""
+        heads = tuple(a for a in (parallel.tp_axis, parallel.ulysses_axis) if a is not None)
+        spec = P(batch_axis, None, None, heads or None, None)
+        return KVCache(spec, spec, P(batch_axis), P(batch_axis), self.tokens_per_frame)
 
     @classmethod
     def empty(cls, *, layers: int, max_frames: int, tokens_per_frame: int, heads: int, head_dim: int,
@@ -75,3 +91,13 @@ class KVCache(eqx.Module):
         length = jnp.minimum(self.length + k.shape[1], C).astype(jnp.int32)
         return KVCache(keep(self.k, k), keep(self.v, v), length, (self.frame + frames).astype(jnp.int32),
                        self.tokens_per_frame)
+
+
+def check_reach(out, cache: KVCache, max_frames: int, owner: str):
+    """`out`, raising at run time (`eqx.error_if`) when `cache` (after a chunk: its
+    `frame` one or one per example) has passed `max_frames` latent frames, the reach
+    of the model's RoPE tables. Outside `shard_map` (its varying values do not go
+    through `error_if`'s cond)."""
+    return eqx.error_if(out, jnp.any(cache.frame > max_frames),
+                        f"{owner}: the stream has passed the config's rope_max_seq_len={max_frames} "
+                        "latent frames, the reach of its RoPE tables.")

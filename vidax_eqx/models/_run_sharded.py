@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..nn import sharding
 from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
+from ._kv_cache import check_reach, KVCache
 from ._options import attention_keywords, check_attention, BlockCausal, SlidingTile, VideoSparseTiles
 from ._step_cache import step_cache_specs
 
@@ -100,7 +101,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
                 batch_axis: str | tuple[str, ...] | None = None,
                 remat: str | None = None,
                 attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
-                step_cache=None, may_reuse=False, threshold=None, **kwargs):
+                step_cache=None, may_reuse=False, threshold=None, kv_cache=None, **kwargs):
     """Runs a whole model over `mesh`, global (batched) inputs in, global outputs out.
 
     `jax.shard_map` of `jax.vmap(model)`: the weights placed by
@@ -145,6 +146,12 @@ def run_sharded(model, x, timestep, context, *, mesh,
         `cached_call` runs instead of the model, with `may_reuse` and `threshold` (see
         [`WanTransformer3D.cached_call`][vidax_eqx.models.WanTransformer3D.cached_call]), the change behind the decision summed over
         the batch and every mesh axis, so that every device takes the same branch.
+    - `kv_cache`: streaming (a [`KVCache`][], batched: `(B, ...)` leaves, e.g. the
+        model's `kv_cache(...)` broadcast over the batch): the model's `stream` runs on
+        the chunk `x` instead of its call (`attention` a [`BlockCausal`][] or `None`),
+        the cache split by heads over `tp` then the Ulysses axis
+        ([`KVCache.partition_specs`][]); not over a ring, nor with `remat` or
+        `step_cache`.
     - `**kwargs`: further batched array inputs of the model (e.g. `context_image`, or
         `text_cache`: an [`AbstractBatchedInput`][], a [`WanTextCache`][], is placed by
         the specs its `partition_specs` returns, e.g. heads over `tp`).
@@ -153,7 +160,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
 
     The batched output, sharded over `batch_axis` (`PartitionSpec(batch_axis)`); with
     `step_cache`, `(output, step_cache)`, the cache's tokens split over the sequence
-    axes.
+    axes; with `kv_cache`, `(output, kv_cache)`, the cache with the chunk appended.
     """
     if not isinstance(model, AbstractModel):
         raise ValueError(
@@ -168,6 +175,10 @@ def run_sharded(model, x, timestep, context, *, mesh,
     attention = check_attention("run_sharded", attention)
     static = {} if attention is None else {"attention": attention}
     cached = step_cache is not None
+    streaming = kv_cache is not None
+    if streaming:
+        _check_streaming(model, kv_cache, attention, remat, cached)
+        kwargs = {**kwargs, "kv_cache": kv_cache}
     if cached:
         kwargs = {**kwargs, "step_cache": step_cache}
     names = sorted(kwargs)
@@ -185,6 +196,9 @@ def run_sharded(model, x, timestep, context, *, mesh,
                 kw = dict(zip(names, extra))
                 if index is not None:  # an expert: its own of what holds one per expert
                     kw = expert_kwargs(kw, index)
+                if streaming:
+                    cache = kw.pop("kv_cache")
+                    return model.stream(x, timestep, context, cache, **static, **kw)
                 if not cached:
                     return model(x, timestep, context, remat=remat, **static, **kw)
                 cache = kw.pop("step_cache")
@@ -212,9 +226,30 @@ def run_sharded(model, x, timestep, context, *, mesh,
         mesh=mesh,
         in_specs=(sharding.partition_specs(model, mesh), batch, batch, batch, P(),
                   *(_kwarg_specs(kwargs[n], parallel, batch_axis, batch) for n in names)),
-        out_specs=(batch, step_cache_specs(parallel, batch_axis)) if cached else batch,
+        out_specs=((batch, step_cache_specs(parallel, batch_axis)) if cached else
+                   (batch, kv_cache.partition_specs(parallel, batch_axis)) if streaming else batch),
         # A step cache's decision sums over the vmapped batch's axis, a collective
         # that shard_map's varying-axes checks do not take inside vmap.
         check_vma=not cached,
     )
-    return run(model, x, timestep, context, decision, *(kwargs[n] for n in names))
+    result = run(model, x, timestep, context, decision, *(kwargs[n] for n in names))
+    if streaming:  # the RoPE tables' reach, checked here: outside shard_map
+        out, cache = result
+        return check_reach(out, cache, model.config.rope_max_seq_len, "run_sharded"), cache
+    return result
+
+
+def _check_streaming(model, kv_cache, attention, remat, cached) -> None:
+    """Raises unless `run_sharded(kv_cache=...)` can run the model's `stream`."""
+    if not isinstance(kv_cache, KVCache):
+        raise ValueError(f"run_sharded: `kv_cache` must be a models.KVCache (batched) or None; "
+                         f"received a {type(kv_cache).__name__}.")
+    if not hasattr(model, "stream") or isinstance(model, AbstractExperts):
+        raise ValueError(f"run_sharded: `kv_cache` streams a model with a key/value cache "
+                         f"(WanTransformer3D, SkyReelsV2Transformer3D); received a "
+                         f"{type(model).__name__}.")
+    for name, given in (("step_cache", cached), ("remat", remat is not None),
+                        ("attention (other than BlockCausal)",
+                         attention is not None and not isinstance(attention, BlockCausal))):
+        if given:
+            raise ValueError(f"run_sharded: `kv_cache` (streaming) does not take `{name}`.")

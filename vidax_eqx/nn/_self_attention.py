@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._shapes import checked
 from .. import kernels
+from ..parallel import axis_size
 from .sharding._call_checks import check_context
 from ._checks import check_attention
 from .sharding._config import ParallelConfig
@@ -220,15 +221,18 @@ class Attention(AbstractParallelLayer):
         rope: Rope | None = None,
         mask: kernels.BlockCausalMask | None = None,
         past_valid: Bool[Array, " P"] | None = None,
-    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "S H D"], Float[Array, "S H D"]]:
+    ) -> tuple[Float[Array, "S {self.dim}"], Float[Array, "T H D"], Float[Array, "T H D"]]:
         """Attention of new tokens to themselves and to the keys and values of earlier ones
         (a key/value cache: streaming generation, chunk by chunk).
 
         **Arguments:**
 
-        - `x`: the new tokens `(S, dim)` of one example, whole on this device.
+        - `x`: the new tokens `(S, dim)` of one example: whole on this device, or under
+            Ulysses this device's contiguous `S = T / sp` of the `T` new tokens.
         - `past_k`, `past_v`: `(P, H, head_dim)`, the earlier tokens' keys (normed and
-            rotated, as this method returns them) and values; `H` this device's heads.
+            rotated, as this method returns them) and values; `H` this device's heads
+            (under Ulysses, its share of them after the `all_to_all`: `num_heads / (tp
+            sp)`, the cache split by heads).
         - `rope`: `(cos, sin)` of the new tokens (`(S, head_dim // 2)` each), or `None`.
         - `mask`: a [`vidax_eqx.kernels.BlockCausalMask`][] over the keys `[past; new]`
             with `query_offset = P` (the new tokens are its last ones), or `None`: every
@@ -239,22 +243,37 @@ class Attention(AbstractParallelLayer):
         **Returns:**
 
         `(out, k, v)`: the attention output `(S, dim)` and the new tokens' keys and
-        values `(S, H, head_dim)`, to append to the cache.
+        values `(T, H, head_dim)` (every new token, this device's heads), to append to
+        the cache.
 
-        One device or tensor parallelism (the cache holds this device's heads); not
-        under sequence parallelism, where the new tokens would be split.
+        One device, tensor parallelism (the cache holds this device's heads), FSDP, and
+        Ulysses: an `all_to_all` trades the new tokens' split for a head split, so each
+        device attends every new token to the cache of its heads, and a last one gives
+        the output back the tokens' split. Not over a ring (`NotImplementedError`).
         """
         with jax.named_scope("vidax_eqx.nn.Attention.with_past"):
-            if self.parallel.sequence_axes:
+            parallel = self.parallel
+            if parallel.ring_axis is not None:
                 raise NotImplementedError(
-                    "Attention.with_past: a key/value cache runs on one device or under tensor "
-                    f"parallelism, not under sequence parallelism ({self.parallel})."
+                    "Attention.with_past: a key/value cache runs on one device, under tensor "
+                    f"parallelism, FSDP or Ulysses; not over a ring ({parallel})."
                 )
             self, (x, rope) = fsdp_gather(self, (x, rope))
             H = local_heads("Attention", self, self.q)
-            x = tp_input(x, self.parallel.tp_axis)
+            x = tp_input(x, parallel.tp_axis)
             q, k, v = self._project(x, rope, H)
             S = x.shape[0]
+            ulysses = parallel.ulysses_axis
+            if ulysses is not None:  # (S, H, D) -> (T, H / sp, D)
+                sp = axis_size(ulysses, what="Ulysses")
+                if H % sp:
+                    raise ValueError(
+                        f"Attention.with_past: Ulysses splits this device's {H} heads over "
+                        f"{ulysses!r} ({sp} devices); they must divide them.")
+                H //= sp
+                q, k, v = (jax.lax.all_to_all(a, ulysses, split_axis=1, concat_axis=0, tiled=True)
+                           for a in (q, k, v))
+            T = q.shape[0]
             if past_k.shape[1:] != k.shape[1:] or past_v.shape != past_k.shape:
                 raise ValueError(
                     f"Attention.with_past: `past_k` and `past_v` must be (P, H, head_dim) = "
@@ -265,9 +284,12 @@ class Attention(AbstractParallelLayer):
             values = jnp.concatenate([past_v.astype(v.dtype), v])
             segment_ids = None
             if past_valid is not None:  # empty slots: segment -1, invisible
-                seg_kv = jnp.concatenate([jnp.where(past_valid, 0, -1), jnp.zeros(S, jnp.int32)])
-                segment_ids = kernels.SegmentIds(q=jnp.zeros((1, S), jnp.int32),
+                seg_kv = jnp.concatenate([jnp.where(past_valid, 0, -1), jnp.zeros(T, jnp.int32)])
+                segment_ids = kernels.SegmentIds(q=jnp.zeros((1, T), jnp.int32),
                                                  kv=seg_kv.astype(jnp.int32)[None])
             out = kernels.attention(q[None], keys[None], values[None], mask=mask,
                                     segment_ids=segment_ids, implementation=self.implementation)[0]
-            return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis), k, v
+            if ulysses is not None:  # (T, H / sp, D) -> (S, H, D)
+                out = jax.lax.all_to_all(out, ulysses, split_axis=0, concat_axis=1, tiled=True)
+                H *= sp
+            return row_parallel(self.o, out.reshape(S, H * self.head_dim), parallel.tp_axis), k, v

@@ -45,13 +45,22 @@ class _Branch(eqx.Module):
 
 
 @eqx.filter_jit
-def _denoise(model, scheduler, plan, noise, branches, scale, key, kwargs):
+def _denoise(model, scheduler, plan, noise, branches, scale, key, kwargs, placement):
     """A chunk from its noise: every step of `scheduler` against the branches' caches (the
     cache only read), guided when there are two branches; then the finished chunk at
-    timestep 0, whose keys and values are appended to each branch's cache."""
+    timestep 0, whose keys and values are appended to each branch's cache. Over
+    `placement = (mesh, batch_axis)` (mesh `None`: one device) through
+    `models.run_sharded(kv_cache=...)`."""
     static, arrays = kwargs
+    mesh, batch_axis = placement
 
     def velocity(x, t, branch):
+        if mesh is not None:
+            t = jnp.broadcast_to(t, (x.shape[0],))
+            return models.run_sharded(model, x, t, branch.context, mesh=mesh, batch_axis=batch_axis,
+                                      kv_cache=branch.cache, text_cache=branch.text, **static,
+                                      **arrays)
+
         def one(x, context, text, cache, arrays):
             return model.stream(x, t, context, cache, text_cache=text, **static, **arrays)
 
@@ -105,8 +114,12 @@ def stream_video(pipe, *, context, negative, grid, chunk_frames: int, max_cached
     arrays = {k: v for k, v in model_kwargs.items() if eqx.is_array(v)}
     empty = model.kv_cache(h, w, max_cached_frames)
 
+    mesh = pipe.mesh
+    batch_axis = None if mesh is None else pipe.batch_axis
+
     def branch(ctx):
-        text = _text_caches(model, ctx)
+        text = _text_caches(model, ctx) if mesh is None else models.sharded_text_cache(
+            model, ctx, mesh=mesh, batch_axis=batch_axis)
         cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), empty)
         return _Branch(ctx, text, cache)
 
@@ -122,7 +135,7 @@ def stream_video(pipe, *, context, negative, grid, chunk_frames: int, max_cached
             noise = latents[:, :, index * chunk_frames:(index + 1) * chunk_frames]
         out, branches = _denoise(model, scheduler, plan, noise, branches,
                                  jnp.float32(guidance_scale), jax.random.fold_in(chunk_key, 1),
-                                 (dict(static, attention=attention), arrays))
+                                 (dict(static, attention=attention), arrays), (mesh, batch_axis))
         frames = None
         if output_type == "np":
             video, states = _decode(vae, out, states)
@@ -148,11 +161,10 @@ def check_stream(owner: str, pipe, grid, chunk_frames, max_cached_frames, window
                          f"of `chunk_frames` ({chunk_frames}): the cache holds whole chunks.")
     if window is not None:
         check_int(owner, "window", window, 1)
-    if pipe.mesh is not None or not hasattr(pipe.transformer, "stream"):
+    if not hasattr(pipe.transformer, "stream"):
         raise NotImplementedError(
             f"{owner}: streaming generation runs a transformer with a key/value cache "
-            f"(`stream`) on one device; this pipeline's is a {type(pipe.transformer).__name__}"
-            f"{' on a mesh' if pipe.mesh is not None else ''}.")
+            f"(`stream`); this pipeline's is a {type(pipe.transformer).__name__}.")
     if pipe.image_conditioned:
         raise NotImplementedError(f"{owner}: streaming generation is text-to-video; this "
                                   "transformer takes an image.")

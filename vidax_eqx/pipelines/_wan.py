@@ -292,8 +292,10 @@ class WanPipeline(AbstractVideoPipeline):
 
         **Yields:**
 
-        A [`StreamChunk`][vidax_eqx.pipelines.StreamChunk] per chunk, in order. One
-        device; text-to-video.
+        A [`StreamChunk`][vidax_eqx.pipelines.StreamChunk] per chunk, in order.
+        Text-to-video, on one device or the pipeline's mesh (the transformer through
+        [`vidax_eqx.models.run_sharded`][]`(kv_cache=...)`: Ulysses over `sp`, Megatron
+        over `tp`, the batch over `dp`, each cache split by heads; not a ring).
         """
         owner = f"{type(self).__name__}.stream"
         defaults = self.call_defaults

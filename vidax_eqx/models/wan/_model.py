@@ -16,10 +16,11 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 from ..._shapes import checked
 from ... import interop, kernels, nn
 from ...nn import functional, sharding
+from ...parallel import axis_size
 from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
 from .._checkpoint import load_pretrained, read_config
-from .._kv_cache import KVCache
+from .._kv_cache import check_reach, KVCache
 from .._layers import check_remat, scan_layers, scan_layers_with_outputs
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import cached_blocks, check_step_cache, StepCache, StepDecision
@@ -396,9 +397,11 @@ class WanTransformer3D(AbstractCachedModel):
         cache with the chunk's keys and values appended (its oldest frames dropped
         beyond `max_frames`).
 
-        One device (the cache's heads are every head); not under a mesh yet. The frames
-        of the whole stream stay below the config's `rope_max_seq_len` (the RoPE tables'
-        reach; a chunk beyond it raises at run time).
+        One device, or over a mesh through [`run_sharded`][]`(..., kv_cache=cache)`
+        (tensor parallelism, FSDP and Ulysses: the cache split by heads, as each device's
+        attention holds them; not a ring). The frames of the whole stream stay below the
+        config's `rope_max_seq_len` (the RoPE tables' reach; a chunk beyond it raises at
+        run time).
         """
         with jax.named_scope("vidax_eqx.models.WanTransformer3D.stream"):
             return self._stream(x, timestep, context, cache, context_image=context_image,
@@ -409,12 +412,17 @@ class WanTransformer3D(AbstractCachedModel):
         """`stream`'s forward (SkyReels-V2 adds `e0_shift`, its fps term)."""
         c = self.config
         owner = f"{type(self).__name__}.stream"
-        if self.parallel.tp_axis is not None or self.parallel.sequence_axes or self.parallel.fsdp_axes:
+        parallel = self.parallel
+        if parallel.ring_axis is not None:
             raise NotImplementedError(
-                f"{owner}: streaming with a key/value cache runs on one device; this model is "
-                f"configured for a mesh ({self.parallel})."
+                f"{owner}: streaming with a key/value cache runs on one device or over a mesh "
+                f"with tensor parallelism, FSDP or Ulysses; not over a ring ({parallel})."
             )
         self._check_image(context_image)
+        check_text(owner, parallel, context)
+        # FSDP: everything but the blocks gathered now; each block gathers itself.
+        self, (x, timestep, context, context_image, e0_shift) = sharding.fsdp_gather(
+            self, (x, timestep, context, context_image, e0_shift), exclude=lambda m: m.blocks)
         dtype = self.patch_embedding.weight.dtype
         grid = functional.patch_grid(x.shape, c.patch_size, owner)
         f, h, w = grid
@@ -438,6 +446,19 @@ class WanTransformer3D(AbstractCachedModel):
         if timestep.ndim == 1 and timestep.shape[0] != S:
             raise ValueError(f"{owner}: a per-token `timestep` has one value per patch token of "
                              f"the chunk: {S}; received {timestep.shape[0]}.")
+        # Ulysses: this device's contiguous rows of the chunk's tokens (the attention
+        # trades them for a head split, the cache holding this device's heads).
+        ulysses = parallel.ulysses_axis
+        sp = 1 if ulysses is None else axis_size(ulysses, what="Ulysses")
+        if S % sp:
+            raise ValueError(
+                f"{owner}: Ulysses splits the chunk's {S} patch tokens over {ulysses!r} ({sp} "
+                "devices); they must divide them (choose chunk_frames so that they do).")
+        def local(a):  # this device's rows of a per-token array
+            return sharding.shard_tokens(a, parallel)
+
+        if timestep.ndim == 1:
+            timestep = local(timestep)
         t, e0 = self._time(timestep, e0_shift)
         if text_cache is None:
             context, context_image = self._embed_context(context, context_image, dtype)
@@ -447,7 +468,8 @@ class WanTransformer3D(AbstractCachedModel):
             context = context_image = None
         rope = functional.rope_3d(grid, c.head_dim, c.rope_theta, frame_offset=cache.frame,
                                   max_frames=max(c.rope_max_seq_len, f))
-        tokens = self.patch_embedding.project(functional.patchify(x.astype(dtype), c.patch_size))
+        rope = jax.tree.map(local, rope)
+        tokens = self.patch_embedding.project(local(functional.patchify(x.astype(dtype), c.patch_size)))
         # The attention's sequence is [the cache's buffer; the chunk], in time order, the
         # chunk its last tokens (static: the splash kernel serves it on a TPU).
         mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window,
@@ -463,11 +485,13 @@ class WanTransformer3D(AbstractCachedModel):
 
         tokens, (k_new, v_new) = scan_layers_with_outputs(
             block, tokens.astype(jnp.float32), (self.blocks, cache.k, cache.v, text_cache))
-        out = functional.unpatchify(self.head(tokens, t), grid, c.patch_size).astype(dtype)
-        out = eqx.error_if(out, cache.frame + f > c.rope_max_seq_len,
-                           f"{owner}: the stream has passed the config's rope_max_seq_len="
-                           f"{c.rope_max_seq_len} latent frames, the reach of its RoPE tables.")
-        return out, cache.append(k_new, v_new, f)
+        out = sharding.gather_tokens(self.head(tokens, t), parallel)  # the whole chunk's
+        out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
+        cache = cache.append(k_new, v_new, f)
+        if parallel.tp_axis is None and not parallel.sequence_axes and not parallel.fsdp_axes:
+            # (over a mesh, run_sharded checks it, outside shard_map)
+            out = check_reach(out, cache, c.rope_max_seq_len, owner)
+        return out, cache
 
     def _check_image(self, context_image):
         if (self.img_emb is None) != (context_image is None):
