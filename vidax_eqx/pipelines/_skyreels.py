@@ -93,7 +93,8 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
     attention frame-block causal ([`vidax_eqx.models.BlockCausal`][]). The call takes
     diffusers' keyword names and reproduces its frames from the same initial latents;
     its defaults are diffusers' T2V ones: 544 x 960, 97 frames, 50 steps, guidance 6.0,
-    24 fps.
+    24 fps (diffusers' I2V pipeline defaults to guidance 5.0 and its V2V one to 120
+    frames: pass them).
 
     **Image and video to video** (diffusers' `SkyReelsV2DiffusionForcingImageToVideoPipeline`
     and `...VideoToVideoPipeline`, the same components): `image=` (and `last_image=`)
@@ -275,6 +276,8 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         last window. The video is the first window and every later one's frames past its
         overlap (diffusers')."""
         plan, forcing = call.pop("skyreels_plan"), call.pop("forcing")
+        key = call.pop("key", None)  # addnoise_condition's draws: this key's, else the seed's
+        key = jax.random.fold_in(seed_key, ADDNOISE_STREAM) if key is None else key
         windows, overlap = plan["windows"], plan["overlap"]
         given = condition
         if plan["video"] is not None:  # V2V: the input video's last overlap_history frames
@@ -299,9 +302,9 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
             schedule = dataclasses.replace(
                 forcing, prefix_frames=window.prefix, addnoise_condition=plan["addnoise"],
                 suffix_frames=0 if suffix is None else suffix.shape[2])
-            key = jax.random.fold_in(jax.random.fold_in(seed_key, ADDNOISE_STREAM), i)
             out = sample(x, condition=None, forcing=schedule,
-                         key=key if schedule.addnoise_condition > 0 else None, **call)
+                         key=jax.random.fold_in(key, i) if schedule.addnoise_condition > 0 else None,
+                         **call)
             if suffix is not None:
                 out = out[:, :, :x.shape[2] - suffix.shape[2]]
             video = out if video is None else jnp.concatenate([video, out[:, :, overlap:]], axis=2)
