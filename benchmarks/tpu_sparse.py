@@ -185,6 +185,20 @@ def _vsa_fine(grid, tile, sparsity, impl, smoke: bool, order: str = "top-k"):
     return fine
 
 
+_MiB = 2**20
+# Tile variants for the frame-causal mask (`--section BC`, after its main rows).
+BC_TILES = tuple(
+    (label, kernels.SplashBlocks(q, kv, c, block_q_dkv=qd, block_kv_dkv=kd, block_kv_dkv_compute=512,
+                                 block_q_dq=qd, block_kv_dq=kd, fused_bwd=True, vmem_limit_bytes=64 * _MiB))
+    for label, (q, kv, c, qd, kd) in (
+        ("q1024 kv1024/512 bwd1024/1024", (1024, 1024, 512, 1024, 1024)),
+        ("q512 kv1024/512 bwd512/1024", (512, 1024, 512, 512, 1024)),
+        ("q1024 kv2048/1024 bwd1024/1024", (1024, 2048, 1024, 1024, 1024)),
+        ("q2048 kv2048/1024 bwd1024/2048", (2048, 2048, 1024, 1024, 2048)),
+        ("q512 kv2048/512 bwd512/2048", (512, 2048, 512, 512, 2048)),
+    ))
+
+
 def cases(args) -> list[Case]:
     """The rows of this run, most important first."""
     if args.smoke:
@@ -245,6 +259,12 @@ def cases(args) -> list[Case]:
         bc = kernels.BlockCausalMask(bc_grid, frames, window=window)
         name = f"{bc_grid} blocks of {frames} frame{'s' * (frames > 1)}" + (f" window {window}" if window else "")
         rows.append(Case("BC", name, "splash", S, _dense(mask=bc, implementation=tpu), bc.density(), priority=2))
+    if not args.smoke:  # the tiles of the frame-causal mask (the table's are the causal row's)
+        bc = kernels.BlockCausalMask(bc_grid, 1)
+        for label, blocks in BC_TILES:
+            rows.append(Case("BC", f"{bc_grid} blocks of 1 frame", f"splash {label}", S,
+                             _dense(mask=bc, implementation=kernels.PallasTpu(blocks=blocks)), bc.density(),
+                             priority=7, knob=True))
     if args.quick or args.smoke:
         rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
     if args.section:
