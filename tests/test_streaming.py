@@ -31,6 +31,7 @@ mask of `num_frame_per_block=3`) and against the float64 oracle in
   the latents; `vidax-generate --stream` writing the video chunk by chunk; the refusals.
 """
 
+import dataclasses
 import functools
 import pathlib
 import shutil
@@ -186,6 +187,20 @@ def test_refusals(wan):
     ring = nn.sharding.with_parallel(model, nn.sharding.ParallelConfig(sequence="ring"))
     with pytest.raises(NotImplementedError, match=r"not over a ring"):
         ring.stream(chunk, t[0], c, cache)
+
+
+def test_the_ropes_reach(wan):
+    """A stream past the config's `rope_max_seq_len` raises at run time; `check_reach=False`
+    leaves that check (a host callback, which JAX's persistent cache refuses) out of the
+    program, for a caller that checks the length itself."""
+    model, x, t, c = wan
+    short = models.WanTransformer3D(dataclasses.replace(CONFIG, rope_max_seq_len=2), key=jax.random.key(0))
+    cache = short.kv_cache(HEIGHT, WIDTH, max_frames=2)
+    out, cache = short.stream(x[:, :2], t[0], c, cache)
+    with pytest.raises(Exception, match=r"passed the config's rope_max_seq_len=2"):
+        jax.block_until_ready(short.stream(x[:, 2:3], t[0], c, cache)[0])
+    jaxpr = lambda **kw: str(jax.make_jaxpr(lambda x: model.stream(x, t[0], c, cache, **kw))(x[:, :1]))
+    assert "callback" in jaxpr() and "callback" not in jaxpr(check_reach=False)
 
 
 # -- over a mesh -------------------------------------------------------------------------------
@@ -354,3 +369,7 @@ def test_stream_refusals(df_pipe):
         next(pipe.stream(**STREAM, chunk_frames=2, scheduler=sampling.FlowMatchEuler()))
     with pytest.raises(ValueError, match=r"`latents` must be the video's initial latents"):
         next(pipe.stream(**STREAM, chunk_frames=2, latents=np.zeros((1, 16, 3, 4, 6))))
+    reach = pipe.transformer_config.rope_max_seq_len
+    with pytest.raises(ValueError, match=rf"{reach + 1} latent frames pass the transformer's rope_max_seq_len "
+                                         rf"\({reach} latent frames\).*at most {4 * (reach - 1) + 1} frames"):
+        next(pipe.stream(**dict(STREAM, num_frames=4 * reach + 1), chunk_frames=1))

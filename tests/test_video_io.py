@@ -116,6 +116,10 @@ def test_video_to_frames_values():
     floats = smooth(3, 4, 6).astype(np.float32)
     np.testing.assert_allclose(interop.video_to_frames(interop.frames_to_video(floats)), floats,
                                rtol=0, atol=1e-7)
+    # a bfloat16 VAE's output (NumPy does not count bfloat16 as floating): as float32
+    half = interop.video_to_frames(jnp.asarray(video, jnp.bfloat16))
+    assert half.dtype == np.float32
+    np.testing.assert_array_equal(half, frames)
 
 
 def test_resize_keeps_a_constant_frame():

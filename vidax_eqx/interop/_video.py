@@ -9,6 +9,7 @@ in a clone of vidax_eqx).
 import fractions
 import os
 
+import ml_dtypes
 import numpy as np
 
 from .._checks import is_int, is_real
@@ -42,6 +43,16 @@ def _received(x) -> str:
     return f"shape {tuple(shape)}, dtype {getattr(x, 'dtype', '?')}"
 
 
+def _extended_float(dtype) -> bool:
+    """Whether `dtype` is one of JAX's floating types NumPy does not count as floating
+    (bfloat16, the float8 types: `ml_dtypes`')."""
+    try:
+        ml_dtypes.finfo(dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _as_array(owner: str, name: str, x, layout: str) -> np.ndarray:
     """`x` as a NumPy array of rank 4, non-empty, uint8 or floating and finite."""
     if getattr(x, "shape", None) is None and not isinstance(x, (list, tuple)):
@@ -58,7 +69,9 @@ def _as_array(owner: str, name: str, x, layout: str) -> np.ndarray:
         raise ValueError(f"{owner}: `{name}` must not be empty ({layout}); received "
                          f"{_received(a)}.")
     if a.dtype != np.uint8 and not np.issubdtype(a.dtype, np.floating):
-        raise ValueError(f"{owner}: `{name}` must be uint8 or floating; received {_received(a)}.")
+        if not _extended_float(a.dtype):
+            raise ValueError(f"{owner}: `{name}` must be uint8 or floating; received {_received(a)}.")
+        a = a.astype(np.float32)  # bfloat16 and the float8 types: as float32
     if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
         bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
         raise ValueError(f"{owner}: `{name}` must be finite; received {bad} NaN or infinite "

@@ -93,7 +93,7 @@ class KVCache(AbstractBatchedInput):
                        self.tokens_per_frame)
 
 
-def check_reach(out, cache: KVCache, max_frames: int, owner: str):
+def error_past_reach(out, cache: KVCache, max_frames: int, owner: str):
     """`out`, raising at run time (`eqx.error_if`) when `cache` (after a chunk: its
     `frame` one or one per example) has passed `max_frames` latent frames, the reach
     of the model's RoPE tables. Outside `shard_map` (its varying values do not go

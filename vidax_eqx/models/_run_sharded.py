@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..nn import sharding
 from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
-from ._kv_cache import check_reach, KVCache
+from ._kv_cache import error_past_reach, KVCache
 from ._options import attention_keywords, check_attention, BlockCausal, SlidingTile, VideoSparseTiles
 from ._step_cache import step_cache_specs
 
@@ -181,6 +181,8 @@ def run_sharded(model, x, timestep, context, *, mesh,
         kwargs = {**kwargs, "kv_cache": kv_cache}
     if cached:
         kwargs = {**kwargs, "step_cache": step_cache}
+    if streaming and "check_reach" in kwargs:  # a keyword of stream, not an array
+        static["check_reach"] = kwargs.pop("check_reach")
     names = sorted(kwargs)
     if cached and not isinstance(model, AbstractCachedModel):
         raise ValueError(
@@ -233,9 +235,9 @@ def run_sharded(model, x, timestep, context, *, mesh,
         check_vma=not cached,
     )
     result = run(model, x, timestep, context, decision, *(kwargs[n] for n in names))
-    if streaming:  # the RoPE tables' reach, checked here: outside shard_map
+    if streaming and static.get("check_reach", True):  # the RoPE tables' reach, outside shard_map
         out, cache = result
-        return check_reach(out, cache, model.config.rope_max_seq_len, "run_sharded"), cache
+        return error_past_reach(out, cache, model.config.rope_max_seq_len, "run_sharded"), cache
     return result
 
 

@@ -58,11 +58,12 @@ def _denoise(model, scheduler, plan, noise, branches, scale, key, kwargs, placem
         if mesh is not None:
             t = jnp.broadcast_to(t, (x.shape[0],))
             return models.run_sharded(model, x, t, branch.context, mesh=mesh, batch_axis=batch_axis,
-                                      kv_cache=branch.cache, text_cache=branch.text, **static,
-                                      **arrays)
+                                      kv_cache=branch.cache, text_cache=branch.text, check_reach=False,
+                                      **static, **arrays)
 
-        def one(x, context, text, cache, arrays):
-            return model.stream(x, t, context, cache, text_cache=text, **static, **arrays)
+        def one(x, context, text, cache, arrays):  # the reach checked on the host (`check_stream`)
+            return model.stream(x, t, context, cache, text_cache=text, check_reach=False, **static,
+                                **arrays)
 
         return jax.vmap(one)(x, branch.context, branch.text, branch.cache, arrays)
 
@@ -161,6 +162,12 @@ def check_stream(owner: str, pipe, grid, chunk_frames, max_cached_frames, window
                          f"of `chunk_frames` ({chunk_frames}): the cache holds whole chunks.")
     if window is not None:
         check_int(owner, "window", window, 1)
+    reach = pipe.transformer_config.rope_max_seq_len
+    if F > reach:  # checked here, so that the compiled chunk step holds no host callback
+        raise ValueError(
+            f"{owner}: the video's {F} latent frames pass the transformer's rope_max_seq_len "
+            f"({reach} latent frames), the reach of its RoPE tables; generate at most "
+            f"{(reach - 1) * pipe.vae.temporal_factor + 1} frames.")
     if not hasattr(pipe.transformer, "stream"):
         raise NotImplementedError(
             f"{owner}: streaming generation runs a transformer with a key/value cache "

@@ -148,17 +148,20 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         attention: BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
+        check_reach: bool = True,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], KVCache]:
         """One chunk of a video generated chunk by chunk with a key/value cache, as
-        [`WanTransformer3D.stream`][]; `timestep` a scalar or one per latent frame of the
-        chunk, `fps` as `__call__`. `attention` defaults to the model's own blocks
-        (`BlockCausal(num_frame_per_block)` when it is above 1), else one block per chunk."""
+        [`WanTransformer3D.stream`][] (`check_reach` its); `timestep` a scalar or one per
+        latent frame of the chunk, `fps` as `__call__`. `attention` defaults to the
+        model's own blocks (`BlockCausal(num_frame_per_block)` when it is above 1), else
+        one block per chunk."""
         with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.stream"):
             timestep, shift = self._skyreels_inputs(x, timestep, fps)
             if attention is None and self.config.num_frame_per_block > 1:
                 attention = BlockCausal(self.config.num_frame_per_block)
             return self._stream(x, timestep, context, cache, context_image=context_image,
-                                attention=attention, text_cache=text_cache, e0_shift=shift)
+                                attention=attention, text_cache=text_cache, e0_shift=shift,
+                                check_reach=check_reach)
 
     def _attention(self, attention):
         """The call's attention: with `num_frame_per_block > 1`, the model's frame-block

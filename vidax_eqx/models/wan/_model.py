@@ -20,7 +20,7 @@ from ...parallel import axis_size
 from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
 from .._checkpoint import load_pretrained, read_config
-from .._kv_cache import check_reach, KVCache
+from .._kv_cache import error_past_reach, KVCache
 from .._layers import check_remat, scan_layers, scan_layers_with_outputs
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._step_cache import cached_blocks, check_step_cache, StepCache, StepDecision
@@ -363,6 +363,7 @@ class WanTransformer3D(AbstractCachedModel):
         context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
         attention: BlockCausal | None = None,
         text_cache: WanTextCache | None = None,
+        check_reach: bool = True,
     ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], KVCache]:
         """One chunk of a video generated chunk by chunk (autoregressive video, as CausVid
         and Self-Forcing run Wan): the chunk's latent frames attend to themselves and to
@@ -388,6 +389,11 @@ class WanTransformer3D(AbstractCachedModel):
             attend with; default one block per chunk. `F` and the cache's `max_frames`
             must be multiples of `frames_per_block`; `window` (in blocks) narrows what
             the cache holds.
+        - `check_reach`: raise at run time when the stream passes the config's
+            `rope_max_seq_len` latent frames (`eqx.error_if`). That check is a host
+            callback, which JAX's persistent compilation cache refuses to store:
+            `False` when the caller has checked the video's length itself (the
+            pipelines' `stream` does), so that the compiled chunk step is cached.
 
         **Returns:**
 
@@ -405,10 +411,10 @@ class WanTransformer3D(AbstractCachedModel):
         """
         with jax.named_scope("vidax_eqx.models.WanTransformer3D.stream"):
             return self._stream(x, timestep, context, cache, context_image=context_image,
-                                attention=attention, text_cache=text_cache)
+                                attention=attention, text_cache=text_cache, check_reach=check_reach)
 
     def _stream(self, x, timestep, context, cache, *, context_image, attention, text_cache,
-                e0_shift=None):
+                e0_shift=None, check_reach=True):
         """`stream`'s forward (SkyReels-V2 adds `e0_shift`, its fps term)."""
         c = self.config
         owner = f"{type(self).__name__}.stream"
@@ -488,9 +494,9 @@ class WanTransformer3D(AbstractCachedModel):
         out = sharding.gather_tokens(self.head(tokens, t), parallel)  # the whole chunk's
         out = functional.unpatchify(out, grid, c.patch_size).astype(dtype)
         cache = cache.append(k_new, v_new, f)
-        if parallel.tp_axis is None and not parallel.sequence_axes and not parallel.fsdp_axes:
-            # (over a mesh, run_sharded checks it, outside shard_map)
-            out = check_reach(out, cache, c.rope_max_seq_len, owner)
+        on_mesh = parallel.tp_axis is not None or parallel.sequence_axes or parallel.fsdp_axes
+        if check_reach and not on_mesh:  # (over a mesh, run_sharded checks it, outside shard_map)
+            out = error_past_reach(out, cache, c.rope_max_seq_len, owner)
         return out, cache
 
     def _check_image(self, context_image):
