@@ -299,8 +299,7 @@ def main() -> int:
                         help="--first-frame: the video's latent frames, a multiple of 3 (3: one "
                              "chunk, no key/value cache, the first decode program only)")
     parser.add_argument("--vae-dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="--first-frame: the VAE's parameters (bfloat16 frames are refused "
-                             "by interop.video_to_frames for now)")
+                        help="--first-frame: the VAE's parameters")
     parser.add_argument("--window", type=int, default=6,
                         help="--one-length: latent frames the cache holds (0: every earlier one)")
     parser.add_argument("--compile-cache", metavar="DIR",
