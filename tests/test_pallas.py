@@ -242,6 +242,13 @@ def test_splash_blocks_choice():
     assert odd.padded(33000, 33000)[0] <= 33792  # not 34816 (2048-token tiles)
     if big.fused_bwd:
         assert not choose_blocks(mask="full", S_q=32760, S_k=32760, fused_bwd_max_bytes=0, **kw).fused_bwd
+    # a frame-block causal mask has its own row (a window: the local one's)
+    grid = (21, 30, 52)
+    q_bc = jax.ShapeDtypeStruct((1, 32760, 12, 128), jnp.bfloat16)
+    for window, row in ((None, "block_causal"), (6, "local")):
+        bc = kernels.BlockCausalMask(grid, 1, window=window)
+        chosen = kernels.splash_blocks(q_bc, q_bc, q_bc, mask=bc, implementation=kernels.PallasTpu())
+        assert chosen == choose_blocks(mask=row, S_q=32760, S_k=32760, **kw)
     q = jnp.zeros((1, 1000, 2, 128), jnp.bfloat16)
     assert kernels.splash_blocks(q, q, q, implementation=kernels.PallasTpu(block_q=256, block_kv=512)) == \
         kernels.SplashBlocks(256, 512)

@@ -358,7 +358,8 @@ class PallasTpu(AbstractImplementation):
             tm = opts.tile_mask
             bc = opts.block_causal
             mask = ("tile" if tm is not None
-                    else "causal" if (opts.causal and opts.window is None) or (bc and bc.left is None)
+                    else "block_causal" if bc and bc.left is None
+                    else "causal" if opts.causal and opts.window is None
                     else "local" if opts.causal or opts.window is not None or bc else "full")
             blocks = choose_blocks(
                 mask=mask, batch=B, heads=H, S_q=S_q, S_k=S_k, head_dim=D,
