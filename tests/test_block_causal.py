@@ -143,6 +143,19 @@ def test_matches_oracle(impl, cfg):
     check(run_kernel(impl, mask, a), a, dense)
 
 
+def test_uneven_fused_tiles():
+    """The chip's tiles for the mask (`"block_causal"`: query tiles smaller than key
+    tiles, the fused backward) over blocks that do not line up with them: 256-token
+    frames under 512 x 1024 tiles, the keys padded to the tile (interpret mode)."""
+    cfg = Config("uneven-tiles", (5, 8, 32), 1, text_len=9, D=16)
+    blocks = kernels.SplashBlocks(512, 1024, 512, block_q_dkv=512, block_kv_dkv=1024,
+                                  block_kv_dkv_compute=512, block_q_dq=512, block_kv_dq=1024,
+                                  fused_bwd=True)
+    mask = cfg.mask()
+    a = _inputs(cfg, mask.seq_len)
+    check(run_kernel(kernels.PallasTpu(interpret=True, blocks=blocks), mask, a), a, cfg.dense())
+
+
 # A chunk of the sequence by explicit positions (as ring attention passes them):
 # queries running past the end (padding), keys in two pieces, the first starting
 # before 0 and the second past the end.
