@@ -328,13 +328,7 @@ DF_CALL = dict(prompt=["A cat walks on the grass"], negative_prompt="bad quality
 def df_folder(tmp_path_factory):
     """The diffusion forcing pipeline folder: the Wan pipeline fixture's tokenizer, text
     encoder and VAE with the SkyReels-V2 transformer, scheduler and model index."""
-    folder = tmp_path_factory.mktemp("skyreels_df")
-    for part in ("tokenizer", "text_encoder", "vae"):
-        shutil.copytree(FIXTURES.parent / "wan_pipeline" / "t2v" / part, folder / part)
-    for part in ("transformer", "scheduler"):
-        shutil.copytree(FIXTURES / "df_pipeline" / part, folder / part)
-    shutil.copy(FIXTURES / "df_pipeline" / "model_index.json", folder)
-    return folder
+    return harness.skyreels_df_folder(tmp_path_factory.mktemp("skyreels_df"))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ mask of `num_frame_per_block=3`) and against the float64 oracle in
 import dataclasses
 import functools
 import pathlib
-import shutil
 
 import equinox as eqx
 import jax
@@ -289,12 +288,7 @@ STREAM = dict(prompt="A cat walks on the grass", height=32, width=48, num_frames
 def df_pipe(tmp_path_factory):
     """The tiny SkyReels-V2 diffusion forcing folder of `test_skyreels.py` (the Wan pipeline
     fixture's tokenizer, text encoder and VAE, a transformer with the fps embedding)."""
-    folder = tmp_path_factory.mktemp("stream_df")
-    for part in ("tokenizer", "text_encoder", "vae"):
-        shutil.copytree(FIXTURES.parent / "wan_pipeline" / "t2v" / part, folder / part)
-    for part in ("transformer", "scheduler"):
-        shutil.copytree(FIXTURES / "df_pipeline" / part, folder / part)
-    shutil.copy(FIXTURES / "df_pipeline" / "model_index.json", folder)
+    folder = harness.skyreels_df_folder(tmp_path_factory.mktemp("stream_df"))
     return folder, pipelines.SkyReelsV2DiffusionForcingPipeline.from_pretrained(folder, compile_cache=False)
 
 

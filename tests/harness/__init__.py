@@ -43,7 +43,8 @@ concern per module; this file only re-exports, so every test reads `harness.X`:
   at which sizes (`VIDAX_TEST_DEVICE`); `pallas_tpu`, `registered_pallas_tpu`, `accelerator`, `cpu`:
   the kernels and devices they run on.
 - **Sampling** (`_sampling.py`). `sample_reused`: `sampling.sample` and the steps that
-  reused the step cache, as its progress callback saw them.
+  reused the step cache, as its progress callback saw them; `skyreels_df_folder`: the tiny
+  SkyReels-V2 diffusion forcing pipeline folder assembled from the fixtures.
 - **Processes** (`_processes.py`). `NUM_PROCESSES`, `LOCAL_DEVICES`, `free_port`,
   `child_env`, `global_array` for the multi-process tests and their workers.
 
@@ -115,4 +116,4 @@ from ._text_joint import (
     text_joint_vjp as text_joint_vjp,
 )
 from ._weights import safetensors_entry as safetensors_entry, safetensors_file as safetensors_file
-from ._sampling import sample_reused as sample_reused
+from ._sampling import sample_reused as sample_reused, skyreels_df_folder as skyreels_df_folder

@@ -169,10 +169,9 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         check_int(_OWNER, "causal_block_size", block, 1)
         if isinstance(fps, bool) or not isinstance(fps, (int, float)):
             raise ValueError(f"{_OWNER}: `fps` must be a number (frames per second); received {fps!r}.")
-        a = addnoise_condition
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < 1000:
-            raise ValueError(f"{_OWNER}: `addnoise_condition` must be a number in [0, 1000) "
-                             f"(a timestep; 20 is recommended); received {a!r}.")
+        # The schedule (and addnoise_condition's check); each window adds its given frames.
+        forcing = sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block,
+                                            addnoise_condition=addnoise_condition)
         if overlap_history is not None:
             check_int(_OWNER, "overlap_history", overlap_history, 1)
         if base_num_frames is not None:
@@ -208,10 +207,8 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
                 f"{_OWNER}: `last_image` with a long video (windows): diffusers' pipeline "
                 "cuts the last window's overlap from the end of the video there, not the "
                 "last image; generate at most base_num_frames frames with it.")
-        plan = dict(windows=windows, block=block, ar_step=ar_step, addnoise=float(a),
-                    overlap=overlap, last=last_image is not None, video=frames,
+        plan = dict(windows=windows, overlap=overlap, last=last_image is not None, video=frames,
                     overlap_history=overlap_history)
-        forcing = sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block)
         out = super().__call__(prompt, negative_prompt, image=image, last_image=last_image,
                                forcing=forcing, skyreels_fps=0 if fps == 16 else 1,
                                skyreels_block=block, skyreels_plan=plan, **kwargs)
@@ -299,9 +296,8 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
             suffix = end if i == len(windows) - 1 else None
             if suffix is not None:
                 x = jnp.concatenate([x, suffix.astype(x.dtype)], axis=2)
-            schedule = dataclasses.replace(
-                forcing, prefix_frames=window.prefix, addnoise_condition=plan["addnoise"],
-                suffix_frames=0 if suffix is None else suffix.shape[2])
+            schedule = dataclasses.replace(forcing, prefix_frames=window.prefix,
+                                           suffix_frames=0 if suffix is None else suffix.shape[2])
             out = sample(x, condition=None, forcing=schedule,
                          key=jax.random.fold_in(key, i) if schedule.addnoise_condition > 0 else None,
                          **call)
