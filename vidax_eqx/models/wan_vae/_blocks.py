@@ -51,50 +51,6 @@ class WanResidualBlock(eqx.Module):
         return x + h, (c1, c2)
 
 
-def _signature(layer) -> tuple:
-    """What makes two layers the same program: their tree (the static fields included)
-    and their arrays' shapes and dtypes."""
-    leaves, tree = jax.tree.flatten(layer)
-    return tree, tuple((a.shape, a.dtype) if eqx.is_array(a) else a for a in leaves)
-
-
-def run_resnets(layers, x, cache, *, first: FirstChunk, split: SpatialSplit):
-    """`run_layers` with every run of consecutive
-    residual blocks of one shape (Wan's decoder stacks three per level) as one
-    `lax.scan` over their stacked parameters: the compiled program holds that block
-    once, not once per layer (the TPU compiles each convolution for seconds). The run's
-    caches are stacked too (one cache entry per run, whatever its length), so no copy is
-    made between chunks. A run's `None` cache is zeros, as each causal convolution reads
-    it."""
-    runs = []
-    for layer in layers:
-        same = (runs and isinstance(layer, WanResidualBlock) and isinstance(runs[-1][0], WanResidualBlock)
-                and _signature(layer) == _signature(runs[-1][0]))
-        if same:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    caches = []
-    for i, run in enumerate(runs):
-        c = cache_at(cache, i)
-        if len(run) == 1:
-            x, c = run[0](x, c, first=first, split=split)
-        else:
-            arrays, static = eqx.partition(run, eqx.is_array)
-            stacked = jax.tree.map(lambda *a: jnp.stack(a), *arrays)
-            if c is None:
-                shapes = jax.eval_shape(lambda x: run[0](x, None, first=first, split=split)[1], x)
-                c = jax.tree.map(lambda s: jnp.zeros((len(run), *s.shape), s.dtype), shapes)
-
-            def body(x, xs, static=static[0]):
-                params, c = xs
-                return eqx.combine(params, static)(x, c, first=first, split=split)
-
-            x, c = jax.lax.scan(body, x, (stacked, c))
-        caches.append(c)
-    return x, tuple(caches)
-
-
 class WanAttentionBlock(eqx.Module):
     """One-head self-attention over each frame's pixels (`to_qkv`, `proj`: 1x1 convs).
 
@@ -121,8 +77,8 @@ class WanAttentionBlock(eqx.Module):
             k, v = (jax.lax.all_gather(a, split.axes, axis=1, tiled=True) for a in (k, v))
         # The portable kernels ("xla" or "blockwise"), never a vendor kernel: beside the
         # splash kernel's call the TPU compiler rewrites the next convolutions into a
-        # form it takes minutes to compile (the decoder's mid block: 129 s against 10 s;
-        # `benchmarks/vae_compile.py`). On a CPU "auto" is the same choice.
+        # form it takes minutes to compile (the decoder's mid block: 129 s against 10 s).
+        # On a CPU "auto" is the same choice.
         out = attention(q, k, v, implementation="portable")  # (T, hw, 1, C), scale 1 / sqrt(C)
         out = jnp.moveaxis(out[:, :, 0, :], -1, 0).reshape(c, t, h, w)
         return self.proj(out) + x, None
@@ -227,7 +183,7 @@ class WanResidualDownBlock(eqx.Module):
 
     def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         shortcut = avg_down(first.zero_lead(x), self.out_dim, self.factor_t, self.factor_s)
-        x, caches = run_resnets(self.resnets, x, cache_at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.downsampler is not None:
             x, c = self.downsampler(x, cache_at(cache, 1), first=first, split=split)
@@ -248,7 +204,7 @@ class WanUpBlock(eqx.Module):
                            else [WanResample(out_dim, upsample_mode, dtype=dtype, key=keys[-1])])
 
     def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
-        x, caches = run_resnets(self.resnets, x, cache_at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.upsamplers is not None:
             x, c = self.upsamplers[0](x, cache_at(cache, 1), first=first, split=split)
@@ -276,7 +232,7 @@ class WanResidualUpBlock(eqx.Module):
     def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         shortcut = (dup_up(x, self.out_dim, self.factor_t, 2)
                     if self.upsampler is not None else None)
-        x, caches = run_resnets(self.resnets, x, cache_at(cache, 0), first=first, split=split)
+        x, caches = run_layers(self.resnets, x, cache_at(cache, 0), first=first, split=split)
         c = None
         if self.upsampler is not None:
             x, c = self.upsampler(x, cache_at(cache, 1), first=first, split=split)
@@ -345,7 +301,7 @@ class WanEncoder3d(eqx.Module):
 
     def __call__(self, x, cache, *, first: FirstChunk, split: SpatialSplit):
         x, c_in = self.conv_in(x, cache_at(cache, 0), split=split)
-        x, c_down = run_resnets(self.down_blocks, x, cache_at(cache, 1), first=first, split=split)
+        x, c_down = run_layers(self.down_blocks, x, cache_at(cache, 1), first=first, split=split)
         x, c_mid = self.mid_block(x, cache_at(cache, 2), first=first, split=split)
         x, c_out = _head(self.norm_out, self.conv_out, x, cache_at(cache, 3), first, split)
         return x, (c_in, c_down, c_mid, c_out)
