@@ -5,8 +5,10 @@ split over 8 simulated devices against one device (forward and gradients), the c
 convolution's chunked caches against a float64 NumPy convolution of the whole video, and
 bad input."""
 
+import dataclasses
 import os
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import harness
 from vidax_eqx import nn
 from vidax_eqx.models import Tiling, WanVAE, WanVAEConfig
+from vidax_eqx.models.internal import vae_program
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "wan_vae")
@@ -271,18 +274,11 @@ def test_max_frames_gives_the_same_video(wan21):
         wan21.decode(jnp.asarray(io["latents_2"]), max_frames=1)
 
 
-
 def test_frame_attention_is_no_vendor_kernel_on_a_tpu():
     """The VAE's frame attention runs the portable kernels on a TPU, never the splash
     kernel: beside the splash kernel's call the TPU compiler rewrites the next
     convolutions into a form it takes minutes to compile (the decoder's mid block: 129 s
     against 10 s). Lowered for a TPU from this host, abstract weights."""
-    import dataclasses
-
-    import equinox as eqx
-
-    from vidax_eqx.models.internal import vae_program
-
     config = dataclasses.replace(WanVAEConfig.wan21(), base_dim=8)
     vae = eqx.filter_eval_shape(WanVAE, config, key=jax.random.key(0))
     for op, shape in (("decode", (16, 2, 4, 4)), ("encode", (3, 5, 32, 32))):
