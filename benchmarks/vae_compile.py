@@ -16,6 +16,11 @@ reports one (TPU, GPU). Works on any backend; on a CPU use small sizes
     python benchmarks/vae_compile.py                                  # 480p x 81, chunks 1 and 3, bfloat16
     python benchmarks/vae_compile.py --frames 9 --height 64 --width 64 --dtype float32
     python benchmarks/vae_compile.py --ops decode encode --chunks 1
+    python benchmarks/vae_compile.py --efforts 0 -1      # XLA's default optimization effort, then the least
+
+`--efforts` compiles each program at each of XLA's `exec_time_optimization_effort` values
+(-1 to 1; 0 is XLA's default, `default` the library's own choice for the program), and
+`max diff` compares each result with the first effort's (largest absolute difference).
 """
 
 import argparse
@@ -30,6 +35,7 @@ import _harness  # noqa: E402,F401  (this checkout's vidax_eqx first on the path
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from vidax_eqx.models import WanVAE, WanVAEConfig  # noqa: E402
 from vidax_eqx.models.internal import vae_program  # noqa: E402
@@ -40,24 +46,25 @@ def _peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def measure(vae, op: str, x, chunk: int, rounds: int) -> dict:
+def measure(vae, op: str, x, chunk: int, rounds: int, effort: str) -> dict:
     fn, args = vae_program(vae, op, x, chunk)
+    options = {} if effort == "default" else {"exec_time_optimization_effort": float(effort)}
     t = time.perf_counter()
-    compiled = fn.lower(*args).compile()
+    compiled = fn.lower(*args).compile(compiler_options=options)
     compile_s = time.perf_counter() - t
     hlo = compiled.as_text()
     instructions = sum(1 for line in hlo.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+\s*=", line))
     loops = len(re.findall(r"\bwhile\(", hlo))
     memory = compiled.memory_analysis()
     t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
+    out = jax.block_until_ready(compiled(*args))
     first_s = time.perf_counter() - t
     steady = []
     for _ in range(rounds):
         t = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         steady.append(time.perf_counter() - t)
-    return dict(compile_s=compile_s, first_s=first_s,
+    return dict(out=out, compile_s=compile_s, first_s=first_s,
                 steady_s=statistics.median(steady) if steady else float("nan"),
                 instructions=instructions, loops=loops,
                 temp=getattr(memory, "temp_size_in_bytes", None), peak=_peak_bytes())
@@ -71,6 +78,8 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--ops", nargs="+", default=["decode"], choices=["decode", "encode"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--efforts", nargs="+", default=["default"],
+                        help="XLA exec_time_optimization_effort values (-1 to 1) or `default`")
     parser.add_argument("--rounds", type=int, default=2, help="steady-state runs after the first")
     args = parser.parse_args(argv)
     if (args.frames - 1) % 4 or args.height % 8 or args.width % 8:
@@ -91,16 +100,22 @@ def main(argv=None):
     print(f"# Wan 2.1 VAE cold start, jax {jax.__version__}, {device.platform} ({device.device_kind}), "
           f"{args.dtype}, {args.frames} frames at {args.height} x {args.width} (latents "
           f"{latents}), random weights built in {build_s:.1f} s")
-    print("| op | chunk | compile s | first run s | steady s | HLO instructions | while loops "
-          "| XLA temp GiB | device peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | chunk | effort | compile s | first run s | steady s | max diff | HLO instructions "
+          "| while loops | XLA temp GiB | device peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    gib = lambda b: "–" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     for op in args.ops:
         for chunk in args.chunks:
-            r = measure(vae, op, inputs[op], chunk, args.rounds)
-            gib = lambda b: "–" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
-            print(f"| {op} | {chunk} | {r['compile_s']:.1f} | {r['first_s']:.2f} | {r['steady_s']:.2f} "
-                  f"| {r['instructions']} | {r['loops']} | {gib(r['temp'])} | {gib(r['peak'])} |",
-                  flush=True)
+            first = None
+            for effort in args.efforts:
+                r = measure(vae, op, inputs[op], chunk, args.rounds, effort)
+                out = np.asarray(r.pop("out").astype(jnp.float32))  # on the host: the chip's memory
+                first = out if first is None else first
+                diff = float(np.max(np.abs(out - first)))
+                print(f"| {op} | {chunk} | {effort} | {r['compile_s']:.1f} | {r['first_s']:.2f} "
+                      f"| {r['steady_s']:.2f} | {diff:.2e} | {r['instructions']} | {r['loops']} "
+                      f"| {gib(r['temp'])} | {gib(r['peak'])} |", flush=True)
+                del out
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 import harness
 from vidax_eqx import nn
 from vidax_eqx.models import Tiling, WanVAE, WanVAEConfig
-from vidax_eqx.models.internal import vae_program
+from vidax_eqx.models.internal import vae_jit, vae_program
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "wan_vae")
@@ -285,3 +285,32 @@ def test_frame_attention_is_no_vendor_kernel_on_a_tpu():
         fn, args = vae_program(vae, op, jax.ShapeDtypeStruct(shape, jnp.float32), 1)
         tpu = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
         assert "stablehlo.convolution" in tpu and "tpu_custom_call" not in tpu, op
+
+
+def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
+    """`vae_jit` compiles with XLA's lower `exec_time_optimization_effort` for a call whose
+    arrays or mesh are on a TPU, with XLA's defaults elsewhere (a CPU program is the one
+    it always was), and leaves the effort to a user who set JAX's own option."""
+    from vidax_eqx.models import _vae
+
+    seen = []
+    real_filter_jit = eqx.filter_jit
+
+    def filter_jit(fn, **kwargs):
+        seen.append(kwargs.get("compiler_options"))
+        return real_filter_jit(fn, **kwargs)
+
+    monkeypatch.setattr(_vae.eqx, "filter_jit", filter_jit)
+    double = vae_jit(lambda vae, x, mesh=None: vae * x)
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(double(2.0, x), 2 * x)
+    np.testing.assert_array_equal(double(2.0, x, jax.make_mesh((1,), ("s",))), 2 * x)
+    assert seen == [None]  # one program, XLA's default options, for every CPU call
+    low = {"exec_time_optimization_effort": _vae.TPU_COMPILE_EFFORT}
+    assert _vae.compile_options("tpu") == low and _vae.compile_options("cpu") == {}
+    assert -1 <= _vae.TPU_COMPILE_EFFORT < 0
+    jax.config.update("jax_exec_time_optimization_effort", 0.25)
+    try:
+        assert _vae.compile_options("tpu") == {}
+    finally:
+        jax.config.update("jax_exec_time_optimization_effort", 0.0)

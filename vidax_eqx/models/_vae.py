@@ -16,8 +16,12 @@ program holds the model once whatever the chunk size.
 Space is split over two mesh axes inside `shard_map` (a
 [`vidax_eqx.parallel.SpatialSplit`][]): each device holds one block of every frame, its
 convolutions borrow their neighbours' edge rows, and the result is the whole frame's.
+
+On a TPU the VAEs' programs compile at a lower XLA optimization effort (`vae_jit`):
+their many large convolutions are where a cold start's compile time goes.
 """
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -27,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .. import interop
@@ -354,6 +358,55 @@ def blend_tiles(rows: list[list[jax.Array]], blend: tuple[int, int],
     return jnp.concatenate(out_rows, axis=-2)[..., :size[0], :size[1]]
 
 
+# XLA's `exec_time_optimization_effort` (-1 to 1; XLA's default 0) for the VAEs' programs
+# on a TPU. At -0.5 and below the TPU compiler skips its slow search for each
+# convolution's code. Measured on a v5e chip (Wan 2.1, 480p x 81 frames, bfloat16,
+# `benchmarks/vae_compile.py --efforts`): the decode compiles in 5.9 / 7.8 s instead of
+# 38.2 / 39.8 s (chunk 1 / 3) and runs 12% / 10% slower (6.23 / 5.75 s against
+# 5.57 / 5.24 s), the encode in 6.9 / 7.5 s instead of 28.1 / 30.8 s, 14% / 11% slower;
+# at -1 the programs ran 50-60% slower. A VAE program runs once per video, after minutes of
+# denoising: the half minute of compile is the larger cost. Other platforms keep XLA's
+# default (on a CPU the option changes neither the compiled program nor a bit of the
+# result). A user who set `jax_exec_time_optimization_effort` (any value but 0) keeps it.
+TPU_COMPILE_EFFORT = -0.5
+
+
+def compile_options(platform: str) -> dict:
+    """The XLA compile options of a VAE program lowered for `platform`."""
+    if platform != "tpu" or jax.config.jax_exec_time_optimization_effort != 0.0:
+        return {}
+    return {"exec_time_optimization_effort": TPU_COMPILE_EFFORT}
+
+
+def _platform(args) -> str:
+    """The platform a call of `args` runs on: the first mesh's or committed array's among
+    them, else JAX's default backend (also under a trace: the program is then the outer
+    one's)."""
+    for leaf in jax.tree.leaves(args, is_leaf=lambda a: isinstance(a, Mesh)):
+        if isinstance(leaf, Mesh):
+            return leaf.devices.flat[0].platform
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.sharding.device_set)).platform
+    return jax.default_backend()
+
+
+def vae_jit(fn: Callable) -> Callable:
+    """`eqx.filter_jit(fn)` compiled with [`compile_options`][] for the platform of the
+    call's arguments after the first (the VAE; its weights' placement says nothing about
+    where a call runs that names a mesh)."""
+    jitted = {}
+
+    @functools.wraps(fn)
+    def call(vae, *args):
+        options = compile_options(_platform(args))
+        key = tuple(sorted(options.items()))
+        if key not in jitted:
+            jitted[key] = eqx.filter_jit(fn, compiler_options=options or None)
+        return jitted[key](vae, *args)
+
+    return call
+
+
 def _block(vae, which: str, options: tuple):
     def body(vae, x, split):
         return getattr(vae, f"_{which}_block")(x, split, *options)
@@ -361,7 +414,7 @@ def _block(vae, which: str, options: tuple):
     return body
 
 
-@eqx.filter_jit
+@vae_jit
 def run_blocks(vae, x, mesh, split: SpatialSplit, which: str, *options):
     """The compiled `vae._encode_block(x, split, *options)` (or `_decode_block`), on one
     device or mapped over `mesh` by [`map_frames`][]: the body of a VAE's public calls.
@@ -369,11 +422,12 @@ def run_blocks(vae, x, mesh, split: SpatialSplit, which: str, *options):
     return map_frames(_block(vae, which, options), vae, x, mesh, split)
 
 
-def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None):
+def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None, platform=None):
     """`(fn, args)`: [`run_blocks`][]'s body (without the public call's checks) as a
     `jax.jit` function of the VAE's arrays and `x`; `fn.lower(*args)` compiles it,
     `jax.make_jaxpr(fn)(*args)` traces it. `vae` and `x` may be abstract
-    (`jax.ShapeDtypeStruct`s): what the memory benchmark measures."""
+    (`jax.ShapeDtypeStruct`s): what the memory benchmark measures. Compiled with
+    [`compile_options`][] for `platform` (the mesh's, else JAX's default backend)."""
     split = check_split(f"vae_program({which})", mesh, spatial_axes, x.shape[2], x.shape[3], 1,
                         "input")
     is_leaf = lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct))  # noqa: E731
@@ -383,7 +437,8 @@ def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None):
     def fn(params, x):
         return map_frames(body, eqx.combine(params, static, is_leaf=is_leaf), x, mesh, split)
 
-    return jax.jit(fn), (params, x)
+    platform = platform or (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+    return jax.jit(fn, compiler_options=compile_options(platform) or None), (params, x)
 
 
 CONFIG_FILE = "config.json"

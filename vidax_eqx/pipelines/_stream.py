@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, models, sampling
+from ..models.internal import vae_jit
 from ._common import check_int, dtype_of
 
 
@@ -90,7 +91,7 @@ def _text_caches(model, context):
     return jax.vmap(model.text_cache)(context)
 
 
-@eqx.filter_jit
+@vae_jit
 def _decode(vae, latents, states):
     """The chunk's frames `(B, 3, F, H, W)` and the VAE's next states, one example at a
     time (`states` `None` for the first chunk)."""

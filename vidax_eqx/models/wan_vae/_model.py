@@ -17,7 +17,7 @@ from .._vae import (
     blend_tiles, check_chunk, check_latents, check_one_device, check_split, check_video,
     checkpoint_path,
     CONFIG_FILE, FirstChunk, GaussianPosterior, load_vae, pad_frames, posterior, run_blocks,
-    run_scanned, save_vae, Tiling,
+    run_scanned, save_vae, Tiling, vae_jit,
 )
 from ._blocks import patchify, unpatchify, WanDecoder3d, WanEncoder3d
 from ._config import WanVAEConfig
@@ -352,7 +352,7 @@ def _run_decoder(vae, x, split: SpatialSplit, chunk: int):
                        out_frames=1 + tf * (x.shape[1] - 1))
 
 
-@eqx.filter_jit
+@vae_jit
 def _decode_patched(vae, latents, chunk):
     """A tile's decode before unpatching and clamping (diffusers blends those)."""
     return _run_decoder(vae, vae.post_quant_conv(latents)[0], SpatialSplit(), chunk)
