@@ -290,7 +290,8 @@ def test_frame_attention_is_no_vendor_kernel_on_a_tpu():
 def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
     """`vae_jit` compiles with XLA's lower `exec_time_optimization_effort` for a call whose
     arrays or mesh are on a TPU, with XLA's defaults elsewhere (a CPU program is the one
-    it always was), and leaves the effort to a user who set JAX's own option."""
+    it always was) and inside a trace (JAX refuses options on a nested `jit`), and leaves
+    the effort to a user who set JAX's own option."""
     from vidax_eqx.models import _vae
 
     seen = []
@@ -301,14 +302,24 @@ def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
         return real_filter_jit(fn, **kwargs)
 
     monkeypatch.setattr(_vae.eqx, "filter_jit", filter_jit)
-    double = vae_jit(lambda vae, x, mesh=None: vae * x)
+    double = vae_jit(lambda vae, x, mesh=None: vae * jnp.sin(x))
     x = jnp.arange(3.0)
-    np.testing.assert_array_equal(double(2.0, x), 2 * x)
-    np.testing.assert_array_equal(double(2.0, x, jax.make_mesh((1,), ("s",))), 2 * x)
+    np.testing.assert_array_equal(double(2.0, x), 2 * jnp.sin(x))
+    np.testing.assert_array_equal(double(2.0, x, jax.make_mesh((1,), ("s",))), 2 * jnp.sin(x))
     assert seen == [None]  # one program, XLA's default options, for every CPU call
     low = {"exec_time_optimization_effort": _vae.TPU_COMPILE_EFFORT}
     assert _vae.compile_options("tpu") == low and _vae.compile_options("cpu") == {}
     assert -1 <= _vae.TPU_COMPILE_EFFORT < 0
+    # As on a TPU (a CPU compiles with the option as without it): the options at the top
+    # level only; under jit, grad and vmap the call works as any other.
+    monkeypatch.setattr(_vae, "_platform", lambda args: "tpu")
+    np.testing.assert_array_equal(double(2.0, x), 2 * jnp.sin(x))
+    assert seen == [None, low]
+    np.testing.assert_allclose(jax.jit(lambda x: double(2.0, x))(x), 2 * jnp.sin(x))
+    np.testing.assert_allclose(jax.jit(lambda: double(2.0, x))(), 2 * jnp.sin(x))  # x closed over
+    np.testing.assert_allclose(jax.grad(lambda x: double(2.0, x).sum())(x), 2 * jnp.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(lambda x: double(2.0, x))(x[:, None])[:, 0], 2 * jnp.sin(x))
+    assert seen == [None, low]
     jax.config.update("jax_exec_time_optimization_effort", 0.25)
     try:
         assert _vae.compile_options("tpu") == {}

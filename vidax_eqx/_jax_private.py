@@ -262,6 +262,12 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
         attributes=("client", "process_id", "num_processes"),
     ),
     # ------------------------------------------------------------------ JAX config
+    "trace_state_clean": EntryPoint(
+        "jax._src.core", "trace_state_clean",
+        "whether a call runs outside every trace (no `jit`, `grad`, ... around it): "
+        "`models/_vae.py: vae_jit` passes its compile options only then, since JAX refuses "
+        "`compiler_options` on a `jit` staged into an outer trace (no public handle exists)",
+    ),
     "check_vma": EntryPoint(
         "jax._src.config", "_check_vma",
         "the switch `shard_map(check_vma=...)` sets: `_vma.tracks_vma` reads it, "

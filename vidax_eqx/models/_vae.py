@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .. import interop
+from .. import _jax_private, interop
 from .._checks import is_int
 from .._vma import as_varying, varying_axes
 from ..nn.sharding import filter_shard_map
@@ -393,12 +393,15 @@ def _platform(args) -> str:
 def vae_jit(fn: Callable) -> Callable:
     """`eqx.filter_jit(fn)` compiled with [`compile_options`][] for the platform of the
     call's arguments after the first (the VAE; its weights' placement says nothing about
-    where a call runs that names a mesh)."""
+    where a call runs that names a mesh). Inside a trace (a `jit`, `grad`, ... around the
+    call) without options: the outer program is the one compiled, and JAX refuses
+    `compiler_options` on a `jit` staged into another."""
     jitted = {}
 
     @functools.wraps(fn)
     def call(vae, *args):
-        options = compile_options(_platform(args))
+        top_level = "trace_state_clean" not in _jax_private.MISSING and _jax_private.trace_state_clean()
+        options = compile_options(_platform(args)) if top_level else {}
         key = tuple(sorted(options.items()))
         if key not in jitted:
             jitted[key] = eqx.filter_jit(fn, compiler_options=options or None)
