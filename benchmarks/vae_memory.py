@@ -76,7 +76,7 @@ def measure(vae, which: str, x, chunk: int, mesh):
                compile_s=seconds)
     if mesh is not None:
         tally = {"ppermute": 0, "all_gather": 0, "conv_in": 0}
-        _walk(jax.make_jaxpr(fn)(*args).jaxpr, False, tally)
+        _walk(fn.trace(*args).jaxpr.jaxpr, False, tally)
         row.update(tally)
     return row
 

@@ -428,7 +428,8 @@ def run_blocks(vae, x, mesh, split: SpatialSplit, which: str, *options):
 def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None, platform=None):
     """`(fn, args)`: [`run_blocks`][]'s body (without the public call's checks) as a
     `jax.jit` function of the VAE's arrays and `x`; `fn.lower(*args)` compiles it,
-    `jax.make_jaxpr(fn)(*args)` traces it. `vae` and `x` may be abstract
+    `fn.trace(*args).jaxpr` traces it (not `jax.make_jaxpr(fn)` on a TPU: JAX refuses
+    compile options on a `jit` inside another trace). `vae` and `x` may be abstract
     (`jax.ShapeDtypeStruct`s): what the memory benchmark measures. Compiled with
     [`compile_options`][] for `platform` (the mesh's, else JAX's default backend)."""
     split = check_split(f"vae_program({which})", mesh, spatial_axes, x.shape[2], x.shape[3], 1,
