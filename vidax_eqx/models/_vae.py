@@ -441,7 +441,7 @@ def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None, plat
     def fn(params, x):
         return map_frames(body, eqx.combine(params, static, is_leaf=is_leaf), x, mesh, split)
 
-    platform = platform or (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+    platform = platform or _platform(mesh)
     return jax.jit(fn, compiler_options=compile_options(platform) or None), (params, x)
 
 
