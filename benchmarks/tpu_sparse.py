@@ -137,8 +137,9 @@ def _sta_splash(tm, impl):
     return lambda q, k, v: kernels.attention(q, k, v, mask=tm, implementation=impl)
 
 
-def _sta_gather(tm, interpret):
-    return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret)[0]
+def _sta_gather(tm, interpret, kv_tiles=None):
+    return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret,
+                                                                      kv_tiles=kv_tiles)[0]
 
 
 def _dense(**options):
@@ -265,11 +266,39 @@ def cases(args) -> list[Case]:
             rows.append(Case("BC", f"{bc_grid} blocks of 1 frame", f"splash {label}", S,
                              _dense(mask=bc, implementation=kernels.PallasTpu(blocks=blocks)), bc.density(),
                              priority=7, knob=True))
+    if not args.smoke:
+        rows += _chunk_rows(tpu)
     if args.quick or args.smoke:
         rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
     if args.section:
         rows = [r for r in rows if r.section == args.section]
     return sorted(rows, key=lambda r: r.priority)  # stable: the order above within a priority
+
+
+def _chunk_rows(tpu) -> list[Case]:
+    """`--section TUNE`: the gathering kernels' keys per chunk (their matrix products'
+    width) on VSA's fine stage at both sparsities (`KV_TARGET`, with 1 and 2 chains) and
+    on sliding tile attention at the issue's 72-token tiles and at 128-token tiles
+    (`kv_tiles`: the window's runs of 3 tiles sliced, or several gathered)."""
+    layout = kernels.internal.VsaLayout(VSA_GRID, VSA_TILE)
+    S = layout.video_len
+    rows = [Case("TUNE", f"{VSA_GRID}", "dense", S, _dense(), priority=9)]
+    # (sparsity, patch, priority): the most telling rows first.
+    for sp, patch, priority in ((0.9, {}, 9), (0.9, {"KV_TARGET": 1024}, 9), (0.9, {"KV_TARGET": 768}, 9),
+                                (0.75, {}, 10), (0.75, {"KV_TARGET": 1024}, 10),
+                                (0.9, {"KV_TARGET": 1024, "CHAINS": 1}, 11)):
+        name, density = f"VSA sparsity {sp} fine alone", layout.topk(None, sp) / layout.n_tiles
+        path = ", ".join(f"{k}={v}" for k, v in patch.items()) or "default"
+        rows.append(Case("TUNE", name, path, S, _vsa_fine(VSA_GRID, VSA_TILE, sp, tpu, False), density,
+                         "default" if patch else None, patch, priority=priority, knob=True))
+    for (grid, tile), priority in ((STA_ISSUE, 9), ((STA_GRIDS[0], (2, 8, 8)), 11)):
+        tm = kernels.SlidingTileMask(grid, tile, WINDOW)
+        rows.append(Case("TUNE", f"{grid}", "dense", tm.video_len, _dense(), priority=priority))
+        for kv_tiles in (None, 6, 9):
+            rows.append(Case("TUNE", f"STA {grid} tile {tile}", f"gather kv_tiles={kv_tiles or 'default'}",
+                             tm.video_len, _sta_gather(tm, False, kv_tiles), tm.density(),
+                             "gather kv_tiles=default" if kv_tiles else None, priority=priority, knob=True))
+    return rows
 
 
 # -- measuring -------------------------------------------------------------------------------
@@ -410,7 +439,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode (CPU)")
     parser.add_argument("--budget", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--section", choices=("VSA", "STA", "BC"), default=None, help="that section's rows only")
+    parser.add_argument("--section", choices=("VSA", "STA", "BC", "TUNE"), default=None, help="that section's rows only")
     parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
                         help="compile every row for this TPU topology (e.g. v5e:1x1) from this host, run none")
     args = parser.parse_args(argv)
