@@ -236,8 +236,8 @@ def cases(args) -> list[Case]:
             for path, patch in (("fine alone, gathered by copy", {"GATHER": "copy"}),
                                 ("fine alone unrolled", {"UNROLL": True}),
                                 ("fine alone unrolled chains=4", {"UNROLL": True, "CHAINS": 4}),
-                                ("fine alone chains=4", {"CHAINS": 4}), ("fine alone 1024 keys", {"KV_TARGET": 1024}),
-                                ("fine alone chains=4 1024 keys", {"CHAINS": 4, "KV_TARGET": 1024})):
+                                ("fine alone chains=4", {"CHAINS": 4}),
+                                ("fine alone, 512 keys per chunk (before)", {"KV_KEYS_FWD": 512, "KV_KEYS_BWD": 512})):
                 rows.append(Case("VSA", name, path, S, fine(), density, "fine stage alone", patch, priority=5,
                                  knob=True))
             rows.append(Case("VSA", name, "fine alone, tiles sorted", S, fine("sorted"), density, priority=5,
@@ -276,28 +276,32 @@ def cases(args) -> list[Case]:
 
 
 def _chunk_rows(tpu) -> list[Case]:
-    """`--section TUNE`: the gathering kernels' keys per chunk (their matrix products'
-    width) on VSA's fine stage at both sparsities (`KV_TARGET`, with 1 and 2 chains) and
-    on sliding tile attention at the issue's 72-token tiles and at 128-token tiles
-    (`kv_tiles`: the window's runs of 3 tiles sliced, or several gathered)."""
+    """`--section TUNE`: the gathering kernels' chunks (keys per chunk: their matrix
+    products' width; `KV_KEYS_FWD`, `KV_KEYS_BWD`, `CHAINS`) on VSA (whole, and its fine
+    stage alone) and on sliding tile attention at the issue's 72-token tiles and at
+    128-token tiles, the defaults first."""
     layout = kernels.internal.VsaLayout(VSA_GRID, VSA_TILE)
     S = layout.video_len
     rows = [Case("TUNE", f"{VSA_GRID}", "dense", S, _dense(), priority=9)]
-    # (sparsity, patch, priority): the most telling rows first.
-    for sp, patch, priority in ((0.9, {}, 9), (0.9, {"KV_TARGET": 1024}, 9), (0.9, {"KV_TARGET": 768}, 9),
-                                (0.75, {}, 10), (0.75, {"KV_TARGET": 1024}, 10),
-                                (0.9, {"KV_TARGET": 1024, "CHAINS": 1}, 11)):
+    for sp in (0.9, 0.75):
+        rows.append(Case("TUNE", f"VSA sparsity {sp}", "gather", S, _vsa(VSA_GRID, VSA_TILE, sp, tpu),
+                         layout.topk(None, sp) / layout.n_tiles, priority=9))
+    for sp, patch, priority in ((0.9, {}, 10), (0.75, {}, 10), (0.75, {"KV_KEYS_BWD": 768}, 10),
+                                (0.75, {"CHAINS": 1}, 10), (0.9, {"KV_KEYS_BWD": 768}, 12)):
         name, density = f"VSA sparsity {sp} fine alone", layout.topk(None, sp) / layout.n_tiles
         path = ", ".join(f"{k}={v}" for k, v in patch.items()) or "default"
         rows.append(Case("TUNE", name, path, S, _vsa_fine(VSA_GRID, VSA_TILE, sp, tpu, False), density,
                          "default" if patch else None, patch, priority=priority, knob=True))
-    for (grid, tile), priority in ((STA_ISSUE, 9), ((STA_GRIDS[0], (2, 8, 8)), 11)):
+    for (grid, tile), priority, patches in ((STA_ISSUE, 9, ({},)),
+                                            ((STA_GRIDS[0], (2, 8, 8)), 11, ({}, {"KV_KEYS_FWD": 3456})),
+                                            ((STA_GRIDS[1], (2, 8, 8)), 12, ({},))):
         tm = kernels.SlidingTileMask(grid, tile, WINDOW)
         rows.append(Case("TUNE", f"{grid}", "dense", tm.video_len, _dense(), priority=priority))
-        for kv_tiles in (None, 6, 9):
-            rows.append(Case("TUNE", f"STA {grid} tile {tile}", f"gather kv_tiles={kv_tiles or 'default'}",
-                             tm.video_len, _sta_gather(tm, False, kv_tiles), tm.density(),
-                             "gather kv_tiles=default" if kv_tiles else None, priority=priority, knob=True))
+        for patch in patches:
+            path = "gather " + (", ".join(f"{k}={v}" for k, v in patch.items()) or "default")
+            rows.append(Case("TUNE", f"STA {grid} tile {tile}", path, tm.video_len, _sta_gather(tm, False),
+                             tm.density(), "gather default" if patch else None, patch, priority=priority,
+                             knob=True))
     return rows
 
 

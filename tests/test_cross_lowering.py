@@ -456,15 +456,16 @@ def test_video_sparse_attention(resolution, direction):
     """VSA (`video_sparse_attention`, issue 26) with its Pallas TPU block-sparse fine
     stage, Wan 1.3B: at 480p the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624
     tiles, 39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9); at
-    720p 1,440 tiles, 144 per query tile (the query tiles in two chunks whose tile tables
-    fit SMEM). The tile-gathering kernels (`_pallas_tpu_gather`: K/V resident in VMEM)
+    720p 1,440 tiles, 144 per query tile (the backward's query tiles in two chunks whose
+    tile tables fit SMEM). The tile-gathering kernels (`_pallas_tpu_gather`: K/V resident in VMEM)
     serve both (forward; dQ and dK/dV in the backward); no array of the module reaches
     S x S elements, nor |q| + |k| + |v|; "auto" picks the kernel for TPU."""
     grid, S = VSA_GRIDS[resolution]
     tile = (4, 4, 4)
     H, D = MODELS["wan1.3b"]
     n = S // 64
-    p = _pallas_tpu_gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64)
+    p = _pallas_tpu_gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64,
+                                keys=_pallas_tpu_gather.KV_KEYS_BWD)
     assert p.C == {"480p": 1, "720p": 2}[resolution]
     q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
     for implementation in ("pallas_tpu", "auto"):

@@ -151,15 +151,21 @@ def test_csr_table():
 
 
 def test_plan_and_dispatch(monkeypatch):
-    """Wan 1.3B at sparsity 0.9 (bf16, 12 heads of 128, tiles of 64): 480p in one call's
-    worth of query tiles, 720p in two; chunks of 8 key tiles (512 keys). `PallasTpu`
-    runs these kernels, and the per-tile kernels when the resident arrays do not fit."""
-    for n, chunks in ((624, 1), (1440, 2)):
+    """Wan 1.3B at sparsity 0.9 (bf16, 12 heads of 128, tiles of 64, 63 selected): at
+    480p the forward's chunks are 32 key tiles (2,048 keys: the selection in two chunks
+    of whole vregs), the backward's 16; at 720p the resident arrays do not fit with such
+    chunks, which shrink until they do (forward 9 tiles, backward 8), in two calls'
+    worth of query tiles. `PallasTpu` runs these kernels, and the per-tile kernels when
+    the resident arrays do not fit at all."""
+    for n, fwd, bwd in ((624, (2, 32), (1, 16)), (1440, (2, 9), (2, 8))):
         shape = (1, n * 64, 12, 128)
-        p = _pallas_tpu_gather.plan(shape, shape, jnp.bfloat16, math.ceil(0.1 * n), 64)
-        assert (p.C, p.T, p.CH, p.W) == (chunks, 64, 8, 512)
-        assert p.vmem_fwd <= 100 * 2**20 and p.vmem_dkv <= 100 * 2**20
-    assert _pallas_tpu_gather.kv_chunk(128, run=3) == 3 and _pallas_tpu_gather.kv_chunk(512, run=3) == 1
+        for keys, (chunks, tiles) in ((None, fwd), (_pallas_tpu_gather.KV_KEYS_BWD, bwd)):
+            p = _pallas_tpu_gather.plan(shape, shape, jnp.bfloat16, math.ceil(0.1 * n), 64, keys=keys)
+            assert (p.C, p.T, p.CH, p.W) == (chunks, 64, tiles, tiles * 64)
+            assert p.vmem_fwd <= 100 * 2**20 and p.vmem_dkv <= 100 * 2**20
+    # Sliding tile attention's window of 27 tiles of 80 rows: one chunk forward, three backward.
+    assert _pallas_tpu_gather.kv_chunk(80, 27, 2304) == 27 and _pallas_tpu_gather.kv_chunk(80, 27, 1024) == 9
+    assert _pallas_tpu_gather.kv_chunk(64, 63, 2304) == 32 and _pallas_tpu_gather.kv_chunk(512, 27, 256) == 1
     q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     tiles = jax.ShapeDtypeStruct((1, 2, 4, 2), jnp.int32)
     valid = jax.ShapeDtypeStruct((64,), jnp.bool_)

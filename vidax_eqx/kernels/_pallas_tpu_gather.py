@@ -27,7 +27,7 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
 - **Forward and dQ**: grid `(unit, chunk, G, n_qc)`, one query tile `(T, D)` per step.
   A `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
   rounded up to chunks: unused slots cost nothing) runs over chunks of `CH` selected
-  key tiles (`kv_chunk`: about 512 keys). Each chunk gathers its key and value tiles
+  key tiles (`kv_chunk`: at most `KV_KEYS_FWD` keys; `KV_KEYS_BWD` in dQ). Each chunk gathers its key and value tiles
   from the resident K/V (`pl.ds(tile * T, T)`), loaded and stacked along the sublanes
   into `(CH * T, D)` values (`GATHER`), or, when the table comes in runs of
   consecutive tiles (`run`: sliding tile attention's windows along w) and each chunk
@@ -52,14 +52,18 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   selects (no lane shifts). An unused slot reads an extra row: zeros (hidden keys) or
   `_math.PAD_LSE` (probabilities exactly 0).
 
-Tuning knobs (`plan`): `kv_tiles` (tiles per chunk) and `chains`: a loop with a
+Tuning knobs (`plan`): `kv_tiles` (tiles per chunk; default: the selection in the
+fewest chunks of at most `KV_KEYS_FWD` / `KV_KEYS_BWD` keys) and `chains`: a loop with a
 dynamic trip count is not unrolled, so each iteration runs `chains` consecutive chunks
 as independent computations the scheduler can interleave (the forward keeps an online
 softmax per chain and merges them at the end; a remainder of fewer than `chains`
 chunks runs one per iteration); `GATHER` and `UNROLL` (module attributes). Measured on
 a TPU v5e (`benchmarks/tpu_sparse.py`, docs/benchmarks.md): stacking the loads instead
 of copying through VMEM took 5% off the fine stage's forward at VSA's Wan 480p problem,
-unrolling 15% more; 4 chains gained nothing over 2 once unrolled.
+unrolling 15% more; 4 chains gained nothing over 2 once unrolled. Wider chunks gained
+most: 2,048 keys instead of 512 halved the forward at sparsity 0.9 (each chunk's work
+grows, its fixed latency does not); sliding tile attention's 27-tile window as one
+chunk, gathered, instead of 9 chunks sliced from its runs of 3 tiles, likewise.
 """
 
 import contextlib
@@ -87,7 +91,12 @@ SMEM_ENTRIES = 1 << 17
 # it the per-tile kernels of `_pallas_tpu_sparse.py` run instead.
 VMEM_BUDGET = 80 * _MiB
 _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
-KV_TARGET = 512  # keys per chunk of the inner loop
+# Keys per chunk of the inner loops (the width of their matrix products), at most: the
+# forward's, and the dQ and dK/dV passes' (query tiles per chunk there). Measured on a TPU
+# v5e at VSA's Wan 480p problem (docs/benchmarks.md): 512 -> 2,048 keys took the forward
+# from 0.40 to 0.20 of dense attention at sparsity 0.9, the backward is fastest at 1,024.
+KV_KEYS_FWD = 2304
+KV_KEYS_BWD = 1024
 CHAINS = 2  # chunks per iteration of the inner loops
 GATHER = "load"  # a gathered chunk: "load" (tiles stacked in vregs) or "copy" (through VMEM)
 UNROLL = True  # forward / dQ: a row that uses every slot runs its chunks unrolled
@@ -99,24 +108,18 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kv_chunk(T: int, run: int = 1, kv_tiles: int | None = None) -> int:
-    """Selected key tiles per chunk of the inner loop.
-
-    `kv_tiles` when given; else for `run > 1` the divisor of `run` whose keys are
-    closest to `KV_TARGET` (ties: the larger), so that each chunk lies inside one run
-    and is sliced directly; else the multiple of `128 / gcd(T, 128)` tiles (a chunk of
-    whole 128-lane vregs) closest to `KV_TARGET` keys, or `KV_TARGET // T` tiles when
-    such a chunk would pass 1,024 keys.
-    """
-    if kv_tiles is not None:
-        return max(1, int(kv_tiles))
-    if run > 1:
-        divisors = [d for d in range(1, run + 1) if run % d == 0]
-        return min(divisors, key=lambda d: (abs(d * T - KV_TARGET), -d))
+def kv_chunk(T: int, n_sel: int, keys: int) -> int:
+    """Selected key tiles per chunk of the inner loop: the `n_sel` selected tiles in the
+    fewest chunks of at most `keys` keys (one tile at least), split evenly; with more than
+    one chunk, rounded up to a multiple of `128 / gcd(T, 128)` tiles (whole 128-lane
+    vregs) where that stays within `keys`."""
+    most = max(1, keys // T)
+    chunks = _ceil(n_sel, most)
+    CH = _ceil(n_sel, chunks)
     base = _LANES // math.gcd(T, _LANES)
-    if base * T > 2 * KV_TARGET:
-        return max(1, KV_TARGET // T)
-    return base * max(1, round(KV_TARGET / (base * T)))
+    if chunks > 1 and _ceil(CH, base) * base <= most:
+        CH = _ceil(CH, base) * base
+    return CH
 
 
 class Plan(NamedTuple):
@@ -142,24 +145,40 @@ def _limit(nbytes: int) -> int:
 
 
 def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
-         kv_tiles: int | None = None, chains: int | None = None) -> Plan | None:
+         kv_tiles: int | None = None, chains: int | None = None, keys: int | None = None) -> Plan | None:
     """The layout of a problem, or `None` when its resident arrays do not fit
     `VMEM_BUDGET` or one query tile's tables do not fit `SMEM_ENTRIES`.
 
-    `run`: the table's used slots come in runs of that many consecutive key tiles;
-    `kv_tiles`: tiles per chunk (default `kv_chunk`, at most the selection); `chains`:
-    chunks per iteration of the inner loops, independent computations the compiler can
-    interleave (default `CHAINS`, at most the chunks of the selection).
+    `run`: the table's used slots come in runs of that many consecutive key tiles (a
+    chunk that divides a run is sliced, not gathered); `kv_tiles`: tiles per chunk;
+    else `kv_chunk` of at most `keys` keys (default `KV_KEYS_FWD`), halved until the
+    resident arrays fit; `chains`: chunks per iteration of the inner loops, independent
+    computations the compiler can interleave (default `CHAINS`, at most the chunks of
+    the selection).
     """
+    T = _ceil(tile_size, _sublanes(dtype)) * _sublanes(dtype)
+    if kv_tiles is not None:
+        return _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, max(1, int(kv_tiles)), chains)
+    keys = KV_KEYS_FWD if keys is None else int(keys)
+    while True:
+        found = _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, kv_chunk(T, n_sel, keys), chains)
+        if found is not None or keys <= T:
+            return found
+        keys //= 2
+
+
+def _sublanes(dtype) -> int:
+    """Rows of a tile's sublane tiling: 8 of 32 bits (16 for 16-bit dtypes)."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int,
+          chains: int | None) -> Plan | None:
     _, S_q, H, D = q_shape
     S_k, K = k_shape[1], k_shape[2]
     G = H // K
     size = jnp.dtype(dtype).itemsize
-    sub = 8 * max(1, 4 // size)
-    T = _ceil(tile_size, sub) * sub
-    CH = kv_chunk(T, run, kv_tiles)
-    if kv_tiles is None and run == 1:
-        CH = min(CH, n_sel)  # no chunk larger than the selection
+    T = _ceil(tile_size, _sublanes(dtype)) * _sublanes(dtype)
     W = CH * T
     chains = max(1, min(int(CHAINS if chains is None else chains), _ceil(n_sel, CH)))
     n_selp = _ceil(n_sel, CH) * CH
@@ -187,7 +206,8 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
 
 
 def fits(q, k, tiles, tile_size: int, run: int = 1) -> bool:
-    """Whether the gathering kernels take this problem (else: `_pallas_tpu_sparse`)."""
+    """Whether the gathering kernels take this problem's forward (else:
+    `_pallas_tpu_sparse`)."""
     return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run) is not None
 
 
@@ -683,8 +703,8 @@ def _backward(q, k, v, tiles, kv_valid, lse, delta, dout, *, tile_size, scale, p
             lay.from_keys(dv.sum(axis=1)).astype(v.dtype))
 
 
-def _opts(q, k, tiles, tile_size, run, kv_tiles, chains) -> Plan | None:
-    return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles, chains)
+def _opts(q, k, tiles, tile_size, run, kv_tiles, chains, keys) -> Plan | None:
+    return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles, chains, keys)
 
 
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False,
@@ -698,7 +718,7 @@ def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interp
     slots themselves). `kv_tiles`, `chains`: see `plan`. A problem that does not fit
     (`plan`) runs `_pallas_tpu_sparse.sparse_fwd`.
     """
-    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains)
+    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_FWD)
     if p is None:
         out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
                                                  interpret=interpret)
@@ -725,7 +745,7 @@ def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
     if q_valid is not None:  # dropped rows: no cotangent, so nothing flows through them
         dout = jnp.where(q_valid[None, :, None, None], dout, jnp.zeros((), dout.dtype))
         dlse = None if dlse is None else jnp.where(q_valid[None, None, :], dlse, 0.0)
-    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains)
+    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_BWD)
     if p is None:
         return _pallas_tpu_sparse.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse,
                                              tile_size=tile_size, scale=scale, interpret=interpret)
