@@ -247,8 +247,9 @@ class PallasTpu(AbstractImplementation):
             "from K/V held in VMEM), else the splash kernel over the whole sequence; not "
             "with custom positions (a chunk), nor with a bias",
             "VSA's fine stage gathers the selected tiles from K/V held in VMEM (tiles padded "
-            "to multiples of 8, 16 for 16-bit dtypes), in chunks of query tiles whose tables "
-            "fit SMEM (Wan 480p: one; 720p: two); the per-tile kernels when K/V do not fit",
+            "to multiples of 8, 16 for 16-bit dtypes), up to 2,304 keys per product forward "
+            "and 1,024 backward, in chunks of query tiles whose tables fit SMEM (Wan 480p's "
+            "backward: one; 720p's: two); the per-tile kernels when K/V do not fit",
         ),
     )
 
