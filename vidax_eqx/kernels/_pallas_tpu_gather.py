@@ -27,14 +27,15 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
 - **Forward and dQ**: grid `(unit, chunk, G, n_qc)`, one query tile `(T, D)` per step.
   A `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
   rounded up to chunks: unused slots cost nothing) runs over chunks of `CH` selected
-  key tiles (`kv_chunk`: at most `KV_KEYS_FWD` keys; `KV_KEYS_BWD` in dQ). Each chunk gathers its key and value tiles
-  from the resident K/V (`pl.ds(tile * T, T)`), loaded and stacked along the sublanes
-  into `(CH * T, D)` values (`GATHER`), or, when the table comes in runs of
-  consecutive tiles (`run`: sliding tile attention's windows along w) and each chunk
-  lies inside one run, slices `pl.ds(start * T, CH * T)` directly; then ONE `(T, CH *
-  T)` logits matmul, the online softmax (float32 `m`, `l`, `acc` in scratch) and ONE
-  `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp - delta)`, `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run ==
-  1`). A query tile whose slots are all used (every row of VSA's top-k) runs its chunks
+  key tiles (`kv_chunk`: at most `KV_KEYS_FWD` keys; `KV_KEYS_BWD` in dQ). Each chunk
+  gathers its key and value tiles from the resident K/V (`pl.ds(tile * T, T)`), loaded
+  and stacked along the sublanes into `(CH * T, D)` values (`GATHER`), or, when the
+  table comes in runs of consecutive tiles (`run`: sliding tile attention's windows
+  along w) and each chunk lies inside one run, slices `pl.ds(start * T, CH * T)`
+  directly; then ONE `(T, CH * T)` logits matmul, the online softmax (float32 `m`, `l`,
+  `acc` in scratch) and ONE `p @ v` matmul (dQ: `dp = do v^T`, `ds = p (dp - delta)`,
+  `dq += ds k`). Rows with `-1` slots are first ordered used-first (`run == 1`). A
+  query tile whose slots are all used (every row of VSA's top-k) runs its chunks
   unrolled instead (`UNROLL`), so that one chunk's softmax overlaps the next one's
   products.
 - **dK/dV**: the table inverted on device into CSR form per (unit, chunk): the rows
@@ -114,7 +115,7 @@ def kv_chunk(T: int, n_sel: int, keys: int) -> int:
     one chunk, rounded up to a multiple of `128 / gcd(T, 128)` tiles (whole 128-lane
     vregs) where that stays within `keys`."""
     most = max(1, keys // T)
-    chunks = _ceil(n_sel, most)
+    chunks = max(1, _ceil(n_sel, most))
     CH = _ceil(n_sel, chunks)
     base = _LANES // math.gcd(T, _LANES)
     if chunks > 1 and _ceil(CH, base) * base <= most:
