@@ -8,7 +8,7 @@ On the TPU machine, from the checkout (after the install line of
 
     python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
     python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
-    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA or BC)
+    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA, BC or TUNE)
     python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
     python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
@@ -34,8 +34,8 @@ order they run:
   256 then 128 tokens ((4, 8, 8), (2, 8, 8));
 - the gathering kernels' knobs on the fine stage alone at sparsity 0.9 (chunks gathered
   through a VMEM copy, as before `GATHER = "load"`; full rows unrolled, `UNROLL`, with 2
-  and 4 chains; `CHAINS = 4`; chunks of 1,024 keys; both; the selection sorted by tile
-  index);
+  and 4 chains; `CHAINS = 4`; chunks of 512 keys, as before `KV_KEYS_FWD` /
+  `KV_KEYS_BWD`; the selection sorted by tile index);
 - STA: the issue's (3, 6, 4) on (21, 30, 52), tiles of 512 tokens (4, 8, 16) on (24, 32,
   64), and 720p's grid (24, 48, 80) in all three tile sizes;
 - **BC**: `BlockCausalMask(grid, frames_per_block)` on Wan 480p's grid (21, 30, 52)
@@ -43,6 +43,11 @@ order they run:
   SkyReels-V2's `causal_block_size`, density 0.57), blocks of 1 frame in a rolling window
   of 6 blocks (density 0.24); with `kernels.attention(causal=True)` over the same tokens
   (token-causal, density 0.50) for comparison;
+- **TUNE** (`--section TUNE`, last in a full run): the gathering kernels' chunk widths:
+  VSA whole at both sparsities and its fine stage alone with the defaults and with other
+  `KV_KEYS_BWD` / `CHAINS`; sliding tile attention at the issue's 72-token tiles, in
+  128-token tiles on (24, 32, 64) (defaults; the whole window in one forward chunk) and
+  on 720p's grid;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
   number of tokens, first for each problem size: the ratios' denominator.
 
