@@ -142,9 +142,8 @@ def _sta_splash(tm, impl):
     return lambda q, k, v: kernels.attention(q, k, v, mask=tm, implementation=impl)
 
 
-def _sta_gather(tm, interpret, kv_tiles=None):
-    return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret,
-                                                                      kv_tiles=kv_tiles)[0]
+def _sta_gather(tm, interpret):
+    return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret)[0]
 
 
 def _dense(**options):

@@ -157,7 +157,7 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
     computations the compiler can interleave (default `CHAINS`, at most the chunks of
     the selection).
     """
-    T = _ceil(tile_size, _sublanes(dtype)) * _sublanes(dtype)
+    T = _padded_tile(tile_size, dtype)
     if kv_tiles is not None:
         return _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, max(1, int(kv_tiles)), chains)
     keys = KV_KEYS_FWD if keys is None else int(keys)
@@ -168,9 +168,10 @@ def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
         keys //= 2
 
 
-def _sublanes(dtype) -> int:
-    """Rows of a tile's sublane tiling: 8 of 32 bits (16 for 16-bit dtypes)."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+def _padded_tile(tile_size: int, dtype) -> int:
+    """A tile's rows padded to its sublane tiling: 8 rows of 32 bits (16 for 16-bit dtypes)."""
+    sub = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    return _ceil(tile_size, sub) * sub
 
 
 def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int,
@@ -179,7 +180,7 @@ def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int
     S_k, K = k_shape[1], k_shape[2]
     G = H // K
     size = jnp.dtype(dtype).itemsize
-    T = _ceil(tile_size, _sublanes(dtype)) * _sublanes(dtype)
+    T = _padded_tile(tile_size, dtype)
     W = CH * T
     chains = max(1, min(int(CHAINS if chains is None else chains), _ceil(n_sel, CH)))
     n_selp = _ceil(n_sel, CH) * CH
