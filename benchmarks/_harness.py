@@ -383,6 +383,38 @@ def attention_pass(attend, pass_: str):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 4
 
 
+def device_op_times(run: Callable[[], Any], *, calls: int = 3, top: int = 12) -> list[dict]:
+    """Where a program's device time goes: `run()` (one call of a compiled program)
+    `calls` times under `jax.profiler.trace`, the device planes' XLA op events summed
+    by op name. The `top` ops by time: `{"op", "ms" (per call), "share"}` (of every op's
+    time). Empty where the trace has no device plane (the CPU backend's ops run on host
+    threads)."""
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(run())
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(calls):
+                jax.block_until_ready(run())
+        paths = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".xplane.pb")]
+        data = ProfileData.from_file(paths[0]) if paths else None
+    totals: dict[str, float] = {}
+    for plane in data.planes if data else ():
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for event in line.events:
+                totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
+    whole = sum(totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [dict(op=name, ms=ns / 1e6 / calls, share=ns / whole) for name, ns in ranked]
+
+
 # --------------------------------------------------------------------------- #
 # The run's stamp
 # --------------------------------------------------------------------------- #

@@ -9,6 +9,9 @@ On the TPU machine, from the checkout (after the install line of
     python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
     python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
     python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA, BC or TUNE)
+    python3 benchmarks/tpu_sparse.py --section STA --rows 'gather$' --profile --out DIR
+        # the rows whose "problem path" matches a regular expression (with their dense
+        # rows), and each pass's slowest device ops (a jax.profiler trace)
     python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
     python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
@@ -72,6 +75,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -276,6 +280,10 @@ def cases(args) -> list[Case]:
         rows = [r for r in rows if r.priority <= QUICK and not (args.smoke and r.knob)]
     if args.section:
         rows = [r for r in rows if r.section == args.section]
+    cases_dense = [r for r in rows if r.path == "dense"]
+    if args.rows:  # with the dense rows of their sizes: the ratios' denominators
+        rows = [r for r in rows if r.path != "dense" and re.search(args.rows, f"{r.problem} {r.path}")]
+        rows = [d for d in cases_dense if any((r.section, r.S) == (d.section, d.S) for r in rows)] + rows
     return sorted(rows, key=lambda r: r.priority)  # stable: the order above within a priority
 
 
@@ -352,9 +360,9 @@ def _diff(got: dict, want: dict) -> float | None:
     return max(errs) if errs else None
 
 
-def measure(case: Case, inputs: dict, outputs: dict, reps: int) -> dict:
+def measure(case: Case, inputs: dict, outputs: dict, reps: int, profile: bool = False) -> dict:
     """The row of `case`: ms per pass (and the outputs, in `outputs`, for the rows
-    compared with each other)."""
+    compared with each other); with `profile`, each pass's slowest device ops."""
     q, k, v, ct = inputs[case.S]
     row = dict(section=case.section, problem=case.problem, path=case.path, S=case.S, density=case.density)
     results = {}
@@ -368,6 +376,8 @@ def measure(case: Case, inputs: dict, outputs: dict, reps: int) -> dict:
             row[f"compile_{pass_}_s"] = time.perf_counter() - t0
             seconds, results[pass_] = _time(compiled, args, reps)
             row[f"{pass_}_ms"] = 1e3 * seconds
+            if profile:
+                row[f"{pass_}_ops"] = h.device_op_times(lambda: compiled(*args))
         except Exception as e:  # a row that fails is recorded, the run goes on
             row[f"{pass_}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
             h.log(traceback.format_exc(limit=4))
@@ -406,6 +416,19 @@ def table(rows: list[dict]) -> str:
             f"| {h.fmt(r.get('max_rel_diff'), '.2e')} | {note[:160]} |"
         )
     return "\n".join(lines)
+
+
+def op_tables(rows: list[dict]) -> str:
+    """`--profile`: each row's slowest device ops per pass (ms per call, share of the
+    pass's device time)."""
+    parts = []
+    for r in rows:
+        for pass_ in h.PASSES:
+            ops = r.get(f"{pass_}_ops")
+            if ops:
+                parts.append(f"{r['section']} {r['problem']} {r['path']}, {pass_}:\n\n| op | ms | share |\n|---|---|---|\n"
+                             + "\n".join(f"| `{o['op']}` | {o['ms']:.3f} | {o['share']:.3f} |" for o in ops))
+    return "\n\n".join(parts)
 
 
 def compile_only(todo: list[Case], topology: str) -> list[dict]:
@@ -450,6 +473,10 @@ def main(argv=None) -> int:
     parser.add_argument("--section", choices=("VSA", "STA", "BC", "TUNE"), default=None, help="that section's rows only")
     parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
                         help="compile every row for this TPU topology (e.g. v5e:1x1) from this host, run none")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each pass and list its slowest device ops (jax.profiler)")
+    parser.add_argument("--rows", default=None,
+                        help="only the rows whose 'problem path' matches this regular expression (and their dense rows)")
     args = parser.parse_args(argv)
     if args.compile_only:
         rows = compile_only(cases(args), args.compile_only)
@@ -470,12 +497,14 @@ def main(argv=None) -> int:
         if case.S not in inputs:
             inputs[case.S] = _inputs(case.S, args.smoke)
         h.log(f"[{time.perf_counter() - start:6.1f} s] {case.section} {case.problem} {case.path}")
-        rows.append(measure(case, inputs, outputs, 0 if args.smoke else args.reps))
+        rows.append(measure(case, inputs, outputs, 0 if args.smoke else args.reps, args.profile))
     _ratios(rows)
     text = table(rows)
     if skipped:
         text += f"\n\nNot run within the budget of {budget:.0f} s: " + ", ".join(skipped) + "."
     text += f"\n\n{info['device']}, JAX {info['jax']}, {info['date']}, {time.perf_counter() - start:.0f} s."
+    if args.profile:
+        text += "\n\n" + op_tables(rows)
     print(text)
     h.write_text(os.path.join(args.out, "tpu_sparse.md"), text + "\n")
     h.write_json(os.path.join(args.out, "tpu_sparse.json"), dict(info=info, rows=rows, skipped=skipped))

@@ -136,17 +136,22 @@ def test_fine_stage_against_oracle(T, dtype, knobs, smem, attrs, monkeypatch):
         assert not np.any(dk[:, tile * T:(tile + 1) * T]) and not np.any(dv[:, tile * T:(tile + 1) * T])
 
 
-def test_csr_table():
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "pairs"])
+def test_csr_table(packed, monkeypatch):
     """The dK/dV pass's inversion: key tile `t`'s rows are `entries[offsets[t]:
-    offsets[t + 1]]`, every used `(head, query tile)` once, unused slots past the end."""
+    offsets[t + 1]]`, every used `(head, query tile)` once, in increasing order, unused
+    slots past the end; the same with the key tile and row packed into one int32 and
+    sorted as pairs (a selection too large to pack)."""
     table = np.array([[[2, 0, -1], [-1, -1, -1], [0, 3, -1]], [[1, 2, -1], [2, -1, -1], [3, 1, 0]]], np.int32)
     n_k = 5
+    if not packed:
+        monkeypatch.setattr(_pallas_tpu_gather, "_PACKED_MAX", 0)
     offsets, entries = (np.asarray(x) for x in _pallas_tpu_gather._csr(jnp.asarray(table), n_k))
     assert offsets.shape == (n_k + 1,) and entries.shape == (table.size,)
     assert offsets[0] == 0 and offsets[-1] == np.sum(table >= 0)
     for t in range(n_k):
         want = sorted(g * 3 + i for g, i, s in np.ndindex(table.shape) if table[g, i, s] == t)
-        assert sorted(entries[offsets[t]:offsets[t + 1]].tolist()) == want
+        assert entries[offsets[t]:offsets[t + 1]].tolist() == want
     assert offsets[4] == offsets[5]  # key tile 4: nobody selected it
 
 
