@@ -5,6 +5,8 @@ directly, in one process, and XLA where its score matrix fits.
     python benchmarks/tpu_attention.py --sweep --out DIR    # the tuning sweep behind
                                                             # kernels/_pallas_tpu_tuning.py
     python benchmarks/tpu_attention.py --smoke --out DIR    # tiny, anywhere (CPU: interpret)
+    python benchmarks/tpu_attention.py --quick --problems '^32760 12 causal$' --out DIR
+                                                            # some rows, tuned splash only
 
 **The table.** Wan's heads (12 of 128: Wan 2.1 1.3B; 40: 14B), bf16, one video, at
 32,768 and 8,192 tokens and at Wan 480p's 32,760 (not a multiple of 128), full and
@@ -35,14 +37,13 @@ written from it.
 import argparse
 import dataclasses
 import datetime
-import math
 import os
+import re
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from _harness import write_json, write_text  # also puts this checkout first on sys.path
 from _splash import attend as splash_attend, compile_with, sk, VMEM
@@ -366,6 +367,8 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="every problem against the tuned splash configurations only (not JAX's default "
                              "tiles, not the issue's row)")
+    parser.add_argument("--problems", default=None, metavar="REGEX",
+                        help="only the table's problems whose 'S H full|causal' matches, e.g. '^32760 12 causal$'")
     parser.add_argument("--budget", type=float, default=float("inf"), metavar="SECONDS",
                         help="start no configuration after this many seconds")
     args = parser.parse_args()
@@ -399,6 +402,8 @@ def main():
     else:
         problems = [Problem(S, 12, False) for S in (32768, 32760, 8192)]
         problems += [Problem(32768, 12, True), Problem(32760, 12, True), Problem(32760, 40, False)]
+    if args.problems:
+        problems = [p for p in problems if re.search(args.problems, f"{p.S} {p.H} {'causal' if p.causal else 'full'}")]
     rows = table_rows(problems, interpret, args.smoke or not on_tpu, matmul, tuned_only=args.quick)
     head = (f"{stamp['date']}, JAX {stamp['jax']}, {stamp['device']}; bf16 matmul "
             f"{matmul:.1f} TFLOP/s; B=1, D=128, bf16")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 import harness
 import oracle
@@ -186,6 +187,39 @@ def test_copied_padding_is_taken_only_where_exact():
     assert not _copied_padding(*normalize(q16, q16, q16, window=(8, 8)))
     assert not _copied_padding(*normalize(q16, q16, q16, segment_ids=jnp.zeros((1, 300), jnp.int32)))
     assert not _copied_padding(*normalize(q16, q16, q16, kv_lengths=jnp.array([200], jnp.int32)))
+
+
+def _pallas_outputs(jaxpr) -> list[list[str]]:
+    """The output types of every `pallas_call` in `jaxpr` (nested jaxprs included)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append([str(v.aval) for v in eqn.outvars])
+        for sub in jaxprs_in_params(eqn.params):
+            found += _pallas_outputs(sub)
+    return found
+
+
+@pytest.mark.parametrize("S, causal, with_lse", [(256, False, False), (256, True, False), (200, True, False),
+                                                 (200, False, True)])
+def test_forward_alone_writes_no_lse(S, causal, with_lse):
+    """`attention` outside a gradient runs splash without its lse residual (float32
+    `(H, S, 128)` lanes) in full and causal attention, except full attention at a
+    padded length, whose copied keys the lse takes out; its output is `attention_fwd`'s
+    bit for bit, and its gradients are those of `attention_fwd`'s output."""
+    H = 2
+    q, k, v = (jax.random.normal(key, (1, S, H, 128), jnp.bfloat16) for key in jax.random.split(jax.random.key(S), 3))
+    impl = kernels.PallasTpu(interpret=True)
+    alone = lambda q, k, v: kernels.attention(q, k, v, causal=causal, implementation=impl)  # noqa: E731
+    both = lambda q, k, v: kernels.attention_fwd(q, k, v, causal=causal, implementation=impl)[0]  # noqa: E731
+    lse_lanes = f"float32[{H},256,128]"
+    calls = _pallas_outputs(jax.make_jaxpr(alone)(q, k, v).jaxpr)
+    assert calls and all((lse_lanes in outs) == with_lse for outs in calls), calls
+    assert all(lse_lanes in outs for outs in _pallas_outputs(jax.make_jaxpr(both)(q, k, v).jaxpr))
+    np.testing.assert_array_equal(np.asarray(alone(q, k, v), np.float32), np.asarray(both(q, k, v), np.float32))
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    for got, want in zip(jax.grad(loss(alone), (0, 1, 2))(q, k, v), jax.grad(loss(both), (0, 1, 2))(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_rows_may_be_empty_only_where_a_feature_can_hide_every_key():

@@ -73,6 +73,34 @@ def _attention_bwd_rule(plan, opts, residuals, cotangents):
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
 
 
+def _fwd_out(opts: Options):
+    def fwd_out(impl, ops):
+        with jax.named_scope(f"vidax_attention_{impl.name}"):
+            return impl.fwd_out(ops, opts)
+
+    return fwd_out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention_out(plan: Plan, opts: Options, ops: Operands):
+    """`_attention`'s output alone. Not differentiated, it runs the implementations'
+    `fwd_out` (a kernel may skip its lse); differentiated, `_attention`'s rules."""
+    return run(plan, _fwd_out(opts), ops)
+
+
+def _attention_out_fwd_rule(plan, opts, ops):
+    (out, _), residuals = _attention_fwd_rule(plan, opts, ops)
+    return out, residuals
+
+
+def _attention_out_bwd_rule(plan, opts, residuals, dout):
+    _, _, lse = residuals
+    return _attention_bwd_rule(plan, opts, residuals, (dout, jnp.zeros_like(lse)))
+
+
+_attention_out.defvjp(_attention_out_fwd_rule, _attention_out_bwd_rule)
+
+
 def _fused(plan: Plan, opts: Options, ops: Operands):
     """`attention` where a platform's choice is a fused kernel differentiated by its
     own VJP (cuDNN; `float32_lse` False), which must stay outside our custom VJP:
@@ -88,7 +116,7 @@ def _fused(plan: Plan, opts: Options, ops: Operands):
         if choice in fused:
             for name in lowering_names(platform):
                 branches[name] = lambda ops, _impl=choice: _fwd(opts)(_impl, ops)[0]
-    return jax.lax.platform_dependent(ops, default=lambda ops: _attention(others, opts, ops)[0], **branches)
+    return jax.lax.platform_dependent(ops, default=lambda ops: _attention_out(others, opts, ops), **branches)
 
 
 def attention(
@@ -168,7 +196,7 @@ def attention(
     ops, opts, plan = _request(q, k, v, _options_from(locals()), needs_lse=False)
     if any(not impl.capabilities.float32_lse for impl in served(plan)):
         return _fused(plan, opts, ops)
-    return _attention(plan, opts, ops)[0]
+    return _attention_out(plan, opts, ops)
 
 
 def attention_fwd(

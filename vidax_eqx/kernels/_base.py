@@ -224,6 +224,12 @@ class AbstractImplementation(abc.ABC):
         no key (and has no sink) has `out = 0` and `lse = -inf`.
         """
 
+    def fwd_out(self, ops: Operands, opts: Options) -> jax.Array:
+        """`fwd`'s `out` alone, for a forward that is not differentiated and whose lse
+        nobody asked for (`attention` outside a gradient): a kernel that can skip
+        writing its statistics then may."""
+        return self.fwd(ops, opts)[0]
+
     @abc.abstractmethod
     def bwd(
         self,

@@ -123,6 +123,12 @@ def _merge(parts: list[jax.Array], groups: list[_Group]) -> jax.Array:
     return jnp.take(jnp.concatenate(parts, axis=1), order, axis=1)
 
 
+def _without_lse(kernel):
+    """The splash kernel `kernel` returning its output alone (no lse residual)."""
+    return type(kernel)(kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info,
+                        **{**kernel.kwargs, "save_residuals": False})
+
+
 def _collapse(mask_info):
     """The reshape `_jax_private.splash_attention` applies before its kernels."""
     if mask_info.partial_mask_blocks is None:
@@ -412,14 +418,18 @@ class PallasTpu(AbstractImplementation):
             k = jnp.concatenate([k, jnp.broadcast_to(k[:, -1:], (B, copies, H_kv, D))], axis=1)
         return groups, q, _heads_major(k, S_kp), _heads_major(ops.v, S_kp), seg, blocks, copies
 
-    def _splash_fwd(self, ops, opts):
+    def _splash_fwd(self, ops, opts, *, need_lse: bool = True):
+        """`(out, lse)`; with `need_lse` False and no copied padding keys to take out,
+        `(out, None)` from kernels that write no lse (see `fwd_out`)."""
         groups, q, k, v, seg, blocks, copies = self._splash_setup(ops, opts, forward=True)
+        with_lse = need_lse or copies > 0
         outs, lses = [], []
         for group in groups:
+            kernel = group.kernel if with_lse else _without_lse(group.kernel)
 
-            def one(q, k, v, seg, kernel=group.kernel):
-                out, (lse,) = kernel(q, k, v, None if seg is None else SplashSegmentIds(*seg))
-                return out, lse
+            def one(q, k, v, seg, kernel=kernel):
+                res = kernel(q, k, v, None if seg is None else SplashSegmentIds(*seg))
+                return (res[0], res[1][0]) if with_lse else (res, None)
 
             with splash_vmem_limit(blocks.vmem_limit_bytes):
                 out, lse = opaque_to_vma(
@@ -428,9 +438,11 @@ class PallasTpu(AbstractImplementation):
                 )
             outs.append(out)
             lses.append(lse)
-        out, lse = _merge(outs, groups), _merge(lses, groups)
         S_q = ops.q.shape[1]
-        out, lse = jnp.swapaxes(out[:, :, :S_q], 1, 2), lse[:, :, :S_q]
+        out = jnp.swapaxes(_merge(outs, groups)[:, :, :S_q], 1, 2)
+        if not with_lse:
+            return out, None
+        lse = _merge(lses, groups)[:, :, :S_q]
         if copies:
             out, lse = _remove_copies(ops, opts, out, lse, copies)
         return out, lse
@@ -590,6 +602,21 @@ class PallasTpu(AbstractImplementation):
     def bwd(self, ops, opts, out, lse, dout, dlse):
         with _kernel_precision(ops.q.dtype):
             return self._bwd(ops, opts, out, lse, dout, dlse)
+
+    def fwd_out(self, ops: Operands, opts: Options) -> jax.Array:
+        """`fwd`'s output alone (a forward that is not differentiated and whose lse
+        nobody asked for): full and causal attention over the default positions, without
+        sinks, run splash without its lse residual, which it writes as float32 `(H, S,
+        128)` lanes (at 32,768 tokens and 12 heads, 201 MB written and read back by a
+        slice). The rest, and full attention at a padded length (whose copied keys the
+        lse takes out), as `fwd`."""
+        with _kernel_precision(ops.q.dtype):
+            lean = (not self._gathers_tiles(ops, opts) and ops.bias is None and ops.mask is None
+                    and ops.sinks is None and not a.rows_may_be_empty(ops, opts))
+            if not lean:
+                return self._fwd(ops, opts)[0]
+            out, lse = self._splash_fwd(ops, opts, need_lse=False)
+            return out if lse is None else a.finish(ops, out, lse, rows_may_be_empty=False)[0]
 
     def _fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         if self._gathers_tiles(ops, opts):
