@@ -426,8 +426,8 @@ def op_tables(rows: list[dict]) -> str:
         for pass_ in h.PASSES:
             ops = r.get(f"{pass_}_ops")
             if ops:
-                parts.append(f"{r['section']} {r['problem']} {r['path']}, {pass_}:\n\n| op | ms | share |\n|---|---|---|\n"
-                             + "\n".join(f"| `{o['op']}` | {o['ms']:.3f} | {o['share']:.3f} |" for o in ops))
+                head = f"{r['section']} {r['problem']} {r['path']}, {pass_}:\n\n| op | ms | share |\n|---|---|---|\n"
+                parts.append(head + "\n".join(f"| `{o['op']}` | {o['ms']:.3f} | {o['share']:.3f} |" for o in ops))
     return "\n\n".join(parts)
 
 
@@ -476,7 +476,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also trace each pass and list its slowest device ops (jax.profiler)")
     parser.add_argument("--rows", default=None,
-                        help="only the rows whose 'problem path' matches this regular expression (and their dense rows)")
+                        help="only the rows whose 'problem path' matches this regular expression "
+                             "(and their dense rows)")
     args = parser.parse_args(argv)
     if args.compile_only:
         rows = compile_only(cases(args), args.compile_only)

@@ -42,11 +42,11 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   `g * n_qc + i` that selected each key tile, sorted by key tile (one sort of packed
   int32 keys), and each key tile's offset (a binary search; no scatter). Grid `(unit,
   chunk, key tile)`: every key tile's gradient is written (zeros when nothing selected
-  it; the chunks' partial sums are added). Per key tile a loop with a dynamic trip count runs over its rows in
-  chunks of `CH` query tiles gathered from the resident Q and dO; keys run along
-  sublanes and queries along lanes (as splash's dK/dV kernel): `s^T = k q^T`, `p^T =
-  exp(s^T - lse)`, `dp^T = v do^T`, `ds^T = p^T (dp^T - delta)`, `dk += ds^T q`, `dv +=
-  p^T do`; no tile is transposed.
+  it; the chunks' partial sums are added). Per key tile a loop with a dynamic trip
+  count runs over its rows in chunks of `CH` query tiles gathered from the resident Q
+  and dO; keys run along sublanes and queries along lanes (as splash's dK/dV kernel):
+  `s^T = k q^T`, `p^T = exp(s^T - lse)`, `dp^T = v do^T`, `ds^T = p^T (dp^T - delta)`,
+  `dk += ds^T q`, `dv += p^T do`; no tile is transposed.
 - **Rows of a chunk** (key validity; the dK/dV pass's lse and delta) come from
   resident `(n, 1, CH * T)` float32 arrays, each tile's `T` values repeated `CH` times
   along the lanes, so that a chunk's row is `CH` dynamic row loads and lane-range
