@@ -155,6 +155,17 @@ def test_csr_table(packed, monkeypatch):
     assert offsets[4] == offsets[5]  # key tile 4: nobody selected it
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 64, 1000])
+def test_first_at_least(n):
+    """The CSR offsets' binary search is `np.searchsorted(side="left")`: targets below,
+    inside, between and above the entries, repeated entries included."""
+    rng = np.random.default_rng(n)
+    ordered = np.sort(rng.integers(0, 20, n)).astype(np.int32)
+    targets = np.arange(-2, 23, dtype=np.int32)
+    got = np.asarray(_pallas_tpu_gather._first_at_least(jnp.asarray(ordered), jnp.asarray(targets)))
+    np.testing.assert_array_equal(got, np.searchsorted(ordered, targets, side="left"))
+
+
 def test_plan_and_dispatch(monkeypatch):
     """Wan 1.3B at sparsity 0.9 (bf16, 12 heads of 128, tiles of 64, 63 selected): at
     480p the forward's chunks are 32 key tiles (2,048 keys: the selection in two chunks

@@ -676,8 +676,24 @@ def _csr(table: jax.Array, n_k: int):
         keys, rows = packed // n_rows, packed % n_rows
     else:  # too many for one int32 key: sort the pairs
         keys, rows = lax.sort((keys, rows), num_keys=2)
-    offsets = jnp.searchsorted(keys, jnp.arange(n_k + 1, dtype=jnp.int32), side="left", method="scan_unrolled")
-    return offsets.astype(jnp.int32), rows
+    return _first_at_least(keys, jnp.arange(n_k + 1, dtype=jnp.int32)), rows
+
+
+def _first_at_least(ordered: jax.Array, targets: jax.Array) -> jax.Array:
+    """int32: for each of `targets`, the index of the first entry of the sorted 1-D
+    `ordered` that is `>=` it (`len(ordered)` if none). A binary search unrolled over
+    the bits of the length, one gather per step (`jnp.searchsorted` of JAX 0.12 is a
+    primitive that does not lower for a TPU from another host)."""
+    n = ordered.shape[0]
+    lo = jnp.zeros(targets.shape, jnp.int32)
+    hi = jnp.full(targets.shape, n, jnp.int32)
+    for _ in range(n.bit_length()):  # each step at least halves every interval
+        active = lo < hi
+        mid = (lo + hi) // 2
+        below = ordered[jnp.minimum(mid, max(n - 1, 0))] < targets
+        lo = jnp.where(active & below, mid + 1, lo)
+        hi = jnp.where(active & ~below, mid, hi)
+    return lo
 
 
 def _scope(interpret: bool):
