@@ -611,12 +611,11 @@ class PallasTpu(AbstractImplementation):
         slice). The rest, and full attention at a padded length (whose copied keys the
         lse takes out), as `fwd`."""
         with _kernel_precision(ops.q.dtype):
-            lean = (not self._gathers_tiles(ops, opts) and ops.bias is None and ops.mask is None
-                    and ops.sinks is None and not a.rows_may_be_empty(ops, opts))
-            if not lean:
+            # Without a bias, mask or tile mask (`rows_may_be_empty` is True with any) and
+            # sinks, `fwd`'s `finish` leaves splash's output as it is.
+            if ops.sinks is not None or a.rows_may_be_empty(ops, opts):
                 return self._fwd(ops, opts)[0]
-            out, lse = self._splash_fwd(ops, opts, need_lse=False)
-            return out if lse is None else a.finish(ops, out, lse, rows_may_be_empty=False)[0]
+            return self._splash_fwd(ops, opts, need_lse=False)[0]
 
     def _fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         if self._gathers_tiles(ops, opts):
