@@ -48,8 +48,10 @@ order they run:
   (token-causal, density 0.50) for comparison;
 - **TUNE** (`--section TUNE`, last in a full run): the gathering kernels' chunk widths:
   VSA whole at both sparsities and its fine stage alone with the defaults and with other
-  `KV_KEYS_BWD` / `CHAINS`; sliding tile attention at the issue's 72-token tiles, in
-  128-token tiles on (24, 32, 64) (defaults; the whole window in one forward chunk) and
+  `KV_KEYS_BWD` / `CHAINS`; sliding tile attention at the issue's 72-token tiles (the
+  defaults, and 1, 2 or 8 query tiles a step of the forward and dQ passes, `ROWS`), in
+  128-token tiles on (24, 32, 64) (defaults: the whole window in one forward chunk; and
+  in two, `KV_KEYS_WHOLE = 0`) and
   on 720p's grid;
 - **dense**: `kernels.attention(q, k, v)` (the default implementation) over the same
   number of tokens, first for each problem size: the ratios' denominator.
@@ -304,8 +306,8 @@ def _chunk_rows(tpu) -> list[Case]:
         path = ", ".join(f"{k}={v}" for k, v in patch.items()) or "default"
         rows.append(Case("TUNE", name, path, S, _vsa_fine(VSA_GRID, VSA_TILE, sp, tpu, False), density,
                          "default" if patch else None, patch, priority=priority, knob=True))
-    for (grid, tile), priority, patches in ((STA_ISSUE, 9, ({},)),
-                                            ((STA_GRIDS[0], (2, 8, 8)), 11, ({}, {"KV_KEYS_FWD": 3456})),
+    for (grid, tile), priority, patches in ((STA_ISSUE, 9, ({}, {"ROWS": 1}, {"ROWS": 2}, {"ROWS": 8})),
+                                            ((STA_GRIDS[0], (2, 8, 8)), 11, ({}, {"KV_KEYS_WHOLE": 0})),
                                             ((STA_GRIDS[1], (2, 8, 8)), 12, ({},))):
         tm = kernels.SlidingTileMask(grid, tile, WINDOW)
         rows.append(Case("TUNE", f"{grid}", "dense", tm.video_len, _dense(), priority=priority))

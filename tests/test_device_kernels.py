@@ -17,7 +17,9 @@ about three digits), against the float64 oracle with the suite's tolerance table
 - the gradient through the lse (`attention_fwd` with `dlse`: the path ring attention takes);
 - sequences over several kernel blocks with ragged ends (128-token blocks, and the
     registered blocks over a longer sequence), rows that see nothing, head size 64,
-    determinism.
+    determinism;
+- the forward alone (`kernels.attention` outside a gradient: splash without its lse
+    residual) against the oracle and bit for bit against the forward a gradient runs.
 
 On the chip the cases run at Wan's head size (`D = 128`) and the registered `"pallas_tpu"`'s
 own blocks; in interpret mode at their own (`D = 16`) and 128-token blocks, so that the
@@ -32,6 +34,7 @@ import numpy as np
 import pytest
 
 import harness
+import oracle
 from cases import CASES, CASES_BY_NAME, Case, check_all, empty_row_inputs, kernel_kwargs, reference, run
 from vidax_eqx import kernels
 
@@ -196,3 +199,30 @@ def test_deterministic():
     first = jax.tree.map(np.asarray, f(*args))
     second = jax.tree.map(np.asarray, f(*args))
     jax.tree.map(np.testing.assert_array_equal, first, second)
+
+
+FORWARD_ALONE = [
+    pytest.param(Case("full", B=1, S_q=LONG, S_k=LONG, H=4, H_kv=2, D=16), np.float32, id="full-float32"),
+    pytest.param(Case("full", B=1, S_q=LONG, S_k=LONG, H=4, H_kv=4, D=16), jnp.bfloat16, id="full-bfloat16"),
+    pytest.param(Case("causal", B=1, S_q=LONG, S_k=LONG, H=4, H_kv=2, D=16, causal=True), np.float32,
+                 id="causal-float32"),
+    pytest.param(Case("causal", B=1, S_q=LONG, S_k=LONG, H=4, H_kv=4, D=16, causal=True), jnp.bfloat16,
+                 id="causal-bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case, dtype", FORWARD_ALONE)
+def test_forward_alone(case, dtype):
+    """`kernels.attention` outside a gradient (`fwd_out`: the kernel that writes no lse,
+    or, for full attention in 16-bit inputs at a padded length, the forward with it)
+    against the oracle, and bit for bit against `attention_fwd`'s output, over the
+    registered blocks and a ragged length."""
+    case = _sized(case)
+    arrays, static = case.inputs(dtype, seed=6)
+    q, k, v, kw = _operands(case, arrays, static)
+    alone = jax.jit(lambda q, k, v: kernels.attention(q, k, v, implementation=PALLAS, **kw))
+    with_lse = jax.jit(lambda q, k, v: kernels.attention_fwd(q, k, v, implementation=PALLAS, **kw)[0])
+    out = np.asarray(alone(q, k, v).astype(jnp.float32))
+    np.testing.assert_array_equal(out, np.asarray(with_lse(q, k, v).astype(jnp.float32)))
+    assert np.all(np.isfinite(out))
+    oracle.assert_close(out, reference(arrays, static).out, dtype, "forward alone")

@@ -8,7 +8,8 @@ them), in Pallas interpret mode on CPU, against the float64 oracle.
   empty lse), padding keys and a key tile of padding only, a key tile nobody selects
   (dK = dV = 0), a last chunk of the inner loop only partly used; float32 in tiles of 8
   with one chain and the query tiles in two calls' worth of chunks (a small SMEM
-  budget), bfloat16 in tiles of 12 (padded to 16) with the default chunks and chains;
+  budget), bfloat16 in tiles of 12 (padded to 16) with the default chunks and chains,
+  and the whole selection in one chunk (two query tiles a step, an odd count padded);
 - sliding tile attention (`sliding_tile_fwd` / `sliding_tile_bwd`) against the
   oracle's dense sliding tile mask (`oracle.sliding_tile_of`): a ragged grid (padding
   keys hidden, padding rows dropped) with a shared window whose runs of 3 key tiles are
@@ -96,23 +97,30 @@ def _fine_case(T: int, dtype, seed: int):
 FINE = [
     # Tiles of 8 float32 rows, chunks of 2 key tiles, one chain: 3 slots are a full and a
     # half-used chunk; an SMEM budget for 3 query tiles a call: 2 chunks (the last padded).
-    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=1), (NK + 1 + 2 * 3 * 2) * 2, {}, id="float32-chunked"),
+    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=1), (NK + 1 + 2 * 3 * 2) * 2, {}, (2, 3, 1),
+                 id="float32-chunked"),
     # Tiles of 12 bfloat16 rows padded to 16, chunks of one key tile in 2 chains: the
     # second iteration's second chain is unused; chunks gathered through VMEM copies.
-    pytest.param(12, jnp.bfloat16, dict(kv_tiles=1, chains=2), None, {"GATHER": "copy"}, id="bfloat16-padded"),
+    pytest.param(12, jnp.bfloat16, dict(kv_tiles=1, chains=2), None, {"GATHER": "copy"}, (1, NQ, 1),
+                 id="bfloat16-padded"),
     # Rows that use all 3 slots (2 chunks of 2) run unrolled on 2 chains, the others loop.
-    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=2), None, {"UNROLL": True}, id="float32-unrolled"),
+    pytest.param(8, jnp.float32, dict(kv_tiles=2, chains=2), None, {"UNROLL": True}, (1, NQ, 1),
+                 id="float32-unrolled"),
+    # The whole selection one chunk: 2 query tiles a step of the forward and dQ passes (5
+    # padded to 6), unrolled side by side where both use every slot, else one by one.
+    pytest.param(8, jnp.float32, dict(kv_tiles=3), None, {"UNROLL": True, "ROWS": 2}, (1, NQ + 1, 2),
+                 id="float32-two-tiles-a-step"),
 ]
 
 
-@pytest.mark.parametrize("T, dtype, knobs, smem, attrs", FINE)
-def test_fine_stage_against_oracle(T, dtype, knobs, smem, attrs, monkeypatch):
+@pytest.mark.parametrize("T, dtype, knobs, smem, attrs, layout", FINE)
+def test_fine_stage_against_oracle(T, dtype, knobs, smem, attrs, layout, monkeypatch):
     for name, value in attrs.items():
         monkeypatch.setattr(_pallas_tpu_gather, name, value)
     if smem is not None:
         monkeypatch.setattr(_pallas_tpu_gather, "SMEM_ENTRIES", smem)
     p = _pallas_tpu_gather.plan((1, NQ * T, H, D), (1, NK * T, K, D), dtype, NSEL, T, **knobs)
-    assert (p.C, p.n_qc) == ((2, 3) if smem else (1, NQ))
+    assert (p.C, p.n_qc, p.R) == layout
     a, scale, ref = _fine_case(T, dtype, seed=T)
     kw = dict(tile_size=T, scale=scale, interpret=True, **knobs)
 
@@ -181,6 +189,15 @@ def test_plan_and_dispatch(monkeypatch):
             assert p.vmem_fwd <= 100 * 2**20 and p.vmem_dkv <= 100 * 2**20
     # Sliding tile attention's window of 27 tiles of 80 rows: one chunk forward, three backward.
     assert _pallas_tpu_gather.kv_chunk(80, 27, 2304) == 27 and _pallas_tpu_gather.kv_chunk(80, 27, 1024) == 9
+    # The forward's whole window in one chunk, `ROWS` query tiles a step: 72-token tiles at
+    # Wan 480p, and 128-token tiles (3,456 keys: `KV_KEYS_WHOLE`) on (24, 32, 64), where the
+    # resident K/V leave room for 4 tiles a step; without `whole`, 2 chunks of 14 tiles.
+    whole = _pallas_tpu_gather.KV_KEYS_WHOLE
+    for n, size, plans in ((455, 72, ((27, 4), (27, 4))), (384, 128, ((14, 1), (27, 4)))):
+        shape = (1, n * size, 12, 128)
+        for w, (CH, R) in zip((0, whole), plans):
+            p = _pallas_tpu_gather.plan(shape, shape, jnp.bfloat16, 27, size, run=3, whole=w)
+            assert (p.CH, p.R, p.n_qc % p.R) == (CH, R, 0) and p.vmem_fwd <= 100 * 2**20
     assert _pallas_tpu_gather.kv_chunk(64, 63, 2304) == 32 and _pallas_tpu_gather.kv_chunk(512, 27, 256) == 1
     q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     tiles = jax.ShapeDtypeStruct((1, 2, 4, 2), jnp.int32)

@@ -24,10 +24,13 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   resident arrays `VMEM_BUDGET`). `vmem_limit_bytes` is set from the sizes; a problem
   whose K/V do not fit `VMEM_BUDGET` runs the per-tile kernels of
   `_pallas_tpu_sparse.py` instead (`plan` returns `None`).
-- **Forward and dQ**: grid `(unit, chunk, G, n_qc)`, one query tile `(T, D)` per step.
-  A `lax.fori_loop` whose trip count is read from SMEM (the query tile's used slots,
-  rounded up to chunks: unused slots cost nothing) runs over chunks of `CH` selected
-  key tiles (`kv_chunk`: at most `KV_KEYS_FWD` keys; `KV_KEYS_BWD` in dQ). Each chunk
+- **Forward and dQ**: grid `(unit, chunk, G, n_qc / R)`, `R` query tiles `(T, D)` per
+  step: one (`R = 1`), or, when a tile's whole selection is one chunk (sliding tile
+  attention's window forward), up to `ROWS` of them (as many as VMEM holds), each a
+  chain of its own. A `lax.fori_loop` whose trip count is read from SMEM (the query
+  tile's used slots, rounded up to chunks: unused slots cost nothing) runs over chunks
+  of `CH` selected key tiles (`kv_chunk`: at most `KV_KEYS_FWD` keys, or the whole
+  selection up to `KV_KEYS_WHOLE`; `KV_KEYS_BWD` in dQ). Each chunk
   gathers its key and value tiles from the resident K/V (`pl.ds(tile * T, T)`), loaded
   and stacked along the sublanes into `(CH * T, D)` values (`GATHER`), or, when the
   table comes in runs of consecutive tiles (`run`: sliding tile attention's windows
@@ -64,7 +67,12 @@ of copying through VMEM took 5% off the fine stage's forward at VSA's Wan 480p p
 unrolling 15% more; 4 chains gained nothing over 2 once unrolled. Wider chunks gained
 most: 2,048 keys instead of 512 halved the forward at sparsity 0.9 (each chunk's work
 grows, its fixed latency does not); sliding tile attention's 27-tile window as one
-chunk, gathered, instead of 9 chunks sliced from its runs of 3 tiles, likewise.
+chunk, gathered, instead of 9 chunks sliced from its runs of 3 tiles, likewise. Where a
+tile's selection is one chunk (up to `KV_KEYS_WHOLE` keys), `ROWS` query tiles a step,
+side by side: the forward of 72-token tiles at Wan 480p from 0.199 to 0.168 of dense
+(2 tiles: 0.179, 8: 0.164), of 128-token tiles on (24, 32, 64) from 0.130 (two chunks,
+one tile a step) to 0.099; a one-chunk dQ pass was slower (0.204 against 0.197
+forward+backward at 480p), so the backward keeps its widths.
 """
 
 import contextlib
@@ -98,7 +106,13 @@ _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
 # from 0.40 to 0.20 of dense attention at sparsity 0.9, the backward is fastest at 1,024.
 KV_KEYS_FWD = 2304
 KV_KEYS_BWD = 1024
+# A forward selection of at most this many keys runs as one chunk (sliding tile
+# attention's 3 x 3 x 3 window of 128-token tiles: 0.130 -> 0.099 of dense, measured).
+KV_KEYS_WHOLE = 3456
 CHAINS = 2  # chunks per iteration of the inner loops
+# Query tiles per step of the forward and dQ passes when a tile's selection is one chunk
+# (no chains within a tile): that many independent chains, one per tile.
+ROWS = 4
 GATHER = "load"  # a gathered chunk: "load" (tiles stacked in vregs) or "copy" (through VMEM)
 UNROLL = True  # forward / dQ: a row that uses every slot runs its chunks unrolled
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -133,6 +147,7 @@ class Plan(NamedTuple):
     n_qc: int  # query tiles per chunk
     direct: bool  # every chunk lies inside a run: K/V sliced, not gathered
     chains: int  # chunks per loop iteration, independent until the end
+    R: int  # query tiles per step of the forward / dQ passes (`n_qc` a multiple of it)
     vmem_fwd: int  # the scoped VMEM limits of the calls
     vmem_dkv: int
 
@@ -146,20 +161,26 @@ def _limit(nbytes: int) -> int:
 
 
 def plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int = 1,
-         kv_tiles: int | None = None, chains: int | None = None, keys: int | None = None) -> Plan | None:
+         kv_tiles: int | None = None, chains: int | None = None, keys: int | None = None,
+         whole: int = 0) -> Plan | None:
     """The layout of a problem, or `None` when its resident arrays do not fit
     `VMEM_BUDGET` or one query tile's tables do not fit `SMEM_ENTRIES`.
 
     `run`: the table's used slots come in runs of that many consecutive key tiles (a
     chunk that divides a run is sliced, not gathered); `kv_tiles`: tiles per chunk;
     else `kv_chunk` of at most `keys` keys (default `KV_KEYS_FWD`), halved until the
-    resident arrays fit; `chains`: chunks per iteration of the inner loops, independent
-    computations the compiler can interleave (default `CHAINS`, at most the chunks of
-    the selection).
+    resident arrays fit, or the whole selection in one chunk where it has at most
+    `whole` keys and that fits; `chains`: chunks per iteration of the inner loops,
+    independent computations the compiler can interleave (default `CHAINS`, at most the
+    chunks of the selection).
     """
     T = _padded_tile(tile_size, dtype)
     if kv_tiles is not None:
         return _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, max(1, int(kv_tiles)), chains)
+    if n_sel * T <= whole:
+        found = _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, n_sel, chains)
+        if found is not None:
+            return found
     keys = KV_KEYS_FWD if keys is None else int(keys)
     while True:
         found = _plan(q_shape, k_shape, dtype, n_sel, tile_size, run, kv_chunk(T, n_sel, keys), chains)
@@ -187,8 +208,13 @@ def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int
     n_q, n_k = S_q // tile_size, S_k // tile_size
     Dp = _ceil(D, _LANES) * _LANES
     rows = lambda n: n * 8 * W * 4  # (n, 1, W) float32 rows: 8 sublanes each in VMEM
-    # Forward / dQ: resident K, V and key validity; gathered chunks; small blocks.
-    fwd = 2 * n_k * T * Dp * size + rows(n_k + 1) + chains * (2 * W * Dp * size + 16 * T * Dp * 4)
+    # Forward / dQ: resident K, V and key validity; per query tile of a step, its gathered
+    # chunks and small blocks.
+    resident = 2 * n_k * T * Dp * size + rows(n_k + 1)
+    per_tile = chains * (2 * W * Dp * size + 16 * T * Dp * 4)
+    # One chunk a tile (no chains within it): up to `ROWS` tiles a step, a chain each.
+    R = max(1, min(ROWS, (VMEM_BUDGET - resident) // per_tile)) if n_selp == CH else 1
+    fwd = resident + R * per_tile
     if fwd > VMEM_BUDGET:
         return None
     # dK/dV: resident Q, dO, lse and delta rows, per query tile of a chunk.
@@ -200,11 +226,15 @@ def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int
     room = min(room_vmem, room_smem)
     if room < 1:
         return None
-    C = _ceil(n_q, min(n_q, room))
-    n_qc = _ceil(n_q, C)
+    if room < R:
+        R, fwd = 1, resident + per_tile
+    room = room // R * R
+    n_qr = _ceil(n_q, R) * R  # chunks of whole steps
+    C = _ceil(n_qr, min(n_qr, room))
+    n_qc = _ceil(_ceil(n_qr, C), R) * R
     dkv = fixed + per_q * n_qc
     direct = run > 1 and run % CH == 0
-    return Plan(T, CH, n_selp, C, n_qc, direct, chains, _limit(fwd), _limit(dkv))
+    return Plan(T, CH, n_selp, C, n_qc, direct, chains, R, _limit(fwd), _limit(dkv))
 
 
 def fits(q, k, tiles, tile_size: int, run: int = 1) -> bool:
@@ -315,48 +345,81 @@ def _run_chunks(n, chains: int, chunk, commit, full: int | None = None):
         lax.fori_loop(full * chains, n, single, 0)
 
 
+def _run_rows(ns, chains: int, chunk, commit, full: int):
+    """`_run_chunks` for each of a step's query tiles, tile `r` with `ns[r]` chunks:
+    `chunk(r, j, h)`, `commit(r, parts)`. When every tile has exactly `full` chunks (and
+    `UNROLL`), all of them unrolled in one region, the tiles' chains side by side, so that
+    the compiler can overlap one tile's softmax with another's matmuls."""
+    if len(ns) > 1 and UNROLL:
+        every = functools.reduce(jnp.logical_and, [n == full for n in ns])
+
+        @pl.when(every)
+        def _():
+            for it in range(full // chains):
+                for r in range(len(ns)):
+                    commit(r, [chunk(r, it * chains + h, h) for h in range(chains)])
+            for j in range(full // chains * chains, full):
+                for r in range(len(ns)):
+                    commit(r, [chunk(r, j, 0)])
+
+        @pl.when(jnp.logical_not(every))
+        def _():
+            _run_rows_apart(ns, chains, chunk, commit, full)
+
+        return
+    _run_rows_apart(ns, chains, chunk, commit, full)
+
+
+def _run_rows_apart(ns, chains, chunk, commit, full):
+    for r, n in enumerate(ns):
+        _run_chunks(n, chains, functools.partial(chunk, r), functools.partial(commit, r), full)
+
+
 def _fwd_kernel(table_hbm, count_hbm, q_ref, k_hbm, v_hbm, valid_hbm, o_ref, lse_ref,
                 table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, m_sc, l_sc, o_sc, sem, *,
                 C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
-                chains: int):
-    """An online softmax per chain, merged at the end."""
+                chains: int, R: int):
+    """`R` query tiles a step; an online softmax per (tile, chain), merged at the end."""
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
                      valid_res, sem)
     low = m.masked(F32)
     m_sc[...] = jnp.full(m_sc.shape, low, F32)
     l_sc[...] = jnp.zeros(l_sc.shape, F32)
     o_sc[...] = jnp.zeros(o_sc.shape, F32)
-    row = g * n_qc + i
-    q = q_ref[...]
+    rows = [g * n_qc + i * R + r for r in range(R)]
+    qs = [q_ref[r * T:(r + 1) * T, :] for r in range(R)]
 
-    def chunk(j, h):
-        k, v, valid = _kv_chunk(table_ref, row * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
+    def chunk(r, j, h):
+        k, v, valid = _kv_chunk(table_ref, rows[r] * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
                                 vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
-        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+        s = lax.dot_general(qs[r], k, _NT, preferred_element_type=F32) * scale
         s = jnp.where(valid, s, low)
-        m_prev = m_sc[h][:, :1]
+        c = r * chains + h
+        m_prev = m_sc[c][:, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == low, 0.0, m_new)  # nothing seen yet: every exp is 0
         p = jnp.exp(s - m_safe)
         alpha = jnp.exp(m_prev - m_safe)
-        l_new = alpha * l_sc[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+        l_new = alpha * l_sc[c][:, :1] + jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=F32)
-        o_sc[h] = alpha * o_sc[h] + pv
-        m_sc[h] = jnp.broadcast_to(m_new, m_sc.shape[1:])
-        l_sc[h] = jnp.broadcast_to(l_new, l_sc.shape[1:])
+        o_sc[c] = alpha * o_sc[c] + pv
+        m_sc[c] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+        l_sc[c] = jnp.broadcast_to(l_new, l_sc.shape[1:])
 
-    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, lambda parts: None, n_selp // CH)
-    ms = [m_sc[h][:, :1] for h in range(chains)]
-    mx = functools.reduce(jnp.maximum, ms)
-    m_safe = jnp.where(mx == low, 0.0, mx)
-    scales = [jnp.exp(x - m_safe) for x in ms]
-    l = sum(a * l_sc[h][:, :1] for h, a in enumerate(scales))
-    acc = sum(a * o_sc[h] for h, a in enumerate(scales))
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
-    lse = jnp.where(empty, low, mx + jnp.log(l_safe))
-    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+    _run_rows([lax.div(count_ref[row] + CH - 1, CH) for row in rows], chains, chunk, lambda r, parts: None,
+              n_selp // CH)
+    for r in range(R):
+        ms = [m_sc[r * chains + h][:, :1] for h in range(chains)]
+        mx = functools.reduce(jnp.maximum, ms)
+        m_safe = jnp.where(mx == low, 0.0, mx)
+        scales = [jnp.exp(x - m_safe) for x in ms]
+        l = sum(a * l_sc[r * chains + h][:, :1] for h, a in enumerate(scales))
+        acc = sum(a * o_sc[r * chains + h] for h, a in enumerate(scales))
+        empty = l == 0.0
+        l_safe = jnp.where(empty, 1.0, l)
+        o_ref[r * T:(r + 1) * T, :] = (acc / l_safe).astype(o_ref.dtype)
+        lse = jnp.where(empty, low, mx + jnp.log(l_safe))
+        lse_ref[r * T:(r + 1) * T, :] = jnp.broadcast_to(lse, (T, lse_ref.shape[1]))
 
 
 def _add_to(*refs):
@@ -372,25 +435,30 @@ def _add_to(*refs):
 def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, valid_hbm, dq_ref,
                table_ref, count_ref, k_res, v_res, valid_res, kc_ref, vc_ref, dq_sc, sem, *,
                C: int, n_qc: int, n_selp: int, CH: int, T: int, n_k: int, scale: float, direct: bool,
-               chains: int):
+               chains: int, R: int):
+    """`R` query tiles a step, as the forward."""
     g, i = _load_fwd(C, table_hbm, count_hbm, k_hbm, v_hbm, valid_hbm, table_ref, count_ref, k_res, v_res,
                      valid_res, sem)
     dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
-    row = g * n_qc + i
-    q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...][:, :1], delta_ref[...][:, :1]
+    rows = [g * n_qc + i * R + r for r in range(R)]
+    tile = lambda ref, r: ref[r * T:(r + 1) * T, :]
 
-    def chunk(j, h):
-        k, v, valid = _kv_chunk(table_ref, row * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
+    def chunk(r, j, h):
+        k, v, valid = _kv_chunk(table_ref, rows[r] * n_selp + j * CH, k_res, v_res, valid_res, kc_ref.at[h],
                                 vc_ref.at[h], CH=CH, T=T, n_k=n_k, direct=direct)
-        s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * scale
+        lse, delta = tile(lse_ref, r)[:, :1], tile(delta_ref, r)[:, :1]
+        s = lax.dot_general(tile(q_ref, r), k, _NT, preferred_element_type=F32) * scale
         p = jnp.exp(jnp.where(valid, s - lse, m.masked(F32)))
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
+        dp = lax.dot_general(tile(do_ref, r), v, _NT, preferred_element_type=F32)
         ds = p * (dp - delta)
         return (lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32),)
 
-    _run_chunks(lax.div(count_ref[row] + CH - 1, CH), chains, chunk, _add_to(dq_sc), n_selp // CH)
-    dq_ref[...] = dq_sc[...] * scale
+    def commit(r, parts):
+        dq_sc[r] += functools.reduce(jnp.add, [x[0] for x in parts])
+
+    _run_rows([lax.div(count_ref[row] + CH - 1, CH) for row in rows], chains, chunk, commit, n_selp // CH)
+    for r in range(R):
+        dq_ref[r * T:(r + 1) * T, :] = dq_sc[r] * scale
 
 
 def _dkv_kernel(offsets_hbm, entries_hbm, k_ref, v_ref, valid_ref, q_hbm, do_hbm, lse_hbm, delta_hbm,
@@ -460,21 +528,21 @@ def _fwd_call(table, counts, q, k, v, valid, *, p: Plan, n_k: int, scale: float)
     """`table (U*C, G*n_qc*n_selp)`, `counts (U*C, G*n_qc)`, `q (U, C, G, L, D)`, `k, v
     (U, S_k, D)`, `valid (n_k + 1, 1, W)` -> `out (U, C, G, L, D)`, `lse (U, C, G, L, 128)`."""
     U, C, G, L, D = q.shape
-    T = p.T
+    T, R = p.T, p.R
     block = lambda u, c, g, i: (u, c, g, i, 0)
     kernel = functools.partial(_fwd_kernel, C=C, n_qc=p.n_qc, n_selp=p.n_selp, CH=p.CH, T=T, n_k=n_k,
-                               scale=scale, direct=p.direct, chains=p.chains)
+                               scale=scale, direct=p.direct, chains=p.chains, R=R)
     return pl.pallas_call(
         kernel,
-        grid=(U, C, G, p.n_qc),
-        in_specs=[_any(), _any(), pl.BlockSpec((None, None, None, T, D), block), _any(), _any(), _any()],
-        out_specs=[pl.BlockSpec((None, None, None, T, D), block),
-                   pl.BlockSpec((None, None, None, T, _LANES), block)],
+        grid=(U, C, G, p.n_qc // R),
+        in_specs=[_any(), _any(), pl.BlockSpec((None, None, None, R * T, D), block), _any(), _any(), _any()],
+        out_specs=[pl.BlockSpec((None, None, None, R * T, D), block),
+                   pl.BlockSpec((None, None, None, R * T, _LANES), block)],
         scratch_shapes=[
             *_fwd_scratch(table, counts, k, v, valid, p),
-            pltpu.VMEM((p.chains, T, _LANES), F32),
-            pltpu.VMEM((p.chains, T, _LANES), F32),
-            pltpu.VMEM((p.chains, T, D), F32),
+            pltpu.VMEM((R * p.chains, T, _LANES), F32),
+            pltpu.VMEM((R * p.chains, T, _LANES), F32),
+            pltpu.VMEM((R * p.chains, T, D), F32),
             pltpu.SemaphoreType.DMA(()),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((U, C, G, L, _LANES), F32)],
@@ -486,18 +554,18 @@ def _fwd_call(table, counts, q, k, v, valid, *, p: Plan, n_k: int, scale: float)
 def _dq_call(table, counts, q, do, lse, delta, k, v, valid, *, p: Plan, n_k: int, scale: float):
     """dQ, float32 `(U, C, G, L, D)`; `lse`, `delta` `(U, C, G, L, 128)`."""
     U, C, G, L, D = q.shape
-    T = p.T
+    T, R = p.T, p.R
     block = lambda u, c, g, i: (u, c, g, i, 0)
-    rows = pl.BlockSpec((None, None, None, T, D), block)
-    stats = pl.BlockSpec((None, None, None, T, _LANES), block)
+    rows = pl.BlockSpec((None, None, None, R * T, D), block)
+    stats = pl.BlockSpec((None, None, None, R * T, _LANES), block)
     kernel = functools.partial(_dq_kernel, C=C, n_qc=p.n_qc, n_selp=p.n_selp, CH=p.CH, T=T, n_k=n_k,
-                               scale=scale, direct=p.direct, chains=p.chains)
+                               scale=scale, direct=p.direct, chains=p.chains, R=R)
     return pl.pallas_call(
         kernel,
-        grid=(U, C, G, p.n_qc),
+        grid=(U, C, G, p.n_qc // R),
         in_specs=[_any(), _any(), rows, rows, stats, stats, _any(), _any(), _any()],
         out_specs=rows,
-        scratch_shapes=[*_fwd_scratch(table, counts, k, v, valid, p), pltpu.VMEM((T, D), F32),
+        scratch_shapes=[*_fwd_scratch(table, counts, k, v, valid, p), pltpu.VMEM((R, T, D), F32),
                         pltpu.SemaphoreType.DMA(())],
         out_shape=jax.ShapeDtypeStruct(q.shape, F32),
         compiler_params=_params(p.vmem_fwd, 4),
@@ -732,8 +800,8 @@ def _backward(q, k, v, tiles, kv_valid, lse, delta, dout, *, tile_size, scale, p
             lay.from_keys(dv.sum(axis=1)).astype(v.dtype))
 
 
-def _opts(q, k, tiles, tile_size, run, kv_tiles, chains, keys) -> Plan | None:
-    return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles, chains, keys)
+def _opts(q, k, tiles, tile_size, run, kv_tiles, chains, keys, whole=0) -> Plan | None:
+    return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run, kv_tiles, chains, keys, whole)
 
 
 def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interpret: bool = False,
@@ -747,7 +815,7 @@ def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interp
     slots themselves). `kv_tiles`, `chains`: see `plan`. A problem that does not fit
     (`plan`) runs `_pallas_tpu_sparse.sparse_fwd`.
     """
-    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_FWD)
+    p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_FWD, KV_KEYS_WHOLE)
     if p is None:
         out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
                                                  interpret=interpret)
