@@ -453,9 +453,7 @@ def _dq_kernel(table_hbm, count_hbm, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v
         ds = p * (dp - delta)
         return (lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=F32),)
 
-    def commit(r, parts):
-        dq_sc[r] += functools.reduce(jnp.add, [x[0] for x in parts])
-
+    commit = lambda r, parts: _add_to(dq_sc.at[r])(parts)
     _run_rows([lax.div(count_ref[row] + CH - 1, CH) for row in rows], chains, chunk, commit, n_selp // CH)
     for r in range(R):
         dq_ref[r * T:(r + 1) * T, :] = dq_sc[r] * scale
