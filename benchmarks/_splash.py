@@ -1,5 +1,5 @@
 """JAX's splash attention called directly, as a user of it would: the TPU peer of the
-benchmarks (`tpu_attention.py`, `accelerator_check.py`).
+benchmarks (`tpu/tpu_attention.py`, `accelerator_check.py`).
 
 `attend(S, H, causal, block_sizes)` builds splash's own kernel (`make_splash_mha`, its own
 custom VJP) for `(B, H, S, D)` arrays; `block_sizes_of` turns the library's

@@ -62,7 +62,7 @@ dynamic trip count is not unrolled, so each iteration runs `chains` consecutive 
 as independent computations the scheduler can interleave (the forward keeps an online
 softmax per chain and merges them at the end; a remainder of fewer than `chains`
 chunks runs one per iteration); `GATHER` and `UNROLL` (module attributes). Measured on
-a TPU v5e (`benchmarks/tpu_sparse.py`, docs/benchmarks.md): stacking the loads instead
+a TPU v5e (`benchmarks/tpu/tpu_sparse.py`, docs/benchmarks.md): stacking the loads instead
 of copying through VMEM took 5% off the fine stage's forward at VSA's Wan 480p problem,
 unrolling 15% more; 4 chains gained nothing over 2 once unrolled. Wider chunks gained
 most: 2,048 keys instead of 512 halved the forward at sparsity 0.9 (each chunk's work

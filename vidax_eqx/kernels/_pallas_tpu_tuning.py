@@ -9,7 +9,7 @@ defaults (128 everywhere) run at a tenth of the chip's matmul rate on video leng
 
 [`SplashBlocks`][vidax_eqx.kernels.SplashBlocks] is one configuration; `TABLES` holds,
 per chip generation (`jax.Device.device_kind`), the configurations measured fastest
-(`benchmarks/tpu_attention.py --sweep`), with the chip, JAX version and date of the
+(`benchmarks/tpu/tpu_attention.py --sweep`), with the chip, JAX version and date of the
 measurement; [`choose_blocks`][] picks the row for a problem, shrinks tiles that would
 pad a sequence by more than 2%, and switches the fused backward off where its partial
 dQ would not fit the budget. A user's explicit blocks (`PallasTpu(block_q=...)` or
@@ -141,7 +141,7 @@ class TuningTable:
     """
 
     device_kind: str
-    measured: str  # "YYYY-MM-DD, JAX x.y.z, benchmarks/tpu_attention.py --sweep"
+    measured: str  # "YYYY-MM-DD, JAX x.y.z, benchmarks/tpu/tpu_attention.py --sweep"
     rows: tuple[tuple[str, int, SplashBlocks], ...]
 
     def lookup(self, mask: str, S_k: int) -> SplashBlocks:
@@ -166,7 +166,7 @@ TABLES: dict[str, TuningTable] = {
         device_kind="TPU v5 lite",
         measured=(
             "2026-12-05, JAX 0.10.2, one TPU v5e chip (bf16 matmul 184.5 TFLOP/s), "
-            "benchmarks/tpu_attention.py --sweep and its table: 12 heads of 128, bf16, at "
+            "benchmarks/tpu/tpu_attention.py --sweep and its table: 12 heads of 128, bf16, at "
             "32,768 and 8,192 tokens (full: forward, dK/dV, dQ and fused tiles; causal: "
             "forward, then its finalists' backward)"
         ),
@@ -191,7 +191,7 @@ TABLES: dict[str, TuningTable] = {
                 block_q_dq=1024, block_kv_dq=1024, fused_bwd=True, vmem_limit_bytes=64 * _MiB)),
             # Frame-block causal (`BlockCausalMask` without a window): the causal row's
             # tiles up to 16,384 tokens; above, a 2048-key backward. At Wan 480p's 32,760
-            # tokens in one-frame blocks (2026-12-06, `tpu_sparse.py --section BC`): forward
+            # tokens in one-frame blocks (2026-12-06, `benchmarks/tpu/tpu_sparse.py --section BC`): forward
             # 24.7 ms, forward + backward 80.7 ms (0.607 / 0.609 of full attention), against
             # 24.8 / 83.7 ms with the causal row's tiles.
             ("block_causal", 0, SplashBlocks(512, 512)),

@@ -2,11 +2,12 @@
 # The measurements of a TPU session, in two parts that each fit one 10-minute command on
 # the lent TPU v5e machine (see ../shared/tpu/README.md for the install line before it):
 #
-#   bash benchmarks/tpu_session.sh speed OUT    # attention vs splash, a Wan step, VSA
-#   bash benchmarks/tpu_session.sh sparse OUT   # sliding tile attention's rows
-#   bash benchmarks/tpu_session.sh checks OUT   # device tests, cold start, 14B block, UMT5-XXL, VAE
+#   bash benchmarks/tpu/tpu_session.sh speed OUT    # attention vs splash, a Wan step, VSA
+#   bash benchmarks/tpu/tpu_session.sh sparse OUT   # sliding tile attention's rows
+#   bash benchmarks/tpu/tpu_session.sh checks OUT   # device tests, cold start, 14B block, UMT5-XXL, VAE
 #
-# (benchmarks/accelerator_check.py, the all-platform command, runs on its own.)
+# (benchmarks/accelerator_check.py, the all-platform command, runs on its own; the scripts of
+# benchmarks/ that also run on a CPU are called from there.)
 #
 # Each step has its own time limit, so one that hangs leaves the others their time; every
 # step's log and report lands in OUT.
@@ -40,8 +41,8 @@ case "$part" in
       tests/test_device_kernels.py tests/test_device_sparse.py tests/test_device_wan.py --durations=10
     step wan_step_again 100 python3 "$here/tpu_wan_step.py" --compile-cache /tmp/vidax-cc --no-ablate --out "$out/again"
     step wan14b_block 60 python3 "$here/tpu_wan_step.py" --model 14b --layers 1 --no-ablate --out "$out"
-    step text_encoder 50 python3 "$here/text_encoder_device.py"
-    step vae_compile 60 python3 "$here/vae_compile.py" --chunks 1 --rounds 1
+    step text_encoder 50 python3 "$here/../text_encoder_device.py"
+    step vae_compile 60 python3 "$here/../vae_compile.py" --chunks 1 --rounds 1
     ;;
   *)
     echo "unknown part: $part (speed, sparse or checks)" >&2

@@ -1,10 +1,10 @@
 """Streaming generation with a key/value cache on an accelerator: a Wan chunk step against
 recomputing the prefix, and the cache's memory against the video's length.
 
-    python benchmarks/tpu_stream.py --out DIR      # Wan 2.1 1.3B, 480p, chunks of 3 latent frames
-    python benchmarks/tpu_stream.py --smoke --out DIR
-    python benchmarks/tpu_stream.py --first-frame --compile-cache /tmp/cc --out DIR  # twice
-    python benchmarks/tpu_stream.py --one-length --seconds 20 --window 6 --out DIR
+    python benchmarks/tpu/tpu_stream.py --out DIR      # Wan 2.1 1.3B, 480p, chunks of 3 latent frames
+    python benchmarks/tpu/tpu_stream.py --smoke --out DIR
+    python benchmarks/tpu/tpu_stream.py --first-frame --compile-cache /tmp/cc --out DIR  # twice
+    python benchmarks/tpu/tpu_stream.py --one-length --seconds 20 --window 6 --out DIR
 
 `models.WanTransformer3D` (random weights at the real size, bf16) with the 512-token text
 as a text cache, as a streaming generation runs it (`WanTransformer3D.stream`,
@@ -74,9 +74,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from _harness import write_json  # also puts this checkout first on sys.path
-from vidax_eqx import models, pipelines, sampling
-from vidax_eqx.pipelines import _stream
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared harness
+from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
+from vidax_eqx import models, pipelines, sampling  # noqa: E402
+from vidax_eqx.pipelines import _stream  # noqa: E402
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32

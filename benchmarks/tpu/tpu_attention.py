@@ -1,11 +1,11 @@
 """Dense attention on a TPU: vidax_eqx's `"pallas_tpu"` against JAX's splash kernel called
 directly, in one process, and XLA where its score matrix fits.
 
-    python benchmarks/tpu_attention.py --out DIR            # the table (docs/benchmarks.md)
-    python benchmarks/tpu_attention.py --sweep --out DIR    # the tuning sweep behind
+    python benchmarks/tpu/tpu_attention.py --out DIR            # the table (docs/benchmarks.md)
+    python benchmarks/tpu/tpu_attention.py --sweep --out DIR    # the tuning sweep behind
                                                             # kernels/_pallas_tpu_tuning.py
-    python benchmarks/tpu_attention.py --smoke --out DIR    # tiny, anywhere (CPU: interpret)
-    python benchmarks/tpu_attention.py --quick --problems '^32760 12 causal$' --out DIR
+    python benchmarks/tpu/tpu_attention.py --smoke --out DIR    # tiny, anywhere (CPU: interpret)
+    python benchmarks/tpu/tpu_attention.py --quick --problems '^32760 12 causal$' --out DIR
                                                             # some rows, tuned splash only
 
 **The table.** Wan's heads (12 of 128: Wan 2.1 1.3B; 40: 14B), bf16, one video, at
@@ -45,9 +45,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from _harness import write_json, write_text  # also puts this checkout first on sys.path
-from _splash import attend as splash_attend, compile_with, sk, VMEM
-from vidax_eqx import kernels
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared harness
+from _harness import write_json, write_text  # noqa: E402  (also puts this checkout first on sys.path)
+from _splash import attend as splash_attend, compile_with, sk, VMEM  # noqa: E402
+from vidax_eqx import kernels  # noqa: E402
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32

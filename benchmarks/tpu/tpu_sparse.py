@@ -6,14 +6,14 @@ frame-block causal attention (BC) through splash.
 On the TPU machine, from the checkout (after the install line of
 `../shared/tpu/README.md`):
 
-    python3 benchmarks/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
-    python3 benchmarks/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
-    python3 benchmarks/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA, BC or TUNE)
-    python3 benchmarks/tpu_sparse.py --section STA --rows 'gather$' --profile --out DIR
+    python3 benchmarks/tpu/tpu_sparse.py --budget 200 --out DIR  # every row, in order, for ~4 min
+    python3 benchmarks/tpu/tpu_sparse.py --quick --out DIR       # VSA and STA's first grid (~5 min)
+    python3 benchmarks/tpu/tpu_sparse.py --section STA --out DIR # one section's rows (VSA, STA, BC or TUNE)
+    python3 benchmarks/tpu/tpu_sparse.py --section STA --rows 'gather$' --profile --out DIR
         # the rows whose "problem path" matches a regular expression (with their dense
         # rows), and each pass's slowest device ops (a jax.profiler trace)
-    python3 benchmarks/tpu_sparse.py --out DIR               # every row (about 10 min)
-    python3 benchmarks/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
+    python3 benchmarks/tpu/tpu_sparse.py --out DIR               # every row (about 10 min)
+    python3 benchmarks/tpu/tpu_sparse.py --smoke --out DIR       # tiny shapes, interpret mode, CPU
 
 and, on a host without a TPU but with libtpu (`pip install --target DIR "libtpu==0.0.42.*"`,
 the release JAX 0.10.2 pins; `PYTHONPATH=DIR ALLOW_MULTIPLE_LIBTPU_LOAD=1
@@ -82,15 +82,16 @@ import sys
 import time
 import traceback
 
-import _harness as h  # puts this checkout first on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared harness
+import _harness as h  # noqa: E402  (puts this checkout first on sys.path)
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from vidax_eqx import kernels
-from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sliding
-from vidax_eqx.kernels import _vsa as _vsa_internal
+from vidax_eqx import kernels  # noqa: E402
+from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sliding  # noqa: E402
+from vidax_eqx.kernels import _vsa as _vsa_internal  # noqa: E402
 
 
 BF16 = jnp.bfloat16

@@ -1,8 +1,8 @@
 """A Wan denoising step on an accelerator: where its time goes, and the 50-step estimate.
 
-    python benchmarks/tpu_wan_step.py --out DIR                   # Wan 2.1 1.3B, 480p x 81
-    python benchmarks/tpu_wan_step.py --model 14b --layers 1 --out DIR   # one 14B block
-    python benchmarks/tpu_wan_step.py --smoke --out DIR           # tiny, anywhere
+    python benchmarks/tpu/tpu_wan_step.py --out DIR                   # Wan 2.1 1.3B, 480p x 81
+    python benchmarks/tpu/tpu_wan_step.py --model 14b --layers 1 --out DIR   # one 14B block
+    python benchmarks/tpu/tpu_wan_step.py --smoke --out DIR           # tiny, anywhere
 
 One forward of `models.WanTransformer3D` (random weights at the real size, bf16) on one
 video latent `(16, F, H/8, W/8)` with the 512-token text context, as a sampler runs it
@@ -29,9 +29,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from _harness import write_json  # also puts this checkout first on sys.path
-from _model_flops import wan_flops
-from vidax_eqx import kernels, models
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared harness
+from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
+from _model_flops import wan_flops  # noqa: E402
+from vidax_eqx import kernels, models  # noqa: E402
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
