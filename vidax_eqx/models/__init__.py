@@ -57,7 +57,9 @@ theirs, re-exported.
 - [`AbstractModel`][], [`AbstractCachedModel`][], [`AbstractExperts`][],
     [`AbstractBatchedInput`][], [`AbstractPerExpert`][]: what `run_sharded`, LoRA, the
     caches and the samplers need of a model and of its inputs; a new model subclasses
-    them. [`AbstractVideoVAE`][]: what a pipeline needs of a video VAE.
+    them; [`Capabilities`][], the record of what a model class can do (its class
+    variable `capabilities`), which the samplers and pipelines read.
+    [`AbstractVideoVAE`][]: what a pipeline needs of a video VAE.
 """
 
 from . import (
@@ -72,6 +74,7 @@ from ._base import (
     AbstractPerExpert as AbstractPerExpert,
     AbstractVideoVAE as AbstractVideoVAE,
 )
+from ._capabilities import Capabilities as Capabilities
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora

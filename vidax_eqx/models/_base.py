@@ -9,6 +9,7 @@ import equinox as eqx
 
 from .. import interop
 from ..nn import sharding
+from ._capabilities import Capabilities
 
 
 class AbstractModel(eqx.Module):
@@ -25,10 +26,36 @@ class AbstractModel(eqx.Module):
     - `config`: the model's static configuration (a frozen dataclass).
     - `stacked_layers`: a class variable, the names of the fields that hold layers
         stacked along a leading axis (run by `lax.scan`): never sharded on that axis.
+    - `capabilities`: a class variable, the [`Capabilities`][] record of what the
+        model's calls take (latent layout, timestep granularity, caches, streaming,
+        experts, image conditioning): what the samplers and pipelines read, instead of
+        testing the model's class. A combination the record refuses raises in one line
+        naming the model and the capability.
     """
 
     config: eqx.AbstractVar[Any]
     stacked_layers: eqx.AbstractClassVar[tuple[str, ...]]
+    capabilities: eqx.AbstractClassVar[Capabilities]
+
+    @property
+    @abc.abstractmethod
+    def in_channels(self) -> int:
+        """Latent channels in (with any condition channels concatenated to them)."""
+
+    @property
+    @abc.abstractmethod
+    def out_channels(self) -> int:
+        """Latent channels out (those of the noise a sampler starts from)."""
+
+    @property
+    @abc.abstractmethod
+    def patch_size(self) -> tuple[int, int, int]:
+        """`(pt, ph, pw)`: latent frames, rows and columns per patch token."""
+
+    @property
+    @abc.abstractmethod
+    def text_dim(self) -> int:
+        """The width of the text encoder's embeddings the call takes as `context`."""
 
     @property
     @abc.abstractmethod

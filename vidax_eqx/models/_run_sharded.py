@@ -9,7 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..nn import sharding
-from ._base import AbstractBatchedInput, AbstractCachedModel, AbstractExperts, AbstractModel, expert_kwargs
+from ._base import AbstractBatchedInput, AbstractModel, expert_kwargs
 from ._kv_cache import error_past_reach, KVCache
 from ._options import attention_keywords, check_attention, BlockCausal, SlidingTile, VideoSparseTiles
 from ._step_cache import step_cache_specs
@@ -184,10 +184,10 @@ def run_sharded(model, x, timestep, context, *, mesh,
     if streaming and "check_reach" in kwargs:  # a keyword of stream, not an array
         static["check_reach"] = kwargs.pop("check_reach")
     names = sorted(kwargs)
-    if cached and not isinstance(model, AbstractCachedModel):
+    if cached and not model.capabilities.step_cache:
         raise ValueError(
-            f"run_sharded: `step_cache` needs a model with step caching (a "
-            f"models.AbstractCachedModel: WanTransformer3D, WanExperts); received a "
+            f"run_sharded: `step_cache` needs a model with step caching "
+            f"(capabilities.step_cache: WanTransformer3D, WanExperts); received a "
             f"{type(model).__name__}.")
     decision = (jnp.asarray(may_reuse, bool),
                 None if threshold is None else jnp.asarray(threshold, jnp.float32))
@@ -213,7 +213,7 @@ def run_sharded(model, x, timestep, context, *, mesh,
                 return lax.map(lambda args: one(*args), (x, timestep, context, *extra))
             return jax.vmap(one, axis_name=_BATCH)(x, timestep, context, *extra)
 
-        if isinstance(model, AbstractExperts):  # one expert per batch that agrees
+        if model.capabilities.experts:  # one expert per batch that agrees (AbstractExperts)
             return model.route_batch(batch, timestep, axis_name=batch_axis)
         return batch(model)
 
@@ -246,10 +246,10 @@ def _check_streaming(model, kv_cache, attention, remat, cached) -> None:
     if not isinstance(kv_cache, KVCache):
         raise ValueError(f"run_sharded: `kv_cache` must be a models.KVCache (batched) or None; "
                          f"received a {type(kv_cache).__name__}.")
-    if not hasattr(model, "stream") or isinstance(model, AbstractExperts):
+    if not model.capabilities.streaming:
         raise ValueError(f"run_sharded: `kv_cache` streams a model with a key/value cache "
-                         f"(WanTransformer3D, SkyReelsV2Transformer3D); received a "
-                         f"{type(model).__name__}.")
+                         f"(capabilities.streaming: WanTransformer3D, SkyReelsV2Transformer3D); "
+                         f"received a {type(model).__name__}.")
     for name, given in (("step_cache", cached), ("remat", remat is not None),
                         ("attention (other than BlockCausal)",
                          attention is not None and not isinstance(attention, BlockCausal))):

@@ -7,10 +7,14 @@ with: the one documented door into `models`' private modules. Not part of the pu
     settings), which the exported sampler reuses.
 - `vae_program`: a VAE's encode or decode body as a `jax.jit` function of abstract
     arguments, for the memory benchmark (`benchmarks/vae_memory.py`).
+- `require_capability`: raises `NotImplementedError` in one line naming a model and a
+    capability its class's [`Capabilities`][vidax_eqx.models.Capabilities] record
+    lacks.
 - `vae_jit`: `eqx.filter_jit` with the VAEs' compile options for the platform of the
     call (a lower XLA optimization effort on a TPU), for programs around a VAE's calls
     (the streaming pipeline's decode).
 """
 
+from ._capabilities import require as require_capability
 from ._export import mismatch as mismatch, pack as pack, signature as signature, unpack as unpack
 from ._vae import vae_jit as vae_jit, vae_program as vae_program

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, models, sampling
-from ..models.internal import vae_jit
+from ..models.internal import require_capability, vae_jit
 from ._common import check_int, dtype_of
 
 
@@ -169,10 +169,7 @@ def check_stream(owner: str, pipe, grid, chunk_frames, max_cached_frames, window
             f"{owner}: the video's {F} latent frames pass the transformer's rope_max_seq_len "
             f"({reach} latent frames), the reach of its RoPE tables; generate at most "
             f"{(reach - 1) * pipe.vae.temporal_factor + 1} frames.")
-    if not hasattr(pipe.transformer, "stream"):
-        raise NotImplementedError(
-            f"{owner}: streaming generation runs a transformer with a key/value cache "
-            f"(`stream`); this pipeline's is a {type(pipe.transformer).__name__}.")
+    require_capability(owner, pipe.transformer, "streaming")
     if pipe.image_conditioned:
         raise NotImplementedError(f"{owner}: streaming generation is text-to-video; this "
                                   "transformer takes an image.")

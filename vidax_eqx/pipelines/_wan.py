@@ -119,9 +119,8 @@ class WanPipeline(AbstractVideoPipeline):
 
     @property
     def transformer_config(self):
-        """The (first) transformer's `WanConfig`."""
-        t = self.transformer
-        return t.high_noise.config if isinstance(t, models.WanExperts) else t.config
+        """The transformer's `WanConfig` (two experts: the first's, which both share)."""
+        return self.transformer.config
 
     @property
     def image_conditioned(self) -> bool:

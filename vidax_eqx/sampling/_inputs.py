@@ -4,6 +4,7 @@ condition against the model, the mesh axes, the step-cache rule."""
 import numpy as np
 
 from .. import models
+from ..models.internal import require_capability
 from ._cogvideox import CogVideoXDDIM, CogVideoXDPM
 from ._flow_match import FlowMatchEuler, UniPC
 from ._schedulers import AbstractScheduler
@@ -40,15 +41,21 @@ def _shape(x):
     return tuple(getattr(x, "shape", ()))
 
 
+def capabilities_of(model):
+    """The [`Capabilities`][vidax_eqx.models.Capabilities] of a model of
+    `vidax_eqx.models`, `None` for any other callable (a function of the caller's, whose
+    inputs are not checked against a record)."""
+    return model.capabilities if isinstance(model, models.AbstractModel) else None
+
+
 def _layout(model):
-    """`(channel axis, (pt, ph, pw), text width, layout)` of the latents of a known
-    model, `None` for any other callable."""
-    if isinstance(model, models.CogVideoXTransformer3D):  # diffusers' CogVideoX layout
-        p = model.config.patch_size
-        return 2, (1, p, p), model.config.text_embed_dim, "(B, F, C, H, W)"
-    if isinstance(model, (models.WanTransformer3D, models.WanExperts)):
-        return 1, tuple(model.config.patch_size), model.config.text_dim, "(B, C, F, H, W)"
-    return None
+    """`(channel axis, (pt, ph, pw), text width, layout)` of the batched latents of a
+    model of `vidax_eqx.models`, `None` for any other callable."""
+    caps = capabilities_of(model)
+    if caps is None:
+        return None
+    return (1 + caps.channel_axis, model.patch_size, model.text_dim,
+            "(B, " + ", ".join(caps.latents) + ")")
 
 
 def check_inputs(model, noise, context, negative_context) -> None:
@@ -62,11 +69,10 @@ def check_inputs(model, noise, context, negative_context) -> None:
             f"sample: `noise` must be the initial latents {names}; received shape "
             f"{_shape(noise)}.")
     B, C = noise.shape[0], noise.shape[axis]
-    config = getattr(model, "config", None)
     if layout is not None:
-        if C != config.out_channels:
+        if C != model.out_channels:
             raise ValueError(
-                f"sample: `noise` must have the model's {config.out_channels} latent channels "
+                f"sample: `noise` must have the model's {model.out_channels} latent channels "
                 f"(out_channels; axis {axis} of {names}); received shape {noise.shape}.")
         grid = [noise.shape[a] for a in range(1, 5) if a != axis]  # F, H, W
         if any(n % p for n, p in zip(grid, patch)):
@@ -96,13 +102,12 @@ def conditioning_of(model, noise, condition):
     tokens at timestep 0: Wan 2.2 TI2V); raises on a condition that does not fit."""
     layout = _layout(model)
     axis, patch, _, names = layout or (1, None, None, "(B, C, F, H, W)")
-    config = getattr(model, "config", None)
-    extra = 0 if layout is None else config.in_channels - config.out_channels
+    extra = 0 if layout is None else model.in_channels - model.out_channels
     if condition is None:
         if extra:
             raise ValueError(
                 f"sample: `condition` is required by an image-conditioned model (in_channels "
-                f"{config.in_channels} = the latents' {config.out_channels} + {extra} condition "
+                f"{model.in_channels} = the latents' {model.out_channels} + {extra} condition "
                 f"channels: Wan I2V, CogVideoX I2V): the {names} latents concatenated to the "
                 "noisy latents at every step (diffusers' `condition` / `image_latents`).")
         return None
@@ -116,11 +121,11 @@ def conditioning_of(model, noise, condition):
                 f"the noisy latents along axis {axis}: shape {tuple(expected)}; received "
                 f"{shape}.")
         return ("concat", axis)
-    if not isinstance(model, models.WanTransformer3D):
+    if "frames" not in capabilities_of(model).image:
         raise ValueError(
             f"sample: `condition` for a model whose in_channels equal its out_channels "
             f"replaces the first latent frames (Wan 2.2 TI2V), which a {type(model).__name__} "
-            "does not take; received a condition.")
+            "does not take (its capabilities.image has no 'frames'); received a condition.")
     B, C, F, H, W = noise.shape
     if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != (B, C, H, W) or not (
             1 <= shape[2] <= F):
@@ -176,18 +181,20 @@ def check_step_cache(model, step_cache, steps: int):
     caching; raises on a model that cannot."""
     if step_cache is None:
         return None
-    if not isinstance(model, models.AbstractCachedModel):
+    if capabilities_of(model) is None:
         raise NotImplementedError(
-            f"sample: step caching runs through the model's cached_call (WanTransformer3D, "
-            f"WanExperts); a {type(model).__name__} has none (CogVideoX: not yet).")
+            f"sample: step caching runs through a model's cached_call (a model of "
+            f"vidax_eqx.models whose capabilities.step_cache is True); received a "
+            f"{type(model).__name__}.")
+    require_capability("sample", model, "step_cache")
     return step_cache.mask(steps)
 
 
 def expert_switches(model, plan) -> np.ndarray | None:
     """`(steps,)` bool: the steps whose expert differs from the previous step's (a
     cached residual is the other expert's there), or `None` for a one-expert model."""
-    boundary = getattr(model, "boundary_timestep", None)
-    if boundary is None:
+    caps = capabilities_of(model)
+    if caps is None or not caps.experts:
         return None
-    high = np.asarray(plan.timesteps) >= boundary
+    high = np.asarray(plan.timesteps) >= model.boundary_timestep
     return np.concatenate([[False], high[1:] != high[:-1]])

@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import models
 from . import _forcing
 from ._forcing import FINISHED_TIMESTEP, NOT_STARTED_TIMESTEP
+from ._inputs import capabilities_of
 from ._progress import SampleStep
 from ._schedulers import AbstractScheduler, SchedulerPlan, SchedulerState
 
@@ -59,6 +60,8 @@ class LoopOptions(eqx.Module):
     conditioning: tuple | None = eqx.field(static=True)
     """How `condition` enters the model: `None`, `("concat", axis)` or `("frames", n)`."""
     text_cache: bool = eqx.field(static=True)
+    """Whether the loop computes the text's keys and values once (asked for, and the
+    model's `capabilities.text_cache`)."""
     noised_prefix: tuple[int, float] | None = eqx.field(static=True)
     """Diffusion forcing's `(prefix_frames, addnoise_condition)` when the prefix is shown
     noised (`addnoise_condition > 0`), else `None`."""
@@ -121,7 +124,7 @@ def _prepare(inputs: LoopInputs, options: LoopOptions) -> Prepared:
     if inputs.negative_context is not None:
         context = jnp.concatenate([context, inputs.negative_context])
         batched = jax.tree.map(lambda a: jnp.concatenate([a, a]), batched)
-    if options.text_cache and isinstance(model, (models.WanTransformer3D, models.WanExperts)):
+    if options.text_cache:
         # The cross-attention's keys and values of both contexts, once per generation.
         image = batched.get("context_image")
         if mesh is None:
@@ -152,7 +155,8 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
                                           prepared.condition, inputs.reuse)
     scheduler, threshold = options.scheduler, options.threshold
     guided = inputs.negative_context is not None
-    boundary = getattr(model, "boundary_timestep", None)
+    caps = capabilities_of(model)
+    boundary = model.boundary_timestep if caps is not None and caps.experts else None
     predict = functools.partial(_predict, mesh=options.mesh, batch_axis=_axis(options),
                                 static=options.model_static, batched=batched)
     mode, arg = options.conditioning or (None, None)
@@ -165,7 +169,7 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
             latents = jnp.concatenate([latents, condition.astype(latents.dtype)], axis=arg)
         elif mode == "frames":  # diffusers' (1 - mask) * condition + mask * latents
             latents = jnp.where(kept, condition, latents)
-            t = models.wan_image_timestep(t, noise.shape[2:], patch_size=model.config.patch_size,
+            t = models.wan_image_timestep(t, noise.shape[2:], patch_size=model.patch_size,
                                           cond_frames=arg)
         return (jnp.concatenate([latents, latents]) if guided else latents), t
 

@@ -12,8 +12,8 @@ from .. import models
 from .._checks import is_int
 from .._deprecation import warn_deprecated
 from ._inputs import (
-    check_inputs, check_placement, check_step_cache, conditioning_of, expert_switches,
-    scheduler_of,
+    capabilities_of, check_inputs, check_placement, check_step_cache, conditioning_of,
+    expert_switches, scheduler_of,
 )
 from ._flow_match import UniPC
 from ._forcing import DiffusionForcing
@@ -219,7 +219,8 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
             f"{owner}: `compilation.max_steps` (the most steps the compiled loop serves) must "
             f"be None or a Python int >= steps ({steps}); received {max_steps!r}.")
     scheduler = scheduler_of(owner, scheduler)
-    experts = isinstance(model, models.AbstractExperts)
+    caps = capabilities_of(model)
+    experts = caps is not None and caps.experts
     if guidance.scale_2 is not None and not experts:
         raise ValueError(
             f"{owner}: `guidance.scale_2` is the low-noise expert's guidance scale of a "
@@ -285,7 +286,8 @@ def prepare(owner, model, noise, context, *, negative_context, steps, scheduler,
         condition=condition, forcing=rows)
     options = LoopOptions(
         scheduler=scheduler, mesh=placement.mesh, batch_axis=placement.batch_axis,
-        cfg_axis=placement.cfg_axis, conditioning=conditioning, text_cache=caching.text,
+        cfg_axis=placement.cfg_axis, conditioning=conditioning,
+        text_cache=caching.text and caps is not None and caps.text_cache,
         noised_prefix=noised_prefix, model_static=static,
         threshold=_threshold(caching.step))
     return inputs, options
@@ -308,15 +310,17 @@ def _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
     if noise.ndim != 5:
         raise ValueError(f"{owner}: diffusion forcing takes latents (B, C, F, H, W); received "
                          f"shape {noise.shape}.")
-    config = getattr(model, "config", None)
-    if isinstance(model, models.AbstractModel) and not isinstance(model, models.SkyReelsV2Transformer3D):
+    caps = capabilities_of(model)
+    if caps is not None and caps.timestep != "frame":
         raise ValueError(
             f"{owner}: diffusion forcing needs a model that takes a timestep per latent frame "
-            f"(models.SkyReelsV2Transformer3D); received a {type(model).__name__}.")
-    if config is not None and getattr(config, "patch_size", (1,))[0] != 1:
+            f"(capabilities.timestep 'frame', models.SkyReelsV2Transformer3D); a "
+            f"{type(model).__name__}'s is {caps.timestep!r}.")
+    if caps is not None and model.patch_size[0] != 1:
         raise ValueError(f"{owner}: diffusion forcing steps each latent frame; the model's "
-                         f"temporal patch is {config.patch_size[0]}, not 1.")
-    block = getattr(config, "num_frame_per_block", None)
+                         f"temporal patch is {model.patch_size[0]}, not 1.")
+    # A model with a timestep per frame attends in blocks of frames (its config's).
+    block = None if caps is None else model.config.num_frame_per_block
     attention = model_static.get("attention")
     if isinstance(attention, models.BlockCausal):  # the call sets the model's blocks
         block = attention.frames_per_block

@@ -17,6 +17,7 @@ from ..._vma import as_varying, varying_axes
 from ...nn import functional, sharding
 from ...nn.internal import check_text, init, linear
 from .._base import AbstractModel
+from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
 from .._layers import check_remat, scan_layers
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
@@ -70,6 +71,11 @@ class CogVideoXTransformer3D(AbstractModel):
     proj_out: eqx.nn.Linear
     config: CogVideoXConfig = eqx.field(static=True)
     stacked_layers: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    # No text cache (the text is a stream of the joint attention, changed by every
+    # block), no step cache, no streaming, one timestep per video.
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        latents="FCHW", timestep="video", text_cache=False, step_cache=False, streaming=False,
+        experts=False, image=frozenset({"channels"}))
 
     def __init__(
         self,
@@ -117,6 +123,11 @@ class CogVideoXTransformer3D(AbstractModel):
     def parallel(self) -> sharding.ParallelConfig:
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.transformer_blocks.attn1.parallel
+
+    in_channels = property(lambda self: self.config.in_channels)
+    out_channels = property(lambda self: self.config.out_channels)
+    patch_size = property(lambda self: (1, self.config.patch_size, self.config.patch_size))
+    text_dim = property(lambda self: self.config.text_embed_dim)
 
     def _positions(self, frames: int, grid, T: int):
         """`(rope, video positional embedding, text positional embedding)`, each or None."""

@@ -2,6 +2,7 @@
 transformer with a timestep per latent frame (diffusion forcing) and the fps embedding."""
 
 import os
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -12,6 +13,7 @@ from ..._shapes import checked
 from ... import nn
 from ...nn import sharding
 from ...nn.internal import init
+from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
 from .._kv_cache import KVCache
 from .._options import BlockCausal, SlidingTile, VideoSparseTiles
@@ -47,6 +49,9 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
 
     fps_embedding: eqx.nn.Embedding | None
     fps_projection: nn.FeedForward | None
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        latents="CFHW", timestep="frame", text_cache=True, step_cache=True, streaming=True,
+        experts=False, image=frozenset({"channels", "embedding"}))
 
     def __init__(
         self,

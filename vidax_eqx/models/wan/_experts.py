@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Real
 from ... import interop
 from ...nn import sharding
 from .._base import AbstractExperts, AbstractPerExpert, expert_kwargs
+from .._capabilities import Capabilities
 from .._options import attention_keywords
 from ._model import WanTransformer3D
 from ._text_cache import WanTextCache
@@ -83,6 +84,9 @@ class WanExperts(AbstractExperts):
     boundary: float = eqx.field(static=True, converter=lambda b: _real_to_float(b))
     num_train_timesteps: int = eqx.field(static=True, default=1000)
     stacked_layers: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        latents="CFHW", timestep="token", text_cache=True, step_cache=True, streaming=False,
+        experts=True, image=frozenset({"channels", "embedding"}))
 
     def __check_init__(self):
         for name in ("high_noise", "low_noise"):
@@ -125,6 +129,11 @@ class WanExperts(AbstractExperts):
     def parallel(self) -> sharding.ParallelConfig:
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] both experts run with."""
         return self.high_noise.parallel
+
+    in_channels = property(lambda self: self.high_noise.in_channels)
+    out_channels = property(lambda self: self.high_noise.out_channels)
+    patch_size = property(lambda self: self.high_noise.patch_size)
+    text_dim = property(lambda self: self.high_noise.text_dim)
 
     @property
     def boundary_timestep(self) -> float:

@@ -19,6 +19,7 @@ from ...nn import functional, sharding
 from ...parallel import axis_size
 from ...nn.internal import check_text, init, linear
 from .._base import AbstractCachedModel
+from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
 from .._kv_cache import error_past_reach, KVCache
 from .._layers import check_remat, scan_layers, scan_layers_with_outputs
@@ -73,6 +74,9 @@ class WanTransformer3D(AbstractCachedModel):
     head: WanHead
     config: WanConfig = eqx.field(static=True)
     stacked_layers: ClassVar[tuple[str, ...]] = ("blocks",)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        latents="CFHW", timestep="token", text_cache=True, step_cache=True, streaming=True,
+        experts=False, image=frozenset({"channels", "frames", "embedding"}))
 
     def __init__(
         self,
@@ -119,6 +123,11 @@ class WanTransformer3D(AbstractCachedModel):
     def parallel(self) -> sharding.ParallelConfig:
         """The [`vidax_eqx.nn.sharding.ParallelConfig`][] the model runs with."""
         return self.blocks.self_attn.parallel
+
+    in_channels = property(lambda self: self.config.in_channels)
+    out_channels = property(lambda self: self.config.out_channels)
+    patch_size = property(lambda self: tuple(self.config.patch_size))
+    text_dim = property(lambda self: self.config.text_dim)
 
     @attention_keywords
     @checked
