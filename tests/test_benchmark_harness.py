@@ -9,20 +9,14 @@ a `lax.scan`, and a `shard_map` with a `psum` and a `ppermute` over the 8 simula
 CPU devices the test configuration sets up).
 """
 
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import _harness  # noqa: E402
-import _hlo  # noqa: E402
+from benchmarks import _harness, _hlo
 
 
 # The two header regexes the benchmarks had, to show what each took.

@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import math
 import pathlib
-import sys
 
 import equinox as eqx
 import jax
@@ -42,12 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import harness
 import oracle
+from benchmarks import _hlo
 from vidax_eqx import models, nn
-
-
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))  # its _hlo
-
-import _hlo  # noqa: E402
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"

@@ -11,8 +11,6 @@ branch has none. Every bad-input rule raises, naming the argument.
 """
 
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import oracle
+from benchmarks import _hlo
 from vidax_eqx import parallel
-
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))  # its _hlo
-import _hlo  # noqa: E402
 
 
 GRID, TILE = (3, 5, 6), (2, 2, 2)  # 2 x 3 x 3 = 18 tiles of 8 tokens, partial at two edges

@@ -38,7 +38,6 @@ import functools
 import json
 import pathlib
 import re
-import sys
 
 import equinox as eqx
 import jax
@@ -49,12 +48,8 @@ import pytest
 
 import harness
 import oracle
+from benchmarks import _hlo
 from vidax_eqx import models, nn
-
-
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))  # its _hlo
-
-import _hlo  # noqa: E402
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "wan"
