@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 from vidax_eqx import kernels, nn, parallel
-from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_tuning
+from vidax_eqx.kernels.pallas_tpu import _gather, _tuning
 
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -84,7 +84,7 @@ class QuadraticArray(AssertionError):
 # (S_k / block_kv_dkv, H, S_q, D) in q's dtype: O(S^2 / block), 115 GB at Wan 14B,
 # S = 75,600 with 512-token blocks, which interpret-mode tests at small S cannot see.
 # `"pallas_tpu"` runs it only where the chip's table measured it faster and those
-# partials fit `FUSED_BWD_SHARE` of the chip's memory (`_pallas_tpu_tuning.choose_blocks`;
+# partials fit `FUSED_BWD_SHARE` of the chip's memory (`_tuning.choose_blocks`;
 # else the separate dK/dV and dQ kernels): the bound below lets exactly those arrays
 # through, and checks their size against that budget.
 
@@ -147,7 +147,7 @@ def _fused_dq_partials(shape: tuple[int, ...]) -> bool:
     for causal in (False, True):
         blocks = kernels.splash_blocks(q, q, q, causal=causal)
         if blocks.fused_bwd and n == blocks.padded(S, S)[1] // blocks.block_kv_dkv:
-            budget = _pallas_tpu_tuning.device_memory_bytes() * _pallas_tpu_tuning.FUSED_BWD_SHARE
+            budget = _tuning.device_memory_bytes() * _tuning.FUSED_BWD_SHARE
             assert math.prod(shape) * jnp.dtype(BF16).itemsize <= budget, shape
             return True
     return False
@@ -457,15 +457,15 @@ def test_video_sparse_attention(resolution, direction):
     stage, Wan 1.3B: at 480p the (21, 30, 52) token grid in 4 x 4 x 4 tiles is 624
     tiles, 39,936 tokens with padding, 63 key tiles per query tile (sparsity 0.9); at
     720p 1,440 tiles, 144 per query tile (the backward's query tiles in two chunks whose
-    tile tables fit SMEM). The tile-gathering kernels (`_pallas_tpu_gather`: K/V resident in VMEM)
+    tile tables fit SMEM). The tile-gathering kernels (`_gather`: K/V resident in VMEM)
     serve both (forward; dQ and dK/dV in the backward); no array of the module reaches
     S x S elements, nor |q| + |k| + |v|; "auto" picks the kernel for TPU."""
     grid, S = VSA_GRIDS[resolution]
     tile = (4, 4, 4)
     H, D = MODELS["wan1.3b"]
     n = S // 64
-    p = _pallas_tpu_gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64,
-                                keys=_pallas_tpu_gather.KV_KEYS_BWD)
+    p = _gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64,
+                                keys=_gather.KV_KEYS_BWD)
     assert p.C == {"480p": 1, "720p": 2}[resolution]
     q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
     for implementation in ("pallas_tpu", "auto"):

@@ -94,7 +94,7 @@ def test_splash_kernel_reads():
     """The attributes the TPU backward reads on a splash kernel, on tiny causal ones
     built as `"pallas_tpu"` builds them (`SplashAttentionKernel` from mask infos of a
     positions mask and of a sliding tile mask, unfused and fused)."""
-    from vidax_eqx.kernels._pallas_tpu_mask import splash_kernel_for
+    from vidax_eqx.kernels.pallas_tpu._mask import splash_kernel_for
 
     tm = kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1), text_len=32)
     for tile_mask in (None, tm):
@@ -113,7 +113,7 @@ def test_splash_kernel_reads():
 def test_splash_computable_mask_reads():
     """What splash reads on a mask computed in the kernel (`q_sequence`, `mask_function`,
     `shape`), on `"pallas_tpu"`'s subclass for the sliding tile mask."""
-    from vidax_eqx.kernels._pallas_tpu_mask import SplashTileMask
+    from vidax_eqx.kernels.pallas_tpu._mask import SplashTileMask
 
     mask = SplashTileMask(kernels.SlidingTileMask((2, 4, 4), (1, 2, 2), (1, 1, 1)), (128, 128))
     assert isinstance(mask, _jax_private.SplashComputableMask)

@@ -177,7 +177,7 @@ def test_pallas_tpu_configurations(blocks, case, dtype):
 def test_copied_padding_is_taken_only_where_exact():
     """Keys padded with copies of the last key only for full attention of 16-bit inputs
     (float32, masks, segment ids and key lengths hide the padding with the mask)."""
-    from vidax_eqx.kernels._pallas_tpu import _copied_padding
+    from vidax_eqx.kernels.pallas_tpu._implementation import _copied_padding
 
     q16 = jnp.zeros((1, 300, 2, 16), jnp.bfloat16)
     q32 = q16.astype(jnp.float32)
@@ -264,7 +264,7 @@ def test_splash_blocks_choice():
     """The table's row for a problem, fitted: tiles no longer than the sequence, halved
     where padding to them would cost more than their speed gains, the fused backward
     switched off above its memory budget; explicit tiles and interpret mode as given."""
-    from vidax_eqx.kernels._pallas_tpu_tuning import choose_blocks, TABLES
+    from vidax_eqx.kernels.pallas_tpu._tuning import choose_blocks, TABLES
 
     kw = dict(batch=1, heads=12, head_dim=128, itemsize=2, kind="TPU v5 lite")
     big = choose_blocks(mask="full", S_q=32760, S_k=32760, **kw)

@@ -27,10 +27,10 @@ import harness
 import oracle
 from vidax_eqx import kernels
 from vidax_eqx._jax_private import make_splash_mha, MultiHeadMask
-from vidax_eqx.kernels import _pallas_tpu_mask
+from vidax_eqx.kernels.pallas_tpu import _mask
 from vidax_eqx.kernels._args import Operands, Options
-from vidax_eqx.kernels._pallas_tpu import _head_groups
-from vidax_eqx.kernels._pallas_tpu_mask import (
+from vidax_eqx.kernels.pallas_tpu._implementation import _head_groups
+from vidax_eqx.kernels.pallas_tpu._mask import (
     splash_kernel_for, SplashBlockCausalMask, SplashPositionsMask, SplashTileMask,
 )
 
@@ -206,13 +206,13 @@ def test_block_map():
 
 
 def _assert_same_kernel_infos(mask, blocks: kernels.SplashBlocks, q_ids=None):
-    """The mask infos `_pallas_tpu_mask` builds from `mask`'s block kinds are those
+    """The mask infos `_mask` builds from `mask`'s block kinds are those
     splash's `make_splash_mha` builds by evaluating every block of it in NumPy (with
     `q_ids`, the query ids the kernel's mask function takes instead of positions)."""
     with jax.ensure_compile_time_eval():
-        ours = _pallas_tpu_mask._kernel(mask, blocks, None, True)
+        ours = _mask._kernel(mask, blocks, None, True)
         theirs = make_splash_mha(
-            MultiHeadMask([mask] * 3), block_sizes=_pallas_tpu_mask._splash_block_sizes(blocks),
+            MultiHeadMask([mask] * 3), block_sizes=_mask._splash_block_sizes(blocks),
             head_shards=1, q_seq_shards=1, save_residuals=True, attn_logits_soft_cap=None,
             interpret=True,
         )

@@ -1,13 +1,13 @@
 """Video sparse attention on `"pallas_tpu"`, in Pallas interpret mode on CPU: the
-per-tile block-sparse Mosaic kernels of VSA's fine stage (`kernels/_pallas_tpu_sparse.py`,
+per-tile block-sparse Mosaic kernels of VSA's fine stage (`kernels/pallas_tpu/_per_tile.py`,
 which `PallasTpu` runs when the tile-gathering kernels' resident arrays do not fit), and
 the public function through `PallasTpu`, which runs the tile-gathering kernels
-(`kernels/_pallas_tpu_gather.py`, tested on their own in `test_tile_gather_pallas.py`).
+(`kernels/pallas_tpu/_gather.py`, tested on their own in `test_tile_gather_pallas.py`).
 
 Against the float64 oracle (`oracle.attention` with the dense token mask that a tile
 table means, built here from the documented semantics):
 
-- the per-tile fine stage (`_pallas_tpu_sparse.sparse_fwd` / `sparse_bwd`): out, lse and the
+- the per-tile fine stage (`_per_tile.sparse_fwd` / `sparse_bwd`): out, lse and the
   gradients of q, k, v with a random cotangent on out and on lse, with GQA, unused
   (-1) slots, a row that sees nothing (every slot -1), a query tile whose selected
   key tiles hold only padding keys, padded keys, in float32 and bfloat16;
@@ -33,7 +33,8 @@ import pytest
 import harness
 import oracle
 from vidax_eqx import kernels
-from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sparse, _vsa
+from vidax_eqx.kernels import _vsa
+from vidax_eqx.kernels.pallas_tpu import _gather, _per_tile
 from vidax_eqx.kernels._base import Request
 
 
@@ -96,8 +97,8 @@ def _fine_case(T: int, dtype, seed: int):
 def _fine(q, k, v, tiles, kv_valid, dout, dlse, *, T, scale, smem):
     del smem  # a static argument only: a program per SMEM budget
     kw = dict(tile_size=T, scale=scale, interpret=True)
-    out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, **kw)
-    grads = _pallas_tpu_sparse.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, **kw)
+    out, lse = _per_tile.sparse_fwd(q, k, v, tiles, kv_valid, **kw)
+    grads = _per_tile.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, **kw)
     return out, lse, grads
 
 
@@ -113,8 +114,8 @@ SMALL_SMEM = 2 * (NK + 2 * (H // K) * NSEL)
 )
 def test_fine_stage_against_oracle(T, dtype, smem, monkeypatch):
     if smem is not None:
-        monkeypatch.setattr(_pallas_tpu_sparse, "_SMEM_ENTRIES", smem)
-        assert _pallas_tpu_sparse._chunks(NQ, NK, (H // K) * NSEL) == (3, 2)
+        monkeypatch.setattr(_per_tile, "_SMEM_ENTRIES", smem)
+        assert _per_tile._chunks(NQ, NK, (H // K) * NSEL) == (3, 2)
     a, scale, ref = _fine_case(T, dtype, seed=T)
     out, lse, (dq, dk, dv) = _fine(**a, T=T, scale=scale, smem=smem)
     assert out.dtype == dtype and lse.dtype == jnp.float32
@@ -138,7 +139,7 @@ def test_sorted_table():
     of the last used entry before them."""
     tiles = np.array([[[[2, 0], [-1, -1], [0, -1]], [[1, 2], [2, -1], [-1, 1]]]], np.int32)  # (1, 2, 3, 2)
     n_q, n_k = 3, 4
-    rows, cols = (np.asarray(x) for x in _pallas_tpu_sparse._sorted_table(jnp.asarray(tiles), n_q, n_k))
+    rows, cols = (np.asarray(x) for x in _per_tile._sorted_table(jnp.asarray(tiles), n_q, n_k))
     assert rows.shape == cols.shape == (1, 2 * 3 * 2 + n_k)
     assert np.all(np.diff(cols[0]) >= 0)
     used = sorted(zip(cols[0][rows[0] >= 0].tolist(), rows[0][rows[0] >= 0].tolist()))
@@ -183,8 +184,8 @@ def test_video_sparse_attention_against_oracle(monkeypatch):
     to 16 in the kernel), the 12 query tiles in 3 chunks of 4 (a small SMEM budget),
     against the float64 VSA oracle (`oracle.video_sparse_attention`)."""
     S = _vsa.VsaLayout(GRID, TILE).video_len
-    monkeypatch.setattr(_pallas_tpu_gather, "SMEM_ENTRIES", 48)
-    p = _pallas_tpu_gather.plan((1, S, 4, 8), (1, S, 2, 8), jnp.float32, TOPK, 12)
+    monkeypatch.setattr(_gather, "SMEM_ENTRIES", 48)
+    p = _gather.plan((1, S, 4, 8), (1, S, 2, 8), jnp.float32, TOPK, 12)
     assert (p.T, p.C, p.n_qc) == (16, 3, 4)
     rng = np.random.default_rng(1)  # a seed whose top-k margin is clear (1.2e-3)
     q, q64 = harness.rounded(rng, (1, S, 4, 8))

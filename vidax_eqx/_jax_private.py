@@ -1,6 +1,6 @@
 """Every private or undocumented JAX entry point that vidax_eqx uses, in one place.
 
-The Pallas adapters (`kernels/_pallas_tpu.py`, `kernels/_pallas_gpu.py`) run
+The Pallas adapters (`kernels/pallas_tpu/`, `kernels/_pallas_gpu.py`) run
 JAX's attention kernels from `jax.experimental.pallas.ops`, which has no API
 documentation and whose backward passes we call from a given log-sum-exp through
 functions with a leading underscore; `_vma.py` switches `shard_map`'s
@@ -84,7 +84,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "make_splash_mha": EntryPoint(
         _SPLASH, "make_splash_mha",
         "splash's own kernel builder: the tests compare the mask infos "
-        "`kernels/_pallas_tpu_mask.py` builds from block kinds with the ones it builds "
+        "`kernels/pallas_tpu/_mask.py` builds from block kinds with the ones it builds "
         "(the library builds its kernels itself, `SplashAttentionKernel`)",
         positional=("mask",),
         keyword=("block_sizes", "head_shards", "q_seq_shards", "save_residuals",
@@ -92,7 +92,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     ),
     "SplashComputableMask": EntryPoint(
         _SPLASH_MASK, "_ComputableMask",
-        "the base of `kernels/_pallas_tpu_mask.py: SplashTileMask`, the sliding tile mask as a "
+        "the base of `kernels/pallas_tpu/_mask.py: SplashTileMask`, the sliding tile mask as a "
         "splash mask: a mask with `q_sequence` and `mask_function` (the one unique mask of a "
         "kernel) is evaluated inside the kernel as `mask_function(q_sequence[rows], kv "
         "positions)` on partial blocks; `mask[q_slice, kv_slice]` is the dense block that "
@@ -103,7 +103,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "SplashAttentionKernel": EntryPoint(
         _SPLASH_KERNEL, "SplashAttentionKernel",
         "every splash kernel of `\"pallas_tpu\"`, built from the mask infos of its mask "
-        "(`kernels/_pallas_tpu_mask.py: _kernel`) with the settings `make_splash_mha` "
+        "(`kernels/pallas_tpu/_mask.py: _kernel`) with the settings `make_splash_mha` "
         "gives it (the keywords of `splash_attention`); its backward is rebuilt from the "
         "kernel's settings and mask infos",
         positional=("fwd_mask_info", "dq_mask_info", "dkv_mask_info"),
@@ -115,7 +115,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "SplashMaskInfo": EntryPoint(
         _SPLASH_MASK_INFO, "MaskInfo",
         "a sliding tile mask's block-sparse structure as the splash kernels read it "
-        "(`kernels/_pallas_tpu.py: _mask_info`, checked against splash's `process_mask`)",
+        "(`kernels/pallas_tpu/_mask.py: _mask_info`, checked against splash's `process_mask`)",
         keyword=("data_next", "mask_next", "block_mask", "partial_mask_blocks", "q_sequence"),
     ),
     "SPLASH_DEFAULT_MASK_VALUE": EntryPoint(
@@ -141,8 +141,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {
     "splash_attention": EntryPoint(
         _SPLASH_KERNEL, "_splash_attention",
         "what calling a splash kernel `kernel(q, k, v, segment_ids)` runs, with the kernel's "
-        "mask infos first and its settings as keywords; `_pallas_tpu._collapse` repeats its "
-        "reshape of `partial_mask_blocks` before the backward",
+        "mask infos first and its settings as keywords; `pallas_tpu/_implementation.py: "
+        "_collapse` repeats its reshape of `partial_mask_blocks` before the backward",
         positional=("fwd_mask_info", "dq_mask_info", "dkv_mask_info", "q", "k", "v", "segment_ids"),
         keyword=("is_mqa", "block_sizes", "save_residuals", "mask_value", "attn_logits_soft_cap",
                  "residual_checkpoint_name", "mask_function", "interpret"),

@@ -3,7 +3,7 @@ directly, in one process, and XLA where its score matrix fits.
 
     python benchmarks/tpu/tpu_attention.py --out DIR            # the table (docs/benchmarks.md)
     python benchmarks/tpu/tpu_attention.py --sweep --out DIR    # the tuning sweep behind
-                                                            # kernels/_pallas_tpu_tuning.py
+                                                                # kernels/pallas_tpu/_tuning.py
     python benchmarks/tpu/tpu_attention.py --smoke --out DIR    # tiny, anywhere (CPU: interpret)
     python benchmarks/tpu/tpu_attention.py --quick --problems '^32760 12 causal$' --out DIR
                                                             # some rows, tuned splash only
@@ -30,7 +30,7 @@ back-to-back calls (asynchronous dispatch hides the launch), divided by the call
 backward: the dK/dV tiles with the dQ tiles fixed, the dQ tiles with the best dK/dV, and
 the fused backward over dK/dV tiles; it prints the best of each, and the library at the
 sweep's best configuration (`PallasTpu(blocks=...)`, so that `ours / splash` at one
-configuration is the adapter's own cost). The table in `_pallas_tpu_tuning.py` is
+configuration is the adapter's own cost). The table in `kernels/pallas_tpu/_tuning.py` is
 written from it.
 """
 

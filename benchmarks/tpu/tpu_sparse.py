@@ -26,14 +26,14 @@ order they run:
 - **VSA**: Wan 480p's token grid (24, 32, 52) (39,936 tokens) in tiles of 4 x 4 x 4,
   `kernels.video_sparse_attention(..., implementation="pallas_tpu")` (coarse stage
   included) at sparsity 0.9, then 0.75: `gather` (the tile-gathering kernels,
-  `_pallas_tpu_gather`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
-  of `_pallas_tpu_sparse`, forced by a VMEM budget of 0 while tracing; last of all, they
+  `_gather`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
+  of `_per_tile`, forced by a VMEM budget of 0 while tracing; last of all, they
   are slow); with them VSA's stages apart (the fine stage at both sparsities, the coarse
   ones at 0.9): the coarse stage to its scores, then with the top-k selection (forward
   only); the fine stage alone on the selection of these inputs (a constant of the program);
 - **STA**: `SlidingTileMask(grid, tile, (3, 3, 3))`: `splash` (`kernels.attention(q,
   k, v, mask=tm)`, today's dispatch) and `gather`
-  (`_pallas_tpu_sliding.sliding_tile_attention`), on the grid (24, 32, 64) in tiles of
+  (`_sliding.sliding_tile_attention`), on the grid (24, 32, 64) in tiles of
   256 then 128 tokens ((4, 8, 8), (2, 8, 8));
 - the gathering kernels' knobs on the fine stage alone at sparsity 0.9 (chunks gathered
   through a VMEM copy, as before `GATHER = "load"`; full rows unrolled, `UNROLL`, with 2
@@ -90,7 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from vidax_eqx import kernels  # noqa: E402
-from vidax_eqx.kernels import _pallas_tpu_gather, _pallas_tpu_sliding  # noqa: E402
+from vidax_eqx.kernels.pallas_tpu import _gather, _sliding  # noqa: E402
 from vidax_eqx.kernels import _vsa as _vsa_internal  # noqa: E402
 
 
@@ -125,16 +125,16 @@ class Case:
 
 @contextlib.contextmanager
 def _patched(attrs: dict):
-    """`_pallas_tpu_gather`'s attributes set to `attrs` for the block (the kernels
+    """`_gather`'s attributes set to `attrs` for the block (the kernels
     choose their plan while they are traced)."""
-    old = {k: getattr(_pallas_tpu_gather, k) for k in attrs}
+    old = {k: getattr(_gather, k) for k in attrs}
     for k, v in attrs.items():
-        setattr(_pallas_tpu_gather, k, v)
+        setattr(_gather, k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(_pallas_tpu_gather, k, v)
+            setattr(_gather, k, v)
 
 
 # -- the cases -----------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _sta_splash(tm, impl):
 
 
 def _sta_gather(tm, interpret):
-    return lambda q, k, v: _pallas_tpu_sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret)[0]
+    return lambda q, k, v: _sliding.sliding_tile_attention(q, k, v, tm, interpret=interpret)[0]
 
 
 def _dense(**options):

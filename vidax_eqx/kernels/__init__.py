@@ -40,7 +40,7 @@ from ._registry import (
     register as register,
 )
 from ._registry import PallasGpu as PallasGpu, PallasTpu as PallasTpu
-from ._pallas_tpu_tuning import SplashBlocks as SplashBlocks
+from .pallas_tpu import SplashBlocks as SplashBlocks
 from ._table import feature_table as feature_table
 from ._tile import (
     SlidingTileMask as SlidingTileMask,

@@ -25,7 +25,7 @@ register(Blockwise())
 # The Pallas kernels reach into JAX modules (and private entry points of them)
 # that a JAX version may lack; without them the implementation is simply absent.
 try:
-    from ._pallas_tpu import PallasTpu
+    from .pallas_tpu._implementation import PallasTpu
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
     PallasTpu = None
 else:

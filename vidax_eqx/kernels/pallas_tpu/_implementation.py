@@ -9,7 +9,7 @@ Two kernels, chosen per request:
   structure, computed at trace time, skips the hidden blocks and evaluates the mask
   in the kernel only on partially visible ones; segment ids and the logit soft cap.
   Its tiles, the fused backward and the VMEM limit come from the chip's tuning table
-  (`_pallas_tpu_tuning.py`) unless given;
+  (`_tuning.py`) unless given;
 - **flash attention** (`jax.experimental.pallas.ops.tpu.flash_attention`) when a
   bias or a boolean mask is given (the mask is folded into the bias); it takes
   causal masks and segment ids too, but neither a window nor a soft cap.
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from .._jax_private import (
+from ..._jax_private import (
     FLASH_DEFAULT_MASK_VALUE,
     FlashSegmentIds,
     flash_attention_bwd_dkv,
@@ -48,15 +48,15 @@ from .._jax_private import (
     splash_vmem_limit,
     SplashSegmentIds,
 )
-from .._vma import opaque_to_vma
-from . import _adapt as a
-from . import _math as m
-from . import _pallas_tpu_gather, _pallas_tpu_sliding
-from ._args import Operands, Options
-from ._base import AbstractImplementation, Capabilities, Request
-from ._pallas_tpu_mask import splash_kernel_for
-from ._pallas_tpu_tuning import choose_blocks, LANES as _LANES, SplashBlocks
-from ._tile import SlidingTileMask
+from ..._vma import opaque_to_vma
+from .. import _adapt as a
+from .. import _math as m
+from .._args import Operands, Options
+from .._base import AbstractImplementation, Capabilities, Request
+from .._tile import SlidingTileMask
+from . import _gather, _sliding
+from ._mask import splash_kernel_for
+from ._tuning import choose_blocks, LANES as _LANES, SplashBlocks
 
 
 F32 = jnp.float32
@@ -339,9 +339,9 @@ class PallasTpu(AbstractImplementation):
                 )
             return True
         return served and all(
-            _pallas_tpu_gather.fits(ops.q, ops.k, jnp.zeros((1, 1, 1, g.table.shape[1]), jnp.int32),
-                                    tm.tile_size, g.run)
-            for g in _pallas_tpu_sliding.window_groups(tm, ops.q.shape[2], ops.k.shape[2])
+            _gather.fits(ops.q, ops.k, jnp.zeros((1, 1, 1, g.table.shape[1]), jnp.int32),
+                         tm.tile_size, g.run)
+            for g in _sliding.window_groups(tm, ops.q.shape[2], ops.k.shape[2])
         )
 
     def _scope(self):
@@ -577,18 +577,18 @@ class PallasTpu(AbstractImplementation):
 
     def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
         """VSA's fine stage: block-sparse kernels over resident K/V, driven by the
-        scalar-prefetched tile table (`_pallas_tpu_gather.sparse_fwd`; the per-tile
-        kernels of `_pallas_tpu_sparse` when the resident arrays do not fit VMEM)."""
+        scalar-prefetched tile table (`_gather.sparse_fwd`; the per-tile
+        kernels of `_per_tile` when the resident arrays do not fit VMEM)."""
         with _kernel_precision(q.dtype):
-            return _pallas_tpu_gather.sparse_fwd(
+            return _gather.sparse_fwd(
                 q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale, interpret=self.interpret
             )
 
     def sparse_bwd(self, q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int, scale: float):
         """The gradients of `sparse_fwd`: a dQ pass over the table and a dK/dV pass over
-        its inversion (`_pallas_tpu_gather.sparse_bwd`)."""
+        its inversion (`_gather.sparse_bwd`)."""
         with _kernel_precision(q.dtype):
-            return _pallas_tpu_gather.sparse_bwd(
+            return _gather.sparse_bwd(
                 q, k, v, tiles, kv_valid, out, lse, dout, dlse, tile_size=tile_size, scale=scale,
                 interpret=self.interpret,
             )
@@ -619,7 +619,7 @@ class PallasTpu(AbstractImplementation):
 
     def _fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
         if self._gathers_tiles(ops, opts):
-            out, lse = _pallas_tpu_sliding.sliding_tile_fwd(
+            out, lse = _sliding.sliding_tile_fwd(
                 ops.q, ops.k, ops.v, opts.tile_mask, scale=opts.scale, interpret=self.interpret)
             return a.finish(ops, out, lse)
         flash = ops.bias is not None or ops.mask is not None
@@ -633,7 +633,7 @@ class PallasTpu(AbstractImplementation):
         kernel_lse, delta, dsinks = a.backward_stats(ops, out, lse, dout, dlse)
         if self._gathers_tiles(ops, opts):
             # The contract's (sink-including) out and lse: their probabilities and delta.
-            dq, dk, dv = _pallas_tpu_sliding.sliding_tile_bwd(
+            dq, dk, dv = _sliding.sliding_tile_bwd(
                 ops.q, ops.k, ops.v, opts.tile_mask, out, lse, dout, dlse, scale=opts.scale,
                 interpret=self.interpret)
             return dq.astype(ops.q.dtype), dk.astype(ops.k.dtype), dv.astype(ops.v.dtype), None, dsinks

@@ -22,16 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._jax_private import (
+from ..._jax_private import (
     SPLASH_DEFAULT_MASK_VALUE,
     SplashAttentionKernel,
     SplashBlockSizes,
     SplashComputableMask,
     SplashMaskInfo,
 )
-from ._block_causal import BlockCausalMask
-from ._pallas_tpu_tuning import SplashBlocks
-from ._tile import SlidingTileMask
+from .._block_causal import BlockCausalMask
+from .._tile import SlidingTileMask
+from ._tuning import SplashBlocks
 
 
 def _tile_mask_function(tm: SlidingTileMask, local):

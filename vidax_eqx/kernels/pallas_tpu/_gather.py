@@ -1,7 +1,7 @@
 """Tile-sparse attention as Pallas TPU (Mosaic) kernels whose work follows the
-selected tiles: VSA's fine stage (and sliding tile attention, `_pallas_tpu_sliding.py`).
+selected tiles: VSA's fine stage (and sliding tile attention, `_sliding.py`).
 
-The contract is `_sparse.py`'s (and `_pallas_tpu_sparse.py`'s, whose kernels stay the
+The contract is `kernels/_sparse.py`'s (and `_per_tile.py`'s, whose kernels stay the
 fallback): each query tile attends the key tiles listed for it (per query head) in
 `tiles (B, H, n_q_tiles, n_sel)` (`-1`: an unused slot), `kv_valid (S_k,)` hides
 padding keys, logits are `scale * q.k`, statistics are float32, and a row that sees
@@ -23,7 +23,7 @@ order on one core). Tiles are padded to `T` tokens, a multiple of the sublane ti
   chunk) (int32; `C` is chosen so that one chunk's tables fit `SMEM_ENTRIES` and its
   resident arrays `VMEM_BUDGET`). `vmem_limit_bytes` is set from the sizes; a problem
   whose K/V do not fit `VMEM_BUDGET` runs the per-tile kernels of
-  `_pallas_tpu_sparse.py` instead (`plan` returns `None`).
+  `_per_tile.py` instead (`plan` returns `None`).
 - **Forward and dQ**: grid `(unit, chunk, G, n_qc / R)`, `R` query tiles `(T, D)` per
   step: one (`R = 1`), or, when a tile's whole selection is one chunk (sliding tile
   attention's window forward), up to `ROWS` of them (as many as VMEM holds), each a
@@ -86,9 +86,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._vma import opaque_to_vma
-from . import _math as m
-from . import _pallas_tpu_sparse
+from ..._vma import opaque_to_vma
+from .. import _math as m
+from . import _per_tile
 
 
 F32 = jnp.float32
@@ -97,7 +97,7 @@ _MiB = 1 << 20
 # int32 entries of the tables one (unit, chunk) holds in SMEM (half of TPU v4+'s 1 MiB).
 SMEM_ENTRIES = 1 << 17
 # Bytes of VMEM the resident arrays of one call may take (the chip has 128 MiB); above
-# it the per-tile kernels of `_pallas_tpu_sparse.py` run instead.
+# it the per-tile kernels of `_per_tile.py` run instead.
 VMEM_BUDGET = 80 * _MiB
 _VMEM_CAP = 100 * _MiB  # the scoped VMEM limit asked for, at most
 # Keys per chunk of the inner loops (the width of their matrix products), at most: the
@@ -239,7 +239,7 @@ def _plan(q_shape, k_shape, dtype, n_sel: int, tile_size: int, run: int, CH: int
 
 def fits(q, k, tiles, tile_size: int, run: int = 1) -> bool:
     """Whether the gathering kernels take this problem's forward (else:
-    `_pallas_tpu_sparse`)."""
+    `_per_tile`)."""
     return plan(q.shape, k.shape, q.dtype, tiles.shape[-1], tile_size, run) is not None
 
 
@@ -811,12 +811,12 @@ def sparse_fwd(q, k, v, tiles, kv_valid, *, tile_size: int, scale: float, interp
     come in runs of `run` consecutive key tiles, used slots first (a promise: chunks
     inside a run are sliced, not gathered; with `run == 1` the kernels order each row's
     slots themselves). `kv_tiles`, `chains`: see `plan`. A problem that does not fit
-    (`plan`) runs `_pallas_tpu_sparse.sparse_fwd`.
+    (`plan`) runs `_per_tile.sparse_fwd`.
     """
     p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_FWD, KV_KEYS_WHOLE)
     if p is None:
-        out, lse = _pallas_tpu_sparse.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
-                                                 interpret=interpret)
+        out, lse = _per_tile.sparse_fwd(q, k, v, tiles, kv_valid, tile_size=tile_size, scale=scale,
+                                        interpret=interpret)
     else:
 
         def compute(q, k, v, tiles, kv_valid):
@@ -842,8 +842,8 @@ def sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse, *, tile_size: int
         dlse = None if dlse is None else jnp.where(q_valid[None, None, :], dlse, 0.0)
     p = _opts(q, k, tiles, tile_size, run, kv_tiles, chains, KV_KEYS_BWD)
     if p is None:
-        return _pallas_tpu_sparse.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse,
-                                             tile_size=tile_size, scale=scale, interpret=interpret)
+        return _per_tile.sparse_bwd(q, k, v, tiles, kv_valid, out, lse, dout, dlse,
+                                    tile_size=tile_size, scale=scale, interpret=interpret)
     delta = m.delta(out, dout, dlse)
     lse = m.safe_lse(lse)
     if q_valid is not None:  # and probabilities exactly 0

@@ -56,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._vma import opaque_to_vma
-from . import _math as m
+from ..._vma import opaque_to_vma
+from .. import _math as m
 
 
 F32 = jnp.float32

@@ -1,4 +1,4 @@
-"""Sliding tile attention on the gathering kernels of `_pallas_tpu_gather.py`.
+"""Sliding tile attention on the gathering kernels of `_gather.py`.
 
 A [`SlidingTileMask`][vidax_eqx.kernels.SlidingTileMask] without text is a static
 tile table: each query tile attends the key tiles of its window (`wf x wh x ww` tiles,
@@ -12,10 +12,10 @@ query heads and their key/value heads (whole GQA groups, or one key/value head p
 query head, whose dK/dV the groups then add up).
 
 `PallasTpu` runs these for a mask without text over exactly the layout's tokens (its
-`sliding_tile` option; `_pallas_tpu.py`). `sliding_tile_fwd` / `sliding_tile_bwd`
+`sliding_tile` option; `_implementation.py`). `sliding_tile_fwd` / `sliding_tile_bwd`
 follow the fine stage's contract (the empty lse is finite) and `sliding_tile_attention`
 is their differentiable form. A window's tiles are not sliced from its runs but
-gathered in as few chunks as `_pallas_tpu_gather.kv_chunk` allows (a 3 x 3 x 3 window
+gathered in as few chunks as `_gather.kv_chunk` allows (a 3 x 3 x 3 window
 of tiles of up to 85 rows: one chunk forward): wider products, measured faster on a
 TPU v5e.
 """
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _pallas_tpu_gather as gather
-from ._tile import SlidingTileMask
-from ._tile_tables import layout_valid, window_table
+from .._tile import SlidingTileMask
+from .._tile_tables import layout_valid, window_table
+from . import _gather as gather
 
 
 F32 = jnp.float32
@@ -118,7 +118,7 @@ def sliding_tile_fwd(q, k, v, tm: SlidingTileMask, *, scale: float, interpret: b
 
     **Arguments:** `q (B, S, H, D)`, `k`, `v (B, S, H_kv, D)` in the mask's tile layout
     (`S = tm.video_len`); `scale`; `interpret` (Pallas interpret mode); `kv_tiles`,
-    `chains` (see `_pallas_tpu_gather.plan`).
+    `chains` (see `_gather.plan`).
 
     **Returns:** `(out, lse)`, lse float32 `(B, H, S)`; padding rows give 0 and the
     finite empty lse `_math.masked`.
