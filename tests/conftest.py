@@ -79,10 +79,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# -- where the time goes: the slowest files -----------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--file-durations", type=int, default=0, metavar="N",
+        help="list the N test files with the most time (setup, call and teardown of their "
+             "tests summed, module-scoped fixtures included), as .ci/run does (N=15)")
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--file-durations")
+    if not n or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest {n} test files (of {len(_FILE_SECONDS)}; "
+                                    f"{total / 60:.1f} min summed over the workers)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:n]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:5.1f}%  {name}")
+
+
 def pytest_runtest_logreport(report):
-    """With `VIDAX_TEST_DEVICE_LOG=FILE`, each failing test's id and the last lines of its
+    """Adds the report's time to its file's (`--file-durations`). With
+    `VIDAX_TEST_DEVICE_LOG=FILE`, each failing test's id and the last lines of its
     error are appended to FILE as it fails (a chip session's time limit may end the run
     before pytest's summary is printed)."""
+    name = report.nodeid.split("::")[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
     path = os.environ.get("VIDAX_TEST_DEVICE_LOG")
     if not path or not report.failed:
         return

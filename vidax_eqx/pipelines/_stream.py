@@ -5,12 +5,10 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, models, sampling
+from .. import interop, sampling
 from ..models.internal import require_capability, vae_jit
 from ._common import check_int, dtype_of
 
@@ -37,60 +35,6 @@ class StreamChunk:
     seconds: float
 
 
-class _Branch(eqx.Module):
-    """One guidance branch's text and key/value caches (one per example, stacked)."""
-
-    context: jax.Array  # (B, L, text_dim)
-    text: object  # the transformer's text cache of `context`, (B, ...)
-    cache: models.KVCache  # (B, ...)
-
-
-@eqx.filter_jit
-def _denoise(model, scheduler, plan, noise, branches, scale, key, kwargs, placement):
-    """A chunk from its noise: every step of `scheduler` against the branches' caches (the
-    cache only read), guided when there are two branches; then the finished chunk at
-    timestep 0, whose keys and values are appended to each branch's cache. Over
-    `placement = (mesh, batch_axis)` (mesh `None`: one device) through
-    `models.run_sharded(kv_cache=...)`."""
-    static, arrays = kwargs
-    mesh, batch_axis = placement
-
-    def velocity(x, t, branch):
-        if mesh is not None:
-            t = jnp.broadcast_to(t, (x.shape[0],))
-            return models.run_sharded(model, x, t, branch.context, mesh=mesh, batch_axis=batch_axis,
-                                      kv_cache=branch.cache, text_cache=branch.text, check_reach=False,
-                                      **static, **arrays)
-
-        def one(x, context, text, cache, arrays):  # the reach checked on the host (`check_stream`)
-            return model.stream(x, t, context, cache, text_cache=text, check_reach=False, **static,
-                                **arrays)
-
-        return jax.vmap(one)(x, branch.context, branch.text, branch.cache, arrays)
-
-    def guided(x, t):
-        outs = [velocity(x, t, b) for b in branches]
-        v = outs[0][0]
-        if len(outs) == 2:
-            v = outs[1][0] + scale * (v - outs[1][0])
-        return v
-
-    x, state = noise, scheduler.init(noise)
-    for i in range(plan.steps):  # a few steps: unrolled
-        v = guided(x, scheduler.timestep(plan, i))
-        x, state = scheduler.step(plan, state, i, v, x, key=jax.random.fold_in(key, i))
-    x = x.astype(noise.dtype)
-    clean = jnp.zeros((), jnp.float32)
-    caches = tuple(dataclasses.replace(b, cache=velocity(x, clean, b)[1]) for b in branches)
-    return x, caches
-
-
-@eqx.filter_jit
-def _text_caches(model, context):
-    """The transformer's text cache of each example's context."""
-    return jax.vmap(model.text_cache)(context)
-
-
 @vae_jit
 def _decode(vae, latents, states):
     """The chunk's frames `(B, 3, F, H, W)` and the VAE's next states, one example at a
@@ -106,41 +50,20 @@ def _decode(vae, latents, states):
 def stream_video(pipe, *, context, negative, grid, chunk_frames: int, max_cached_frames,
                  window, scheduler, steps, guidance_scale: float, key, latents, output_type: str,
                  model_kwargs: dict) -> Iterator[StreamChunk]:
-    """The loop of `WanPipeline.stream` (its arguments checked there)."""
+    """The loop of `WanPipeline.stream` (its arguments checked there): each chunk's latents
+    from [`sampling.sample_stream`][vidax_eqx.sampling.sample_stream], decoded."""
     start = time.perf_counter()
-    model, vae = pipe.transformer, pipe.vae
-    F, h, w = grid
-    batch = context.shape[0]
-    attention = models.BlockCausal(chunk_frames, window)
-    static = {k: v for k, v in model_kwargs.items() if not eqx.is_array(v)}
-    arrays = {k: v for k, v in model_kwargs.items() if eqx.is_array(v)}
-    empty = model.kv_cache(h, w, max_cached_frames)
-
     mesh = pipe.mesh
-    batch_axis = None if mesh is None else pipe.batch_axis
-
-    def branch(ctx):
-        text = _text_caches(model, ctx) if mesh is None else models.sharded_text_cache(
-            model, ctx, mesh=mesh, batch_axis=batch_axis)
-        cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), empty)
-        return _Branch(ctx, text, cache)
-
-    branches = tuple(branch(c) for c in (context, negative) if c is not None)
-    plan = scheduler.plan(steps)
-    shape = pipe.latent_shape(batch, (chunk_frames, h, w))
+    chunks = sampling.sample_stream(
+        pipe.transformer, context, grid, chunk_frames=chunk_frames,
+        max_cached_frames=max_cached_frames, scheduler=scheduler, steps=steps, key=key,
+        negative_context=negative, guidance_scale=guidance_scale, window=window, noise=latents,
+        mesh=mesh, batch_axis=None if mesh is None else pipe.batch_axis, **model_kwargs)
     states = None
-    for index in range(F // chunk_frames):
-        chunk_key = jax.random.fold_in(key, index)
-        if latents is None:
-            noise = jax.random.normal(jax.random.fold_in(chunk_key, 0), shape, jnp.float32)
-        else:
-            noise = latents[:, :, index * chunk_frames:(index + 1) * chunk_frames]
-        out, branches = _denoise(model, scheduler, plan, noise, branches,
-                                 jnp.float32(guidance_scale), jax.random.fold_in(chunk_key, 1),
-                                 (dict(static, attention=attention), arrays), (mesh, batch_axis))
+    for index, out in enumerate(chunks):
         frames = None
         if output_type == "np":
-            video, states = _decode(vae, out, states)
+            video, states = _decode(pipe.vae, out, states)
             frames = np.stack([interop.video_to_frames(v) for v in video])
         out = np.asarray(jax.device_get(out), np.float32)
         yield StreamChunk(index, frames, out, time.perf_counter() - start)

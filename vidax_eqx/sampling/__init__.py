@@ -7,6 +7,8 @@ above [`vidax_eqx.models`][].
     objects: [`Guidance`][], [`Placement`][], [`Caching`][], [`Compilation`][]; its
     progress goes to a callback of the call, told each [`SampleStep`][]
     ([`ProgressBar`][], [`ProgressLines`][], or any [`AbstractProgress`][] or callable).
+- [`sample_stream`][]: streaming generation's loop, chunk by chunk against a key/value
+    cache (the same guidance and scheduler steps), each chunk's latents yielded when done.
 - [`DiffusionForcing`][]: `sample(forcing=...)`, SkyReels-V2's diffusion forcing loop:
     every latent frame at its own timestep, synchronous or in a staggered wave.
 - [`FlowMatchEuler`][], [`UniPC`][]: Wan's flow-matching schedulers (diffusers'
@@ -54,4 +56,5 @@ from ._progress import (
     SampleStep as SampleStep,
 )
 from ._sample import sample as sample
+from ._stream import sample_stream as sample_stream
 from ._step_cache import FirstBlockCache as FirstBlockCache, StaticStepCache as StaticStepCache

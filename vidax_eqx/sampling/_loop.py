@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import models
 from . import _forcing
 from ._forcing import FINISHED_TIMESTEP, NOT_STARTED_TIMESTEP
+from ._guidance import guide
 from ._inputs import capabilities_of
 from ._progress import SampleStep
 from ._schedulers import AbstractScheduler, SchedulerPlan, SchedulerState
@@ -208,7 +209,7 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
             scale = scales[0] if boundary is None else jnp.where(t >= boundary, scales[0], scales[1])
             if inputs.dynamic_cfg is not None:  # CogVideoX's use_dynamic_cfg
                 scale = 1 + scale * inputs.dynamic_cfg[i]
-            out = uncond + scale.astype(out.dtype) * (cond - uncond)
+            out = guide(cond, uncond, scale.astype(out.dtype))
         if inputs.forcing is not None:
             latents, state = _forcing_step(scheduler, plan, state, *(a[i] for a in inputs.forcing),
                                            out, latents)
