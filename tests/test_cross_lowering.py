@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 from vidax_eqx import kernels, nn, parallel
-from vidax_eqx.kernels.pallas_tpu import _gather, _tuning
+from vidax_eqx.kernels.pallas_tpu import _gather_plan, _tuning
 
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -464,8 +464,8 @@ def test_video_sparse_attention(resolution, direction):
     tile = (4, 4, 4)
     H, D = MODELS["wan1.3b"]
     n = S // 64
-    p = _gather.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64,
-                                keys=_gather.KV_KEYS_BWD)
+    p = _gather_plan.plan((B, S, H, D), (B, S, H, D), BF16, math.ceil(0.1 * n), 64,
+                          keys=_gather_plan.KV_KEYS_BWD)
     assert p.C == {"480p": 1, "720p": 2}[resolution]
     q = jax.ShapeDtypeStruct((B, S, H, D), BF16)
     for implementation in ("pallas_tpu", "auto"):

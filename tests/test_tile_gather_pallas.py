@@ -33,7 +33,7 @@ import pytest
 import harness
 import oracle
 from vidax_eqx import kernels
-from vidax_eqx.kernels.pallas_tpu import _gather, _sliding
+from vidax_eqx.kernels.pallas_tpu import _gather, _gather_layout, _gather_plan, _sliding
 
 
 def _empty_to_inf(lse) -> np.ndarray:
@@ -116,10 +116,10 @@ FINE = [
 @pytest.mark.parametrize("T, dtype, knobs, smem, attrs, layout", FINE)
 def test_fine_stage_against_oracle(T, dtype, knobs, smem, attrs, layout, monkeypatch):
     for name, value in attrs.items():
-        monkeypatch.setattr(_gather, name, value)
+        monkeypatch.setattr(_gather_plan, name, value)
     if smem is not None:
-        monkeypatch.setattr(_gather, "SMEM_ENTRIES", smem)
-    p = _gather.plan((1, NQ * T, H, D), (1, NK * T, K, D), dtype, NSEL, T, **knobs)
+        monkeypatch.setattr(_gather_plan, "SMEM_ENTRIES", smem)
+    p = _gather_plan.plan((1, NQ * T, H, D), (1, NK * T, K, D), dtype, NSEL, T, **knobs)
     assert (p.C, p.n_qc, p.R) == layout
     a, scale, ref = _fine_case(T, dtype, seed=T)
     kw = dict(tile_size=T, scale=scale, interpret=True, **knobs)
@@ -153,8 +153,8 @@ def test_csr_table(packed, monkeypatch):
     table = np.array([[[2, 0, -1], [-1, -1, -1], [0, 3, -1]], [[1, 2, -1], [2, -1, -1], [3, 1, 0]]], np.int32)
     n_k = 5
     if not packed:
-        monkeypatch.setattr(_gather, "_PACKED_MAX", 0)
-    offsets, entries = (np.asarray(x) for x in _gather._csr(jnp.asarray(table), n_k))
+        monkeypatch.setattr(_gather_layout, "_PACKED_MAX", 0)
+    offsets, entries = (np.asarray(x) for x in _gather_layout.csr(jnp.asarray(table), n_k))
     assert offsets.shape == (n_k + 1,) and entries.shape == (table.size,)
     assert offsets[0] == 0 and offsets[-1] == np.sum(table >= 0)
     for t in range(n_k):
@@ -170,7 +170,7 @@ def test_first_at_least(n):
     rng = np.random.default_rng(n)
     ordered = np.sort(rng.integers(0, 20, n)).astype(np.int32)
     targets = np.arange(-2, 23, dtype=np.int32)
-    got = np.asarray(_gather._first_at_least(jnp.asarray(ordered), jnp.asarray(targets)))
+    got = np.asarray(_gather_layout._first_at_least(jnp.asarray(ordered), jnp.asarray(targets)))
     np.testing.assert_array_equal(got, np.searchsorted(ordered, targets, side="left"))
 
 
@@ -183,22 +183,22 @@ def test_plan_and_dispatch(monkeypatch):
     the resident arrays do not fit at all."""
     for n, fwd, bwd in ((624, (2, 32), (1, 16)), (1440, (2, 9), (2, 8))):
         shape = (1, n * 64, 12, 128)
-        for keys, (chunks, tiles) in ((None, fwd), (_gather.KV_KEYS_BWD, bwd)):
-            p = _gather.plan(shape, shape, jnp.bfloat16, math.ceil(0.1 * n), 64, keys=keys)
+        for keys, (chunks, tiles) in ((None, fwd), (_gather_plan.KV_KEYS_BWD, bwd)):
+            p = _gather_plan.plan(shape, shape, jnp.bfloat16, math.ceil(0.1 * n), 64, keys=keys)
             assert (p.C, p.T, p.CH, p.W) == (chunks, 64, tiles, tiles * 64)
             assert p.vmem_fwd <= 100 * 2**20 and p.vmem_dkv <= 100 * 2**20
     # Sliding tile attention's window of 27 tiles of 80 rows: one chunk forward, three backward.
-    assert _gather.kv_chunk(80, 27, 2304) == 27 and _gather.kv_chunk(80, 27, 1024) == 9
+    assert _gather_plan.kv_chunk(80, 27, 2304) == 27 and _gather_plan.kv_chunk(80, 27, 1024) == 9
     # The forward's whole window in one chunk, `ROWS` query tiles a step: 72-token tiles at
     # Wan 480p, and 128-token tiles (3,456 keys: `KV_KEYS_WHOLE`) on (24, 32, 64), where the
     # resident K/V leave room for 4 tiles a step; without `whole`, 2 chunks of 14 tiles.
-    whole = _gather.KV_KEYS_WHOLE
+    whole = _gather_plan.KV_KEYS_WHOLE
     for n, size, plans in ((455, 72, ((27, 4), (27, 4))), (384, 128, ((14, 1), (27, 4)))):
         shape = (1, n * size, 12, 128)
         for w, (CH, R) in zip((0, whole), plans):
-            p = _gather.plan(shape, shape, jnp.bfloat16, 27, size, run=3, whole=w)
+            p = _gather_plan.plan(shape, shape, jnp.bfloat16, 27, size, run=3, whole=w)
             assert (p.CH, p.R, p.n_qc % p.R) == (CH, R, 0) and p.vmem_fwd <= 100 * 2**20
-    assert _gather.kv_chunk(64, 63, 2304) == 32 and _gather.kv_chunk(512, 27, 256) == 1
+    assert _gather_plan.kv_chunk(64, 63, 2304) == 32 and _gather_plan.kv_chunk(512, 27, 256) == 1
     q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     tiles = jax.ShapeDtypeStruct((1, 2, 4, 2), jnp.int32)
     valid = jax.ShapeDtypeStruct((64,), jnp.bool_)
@@ -209,9 +209,9 @@ def test_plan_and_dispatch(monkeypatch):
         text = str(jax.make_jaxpr(f)(q, tiles, valid))
         return {name for name in ("vidax_tile_gather_fwd", "vidax_vsa_fine_fwd") if name in text}
 
-    assert kernel_names() == {"vidax_tile_gather_fwd"} and _gather.fits(q, q, tiles, 16)
-    monkeypatch.setattr(_gather, "VMEM_BUDGET", 1024)
-    assert kernel_names() == {"vidax_vsa_fine_fwd"} and not _gather.fits(q, q, tiles, 16)
+    assert kernel_names() == {"vidax_tile_gather_fwd"} and _gather_plan.fits(q, q, tiles, 16)
+    monkeypatch.setattr(_gather_plan, "VMEM_BUDGET", 1024)
+    assert kernel_names() == {"vidax_vsa_fine_fwd"} and not _gather_plan.fits(q, q, tiles, 16)
 
 
 # -- sliding tile attention -----------------------------------------------------------------

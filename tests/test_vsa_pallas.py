@@ -34,7 +34,7 @@ import harness
 import oracle
 from vidax_eqx import kernels
 from vidax_eqx.kernels import _vsa
-from vidax_eqx.kernels.pallas_tpu import _gather, _per_tile
+from vidax_eqx.kernels.pallas_tpu import _gather_plan, _per_tile
 from vidax_eqx.kernels._base import Request
 
 
@@ -184,8 +184,8 @@ def test_video_sparse_attention_against_oracle(monkeypatch):
     to 16 in the kernel), the 12 query tiles in 3 chunks of 4 (a small SMEM budget),
     against the float64 VSA oracle (`oracle.video_sparse_attention`)."""
     S = _vsa.VsaLayout(GRID, TILE).video_len
-    monkeypatch.setattr(_gather, "SMEM_ENTRIES", 48)
-    p = _gather.plan((1, S, 4, 8), (1, S, 2, 8), jnp.float32, TOPK, 12)
+    monkeypatch.setattr(_gather_plan, "SMEM_ENTRIES", 48)
+    p = _gather_plan.plan((1, S, 4, 8), (1, S, 2, 8), jnp.float32, TOPK, 12)
     assert (p.T, p.C, p.n_qc) == (16, 3, 4)
     rng = np.random.default_rng(1)  # a seed whose top-k margin is clear (1.2e-3)
     q, q64 = harness.rounded(rng, (1, S, 4, 8))

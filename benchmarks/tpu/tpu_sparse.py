@@ -26,7 +26,7 @@ order they run:
 - **VSA**: Wan 480p's token grid (24, 32, 52) (39,936 tokens) in tiles of 4 x 4 x 4,
   `kernels.video_sparse_attention(..., implementation="pallas_tpu")` (coarse stage
   included) at sparsity 0.9, then 0.75: `gather` (the tile-gathering kernels,
-  `_gather`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
+  `_gather.py`, what `PallasTpu` runs now) and `per-tile` (the per-tile kernels
   of `_per_tile`, forced by a VMEM budget of 0 while tracing; last of all, they
   are slow); with them VSA's stages apart (the fine stage at both sparsities, the coarse
   ones at 0.9): the coarse stage to its scores, then with the top-k selection (forward
@@ -90,7 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from vidax_eqx import kernels  # noqa: E402
-from vidax_eqx.kernels.pallas_tpu import _gather, _sliding  # noqa: E402
+from vidax_eqx.kernels.pallas_tpu import _gather_plan, _sliding  # noqa: E402
 from vidax_eqx.kernels import _vsa as _vsa_internal  # noqa: E402
 
 
@@ -125,16 +125,16 @@ class Case:
 
 @contextlib.contextmanager
 def _patched(attrs: dict):
-    """`_gather`'s attributes set to `attrs` for the block (the kernels
-    choose their plan while they are traced)."""
-    old = {k: getattr(_gather, k) for k in attrs}
+    """`_gather_plan`'s attributes (the tile-gathering kernels' knobs) set to `attrs` for
+    the block (the kernels choose their plan while they are traced)."""
+    old = {k: getattr(_gather_plan, k) for k in attrs}
     for k, v in attrs.items():
-        setattr(_gather, k, v)
+        setattr(_gather_plan, k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(_gather, k, v)
+            setattr(_gather_plan, k, v)
 
 
 # -- the cases -----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from .. import _math as m
 from .._args import Operands, Options
 from .._base import AbstractImplementation, Capabilities, Request
 from .._tile import SlidingTileMask
-from . import _gather, _sliding
+from . import _gather, _gather_plan, _sliding
 from ._mask import splash_kernel_for
 from ._tuning import choose_blocks, LANES as _LANES, SplashBlocks
 
@@ -339,8 +339,8 @@ class PallasTpu(AbstractImplementation):
                 )
             return True
         return served and all(
-            _gather.fits(ops.q, ops.k, jnp.zeros((1, 1, 1, g.table.shape[1]), jnp.int32),
-                         tm.tile_size, g.run)
+            _gather_plan.fits(ops.q, ops.k, jnp.zeros((1, 1, 1, g.table.shape[1]), jnp.int32),
+                              tm.tile_size, g.run)
             for g in _sliding.window_groups(tm, ops.q.shape[2], ops.k.shape[2])
         )
 

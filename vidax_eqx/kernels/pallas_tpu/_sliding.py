@@ -15,7 +15,7 @@ query head, whose dK/dV the groups then add up).
 `sliding_tile` option; `_implementation.py`). `sliding_tile_fwd` / `sliding_tile_bwd`
 follow the fine stage's contract (the empty lse is finite) and `sliding_tile_attention`
 is their differentiable form. A window's tiles are not sliced from its runs but
-gathered in as few chunks as `_gather.kv_chunk` allows (a 3 x 3 x 3 window
+gathered in as few chunks as `_gather_plan.kv_chunk` allows (a 3 x 3 x 3 window
 of tiles of up to 85 rows: one chunk forward): wider products, measured faster on a
 TPU v5e.
 """
@@ -118,7 +118,7 @@ def sliding_tile_fwd(q, k, v, tm: SlidingTileMask, *, scale: float, interpret: b
 
     **Arguments:** `q (B, S, H, D)`, `k`, `v (B, S, H_kv, D)` in the mask's tile layout
     (`S = tm.video_len`); `scale`; `interpret` (Pallas interpret mode); `kv_tiles`,
-    `chains` (see `_gather.plan`).
+    `chains` (see `_gather_plan.plan`).
 
     **Returns:** `(out, lse)`, lse float32 `(B, H, S)`; padding rows give 0 and the
     finite empty lse `_math.masked`.
