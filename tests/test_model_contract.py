@@ -111,7 +111,7 @@ def test_refusals_name_model_and_capability(wan, skyreels, cogvideox):
     # Diffusion forcing: a timestep per frame (SkyReels-V2), which Wan's record does not say.
     noise, context = _io()
     forcing = sampling.DiffusionForcing(causal_block_size=1)
-    with pytest.raises(ValueError, match=r"timestep per latent frame .* WanTransformer3D's is 'token'"):
+    with pytest.raises(ValueError, match=r"timestep per latent frame .* WanTransformer3D, whose capabilities.timestep is 'token'"):
         sampling.sample(wan, noise, context, steps=2, guidance=sampling.Guidance(scale=1.0),
                         forcing=forcing)
     # TI2V's condition frames need a timestep per token: SkyReels-V2 takes one per frame.
@@ -150,3 +150,14 @@ def test_floors_above_read_the_record():
                         "model", "transformer", "t"):
                     found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not found, found
+
+
+def test_docs_table_is_the_records():
+    """docs/api/models.md's capability table is `models.capability_table()`, over every
+    model class."""
+    assert {c.__name__ for c in _model_classes()} == {c.__name__ for c in models._table.MODELS}
+    page = (_ROOT.parent / "docs" / "api" / "models.md").read_text()
+    start = page.index("<!-- capabilities table")
+    block = page[page.index("\n", start) + 1:page.index("<!-- end of capabilities table -->")]
+    assert block.strip() == models.capability_table().strip(), (
+        "docs/api/models.md's capability table is stale: paste models.capability_table()")

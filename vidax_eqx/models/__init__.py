@@ -58,7 +58,8 @@ theirs, re-exported.
     [`AbstractBatchedInput`][], [`AbstractPerExpert`][]: what `run_sharded`, LoRA, the
     caches and the samplers need of a model and of its inputs; a new model subclasses
     them; [`Capabilities`][], the record of what a model class can do (its class
-    variable `capabilities`), which the samplers and pipelines read.
+    variable `capabilities`), which the samplers and pipelines read;
+    [`capability_table`][], the records as a table.
     [`AbstractVideoVAE`][]: what a pipeline needs of a video VAE.
 """
 
@@ -75,6 +76,7 @@ from ._base import (
     AbstractVideoVAE as AbstractVideoVAE,
 )
 from ._capabilities import Capabilities as Capabilities
+from ._table import capability_table as capability_table
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora

@@ -15,7 +15,9 @@ PyTorch, above [`vidax_eqx.sampling`][].
     a mesh.
 - [`SkyReelsV2DiffusionForcingPipeline`][]: SkyReels-V2 text-to-video by diffusion
     forcing (diffusers' pipeline of that name): a `WanPipeline` whose loop steps every
-    latent frame at its own timestep (`ar_step`), with the fps conditioning.
+    latent frame at its own timestep (`ar_step`), with the fps conditioning; its own
+    options of a call reach its hooks as a [`SkyReelsOptions`][] (the template's
+    `family=`).
 - [`WanPipeline.stream`][vidax_eqx.pipelines.WanPipeline.stream]: streaming generation,
     chunk by chunk against a key/value cache, each chunk decoded as it is finished
     ([`StreamChunk`][]).
@@ -35,6 +37,9 @@ from ._compile_cache import (
 )
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
 from ._pipeline import AbstractVideoPipeline as AbstractVideoPipeline, CallDefaults as CallDefaults
-from ._skyreels import SkyReelsV2DiffusionForcingPipeline as SkyReelsV2DiffusionForcingPipeline
+from ._skyreels import (
+    SkyReelsOptions as SkyReelsOptions,
+    SkyReelsV2DiffusionForcingPipeline as SkyReelsV2DiffusionForcingPipeline,
+)
 from ._stream import StreamChunk as StreamChunk
 from ._wan import WanPipeline as WanPipeline

@@ -242,27 +242,27 @@ class AbstractVideoPipeline(abc.ABC):
         [`vidax_eqx.sampling.sample`][] takes it and further per-example model arguments
         (CLIP features); `key` the call's seed key."""
 
-    def model_arguments(self, batch: int, call: dict) -> dict:
+    def model_arguments(self, batch: int, family) -> dict:
         """The family's per-example model arguments of a call of `batch` videos (arrays
-        `(batch, ...)`, e.g. SkyReels-V2's fps index), from its own keywords in `call`
-        (the call's extra keywords, which it pops; the rest go to
-        [`vidax_eqx.sampling.sample`][]). None by default."""
+        `(batch, ...)`, e.g. SkyReels-V2's fps index), from the call's `family` options
+        (the family's own call sets them; `None` for a family without any). None by
+        default."""
         return {}
 
-    def noise_shape(self, batch: int, grid, call: dict) -> tuple[int, ...]:
+    def noise_shape(self, batch: int, grid, family) -> tuple[int, ...]:
         """The shape of a call's initial latents (its `latents=`, or the seed's draw):
         [`latent_shape`][vidax_eqx.pipelines.AbstractVideoPipeline.latent_shape] by
         default; a family that draws more (SkyReels-V2's windows) says so from its
-        keywords in `call`."""
+        `family` options."""
         return self.latent_shape(batch, grid)
 
-    def denoise(self, noise, *, condition, seed_key, call: dict, sample) -> jax.Array:
+    def denoise(self, noise, *, condition, seed_key, family, call: dict, sample) -> jax.Array:
         """The `"denoise"` stage: the final latents from the initial ones. `sample` is
         [`vidax_eqx.sampling.sample`][] with the model, the text and the call's settings
-        bound (`sample(noise, condition=..., **more)`), `call` the call's remaining
-        keywords (the family pops its own; the rest go to `sample`), `seed_key` the
-        call's seed key. One `sample` call by default; a family may run several
-        (SkyReels-V2's windows of a long video)."""
+        bound (`sample(noise, condition=..., **more)`), `call` the call's further
+        [`vidax_eqx.sampling.sample`][] keywords, `family` the family's options of the
+        call, `seed_key` the call's seed key. One `sample` call by default; a family may
+        run several (SkyReels-V2's windows of a long video)."""
         return sample(noise, condition=condition, **call)
 
     @abc.abstractmethod
@@ -316,7 +316,7 @@ class AbstractVideoPipeline(abc.ABC):
                  latents=None, prompt_embeds=None, negative_prompt_embeds=None,
                  image_embeds=None, image_latents=None, output_type: str = "np",
                  max_sequence_length: int | None = None, progress=True, report=None,
-                 **sample_kwargs) -> PipelineOutput:
+                 family=None, **sample_kwargs) -> PipelineOutput:
         """Generates videos: text (and image) encoding, the denoising loop and the decode,
         each compiled.
 
@@ -349,6 +349,9 @@ class AbstractVideoPipeline(abc.ABC):
         - `progress`: the denoising loop's progress, [`vidax_eqx.sampling.sample`][]'s
             (`True`: a tqdm bar on a terminal; a callable told each step).
         - `report`: called as `report(stage, seconds)` after each stage.
+        - `family`: the family's own options of the call, a typed value its hooks read
+            (SkyReels-V2's `SkyReelsOptions`, set by its call from its keywords); `None`
+            for a family without any.
         - `**sample_kwargs`: further [`vidax_eqx.sampling.sample`][] arguments
             (`caching=`, `compilation=`, `key=`, model arguments such as `remat`).
 
@@ -390,7 +393,7 @@ class AbstractVideoPipeline(abc.ABC):
         batch = context.shape[0]
 
         kwargs = dict(sample_kwargs)
-        condition, model_kwargs = None, self.model_arguments(batch, kwargs)
+        condition, model_kwargs = None, self.model_arguments(batch, family)
         if has_image:
             with timer("image"):
                 condition, image_kwargs = self.image_condition(
@@ -399,7 +402,7 @@ class AbstractVideoPipeline(abc.ABC):
                 model_kwargs.update(image_kwargs)
                 condition = jax.block_until_ready(condition)
 
-        shape = self.noise_shape(batch, grid, kwargs)
+        shape = self.noise_shape(batch, grid, family)
         if latents is None:
             noise = jax.random.normal(seed_key, shape, jnp.float32)
         else:
@@ -419,7 +422,8 @@ class AbstractVideoPipeline(abc.ABC):
                 sampling.sample, self.transformer, context=context, negative_context=negative,
                 steps=steps, scheduler=self.scheduler, guidance=guidance, placement=placement,
                 progress=progress, **model_kwargs)
-            out = self.denoise(noise, condition=condition, seed_key=seed_key, call=kwargs,
+            out = self.denoise(noise, condition=condition, seed_key=seed_key, family=family,
+                               call=kwargs,
                                sample=sample)
             out = jax.block_until_ready(out)
         frames = None

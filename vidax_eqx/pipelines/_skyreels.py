@@ -3,6 +3,7 @@ SkyReels-V2's diffusion forcing models, diffusers' T2V, I2V and V2V pipelines of
 name, long videos in overlapping windows included, without PyTorch."""
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,40 @@ def plan_windows(latent_frames: int, *, base: int | None, overlap: int | None,
         finished = i * (base - overlap) + overlap
         windows.append(Window(min(latent_frames - finished + overlap, base), given))
     return windows
+
+
+class Windows(NamedTuple):
+    """A diffusion forcing call's windows and what each is given."""
+
+    windows: list
+    """`plan_windows`' windows, one `sample` call each."""
+    overlap: int | None
+    """Latent frames a window shares with the one before it."""
+    last: bool
+    """Whether a last image is given after the last window (I2V)."""
+    video: np.ndarray | None
+    """V2V: the input video's frames `(F, H, W, 3)`."""
+    overlap_history: int | None
+    """V2V: the input video's frames continued."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SkyReelsOptions:
+    """SkyReels-V2's own options of a call (the pipeline template's `family=`), read by
+    its hooks: the fps embedding's index, the frame blocks, and diffusion forcing's
+    schedule and windows (`None` in a stream)."""
+
+    fps_index: int
+    block: int | None = None
+    forcing: sampling.DiffusionForcing | None = None
+    windows: Windows | None = None
+
+
+def _fps_index(fps, owner: str = _OWNER) -> int:
+    """The fps embedding's index of a frame rate: 0 for 16 frames per second, else 1."""
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)):
+        raise ValueError(f"{owner}: `fps` must be a number (frames per second); received {fps!r}.")
+    return 0 if fps == 16 else 1
 
 
 def _video_frames(video) -> np.ndarray:
@@ -167,8 +202,7 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         config = self.transformer_config
         block = config.num_frame_per_block if causal_block_size is None else causal_block_size
         check_int(_OWNER, "causal_block_size", block, 1)
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)):
-            raise ValueError(f"{_OWNER}: `fps` must be a number (frames per second); received {fps!r}.")
+        _fps_index(fps)
         # The schedule (and addnoise_condition's check); each window adds its given frames.
         forcing = sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block,
                                             addnoise_condition=addnoise_condition)
@@ -207,11 +241,11 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
                 f"{_OWNER}: `last_image` with a long video (windows): diffusers' pipeline "
                 "cuts the last window's overlap from the end of the video there, not the "
                 "last image; generate at most base_num_frames frames with it.")
-        plan = dict(windows=windows, overlap=overlap, last=last_image is not None, video=frames,
-                    overlap_history=overlap_history)
+        options = SkyReelsOptions(
+            fps_index=_fps_index(fps), block=block, forcing=forcing,
+            windows=Windows(windows, overlap, last_image is not None, frames, overlap_history))
         out = super().__call__(prompt, negative_prompt, image=image, last_image=last_image,
-                               forcing=forcing, skyreels_fps=0 if fps == 16 else 1,
-                               skyreels_block=block, skyreels_plan=plan, **kwargs)
+                               family=options, **kwargs)
         if frames is not None and out.frames is not None:  # diffusers' [video; generated]
             height = kwargs.get("height") or defaults.height
             width = kwargs.get("width") or defaults.width
@@ -253,18 +287,17 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         video = jnp.asarray(interop.frames_to_video(frames, size=(height, width)), dtype_of(self.vae))
         return self.vae.normalize_latents(self._vae_call("encode", video).mode()).astype(jnp.float32)
 
-    def noise_shape(self, batch: int, grid, call: dict) -> tuple[int, ...]:
+    def noise_shape(self, batch: int, grid, family) -> tuple[int, ...]:
         """Every window's initial noise, one after the other on the frame axis:
         `(batch, z, sum of the windows' latent frames, h, w)`, the video's latents for a
         call in one window; a window's given frames (image, video, overlap) are then
         written over its noise, as diffusers does."""
-        plan = call.get("skyreels_plan")
-        if plan is None:
+        if family is None or family.windows is None:
             return self.latent_shape(batch, grid)
         _, h, w = grid
-        return self.latent_shape(batch, (sum(x.frames for x in plan["windows"]), h, w))
+        return self.latent_shape(batch, (sum(x.frames for x in family.windows.windows), h, w))
 
-    def denoise(self, noise, *, condition, seed_key, call: dict, sample) -> jax.Array:
+    def denoise(self, noise, *, condition, seed_key, family, call: dict, sample) -> jax.Array:
         """The windows one after the other, each a
         [`vidax_eqx.sampling.sample`][]`(forcing=DiffusionForcing(..., prefix_frames,
         suffix_frames, addnoise_condition))` call from its noise with its given frames
@@ -272,18 +305,19 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         `overlap` latent frames of the video so far; the last image appended to the
         last window. The video is the first window and every later one's frames past its
         overlap (diffusers')."""
-        plan, forcing = call.pop("skyreels_plan"), call.pop("forcing")
+        plan, forcing = family.windows, family.forcing
+        call = dict(call)
         key = call.pop("key", None)  # addnoise_condition's draws: this key's, else the seed's
         key = jax.random.fold_in(seed_key, ADDNOISE_STREAM) if key is None else key
-        windows, overlap = plan["windows"], plan["overlap"]
+        windows, overlap = plan.windows, plan.overlap
         given = condition
-        if plan["video"] is not None:  # V2V: the input video's last overlap_history frames
+        if plan.video is not None:  # V2V: the input video's last overlap_history frames
             _, _, _, h, w = noise.shape
             s = self.vae.spatial_factor
-            latents = self._encode_frames(plan["video"][-plan["overlap_history"]:], h * s, w * s)
+            latents = self._encode_frames(plan.video[-plan.overlap_history:], h * s, w * s)
             given = jnp.broadcast_to(latents[None], (noise.shape[0], *latents.shape))
         end = None
-        if plan["last"]:  # I2V's last image: given after the last window
+        if plan.last:  # I2V's last image: given after the last window
             given, end = given[:, :, :1], given[:, :, 1:]
         video, start = None, 0
         for i, window in enumerate(windows):
@@ -311,16 +345,15 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         conditioning (a transformer with the fps embedding): generation chunk by chunk
         against the key/value cache, diffusers' `causal_block_size` being the chunk's
         `chunk_frames`."""
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)):
-            raise ValueError(f"{_OWNER}.stream: `fps` must be a number (frames per second); "
-                             f"received {fps!r}.")
-        return super().stream(prompt, negative_prompt, skyreels_fps=0 if fps == 16 else 1, **kwargs)
+        options = SkyReelsOptions(fps_index=_fps_index(fps, f"{_OWNER}.stream"))
+        return super().stream(prompt, negative_prompt, family=options, **kwargs)
 
-    def model_arguments(self, batch: int, call: dict) -> dict:
+    def model_arguments(self, batch: int, family) -> dict:
         """The fps index of every example (for a transformer with the fps embedding), and
         the frame-block causal attention of `causal_block_size` when it is not the
         transformer's own blocks (diffusers sets them on its model, `_set_ar_attention`)."""
-        index, block = call.pop("skyreels_fps", 1), call.pop("skyreels_block", None)
+        family = SkyReelsOptions(fps_index=1) if family is None else family
+        index, block = family.fps_index, family.block
         config = self.transformer_config
         arguments = {}
         if block is not None and block != config.num_frame_per_block:

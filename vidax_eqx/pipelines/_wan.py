@@ -253,7 +253,7 @@ class WanPipeline(AbstractVideoPipeline):
                num_inference_steps: int | None = None, guidance_scale: float = 1.0,
                num_videos_per_prompt: int = 1, seed: int = 0, latents=None, prompt_embeds=None,
                negative_prompt_embeds=None, max_sequence_length: int | None = None,
-               output_type: str = "np", **model_kwargs) -> Iterator[StreamChunk]:
+               output_type: str = "np", family=None, **model_kwargs) -> Iterator[StreamChunk]:
         """Generates a video chunk by chunk, yielding each chunk's frames as soon as they
         are decoded (autoregressive video, as CausVid and Self-Forcing sample it): every
         chunk of `chunk_frames` latent frames is denoised from fresh noise by `scheduler`
@@ -286,6 +286,7 @@ class WanPipeline(AbstractVideoPipeline):
             h, w)`.
         - `guidance_scale`: classifier-free guidance (default 1.0: none, as distilled
             models run).
+        - `family`: the family's options, as the call's.
         - `**model_kwargs`: further arguments of the transformer's `stream` (arrays per
             example, `(B, ...)`).
 
@@ -314,8 +315,7 @@ class WanPipeline(AbstractVideoPipeline):
             prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
             num_videos_per_prompt=n, max_sequence_length=length)
         key = jax.random.key(check_int(owner, "seed", seed, 0))
-        model_kwargs = dict(model_kwargs)  # the family's own keywords popped, as the call's
-        model_kwargs.update(self.model_arguments(context.shape[0], model_kwargs))
+        model_kwargs = {**model_kwargs, **self.model_arguments(context.shape[0], family)}
         if latents is not None:
             latents = jnp.asarray(latents, jnp.float32)
             shape = self.latent_shape(context.shape[0], grid)

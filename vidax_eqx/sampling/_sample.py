@@ -314,8 +314,8 @@ def _forcing_rows(owner, forcing, model, noise, steps, scheduler, plan, caching,
     if caps is not None and caps.timestep != "frame":
         raise ValueError(
             f"{owner}: diffusion forcing needs a model that takes a timestep per latent frame "
-            f"(capabilities.timestep 'frame', models.SkyReelsV2Transformer3D); a "
-            f"{type(model).__name__}'s is {caps.timestep!r}.")
+            f"(capabilities.timestep 'frame', models.SkyReelsV2Transformer3D); received a "
+            f"{type(model).__name__}, whose capabilities.timestep is {caps.timestep!r}.")
     if caps is not None and model.patch_size[0] != 1:
         raise ValueError(f"{owner}: diffusion forcing steps each latent frame; the model's "
                          f"temporal patch is {model.patch_size[0]}, not 1.")
