@@ -8,8 +8,8 @@ placed as `nn.sharding.partition_specs` says:
    Megatron, FSDP over 8 devices alone, and Megatron alone: every array bit for bit
    the plain load's, with the expected `NamedSharding`; the bytes read are the
    checkpoint's, once; a bfloat16 checkpoint loads in float32.
-2. The slice reader: a block split on the leading dimension, or whose runs lie a page
-   apart, reads exactly its bytes; nearby runs read the rows they span, once.
+2. The slice reader (the safetensors library's `get_slice`): every block, split on any
+   dimension, reads exactly its own bytes, once; float8 (read as raw rows) and casts too.
 3. Two processes of four devices (`jax.distributed`, gloo): each process's shards
    equal the tensors' blocks, and it reads about its half of the checkpoint.
 4. A Hugging Face Hub repository id (`subfolder="transformer"`), from a cache directory
@@ -215,18 +215,25 @@ def test_read_slices_reads_only_the_blocks(tmp_path):
         got = f.read_slices(name, indices, dtype)
         return got, f.bytes_read - before
 
-    got, n = read("x", [(slice(4, 8),)])  # leading dimension: one contiguous read
+    got, n = read("x", [(slice(4, 8),)])  # leading dimension: one contiguous run
     assert np.array_equal(got[0], x[4:8]) and n == x[4:8].nbytes
     halves = [(slice(None), slice(0, 1024)), (slice(None), slice(1024, 2048))]
-    got, n = read("x", halves)  # runs of 4 KiB, 4 KiB apart: run by run
+    got, n = read("x", halves)  # runs of 4 KiB, one per row
     assert all(np.array_equal(g, x[i]) for g, i in zip(got, halves)) and n == x.nbytes
     got, n = read("x", halves[:1])
     assert n == x.nbytes // 2
-    quarters = [(slice(0, 8), slice(16 * i, 16 * i + 16)) for i in range(4)]
-    got, n = read("y", quarters, np.float32)  # nearby runs: the rows they span, once
+    quarters = [(slice(0, 8), slice(6 * i, 6 * i + 6)) for i in range(4)]
+    got, n = read("y", quarters, np.float32)  # runs of 72 bytes: each block's own, once
     assert all(g.dtype == np.float32 and np.array_equal(g, y[i].astype(np.float32))
                for g, i in zip(got, quarters))
     assert n == y[:8].nbytes
+    z = harness.normal(rng, (6, 10)).astype(ml_dtypes.float8_e4m3fn)  # raw rows, then cut
+    interop.write_checkpoint(tmp_path / "f8", {"z": z})
+    f8 = interop.open_checkpoint(tmp_path / "f8")
+    got = f8.read_slices("z", [(slice(1, 4), slice(2, 9)), (slice(5, 6),)], np.float32)
+    assert np.array_equal(got[0], z[1:4, 2:9].astype(np.float32))
+    assert np.array_equal(got[1], z[5:6].astype(np.float32))
+    assert f8.bytes_read == z[1:4, 2:9].nbytes + z[5:6].nbytes
     assert np.array_equal(f.read_slice("y", (slice(3, 5), slice(2, 20), slice(1, 4))),
                           y[3:5, 2:20, 1:4])
     with pytest.raises(ValueError, match=r"slices with a step are not read; received slice\(0, 8, 2\)"):

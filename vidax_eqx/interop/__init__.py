@@ -1,9 +1,9 @@
 """Weight import: PyTorch-style state dicts and `.safetensors` files <-> Equinox modules.
 
 Names follow the PyTorch reference models, in Wan's naming (`q, k, v, o`) or
-diffusers' (`to_q, to_k, to_v, to_out.0`). `.safetensors` files are read by a
-strict reader of the documented format: no pickle, nothing executed, bounded
-allocation, every header field checked before any tensor data is read. A model
+diffusers' (`to_q, to_k, to_v, to_out.0`). `.safetensors` files are read and written by
+Hugging Face's `safetensors` library: no pickle, nothing executed, nothing allocated for
+what a header claims, every header field checked before any tensor data is read. A model
 placed on a mesh (FSDP, Megatron) loads from the blocks each process's devices hold,
 reading only those bytes. Checkpoints may also be named by a Hugging Face Hub
 repository id (`resolve_checkpoint`, and a whole diffusers pipeline by

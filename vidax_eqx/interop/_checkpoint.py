@@ -26,12 +26,15 @@ _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 def open_safetensors(path) -> SafetensorsFile:
     """Opens a `.safetensors` file as a read-only mapping of names to NumPy arrays.
 
-    The header is validated strictly on opening (bounded header length, JSON
-    only, known dtypes, shapes that match byte lengths, offsets inside the file,
-    no overlapping tensors); a bad file raises `ValueError` before any tensor
-    data is read. Tensors are then read one at a time, on access, so a large
-    checkpoint is never held in memory whole; `.shape(name)` and `.dtype(name)`
-    answer from the header. No pickle, nothing executed.
+    The file is opened with Hugging Face's `safetensors` library (`safe_open`), which
+    validates the whole header before any tensor data is read: a header length within
+    `MAX_HEADER_BYTES` and the file, JSON only, known dtypes, shapes that match byte
+    lengths, tensors that tile the data exactly (no overlap, gap or truncation). A
+    key given twice and dtypes not read here (complex, 4- and 6-bit floats) are refused
+    too. A bad file raises `ValueError` naming the file, what it holds and what was
+    expected. Tensors are then read one at a time, on access, so a large checkpoint is
+    never held in memory whole; `.shape(name)` and `.dtype(name)` answer from the
+    header. No pickle, nothing executed.
 
     A sharded checkpoint is one mapping through
     `collections.ChainMap(*(open_safetensors(p) for p in paths))`.

@@ -1,36 +1,56 @@
-"""A strict reader and a writer of the `.safetensors` format, without pickle.
+"""`.safetensors` files through Hugging Face's `safetensors` library, without pickle.
 
-The format (https://github.com/huggingface/safetensors): 8 bytes little-endian
-unsigned header length `N`, then `N` bytes of UTF-8 JSON mapping each tensor
-name to `{"dtype", "shape", "data_offsets": [begin, end]}` (plus an optional
-`"__metadata__"` of strings), then the raw little-endian tensor data, offsets
-relative to its start.
+The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header
+length `N`, `N` bytes of UTF-8 JSON mapping each tensor name to `{"dtype", "shape",
+"data_offsets": [begin, end]}` (and an optional `"__metadata__"` of strings), then the
+tensors' little-endian bytes.
 
-The reader treats the file as hostile until proven otherwise. Before reading
-anything beyond the first 8 bytes it checks that the header length is at most
-`MAX_HEADER_BYTES` and fits in the file, so a forged length cannot make it
-allocate; it then parses the header with `json` only (nothing is executed) and
-checks every entry: known dtype, a shape of non-negative ints whose size times
-the dtype's item size equals the entry's byte length, offsets inside the data
-section, and entries that tile the data section without overlap or gap (the
-same rule as the reference implementation). Tensor data is read lazily, one
-tensor at a time, into a buffer of exactly the validated size; or only the blocks of a
-tensor that a caller asks for (`_slices.py`): what one process's devices hold.
+`safetensors.safe_open` memory-maps the file and validates the whole header in place
+before any tensor byte is touched, so a forged header length allocates nothing: the
+length at most `MAX_HEADER_BYTES` and inside the file, UTF-8 JSON (nesting bounded),
+known dtypes, shapes whose byte size (overflow-checked) equals each entry's byte
+range, entries that tile the data section without overlap, gap or trailing bytes (a
+truncated file fails that). `get_slice(name)[index]` copies out one block's bytes: what
+one process's devices hold. `safetensors.numpy.save_file` writes.
+
+The thin layer here covers what the library leaves to its caller:
+
+- A name given twice: the library's JSON map keeps the last entry, so two entries over
+  the same bytes pass its overlap check. `json` parses the accepted header again to
+  refuse that.
+- float8: the library's NumPy framework builds bfloat16 (`ml_dtypes.bfloat16`) but asks
+  NumPy itself for `float8_*`, so float8 tensors are read as the bytes at the offsets
+  that the library validated, viewed as `ml_dtypes`' types. Dtypes outside `_DTYPES`
+  (complex, 4- and 6-bit floats) are refused on opening.
+- A file cut short after opening: a read through the map past its new end would fault
+  (SIGBUS), so every read first checks the size.
+- Memory: the pages a map touched count as resident memory until it is closed, so the
+  map is dropped and the file reopened (and revalidated) every `_REMAP_BYTES`.
+- Errors: the library's reason, the file, what it holds and what was expected, as one
+  `ValueError`.
 """
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open, SafetensorError
+from safetensors.numpy import save_file
 
-from .._checks import is_int
-from ._slices import normalize_index, read_blocks
+from ._slices import normalize_index
 
 
 MAX_HEADER_BYTES = 100_000_000
-"""The largest JSON header accepted (the reference implementation's limit)."""
+"""The largest JSON header accepted: the `safetensors` library's limit, checked by it
+before anything beyond the header length is read."""
+
+_REMAP_BYTES = 128 << 20
+"""Bytes of tensor rows read through one memory map of a file before the map is dropped
+(the pages it touched count as resident memory until then) and the file opened again."""
 
 # safetensors dtype code -> NumPy dtype (little-endian where it matters).
 _DTYPES: dict[str, np.dtype] = {
@@ -51,14 +71,14 @@ _DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _CODES: dict[np.dtype, str] = {dtype.newbyteorder("="): code for code, dtype in _DTYPES.items()}
+_RAW = ("F8_E5M2", "F8_E4M3")  # read as bytes: the library's NumPy framework cannot build them
 
 
-class _Entry:
-    __slots__ = ("name", "code", "dtype", "shape", "begin", "end")
-
-    def __init__(self, name, code, dtype, shape, begin, end):
-        self.name, self.code, self.dtype = name, code, dtype
-        self.shape, self.begin, self.end = shape, begin, end
+class _Entry(NamedTuple):
+    code: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int  # in the data section, from the header the library validated
 
 
 def _bad(path, what: str) -> ValueError:
@@ -69,51 +89,39 @@ def _bad(path, what: str) -> ValueError:
     )
 
 
-def _no_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {_clip(key)} in the JSON header")
-        out[key] = value
-    return out
-
-
 def _clip(value, limit=80) -> str:
     """`repr(value)`, cut short: a forged header can hold megabytes in one field."""
-    text = repr(tuple(value) if isinstance(value, list) else value)
+    text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _parse_entry(path, name, raw, data_bytes) -> _Entry:
-    where = f"tensor {_clip(name)}"
-    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise _bad(path, f"{where} must be an object with exactly the keys dtype, shape, "
-                         f"data_offsets; got {got}")
-    code, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if not isinstance(code, str) or code not in _DTYPES:
-        raise _bad(path, f"{where} has unknown dtype {_clip(code)}; known: {', '.join(_DTYPES)}")
-    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-        raise _bad(path, f"{where} has shape {_clip(shape)}; expected a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
-        raise _bad(path, f"{where} has data_offsets {_clip(offsets)}; expected [begin, end] ints")
-    begin, end = offsets
-    if not 0 <= begin <= end <= data_bytes:
-        raise _bad(path, f"{where} has data_offsets [{begin}, {end}] outside the data "
-                         f"section of {data_bytes} bytes (the file is truncated or forged)")
-    dtype = _DTYPES[code]
-    # Size in bytes, stopping past 2**64: bounded work for forged shapes.
-    nbytes, overflow = (0 if 0 in shape else dtype.itemsize), False
-    for d in shape:
-        nbytes *= d
-        if nbytes > 2**64:
-            overflow = True
-            break
-    if nbytes != end - begin:
-        needs = f"more than {end - begin}" if overflow else str(nbytes)
-        raise _bad(path, f"{where} of dtype {code} and shape {_clip(shape)} needs {needs} "
-                         f"bytes, but its data_offsets [{begin}, {end}] hold {end - begin}")
-    return _Entry(name, code, dtype, tuple(shape), begin, end)
+def _rejected(path, size: int, error: Exception) -> ValueError:
+    """The library's refusal of `path` (`size` bytes) as one line: its reason, then what
+    the file holds against what the format expects."""
+    reason = str(error).removeprefix("Error while deserializing header: ")
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    if size < 8:
+        got = f"received {size} bytes; expected at least the 8-byte header length"
+    else:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        data = size - 8 - n
+        got = (f"received {size} bytes whose header length is {n}; expected at most "
+               f"{min(size - 8, MAX_HEADER_BYTES)} (the bytes after it, never over "
+               f"{MAX_HEADER_BYTES})" if data < 0 or n > MAX_HEADER_BYTES else
+               f"received a {n}-byte header and {data} data bytes; expected JSON entries "
+               f"(dtype, shape, data_offsets) whose tensors tile those {data} bytes in order")
+    return _bad(path, f"the safetensors library refuses its header ({reason}); {got}")
+
+
+def _unique(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"its header has the duplicate key {_clip(key)} (two entries, which "
+                             "the safetensors library reads as one); expected each key once")
+        out[key] = value
+    return out
 
 
 class SafetensorsFile(Mapping):
@@ -122,8 +130,9 @@ class SafetensorsFile(Mapping):
     Opening validates the whole header and reads no tensor data; `file[name]` reads
     that one tensor, and `read_slice(name, index)` / `read_slices(name, indices)` only
     the blocks asked for (a sharded load reads what its devices hold). `shape(name)`
-    and `dtype(name)` answer from the header; `bytes_read` counts the tensor bytes read
-    so far. Create with [`vidax_eqx.interop.open_safetensors`][], which lists the checks.
+    and `dtype(name)` answer from the header; `bytes_read` counts the bytes of the
+    blocks read so far. Create with [`vidax_eqx.interop.open_safetensors`][], which lists
+    the checks.
     """
 
     def __init__(self, path):
@@ -132,54 +141,34 @@ class SafetensorsFile(Mapping):
         - `path`: the `.safetensors` file; its header is read and validated now.
         """
         self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise _bad(path, f"it is {size} bytes long, shorter than the 8-byte header length")
-            head = f.read(8)
-            if len(head) != 8:
-                raise _bad(path, "the file shrank while its header length was being read")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES:
-                raise _bad(path, f"its header claims {n} bytes, more than the "
-                                 f"{MAX_HEADER_BYTES}-byte limit")
-            if 8 + n > size:
-                raise _bad(path, f"its header claims {n} bytes, but only {size - 8} bytes "
-                                 "follow the header length (the file is truncated or forged)")
-            raw = f.read(n)
-        if len(raw) != n:
-            raise _bad(path, "the file shrank while its header was being read")
+        self._size = os.path.getsize(self.path)
+        self._handle, self._mapped = self._open(), 0
+        with open(self.path, "rb") as f:  # the header the library accepted, parsed again
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n) if 8 + n <= self._size else b""  # (unless the file just changed)
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            reason = f"{type(e).__name__}: {e}"
-            raise _bad(path, f"its header is not valid UTF-8 JSON ({reason[:200]})") from None
-        if not isinstance(header, dict):
-            raise _bad(path, f"its header is a JSON {type(header).__name__}, not an object")
-        metadata = header.pop("__metadata__", None)
-        if metadata is not None and not (
-            isinstance(metadata, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-        ):
-            raise _bad(path, "its __metadata__ is not an object of strings")
-        data_bytes = size - 8 - n
-        entries = {name: _parse_entry(path, name, e, data_bytes) for name, e in header.items()}
-        # The entries must tile the data section: no overlap, no gap, nothing after.
-        position = 0
-        for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
-            if e.begin != position:
-                problem = "overlaps the previous tensor" if e.begin < position else "leaves a gap"
-                raise _bad(path, f"tensor {_clip(e.name)} at data_offsets [{e.begin}, {e.end}] "
-                                 f"{problem} (expected it to start at byte {position})")
-            position = e.end
-        if position != data_bytes:
-            raise _bad(path, f"its tensors cover {position} bytes of a {data_bytes}-byte data "
-                             "section (trailing bytes)")
-        self.metadata: dict[str, str] = metadata or {}
+            header = json.loads(raw, object_pairs_hook=_unique)
+        except ValueError as e:  # a key given twice
+            raise _bad(self.path, str(e)[:300]) from None
+        entries = {}
+        for name, entry in header.items():
+            code = entry["dtype"] if name != "__metadata__" else None
+            if code is not None and code not in _DTYPES:
+                raise _bad(self.path, f"tensor {_clip(name)} has dtype {_clip(code)}, which is not "
+                                      f"read here; expected one of {', '.join(_DTYPES)}")
+            if code is not None:
+                entries[name] = _Entry(code, _DTYPES[code], tuple(entry["shape"]),
+                                       entry["data_offsets"][0])
+        self.metadata: dict[str, str] = self._handle.metadata() or {}
         self._entries = entries
         self._data_start = 8 + n
-        self._size = size
         self.bytes_read = 0
+
+    def _open(self):
+        try:
+            return safe_open(self.path, framework="numpy")
+        except SafetensorError as e:
+            raise _rejected(self.path, self._size, e) from None
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.read_slice(name, ())
@@ -203,14 +192,13 @@ class SafetensorsFile(Mapping):
         return self.read_slices(name, [index], dtype)[0]
 
     def read_slices(self, name: str, indices, dtype=None) -> list[np.ndarray]:
-        """Several blocks of tensor `name` (e.g. those of one process's devices), read
-        in one pass over the file.
+        """Several blocks of tensor `name` (e.g. those of one process's devices).
 
-        A block split only on the leading dimension is one contiguous read; a block
-        split on a later dimension is read run by run when its runs are at least a page
-        apart, and otherwise together with the other such blocks as the rows they span,
-        once, in chunks of at most 16 MiB (every page of that span would be read from
-        disk anyway). Host memory stays at the blocks plus one chunk.
+        Each block is copied out of the file's memory map by the `safetensors` library
+        (`safe_open(...).get_slice(name)[index]`): only its own bytes, one contiguous
+        run per row of the dimensions it splits, so the disk delivers the pages around
+        them and nothing else. A float8 tensor, which the library's NumPy framework does
+        not build, is read as the rows each block spans. Host memory holds the blocks.
 
         **Arguments:**
 
@@ -224,25 +212,44 @@ class SafetensorsFile(Mapping):
         """
         e = self._entries[name]
         blocks = [normalize_index(index, e.shape, f"tensor {_clip(name)}") for index in indices]
-        with open(self.path, "rb", buffering=0) as f:
-            if os.fstat(f.fileno()).st_size != self._size:
-                raise _bad(self.path, "its size changed after it was opened")
-
-            def read_at(offset: int, view: memoryview) -> None:
-                f.seek(self._data_start + e.begin + offset)
-                done = 0
-                while done < len(view):  # readinto may return less than asked for huge reads
-                    got = f.readinto(view[done:])
-                    if not got:
-                        raise _bad(self.path, f"tensor {_clip(name)} could not be read in full")
-                    done += got
-                self.bytes_read += done
-
-            arrays = read_blocks(read_at, e.shape, e.dtype, blocks)
+        if os.path.getsize(self.path) != self._size:
+            raise _bad(self.path, "its size changed after it was opened")
+        if e.code in _RAW:
+            arrays = self._read_raw(name, e, blocks)
+        else:
+            if self._handle is None or self._mapped >= _REMAP_BYTES:
+                self._handle = None  # unmap before mapping again
+                self._handle, self._mapped = self._open(), 0
+            view = self._handle.get_slice(name)
+            if view.get_dtype() != e.code or tuple(view.get_shape()) != e.shape:
+                raise _bad(self.path, f"tensor {_clip(name)} changed after it was opened")
+            # The library refuses to slice a dimension of size 0: such a block is empty.
+            arrays = [view[tuple(slice(a, b) for a, b in block)] if all(b > a for a, b in block)
+                      else np.empty(tuple(b - a for a, b in block), e.dtype) for block in blocks]
+            row = math.prod(e.shape[1:]) * e.dtype.itemsize  # the pages a copy touches: its rows
+            self._mapped += sum((b[0][1] - b[0][0]) * row if b else row for b in blocks)
+        self.bytes_read += sum(a.nbytes for a in arrays)
         target = e.dtype.newbyteorder("=") if dtype is None else np.dtype(dtype)
         for i, array in enumerate(arrays):  # one converted copy at a time
             if array.dtype != target:
                 arrays[i] = array.astype(target)
+        return arrays
+
+    def _read_raw(self, name: str, e: _Entry, blocks) -> list[np.ndarray]:
+        """Blocks of a float8 tensor: the rows each spans, read at the offset the library
+        validated, viewed as `e.dtype` and cut."""
+        row = math.prod(e.shape[1:]) * e.dtype.itemsize
+        arrays = []
+        with open(self.path, "rb") as f:
+            for block in blocks:
+                lo, hi = block[0] if block else (0, 1)
+                buffer = np.empty((hi - lo) * row, np.uint8)
+                f.seek(self._data_start + e.begin + lo * row)
+                if f.readinto(memoryview(buffer)) != buffer.size:
+                    raise _bad(self.path, f"tensor {_clip(name)} could not be read in full")
+                rows = buffer.view(e.dtype).reshape((hi - lo,) + e.shape[1:] if block else ())
+                rest = tuple(slice(a, b) for a, b in block[1:])
+                arrays.append(np.ascontiguousarray(rows[(slice(None),) + rest]) if rest else rows)
         return arrays
 
     def __iter__(self) -> Iterator[str]:
@@ -267,12 +274,11 @@ class SafetensorsFile(Mapping):
 
 
 def write_safetensors(path, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
-    """Writes `tensors` (name -> NumPy array) to `path` in the `.safetensors` format.
+    """Writes `tensors` (name -> NumPy array) to `path` with `safetensors.numpy.save_file`.
 
-    Tensors are stored in name order, little-endian; the header is padded with
-    spaces to a multiple of 8 bytes, as the reference implementation does. The
-    file is written beside `path` and renamed into place, so a failure leaves
-    no half-written file.
+    Only the dtypes [`SafetensorsFile`][vidax_eqx.interop.SafetensorsFile] reads are
+    written. The file is written beside `path` and renamed into place, so a failure
+    leaves no half-written file.
     """
     arrays = {}
     for name in sorted(tensors):
@@ -285,28 +291,15 @@ def write_safetensors(path, tensors: Mapping[str, np.ndarray], metadata=None) ->
         code = _CODES.get(array.dtype.newbyteorder("="))
         if code is None:
             raise ValueError(
-                f"tensor {name!r} has dtype {array.dtype}, which .safetensors cannot store; "
-                f"supported: {', '.join(str(d) for d in _CODES)}."
+                f"tensor {name!r} has dtype {array.dtype}, which interop's .safetensors files "
+                f"do not hold; supported: {', '.join(str(d) for d in _CODES)}."
             )
-        arrays[name] = (code, array.astype(_DTYPES[code], copy=False))
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    position = 0
-    for name, (code, array) in arrays.items():
-        header[name] = {"dtype": code, "shape": list(array.shape),
-                        "data_offsets": [position, position + array.nbytes]}
-        position += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
+        arrays[name] = array.astype(_DTYPES[code], copy=False)
+    metadata = {str(k): str(v) for k, v in metadata.items()} if metadata else None
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(np.array([len(raw)], dtype="<u8").tobytes())
-            f.write(raw)
-            for _, array in arrays.values():
-                f.write(array.tobytes())
+        save_file(arrays, tmp, metadata=metadata)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
