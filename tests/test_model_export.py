@@ -274,9 +274,6 @@ def test_serialized_size_independent_of_tokens(abstract):
     assert sizes[8] - sizes[2] < dense // 20, sizes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "splash's per-query ids (MaskInfo.q_sequence) are a constant of the TPU lowering "
-    "until kernels/pallas_tpu/_mask.py computes them in the program (in_program)"))
 def test_serialized_size_flat_on_every_platform(abstract):
     """Exported for cpu + tpu + cuda at 3x16x16 and 9x32x32 latents (192 and 2,304
     tokens): no constant with a token axis in any lowering (the TPU kernels' mask takes

@@ -55,7 +55,7 @@ from .._args import Operands, Options
 from .._base import AbstractImplementation, Capabilities, Request
 from .._tile import SlidingTileMask
 from . import _gather, _gather_plan, _sliding
-from ._mask import splash_kernel_for
+from ._mask import in_program, splash_kernel_for
 from ._tuning import choose_blocks, LANES as _LANES, SplashBlocks
 
 
@@ -394,10 +394,10 @@ class PallasTpu(AbstractImplementation):
         copies = S_kp - S_k if forward and _copied_padding(ops, opts) else 0
         groups = [
             _Group(
-                splash_kernel_for(
+                in_program(splash_kernel_for(
                     (S_qp, S_kp), S_k + copies, opts.causal, opts.window, opts.logits_soft_cap,
                     blocks, self.interpret, head_mask, opts.block_causal,
-                ),
+                ), opts.block_causal),
                 heads,
                 kv_heads,
             )

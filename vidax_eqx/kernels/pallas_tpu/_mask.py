@@ -12,7 +12,9 @@ evaluated in the kernel only on partially visible blocks), never materialized:
   tokens' block keys).
 
 `splash_kernel_for` builds the kernels (forward, dQ and dK/dV, or the fused backward)
-of one mask at one configuration ([`SplashBlocks`][vidax_eqx.kernels.SplashBlocks]).
+of one mask at one configuration ([`SplashBlocks`][vidax_eqx.kernels.SplashBlocks]),
+cached; `in_program` gives the traced call the mask's per-query ids computed in the
+program instead of the cached constant.
 """
 
 import functools
@@ -351,14 +353,15 @@ class SplashBlockCausalMask(SplashComputableMask):
 
         super().__init__(tuple(shape), mask_function)
 
-    def query_ids(self) -> np.ndarray:
+    def query_ids(self, xp=np):
         """What the kernel's `mask_function` takes per query (splash's `q_sequence`):
-        int32 `(S_q,)`, the end of the video keys each query sees (-1: padding)."""
+        int32 `(S_q,)`, the end of the video keys each query sees (-1: padding); in
+        NumPy, or with `xp=jnp` computed in the program from an iota (`in_program`)."""
         bc = self.block_causal
-        q_keys, _ = bc.keys(bc.query_offset + np.arange(self.shape[0]), np.zeros(1, np.int64), np)
-        ends = np.where(q_keys >= 0, bc.video_start + (np.minimum(q_keys, bc.blocks - 1) + 1) * bc.block_len, -1)
+        q_keys, _ = bc.keys(bc.query_offset + xp.arange(self.shape[0]), xp.zeros(1, xp.int32), xp)
+        ends = xp.where(q_keys >= 0, bc.video_start + (xp.minimum(q_keys, bc.blocks - 1) + 1) * bc.block_len, -1)
         text = q_keys == bc.blocks
-        return np.where(text, bc.video_start + bc.video_len, ends).astype(np.int32)
+        return xp.where(text, bc.video_start + bc.video_len, ends).astype(xp.int32)
 
     def __eq__(self, other):
         if not isinstance(other, SplashBlockCausalMask):
@@ -530,6 +533,28 @@ def _kernel(mask, blocks: SplashBlocks, soft_cap, interpret: bool):
         mask_function=mask.mask_function if partial else None,
         interpret=interpret,
     )
+
+
+def in_program(kernel, block_causal: BlockCausalMask | None = None):
+    """`kernel` (of [`splash_kernel_for`][], `block_causal` as given to it) with what
+    its mask function takes per query (splash's `q_sequence`: the positions, or a
+    `SplashBlockCausalMask`'s `query_ids`) computed in the program from an iota.
+
+    The cached kernel holds them as an array made at trace time, which a traced program
+    carries as a constant of one int32 per query: an exported model grew with the token
+    count (4 bytes a query for each distinct mask, 19 of 103 KB at 2,304 tokens of a
+    tiny Wan). Call it where the kernel is traced; the values are the same."""
+    info = kernel.fwd_mask_info
+    if info.q_sequence is None:  # no mask evaluated in the kernel
+        return kernel
+    S_q = info.q_sequence.shape[0]
+    if block_causal is None:
+        ids = jax.lax.iota(jnp.int32, S_q)
+    else:  # its query ids depend on the query length alone
+        ids = SplashBlockCausalMask(block_causal, (S_q, S_q)).query_ids(jnp)
+    infos = [None if i is None else i._replace(q_sequence=ids)
+             for i in (info, kernel.dq_mask_info, kernel.dkv_mask_info)]
+    return type(kernel)(*infos, **kernel.kwargs)
 
 
 @functools.lru_cache(maxsize=64)
