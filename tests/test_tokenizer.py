@@ -2,6 +2,7 @@
 outputs, stored by scripts/make_tokenizer_fixtures.py in tests/fixtures/tokenizer/t5/
 (transformers 5's `AutoTokenizer` on a tiny T5-style Unigram tokenizer)."""
 
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -115,6 +116,9 @@ def test_folder_errors(tmp_path, monkeypatch):
 # bare tokenizer_config.json), written here beside a copy of the model.
 
 SPM = pathlib.Path(__file__).resolve().parent / "fixtures" / "tokenizer" / "spm"
+# The `text` extra installs sentencepiece (the reader of spiece.model) and protobuf.
+needs_sentencepiece = pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is None,
+                                         reason="sentencepiece is not installed")
 SPM_IO = json.loads((SPM / "io.json").read_text(encoding="utf-8"))
 SPM_VARIANTS = {v["name"]: v for v in SPM_IO["variants"]}
 
@@ -131,6 +135,7 @@ def _spm_folder(root: pathlib.Path, files: dict, model: bytes | None = None) -> 
 
 @pytest.fixture(scope="module")
 def spm_toks(tmp_path_factory):
+    pytest.importorskip("sentencepiece")
     out = {}
     for name, variant in SPM_VARIANTS.items():
         folder = SPM if variant["files"] is None else _spm_folder(
@@ -170,6 +175,7 @@ def test_spiece_config_read(spm_toks):
     assert tok.pad_token == "<pad>" and tok.pad_token_id == 0 and tok.model_max_length == 226
 
 
+@needs_sentencepiece
 def test_tokenizer_json_preferred_over_spiece(tmp_path):
     folder = tmp_path / "both"
     shutil.copytree(FOLDER, folder)
@@ -185,22 +191,40 @@ def _message(field: int, payload: bytes) -> bytes:
     return bytes([field << 3 | 2, len(payload)]) + payload
 
 
-_PIECES = b"".join(_message(1, _message(1, p.encode())) for p in ("<pad>", "</s>", "<unk>", "▁a"))
+def _piece(text: str, kind: int | None = None) -> bytes:
+    """A `pieces` entry; `kind` 2 is SentencePiece's UNKNOWN type (its loader needs one)."""
+    return _message(1, _message(1, text.encode()) + (bytes([3 << 3, kind]) if kind else b""))
+
+
+def _patched(data: bytes, at: int, value: int) -> bytes:
+    return data[:at] + bytes([value]) + data[at + 1:]
+
+
+_PIECES = b"".join(_piece(p, 2 if p == "<unk>" else None) for p in ("<pad>", "</s>", "<unk>", "▁a"))
 _T5 = {"tokenizer_config.json": {"tokenizer_class": "T5Tokenizer", "extra_ids": 2}}
+_SPM_MODEL = (SPM / "spiece.model").read_bytes()
+_LOAD = r"sentencepiece cannot load it \(.+\)"  # its reason, worded as its version words it
 
 
+@needs_sentencepiece
 @pytest.mark.parametrize("model, why", [
     (b"", "the file is empty"),
     (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 791656\n", "Git LFS pointer"),
-    (b"version 1\n", "wire type 6"),
-    (b"<!DOCTYPE html><html>", "wire type 4"),
-    ((SPM / "spiece.model").read_bytes()[:5000], "bytes; .* are left"),
-    (bytes(8), "number 0"),
-    (_message(3, _message(1, b"nmt_nfkc")), "holds no pieces"),
-    (_message(1, _message(1, b"")), "piece 0 is empty"),
-    (_message(1, _message(1, b"\xff\xfe")), "piece 0 is not UTF-8"),
-    (_PIECES + _message(3, _message(2, b"\x05\x00\x00\x00abcdefgh")), "trie size 5"),
-    (_PIECES + _message(3, _message(2, b"\x04\x00\x00\x00\x00\x00\x00\xff")), "reads past"),
+    (b"version 1\n", _LOAD),
+    (b"<!DOCTYPE html><html>", _LOAD),
+    (_SPM_MODEL[:5000], _LOAD),
+    (bytes(8), _LOAD),
+    (_message(3, _message(1, b"nmt_nfkc")), _LOAD),  # no pieces
+    (_PIECES + _message(1, _message(1, b"")), _LOAD),  # an empty piece
+    (_PIECES + _message(1, _message(1, b"\xff\xfe")), "piece 4 is not UTF-8"),
+    # Damaged normalizer tables: sentencepiece refuses the first two (from 0.2.3; before,
+    # the check of this package does); it loads the third, on which tokenizers panics at
+    # the first prompt, and this package's check refuses it.
+    (_PIECES + _message(3, _message(2, b"\x05\x00\x00\x00abcdefgh")), f"{_LOAD}|trie size 5"),
+    (_PIECES + _message(3, _message(2, b"\x04\x00\x00\x00\x00\x00\x00\xff")),
+     f"{_LOAD}|reads past"),
+    (_patched(_SPM_MODEL, 3652, 0xFF), "normalizer table .* damaged: a replacement starts "
+                                        "outside its strings"),
 ])
 def test_spiece_corrupt(tmp_path, model, why):
     folder = _spm_folder(tmp_path, _T5, model)
@@ -209,10 +233,12 @@ def test_spiece_corrupt(tmp_path, model, why):
         TextTokenizer.from_pretrained(folder)
 
 
+@needs_sentencepiece
 def test_spiece_minimal_model(tmp_path):
-    # Four pieces and no normalizer table (SentencePiece's identity normalization); the
-    # ids are transformers 5.25's for this folder: `<extra_id_1>`, `<extra_id_0>` = 4, 5
-    # after the pieces, text without a piece -> `<unk>` = 2.
+    # Four pieces (`<unk>` of the UNKNOWN type, which sentencepiece needs to load a model)
+    # and no normalizer table (SentencePiece's identity normalization); the ids are
+    # transformers 5.25's for this folder: `<extra_id_1>`, `<extra_id_0>` = 4, 5 after the
+    # pieces, text without a piece -> `<unk>` = 2.
     tok = TextTokenizer.from_pretrained(_spm_folder(tmp_path, _T5, _PIECES))
     assert tok.tokenizer.normalizer is None and tok.tokenizer.get_vocab_size() == 6
     ids, mask = tok("a  aa\tb <extra_id_0>", max_length=8)
@@ -220,7 +246,7 @@ def test_spiece_minimal_model(tmp_path):
     assert mask.tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]]
 
 
-def test_spiece_folder_errors(tmp_path):
+def test_spiece_folder_errors(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="`tokenizer.json` or SentencePiece's `spiece.model`; "
                                          "received .*, which holds neither"):
@@ -233,3 +259,7 @@ def test_spiece_folder_errors(tmp_path):
     bad = {"tokenizer_config.json": {"tokenizer_class": "T5Tokenizer", "extra_ids": -1}}
     with pytest.raises(ValueError, match="`extra_ids`.*int >= 0; received -1"):
         TextTokenizer.from_pretrained(_spm_folder(tmp_path / "extra_ids", bad))
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    with pytest.raises(ImportError, match=r"needs the `sentencepiece` package and `protobuf` .*"
+                                          r"pip install -U sentencepiece protobuf"):
+        TextTokenizer.from_pretrained(_spm_folder(tmp_path / "no_sentencepiece", _T5))

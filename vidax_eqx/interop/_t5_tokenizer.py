@@ -1,6 +1,6 @@
 """transformers 5's `T5Tokenizer` rebuilt over Hugging Face's `tokenizers` library, for
 `TextTokenizer`: from a `tokenizer.json` (`rebuild_as_t5`) and from a SentencePiece
-`spiece.model` (`t5_from_spiece`, the model read by `_spiece.py`). Both give the
+`spiece.model` (`t5_from_spiece`, the model read by `sentencepiece`). Both give the
 tokenizer that transformers 5.25's `AutoTokenizer.from_pretrained` builds for a folder
 whose `tokenizer_config.json` names `tokenizer_class` T5Tokenizer (T5's, UMT5's,
 CogVideoX's): a Unigram model, only SentencePiece's `Precompiled` normalizer, a split on
@@ -12,7 +12,7 @@ import json
 import os
 
 from .._checks import is_int
-from ._spiece import CONTROL, read_spiece, SPIECE_FILE, SpieceError
+from ._spiece import read_spiece, SPIECE_FILE, SpieceError
 
 
 T5_CLASSES = ("T5Tokenizer", "T5TokenizerFast")
@@ -145,7 +145,7 @@ def _t5_added_tokens(tokenizers, folder: str, config: dict, special: dict, piece
                     special=is_special)
     if extras is None:
         extras = ([tokenizers.AddedToken(p, normalized=False, special=True)
-                   for p, _, kind in pieces if kind == CONTROL]
+                   for p, _, control in pieces if control]
                   + [f"<extra_id_{i}>" for i in range(extra_ids)])
     elif isinstance(extras, dict):
         extras = list(extras.values())

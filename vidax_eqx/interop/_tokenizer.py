@@ -5,10 +5,10 @@ The pipelines call transformers' `AutoTokenizer` on their `tokenizer/` folder wi
 `padding="max_length", truncation=True, add_special_tokens=True` (max_length 512 for
 Wan's UMT5, 226 for CogVideoX's T5), after diffusers' `prompt_clean`. `TextTokenizer`
 reads the same folder's `tokenizer.json`, or for a T5 folder without one (CogVideoX's)
-its SentencePiece `spiece.model` (read by `_spiece.py`, converted as transformers
-converts it), and gives the same ids and attention masks; `prompt_clean` is diffusers'
-cleaning. `tokenizers` is optional: `pip install tokenizers`, or `pip install '.[text]'` in a
-clone of vidax_eqx.
+its SentencePiece `spiece.model` (read by the `sentencepiece` package, converted as
+transformers converts it), and gives the same ids and attention masks; `prompt_clean` is
+diffusers' cleaning. `tokenizers` (and, for `spiece.model`, `sentencepiece` and `protobuf`)
+are optional: `pip install '.[text]'` in a clone of vidax_eqx.
 """
 
 import functools
@@ -149,8 +149,8 @@ class TextTokenizer:
         converts it (a Unigram model of the pieces and their scores, the
         `<extra_id_*>` sentinels appended, the model's normalizer table, the special and
         added tokens of the config files), so the ids are transformers'. The file is
-        read directly (a strict reader of its protobuf format): neither `sentencepiece`
-        nor `protobuf` is needed. SentencePiece models of other tokenizer classes raise
+        read by the `sentencepiece` package (its normalizer table with `protobuf`; `pip
+        install sentencepiece protobuf`). SentencePiece models of other tokenizer classes raise
         `NotImplementedError`; write `tokenizer.json` for them once where transformers is
         installed, `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`.
         """
