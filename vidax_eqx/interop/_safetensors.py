@@ -1,33 +1,24 @@
 """`.safetensors` files through Hugging Face's `safetensors` library, without pickle.
 
-The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header
-length `N`, `N` bytes of UTF-8 JSON mapping each tensor name to `{"dtype", "shape",
-"data_offsets": [begin, end]}` (and an optional `"__metadata__"` of strings), then the
-tensors' little-endian bytes.
+`safetensors.safe_open` memory-maps a file and validates its whole header in place
+before any tensor byte is touched (a forged header length allocates nothing): a length
+within `MAX_HEADER_BYTES` and the file, UTF-8 JSON, known dtypes, overflow-checked
+shapes that match each entry's bytes, entries that tile the data exactly (no overlap,
+gap, trailing bytes or truncation). `get_slice(name)[index]` copies out one block:
+what one process's devices hold. `safetensors.numpy.save_file` writes.
 
-`safetensors.safe_open` memory-maps the file and validates the whole header in place
-before any tensor byte is touched, so a forged header length allocates nothing: the
-length at most `MAX_HEADER_BYTES` and inside the file, UTF-8 JSON (nesting bounded),
-known dtypes, shapes whose byte size (overflow-checked) equals each entry's byte
-range, entries that tile the data section without overlap, gap or trailing bytes (a
-truncated file fails that). `get_slice(name)[index]` copies out one block's bytes: what
-one process's devices hold. `safetensors.numpy.save_file` writes.
+A thin layer covers what the library leaves to its caller:
 
-The thin layer here covers what the library leaves to its caller:
-
-- A name given twice: the library's JSON map keeps the last entry, so two entries over
-  the same bytes pass its overlap check. `json` parses the accepted header again to
-  refuse that.
-- float8: the library's NumPy framework builds bfloat16 (`ml_dtypes.bfloat16`) but asks
-  NumPy itself for `float8_*`, so float8 tensors are read as the bytes at the offsets
-  that the library validated, viewed as `ml_dtypes`' types. Dtypes outside `_DTYPES`
-  (complex, 4- and 6-bit floats) are refused on opening.
-- A file cut short after opening: a read through the map past its new end would fault
-  (SIGBUS), so every read first checks the size.
-- Memory: the pages a map touched count as resident memory until it is closed, so the
-  map is dropped and the file reopened (and revalidated) every `_REMAP_BYTES`.
-- Errors: the library's reason, the file, what it holds and what was expected, as one
-  `ValueError`.
+- a key given twice: the library's JSON map keeps the last, so two entries over the same
+  bytes pass its overlap check; `json` parses the accepted header again to refuse it;
+- float8: the library's NumPy framework builds bfloat16 (`ml_dtypes`) but asks NumPy
+  itself for `float8_*`, so float8 tensors are read as the bytes at the offsets it
+  validated; dtypes outside `_DTYPES` (complex, 4- and 6-bit floats) are refused;
+- a file cut short after opening, which a read through the map would fault on (SIGBUS):
+  every read first checks the size;
+- memory: a map's touched pages count as resident until it is closed, so the file is
+  reopened (and revalidated) every `_REMAP_BYTES`;
+- one-line errors: the library's reason, the file, what it holds, what was expected.
 """
 
 import json
