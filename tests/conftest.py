@@ -34,6 +34,7 @@ kernels in Pallas interpret mode); `pytest_collection_modifyitems` below adds th
 """
 
 import gc
+import json
 import os
 import sys
 
@@ -45,9 +46,38 @@ if "jax" in sys.modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, _FLAG])
 # The pipelines' `from_pretrained` and `vidax-generate` switch on JAX's persistent
-# compilation cache under ~/.cache; the suite (and the processes it starts) leaves it off,
-# except where a test turns it on in a folder of its own (tests/test_compile_cache.py).
+# compilation cache under ~/.cache; the suite (and the processes it starts) never writes
+# there.
 os.environ["VIDAX_COMPILE_CACHE"] = "0"
+
+
+def _suite_compile_cache() -> None:
+    """JAX's persistent compilation cache in one temporary folder for the whole run: the
+    pytest process makes it before its workers start, and they, and every process the
+    tests start, inherit it (`JAX_COMPILATION_CACHE_DIR`). Most of the suite's time is
+    XLA compiling small programs, and many recur: `_release_compiled_programs` drops a
+    module's programs after it, the next module and the other worker compile the same
+    random draws, comparisons and fixture models again, and the example and worker
+    processes compile what the tests did. From the cache each is a file read. Every
+    program is cached (no minimum compile time). It changes no result: the cache holds
+    XLA's output for the same program and options.
+
+    `VIDAX_TEST_COMPILE_CACHE=0` turns it off; a folder already set by the caller's
+    `JAX_COMPILATION_CACHE_DIR` is used as it is (and kept)."""
+    if os.environ.get("VIDAX_TEST_COMPILE_CACHE", "1") == "0" or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vidax-test-jax-cache-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+_suite_compile_cache()
 
 # The repository root, so `vidax_eqx` imports without being installed.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +95,7 @@ import pytest  # noqa: E402
 # -- the device tests ------------------------------------------------------------------------
 
 
-def pytest_collection_modifyitems(config, items):
+def _skip_device_tests(items):
     """Skips the `device` tests outside the device mode (`harness.device_skip_reason`:
     `VIDAX_TEST_DEVICE` unset, or set to 1 where the default backend is not a TPU)."""
     device = [item for item in items if item.get_closest_marker("device") is not None]
@@ -82,11 +112,43 @@ def pytest_collection_modifyitems(config, items):
 # -- where the time goes: the slowest files -----------------------------------------------
 
 
+_FILE_COSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--file-durations", type=int, default=0, metavar="N",
         help="list the N test files with the most time (setup, call and teardown of their "
              "tests summed, module-scoped fixtures included), as .ci/run does (N=15)")
+    parser.addoption(
+        "--write-file-durations", action="store_true",
+        help=f"after a whole run, write every file's seconds to {os.path.basename(_FILE_COSTS)} "
+             "(the order in which the workers take the files)")
+
+
+def _file_costs() -> dict[str, float]:
+    try:
+        with open(_FILE_COSTS, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files longest first, each file's tests kept together and in their order: the
+    two workers take whole files (`--dist loadfile`, `--no-loadscope-reorder`), so that
+    the longest start first and the two finish together (the longest processing time
+    first rule) instead of one worker running a long file alone at the end. A file's
+    cost is its seconds in `file_seconds.json` (a whole run's `--write-file-durations`;
+    a new file counts as one of the median). Then the device tests' skip."""
+    costs = _file_costs()
+    median = sorted(costs.values())[len(costs) // 2] if costs else 0.0
+    rank = {}
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        rank.setdefault(name, (-costs.get(name, median), len(rank)))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+    _skip_device_tests(items)
 
 
 _FILE_SECONDS: dict[str, float] = {}
@@ -94,6 +156,10 @@ _FILE_SECONDS: dict[str, float] = {}
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("--write-file-durations") and _FILE_SECONDS:
+        with open(_FILE_COSTS, "w", encoding="utf-8") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(_FILE_SECONDS.items())}, f, indent=1)
+            f.write("\n")
     n = config.getoption("--file-durations")
     if not n or not _FILE_SECONDS:
         return

@@ -213,11 +213,16 @@ def test_compile_cache_switches(tmp_path, monkeypatch):
     """Importing the library leaves JAX's cache as it was; `VIDAX_COMPILE_CACHE=0` keeps
     it off; otherwise it goes to the user's cache folder with the command's thresholds,
     and a folder set by the user is kept."""
-    assert jax.config.jax_compilation_cache_dir is None  # imported, never switched on
+    # Imported, never switched on: the suite's own folder (conftest), or none.
+    assert jax.config.jax_compilation_cache_dir == os.environ.get("JAX_COMPILATION_CACHE_DIR")
     saved = {name: getattr(jax.config, name) for name in (
         "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
         "jax_persistent_cache_min_entry_size_bytes")}
     try:
+        # A process with no cache set, JAX's thresholds at their defaults.
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         monkeypatch.setenv("VIDAX_COMPILE_CACHE", "0")
         assert pipelines.enable_compile_cache() is None
         assert jax.config.jax_compilation_cache_dir is None
