@@ -46,30 +46,6 @@ if "jax" in sys.modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
 
 
-def _legacy_emitters() -> list[str]:
-    """XLA's CPU backend with its elemental fusion emitters instead of the MLIR fusion
-    emitters: on the suite's small programs it compiles about 3x faster (a tiny Wan's
-    gradient 1.91 -> 0.65 s, its forward over 8 devices 0.77 -> 0.33 s, with
-    `_fast_compile`; measured 2026-12-07 on the 2-core CI machine, jaxlib 0.10.2), and
-    the programs it makes run as fast. Both emitters implement the same HLO; the results
-    are compared with the same tolerances. The flag is XLA's, so it is set for the whole
-    process (and inherited by the processes the tests start): only on jaxlib 0.10, where
-    it was measured (an unknown flag is fatal to XLA). `VIDAX_TEST_XLA_EMITTERS=default`
-    keeps XLA's default emitters (CI's newest-JAX leg runs so)."""
-    if os.environ.get("VIDAX_TEST_XLA_EMITTERS", "legacy") != "legacy":
-        return []
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        jaxlib = version("jaxlib")
-    except PackageNotFoundError:
-        return []
-    if not jaxlib.startswith("0.10."):
-        return []
-    return ["--xla_cpu_use_fusion_emitters=false"]
-
-
-_flags += [f for f in _legacy_emitters() if f.split("=")[0] not in " ".join(_flags)]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, _FLAG])
 # The pipelines' `from_pretrained` and `vidax-generate` switch on JAX's persistent
 # compilation cache under ~/.cache; the suite (and the processes it starts) never writes
@@ -252,7 +228,50 @@ def _fast_compile(request):
     fast = (os.environ.get("VIDAX_TEST_FAST_COMPILE", "1") != "0"
             and not getattr(request.module, "XLA_OPTIMIZED", False))
     jax.config.update("jax_disable_most_optimizations", fast)
+    _ELEMENTAL_EMITTERS[0] = fast and not getattr(request.module, "XLA_DEFAULT_EMITTERS", False)
     yield
+
+
+_ELEMENTAL_EMITTERS = [False]
+
+
+def _elemental_emitters_when_fast() -> None:
+    """In the modules `_fast_compile` compiles fast, XLA's CPU backend also uses its
+    elemental fusion emitters instead of the MLIR ones (`xla_cpu_use_fusion_emitters`
+    off, in each compile's options): on the suite's small programs it compiles about 3x
+    faster (a tiny Wan's gradient 1.91 -> 0.65 s, its forward over 8 devices 0.77 ->
+    0.33 s; 2-core CI machine, jaxlib 0.10.2, 2026-12-07) and the programs run as fast.
+    Both emitters implement the same HLO, and results are compared with the same
+    tolerances; but the elemental ones can round two different programs of the same
+    math differently where the MLIR ones agree to the bit, so a module whose tests
+    promise bit-identity between two programs (a text or step cache against the plain
+    call, an exported program against the traced one) sets `XLA_DEFAULT_EMITTERS = True`.
+
+    Only on jaxlib 0.10, where it was measured, through JAX's compile options
+    (`jax._src.compiler.get_compile_options`, wrapped; an unknown option is an error to
+    XLA); `VIDAX_TEST_XLA_EMITTERS=default` keeps XLA's default everywhere (CI's
+    newest-JAX leg runs so)."""
+    if os.environ.get("VIDAX_TEST_XLA_EMITTERS", "elemental") != "elemental":
+        return
+    import jaxlib
+
+    if not jaxlib.__version__.startswith("0.10."):
+        return
+    from jax._src import compiler
+
+    original = compiler.get_compile_options
+
+    def get_compile_options(*args, **kwargs):
+        options = original(*args, **kwargs)
+        if _ELEMENTAL_EMITTERS[0]:
+            options.env_option_overrides = [*options.env_option_overrides,
+                                            ("xla_cpu_use_fusion_emitters", False)]
+        return options
+
+    compiler.get_compile_options = get_compile_options
+
+
+_elemental_emitters_when_fast()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -38,6 +38,11 @@ from vidax_eqx import models, nn
 from vidax_eqx.nn import functional
 
 
+# Bit-identity between two programs (see conftest's _elemental_emitters_when_fast): XLA's
+# default CPU fusion emitters.
+XLA_DEFAULT_EMITTERS = True
+
+
 WAN = models.WanConfig(dim=32, ffn_dim=64, num_heads=4, num_layers=2, in_channels=4,
                        out_channels=4, text_dim=16, freq_dim=16)
 LATENTS = (4, 2, 6, 10)  # (C, F, H, W): patch grid 2 x 3 x 5, 30 tokens

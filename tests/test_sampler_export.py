@@ -23,6 +23,11 @@ import harness
 from vidax_eqx import models, nn, sampling
 
 
+# Bit-identity between two programs (see conftest's _elemental_emitters_when_fast): XLA's
+# default CPU fusion emitters.
+XLA_DEFAULT_EMITTERS = True
+
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 

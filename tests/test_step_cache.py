@@ -33,6 +33,11 @@ from vidax_eqx import models, nn, sampling
 from vidax_eqx.models._step_cache import relative_change
 
 
+# Bit-identity between two programs (see conftest's _elemental_emitters_when_fast): XLA's
+# default CPU fusion emitters.
+XLA_DEFAULT_EMITTERS = True
+
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 JIT = dict(compiler_options=harness.FAST_COMPILE)
 

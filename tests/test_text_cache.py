@@ -29,6 +29,11 @@ import harness
 from vidax_eqx import models, nn, sampling
 
 
+# Bit-identity between two programs (see conftest's _elemental_emitters_when_fast): XLA's
+# default CPU fusion emitters.
+XLA_DEFAULT_EMITTERS = True
+
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 JIT = dict(compiler_options=harness.FAST_COMPILE)
 ULYSSES_TP = nn.sharding.ParallelConfig(sequence="ulysses", tp_axis="tp")
