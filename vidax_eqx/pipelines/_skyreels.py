@@ -202,7 +202,7 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         config = self.transformer_config
         block = config.num_frame_per_block if causal_block_size is None else causal_block_size
         check_int(_OWNER, "causal_block_size", block, 1)
-        _fps_index(fps)
+        fps_index = _fps_index(fps)
         # The schedule (and addnoise_condition's check); each window adds its given frames.
         forcing = sampling.DiffusionForcing(ar_step=ar_step, causal_block_size=block,
                                             addnoise_condition=addnoise_condition)
@@ -242,7 +242,7 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
                 "cuts the last window's overlap from the end of the video there, not the "
                 "last image; generate at most base_num_frames frames with it.")
         options = SkyReelsOptions(
-            fps_index=_fps_index(fps), block=block, forcing=forcing,
+            fps_index=fps_index, block=block, forcing=forcing,
             windows=Windows(windows, overlap, last_image is not None, frames, overlap_history))
         out = super().__call__(prompt, negative_prompt, image=image, last_image=last_image,
                                family=options, **kwargs)
