@@ -7,7 +7,7 @@ a refactor can be checked bit for bit against the commit before it:
     python -c "import numpy as np; a, b = np.load('/tmp/before.npz'), np.load('/tmp/after.npz'); \
                print({k: bool(np.array_equal(a[k], b[k])) for k in a})"
 
-The outputs: a Wan forward, `sample` with guidance and with step caching, CogVideoX's
+The outputs: a Wan forward, Wan's stream (three chunks), `sample` with guidance and with step caching, CogVideoX's
 `sample`, the SkyReels-V2 diffusion forcing pipeline (frames and latents) and its
 streamed generation, on the committed fixtures (CPU, float32)."""
 import os, sys, tempfile, shutil, pathlib
@@ -31,6 +31,12 @@ res["wan_forward"] = jax.vmap(wan)(x, jnp.array([700.0, 250.0]), c)
 res["wan_sample_cfg"] = sampling.sample(wan, x, c, negative_context=n, steps=3, progress=None)
 res["wan_sample_stepcache"] = sampling.sample(wan, x, c, negative_context=n, steps=4, progress=None,
     caching=sampling.Caching(step=sampling.StaticStepCache()))
+kv = wan.kv_cache(6, 10, max_frames=2)
+for i in range(3):  # Wan's own stream: three one-frame chunks, the cache carried
+    v, kv = wan.stream(x[0][:, i:i + 1], jnp.float32(500.0 - 100 * i), c[0], kv,
+                       text_cache=wan.text_cache(c[0]) if i == 2 else None)
+    res[f"wan_stream_{i}"] = v
+res["wan_stream_cache"] = kv.k
 cog = models.CogVideoXTransformer3D.from_pretrained(F / "cogvideox" / "2b" / "diffusers") if (F/"cogvideox"/"2b"/"diffusers").exists() else None
 if cog is not None:
     cc = cog.config

@@ -57,7 +57,9 @@ theirs, re-exported.
 - [`AbstractModel`][], [`AbstractCachedModel`][], [`AbstractExperts`][],
     [`AbstractBatchedInput`][], [`AbstractPerExpert`][]: what `run_sharded`, LoRA, the
     caches and the samplers need of a model and of its inputs; a new model subclasses
-    them; [`Capabilities`][], the record of what a model class can do (its class
+    them; [`AbstractVideoDiT`][] writes a video DiT's public calls once over its one
+    forward (given a [`CallState`][]; a variant's `_conditioning` hook returns a
+    [`Conditioning`][]); [`Capabilities`][], the record of what a model class can do (its class
     variable `capabilities`), which the samplers and pipelines read;
     [`capability_table`][], the records as a table.
     [`AbstractVideoVAE`][]: what a pipeline needs of a video VAE.
@@ -76,6 +78,11 @@ from ._base import (
     AbstractVideoVAE as AbstractVideoVAE,
 )
 from ._capabilities import Capabilities as Capabilities
+from ._dit import (
+    AbstractVideoDiT as AbstractVideoDiT,
+    CallState as CallState,
+    Conditioning as Conditioning,
+)
 from ._table import capability_table as capability_table
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES

@@ -5,13 +5,17 @@ next (an input and an output of the call, as the VAE's time cache is)."""
 import operator
 
 import equinox as eqx
-
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from .. import kernels
 from ..nn import sharding
+from ..parallel import axis_size
 from ._base import AbstractBatchedInput
+from ._options import BlockCausal
+from ._token_layout import AttentionInputs
 
 
 class KVCache(AbstractBatchedInput):
@@ -101,3 +105,60 @@ def error_past_reach(out, cache: KVCache, max_frames: int, owner: str):
     return eqx.error_if(out, jnp.any(cache.frame > max_frames),
                         f"{owner}: the stream has passed the config's rope_max_seq_len={max_frames} "
                         "latent frames, the reach of its RoPE tables.")
+
+
+class StreamLayout:
+    """The tokens of a streamed chunk as the attention sees them, with
+    [`TokenLayout`][]'s interface (`to_tokens`, `attention_inputs`, `from_tokens`), so that
+    one forward pass serves both: the attention's sequence is `[the cache's buffer; the
+    chunk]` in time order, the chunk its last tokens, frame-block causal
+    ([`BlockCausal`][]; default one block per chunk); under Ulysses each device holds
+    contiguous rows of the chunk (the attention trades them for a head split, the cache
+    holding this device's heads). Raises where the chunk, the cache and `attention`
+    disagree, or the mesh cannot stream (a ring)."""
+
+    def __init__(self, grid, cache: KVCache, attention, parallel: sharding.ParallelConfig,
+                 owner: str):
+        if parallel.ring_axis is not None:
+            raise NotImplementedError(
+                f"{owner}: streaming with a key/value cache runs on one device or over a mesh "
+                f"with tensor parallelism, FSDP or Ulysses; not over a ring ({parallel})."
+            )
+        f, h, w = grid
+        if h * w != cache.tokens_per_frame:
+            raise ValueError(
+                f"{owner}: the chunk's frames hold {h * w} patch tokens (patch grid {tuple(grid)}); "
+                f"the cache's {cache.tokens_per_frame}: build the cache for these latents."
+            )
+        if attention is None:
+            attention = BlockCausal(f)
+        if not isinstance(attention, BlockCausal):
+            raise ValueError(f"{owner}: `attention` must be a models.BlockCausal or None; received "
+                             f"{attention!r}.")
+        k = attention.frames_per_block
+        if f % k or cache.max_frames % k:
+            raise ValueError(
+                f"{owner}: the chunk's latent frames ({f}) and the cache's max_frames "
+                f"({cache.max_frames}) must be multiples of the blocks' frames_per_block={k}."
+            )
+        ulysses = parallel.ulysses_axis
+        sp = 1 if ulysses is None else axis_size(ulysses, what="Ulysses")
+        if (f * h * w) % sp:
+            raise ValueError(
+                f"{owner}: Ulysses splits the chunk's {f * h * w} patch tokens over {ulysses!r} "
+                f"({sp} devices); they must divide them (choose chunk_frames so that they do).")
+        self.parallel = parallel
+        self.mask = kernels.BlockCausalMask((cache.max_frames + f, h, w), k, window=attention.window,
+                                            query_offset=cache.capacity)
+
+    def to_tokens(self, tokens):
+        """This device's rows of per-token arrays of the chunk (raster order)."""
+        return jax.tree.map(lambda a: sharding.shard_tokens(a, self.parallel), tokens)
+
+    def attention_inputs(self, rope=None) -> AttentionInputs:
+        """The chunk's RoPE tables and the frame-block causal mask over `[cache; chunk]`."""
+        return AttentionInputs(rope, None, self.mask)
+
+    def from_tokens(self, tokens):
+        """The whole chunk's rows from every device's."""
+        return sharding.gather_tokens(tokens, self.parallel)

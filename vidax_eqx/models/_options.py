@@ -98,11 +98,15 @@ def attention_keywords(fn):
     `attention=SlidingTile(tile, window)` and `video_sparse=(tile, topk or sparsity)`
     is `attention=VideoSparseTiles(tile, topk or sparsity)`; each also takes a plain
     pair, as they did, and `None` (full attention)."""
-    owner = fn.__qualname__.removesuffix(".__call__")
+    method = fn.__qualname__.rpartition(".")[2]
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if "sliding_tile" in kwargs or "video_sparse" in kwargs:
+            # The class of the model called (a base's method names its subclass).
+            is_method = "." in fn.__qualname__ and args and isinstance(args[0], eqx.Module)
+            owner = (f"{type(args[0]).__name__}.{method}" if is_method
+                     else fn.__qualname__).removesuffix(".__call__")
             kwargs["attention"] = _from_deprecated(owner, kwargs, _wrapper_frames())
         return fn(*args, **kwargs)
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Integer, PRNGKeyArray, Real
+from jaxtyping import ArrayLike, Integer, PRNGKeyArray
 
 from ..._shapes import checked
 from ... import nn
@@ -15,12 +15,10 @@ from ...nn import sharding
 from ...nn.internal import init
 from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
-from .._kv_cache import KVCache
-from .._options import BlockCausal, SlidingTile, VideoSparseTiles
-from .._step_cache import StepCache, StepDecision
+from .._dit import Conditioning
+from .._options import BlockCausal
 from ..wan._model import WanTransformer3D
 from ..wan._names import check_layout, rename
-from ..wan._text_cache import WanTextCache
 from ._config import SkyReelsV2Config
 
 
@@ -41,6 +39,14 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
     before it, diffusers' mask); a call's `attention=BlockCausal(k', window)` sets other
     blocks (as diffusers' `_set_ar_attention(k')`, which the pipelines call for their
     `causal_block_size`), or a rolling window.
+
+    **Calls:** Wan's `__call__`, `cached_call` and `stream` (one forward pass), where
+    `timestep` is a scalar or one per latent frame of the patch grid `(F / pt,)`, and a
+    model with `inject_sample_info` requires the keyword `fps`: the index of its fps
+    embedding, 0 or 1 (SkyReels-V2's pipelines pass 0 for 16 frames per second, 1
+    otherwise); an index outside `{0, 1}` raises `ValueError`, a traced one is clipped to
+    `[0, 1]` (it cannot be checked while the program is traced). A model without the fps
+    embedding refuses `fps`.
 
     **Fields:** Wan's (see [`WanTransformer3D`][]), and `fps_embedding` (`eqx.nn.Embedding`
     of 2 entries) and `fps_projection` ([`vidax_eqx.nn.FeedForward`][], SiLU, to `6 * dim`)
@@ -77,96 +83,29 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
             self.fps_embedding = self.fps_projection = None
 
     @checked
-    def __call__(
-        self,
-        x: Float[Array, "{self.config.in_channels} F H W"],
-        timestep: Real[Array, ""] | Real[Array, " T"],
-        context: Float[Array, "L {self.config.text_dim}"],
-        *,
-        fps: Integer[ArrayLike, ""] | None = None,
-        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
-        remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
-        text_cache: WanTextCache | None = None,
-    ) -> Float[Array, "{self.config.out_channels} F H W"]:
-        """**Arguments:**
+    def _conditioning(self, x, timestep, attention, *, streaming: bool,
+                      fps: Integer[ArrayLike, ""] | None = None) -> Conditioning:
+        """The one hook SkyReels-V2 overrides of [`AbstractVideoDiT`][]'s calls
+        (`__call__`, `cached_call`, `stream` take these keywords):
 
-        - `x`: the noisy latents `(C, F, H, W)` of one video.
         - `timestep`: a scalar (every frame at one noise level), or one per latent frame
             of the patch grid `(F / pt,)` (diffusion forcing; diffusers'
             `enable_diffusion_forcing=True` with a `(B, F')` timestep, without the batch
-            axis).
+            axis), repeated over the frame's patch tokens for Wan's forward.
         - `fps`: a model with `inject_sample_info` only, and required there: the index
             of its fps embedding, 0 or 1 (SkyReels-V2's pipelines pass 0 for 16 frames
-            per second, 1 otherwise). An index outside `{0, 1}` raises `ValueError`; a
-            traced one cannot be checked while the program is traced and is clipped to
-            `[0, 1]` (as `kernels.attention` clips traced `kv_lengths`: a runtime check
-            would be a host callback, which `jax.export` cannot serialize and which does
-            not type-check inside `shard_map` when the value varies over a mesh axis).
-        - `context`, `context_image`, `remat`, `attention`, `text_cache`: as
-            [`WanTransformer3D`][]'s.
-
-        **Returns:**
-
-        The prediction `(out_channels, F, H, W)` (the flow velocity), in the weights' dtype.
+            per second, 1 otherwise), added to every block's modulation. An index outside
+            `{0, 1}` raises `ValueError`; a traced one cannot be checked while the program
+            is traced and is clipped to `[0, 1]` (as `kernels.attention` clips traced
+            `kv_lengths`: a runtime check would be a host callback, which `jax.export`
+            cannot serialize and which does not type-check inside `shard_map` when the
+            value varies over a mesh axis).
+        - `attention`: with `num_frame_per_block > 1` the model's own frame-block causal
+            blocks by default (also when streaming, where one block per chunk is the
+            default otherwise); see `_attention`.
         """
-        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D"):
-            timestep, shift = self._skyreels_inputs(x, timestep, fps)
-            return self._forward(x, timestep, context, context_image=context_image, remat=remat,
-                                 attention=self._attention(attention), text_cache=text_cache,
-                                 e0_shift=shift)
-
-    @checked
-    def cached_call(
-        self,
-        x: Float[Array, "{self.config.in_channels} F H W"],
-        timestep: Real[Array, ""] | Real[Array, " T"],
-        context: Float[Array, "L {self.config.text_dim}"],
-        step_cache: StepCache,
-        *,
-        fps: Integer[ArrayLike, ""] | None = None,
-        may_reuse: Bool[ArrayLike, ""] = False,
-        threshold: Real[ArrayLike, ""] | None = None,
-        axis_name=None,
-        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
-        remat: str | None = None,
-        attention: SlidingTile | VideoSparseTiles | BlockCausal | None = None,
-        text_cache: WanTextCache | None = None,
-    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], StepCache]:
-        """`__call__` with step caching, as [`WanTransformer3D.cached_call`][]; `fps` and
-        a timestep per frame as in `__call__`."""
-        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.cached_call"):
-            timestep, shift = self._skyreels_inputs(x, timestep, fps)
-            return self._forward(x, timestep, context, context_image=context_image, remat=remat,
-                                 attention=self._attention(attention), text_cache=text_cache,
-                                 e0_shift=shift, step=StepDecision(step_cache, may_reuse, threshold, axis_name))
-
-    @checked
-    def stream(
-        self,
-        x: Float[Array, "{self.config.in_channels} F H W"],
-        timestep: Real[Array, ""] | Real[Array, " T"],
-        context: Float[Array, "L {self.config.text_dim}"],
-        cache: KVCache,
-        *,
-        fps: Integer[ArrayLike, ""] | None = None,
-        context_image: Float[Array, "L_img {self.config.image_dim}"] | None = None,
-        attention: BlockCausal | None = None,
-        text_cache: WanTextCache | None = None,
-        check_reach: bool = True,
-    ) -> tuple[Float[Array, "{self.config.out_channels} F H W"], KVCache]:
-        """One chunk of a video generated chunk by chunk with a key/value cache, as
-        [`WanTransformer3D.stream`][] (`check_reach` its); `timestep` a scalar or one per
-        latent frame of the chunk, `fps` as `__call__`. `attention` defaults to the
-        model's own blocks (`BlockCausal(num_frame_per_block)` when it is above 1), else
-        one block per chunk."""
-        with jax.named_scope("vidax_eqx.models.SkyReelsV2Transformer3D.stream"):
-            timestep, shift = self._skyreels_inputs(x, timestep, fps)
-            if attention is None and self.config.num_frame_per_block > 1:
-                attention = BlockCausal(self.config.num_frame_per_block)
-            return self._stream(x, timestep, context, cache, context_image=context_image,
-                                attention=attention, text_cache=text_cache, e0_shift=shift,
-                                check_reach=check_reach)
+        timestep, shift = self._skyreels_inputs(x, timestep, fps)
+        return Conditioning(timestep, self._attention(attention), {"e0_shift": shift})
 
     def _attention(self, attention):
         """The call's attention: with `num_frame_per_block > 1`, the model's frame-block
