@@ -7,6 +7,7 @@ The models here are abstract (`eqx.filter_eval_shape`: no arrays, nothing compil
 refusal is raised while the call's arguments are checked, before any array is read."""
 
 import ast
+import dataclasses
 import inspect
 import pathlib
 import re
@@ -123,6 +124,44 @@ def test_refusals_name_model_and_capability(wan, skyreels, cogvideox):
     bad, _ = _io(C=3)
     with pytest.raises(ValueError, match=r"`noise` must have the model's 4 latent channels .*\(B, C, F, H, W\)"):
         sampling.sample(wan, bad, context, steps=2, guidance=sampling.Guidance(scale=1.0))
+
+
+def test_calls_written_once():
+    # The public calls live on AbstractVideoDiT alone; Wan writes one forward, SkyReels-V2
+    # the one hook (its fps and timestep per frame) and no call of its own.
+    calls = {"__call__", "cached_call", "stream"}
+    assert calls <= set(vars(models.AbstractVideoDiT))
+    assert not calls & set(vars(models.WanTransformer3D))
+    assert "_forward" in vars(models.WanTransformer3D)
+    sky = set(vars(models.SkyReelsV2Transformer3D))
+    assert not sky & (calls | {"_forward"}) and "_conditioning" in sky
+    assert issubclass(models.SkyReelsV2Transformer3D, models.AbstractVideoDiT)
+
+
+def test_base_calls_read_the_record(wan):
+    # A family without streaming or step caching (a subclass and its record) is refused
+    # by the base's calls in one line naming the model and the capability, before any
+    # array is read.
+    class NoCaches(models.WanTransformer3D):
+        capabilities = dataclasses.replace(models.WanTransformer3D.capabilities,
+                                           step_cache=False, streaming=False, text_cache=False)
+
+    model = _abstract(NoCaches, models.WanConfig(**_WAN))
+    x, context = jnp.zeros((4, 2, 4, 4)), jnp.zeros((3, 8))
+    t = jnp.float32(500.0)
+    with pytest.raises(NotImplementedError, match=r"^NoCaches: a NoCaches has no streaming .*"
+                       r"NoCaches\.capabilities\.streaming is False\)\.$"):
+        model.stream(x, t, context, wan.kv_cache(4, 4, max_frames=2))
+    with pytest.raises(NotImplementedError, match=r"NoCaches\.capabilities\.step_cache is False"):
+        model.cached_call(x, t, context, models.StepCache())
+    with pytest.raises(NotImplementedError, match=r"NoCaches\.capabilities\.text_cache is False"):
+        model(x, t, context, text_cache=eqx.filter_eval_shape(lambda m: m.text_cache(context), wan))
+    # A keyword the model's hook does not take names the model; SkyReels-V2's hook takes
+    # `fps`, Wan's none.
+    with pytest.raises(TypeError, match=r"WanTransformer3D: unexpected keyword arguments \['fps'\]"):
+        eqx.filter_eval_shape(lambda m: m(x, t, context, fps=0), wan)
+    with pytest.raises(ValueError, match=r"CallState: a call is step-cached or streamed"):
+        models.CallState(step=object(), kv_cache=object())
 
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent / "vidax_eqx"
