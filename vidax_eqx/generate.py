@@ -161,6 +161,14 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     for axis, what in _AXES:
         m.add_argument(f"--{axis}", type=int, default=1, metavar="N",
                        help=f"devices for {what} (default 1; simulated on a CPU)")
+    m.add_argument("--offload", choices=("auto", "none", "model", "cpu", "blocks"), default="auto",
+                   help="where the components live on one accelerator: auto (default: the fastest "
+                        "plan that fits), none (all resident), model (host memory, moved in for "
+                        "their stage), cpu (the encoders on the host CPU), blocks (the "
+                        "transformer's blocks streamed from host memory)")
+    m.add_argument("--device-memory", metavar="SIZE",
+                   help="the memory the plan may use on the accelerator: bytes or a size with a "
+                        "unit (8GB, 7.5GiB, 512MB; default: the capacity JAX reports)")
     m.add_argument("--no-compile-cache", action="store_true",
                    help="leave JAX's persistent compilation cache off (by default it is on, in "
                         "$XDG_CACHE_HOME/vidax_eqx/jax or ~/.cache/vidax_eqx/jax; also "
@@ -174,6 +182,18 @@ def check_devices(p: argparse.ArgumentParser, args) -> None:
     if args.cfg not in (1, 2):
         p.error(f"--cfg must be 1 or 2 (the conditional and unconditional passes); received "
                 f"{args.cfg}")
+    if args.device_memory is not None:
+        from .pipelines import parse_bytes
+
+        try:
+            args.device_memory = parse_bytes(args.device_memory)
+        except ValueError:
+            p.error(f"--device-memory must be bytes or a size with a unit (KB, MB, GB, KiB, MiB, "
+                    f"GiB; e.g. 8GB); received {args.device_memory!r}")
+    mesh = args.sp * args.tp * args.dp * args.cfg > 1
+    if mesh and (args.offload not in ("auto", "none") or args.device_memory is not None):
+        p.error("--offload and --device-memory plan one accelerator's memory; over a mesh "
+                "(--sp, --tp, --dp, --cfg) the weights are sharded instead")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -325,9 +345,14 @@ def _run(args, start: float) -> list[str]:
                                 ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
         if given and wan != (family == "Wan"):
             raise CommandError(f"{flag} is for {family} pipelines; {args.model!r} is {name}.")
+    d = cls.defaults  # the plan is made for the video asked for
+    video = (args.height or d.height, args.width or d.width, args.num_frames or d.num_frames)
     pipe = cls.from_pretrained(
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
-        vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False)
+        vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False,
+        offload=args.offload, device_memory=args.device_memory, plan_video=video)
+    if mesh is None:
+        log(f"{'plan':<10} {pipe.memory_plan.describe()}")
     where = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"
     log(f"{'load':<10} {time.perf_counter() - start:8.1f} s  ({name}: "
         f"{type(pipe.transformer).__name__}, {pipe.transformer_dtype}, "

@@ -32,6 +32,8 @@ from ._lora import (
 )
 from ._naming import linear_layers as linear_layers, LinearName as LinearName, NAMINGS as NAMINGS
 from ._state_dict import (
+    ABSTRACT as ABSTRACT,
+    loading as loading,
     load_state_dict as load_state_dict,
     save_safetensors as save_safetensors,
     state_dict as state_dict,

@@ -1,6 +1,8 @@
 """PyTorch-style state dicts <-> Equinox modules: the checked, one-shot load (sharded
 when asked) and the state dict and safetensors written from a module."""
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Mapping
 
@@ -123,6 +125,35 @@ def _fmt_keys(keys, limit=20, sep=", ") -> str:
     return shown if len(keys) <= limit else f"{shown}, ... ({len(keys) - limit} more)"
 
 
+ABSTRACT = "abstract"
+"""[`loading`][]'s target that reads no tensor: the load returns the module abstract."""
+
+_TARGET = contextvars.ContextVar("vidax_eqx_load_target", default=None)
+
+
+@contextlib.contextmanager
+def loading(target):
+    """Where the loads inside the block put their tensors: every
+    [`load_state_dict`][] without a `mesh` or a placement of its own (a module built
+    abstractly, as `from_pretrained` builds it) asks `target(module)`:
+
+    - `None`: as without the block (uncommitted on the default device);
+    - a `jax.Device`: uncommitted on that device (e.g. the host CPU's, for weights
+        that a memory plan keeps in host memory or computes there);
+    - `ABSTRACT`: nothing is read: every name, shape and dtype is checked against
+        the file's header as a load checks them, and the module comes back abstract
+        (`jax.ShapeDtypeStruct` leaves), e.g. to plan memory before loading.
+
+    What a pipeline's memory plan loads through, so that every model's
+    `from_pretrained` places its weights where the plan says without a keyword of
+    its own."""
+    token = _TARGET.set(target)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, stacked=(),
                     rename=None, mesh=None):
     """Loads PyTorch weights into an Equinox module: a new module, every parameter replaced.
@@ -212,6 +243,10 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
     leaves, entries, treedef = named_parameters(module, stacked, rename)
     shardings = ([_sharding_of(leaf) if is_parameter(leaf) else None for leaf in leaves]
                  if mesh is None else _mesh_shardings(module, mesh))
+    target = _TARGET.get()
+    if target is not None and (mesh is not None or any(s is not None for s in shardings)):
+        target = None  # placed by the caller
+    target = None if target is None else target(module)
     what = type(module).__name__ + (f" (prefix={prefix!r})" if prefix else "")
     lazy = isinstance(source, _LAZY)
 
@@ -315,6 +350,17 @@ def load_state_dict(module, source, *, prefix: str = "", strict: bool = True, st
             + "\n  ".join(problems)
             + ("\n" + " ".join(hints) if hints else "")
         )
+
+    if target == ABSTRACT:
+        return module
+    if target is not None:
+        with jax.default_device(target):
+            return _fill(leaves, entries, treedef, matched, values, shardings, source, lazy)
+    return _fill(leaves, entries, treedef, matched, values, shardings, source, lazy)
+
+
+def _fill(leaves, entries, treedef, matched, values, shardings, source, lazy):
+    """The checked load's reads: each matched entry's tensor into its leaf."""
 
     def read(e):
         """Entry `e`'s tensor as a fresh NumPy array in its leaf's dtype."""

@@ -1,8 +1,9 @@
-"""Scanned layers: a model's stacked blocks run by `lax.scan`, with rematerialization and
-FSDP's gather of one block at a time."""
+"""Scanned layers: a model's stacked blocks run by `lax.scan`, with rematerialization,
+FSDP's gather of one block at a time, and blocks streamed from host memory."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ..nn import sharding
@@ -33,6 +34,44 @@ def check_remat(remat):
     return None if remat == "full" else getattr(jax.checkpoint_policies, remat)
 
 
+def in_host_memory(a) -> bool:
+    """Whether the array (or tracer) `a` lives in host memory (a `pinned_host` /
+    `unpinned_host` memory kind): a streamed block's weights."""
+    return getattr(jax.typeof(a), "memory_space", None) == jax.memory.Space.Host
+
+
+def scan(step, carry, xs):
+    """`lax.scan(step, carry, xs)` over the leading (layer) axis of `xs`, where the leaves
+    of `xs` in host memory (blocks streamed from the host: [`in_host_memory`][]) reach
+    `step` on the device, double-buffered: layer `i + 1`'s weights are copied in while
+    layer `i` computes (the copy depends on nothing the step computes, so XLA overlaps
+    the two), one layer's copy in flight and one in use. Without host leaves this is
+    `lax.scan`. Inference: the copies have no transpose into host memory."""
+    leaves, treedef = jax.tree.flatten(xs)
+    host = [in_host_memory(a) for a in leaves]
+    if not any(host):
+        return lax.scan(step, carry, xs)
+    n = leaves[host.index(True)].shape[0]
+
+    def fetch(i):  # layer i of every host leaf, on the device
+        return [jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), jax.memory.Space.Device)
+                for a, h in zip(leaves, host) if h]
+
+    def merge(device_layer, scanned):
+        it, jt = iter(device_layer), iter(scanned)
+        return jax.tree.unflatten(treedef, [next(it) if h else next(jt) for h in host])
+
+    def body(state, scanned):
+        carry, current, i = state
+        following = fetch(jnp.minimum(i + 1, n - 1))  # in flight while this layer computes
+        carry, y = step(carry, merge(current, scanned))
+        return (carry, following, i + 1), y
+
+    rest = [a for a, h in zip(leaves, host) if not h]
+    (carry, _, _), ys = lax.scan(body, (carry, fetch(0), jnp.int32(0)), rest, length=n)
+    return carry, ys
+
+
 def scan_layers(fn, x, layers, policy):
     """`x = fn(x, layer)` for each layer of a stacked module (arrays with a leading layer
     axis, e.g. built with `eqx.filter_vmap`), by `lax.scan`, each step under
@@ -58,7 +97,7 @@ def scan_layers(fn, x, layers, policy):
         step = jax.checkpoint(step, policy=policy)
     elif policy is not _NO_REMAT:
         step = jax.checkpoint(step, policy=policy)
-    return lax.scan(step, x, arrays)[0]
+    return scan(step, x, arrays)[0]
 
 
 def scan_layers_with_outputs(fn, x, layers):
@@ -69,4 +108,4 @@ def scan_layers_with_outputs(fn, x, layers):
     def step(x, layer_arrays):
         return fn(x, eqx.combine(layer_arrays, static))
 
-    return lax.scan(step, x, arrays)
+    return scan(step, x, arrays)

@@ -21,6 +21,11 @@ PyTorch, above [`vidax_eqx.sampling`][].
 - [`WanPipeline.stream`][vidax_eqx.pipelines.WanPipeline.stream]: streaming generation,
     chunk by chunk against a key/value cache, each chunk decoded as it is finished
     ([`StreamChunk`][]).
+- [`MemoryPlan`][]: where each component lives on one accelerator (resident, in host
+    memory and moved in for its stage, on the host CPU, or the transformer's blocks
+    streamed from host memory), made by `from_pretrained(offload=, device_memory=)`
+    before any weight is read; [`plan_memory`][] makes one from byte counts,
+    [`parse_bytes`][] reads a size such as `"8GB"`.
 - [`save_video`][]: a video's frames to an `.mp4`.
 - [`enable_compile_cache`][]: JAX's persistent compilation cache in a folder under the
     user's cache directory ([`default_compile_cache_dir`][]), as `from_pretrained` and
@@ -34,6 +39,13 @@ from ._cogvideox import CogVideoXPipeline as CogVideoXPipeline
 from ._compile_cache import (
     default_compile_cache_dir as default_compile_cache_dir,
     enable_compile_cache as enable_compile_cache,
+)
+from ._memory import (
+    MemoryPlan as MemoryPlan,
+    OFFLOAD as OFFLOAD,
+    parse_bytes as parse_bytes,
+    plan_memory as plan_memory,
+    Size as Size,
 )
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
 from ._pipeline import AbstractVideoPipeline as AbstractVideoPipeline, CallDefaults as CallDefaults

@@ -13,8 +13,11 @@ from .. import interop, models, nn
 
 
 def dtype_of(module) -> jnp.dtype:
-    """The dtype of `module`'s first floating-point array (its parameters')."""
-    return next(x.dtype for x in jax.tree.leaves(module) if eqx.is_inexact_array(x))
+    """The dtype of `module`'s first floating-point array (its parameters'; abstract
+    `jax.ShapeDtypeStruct`s too)."""
+    return next(x.dtype for x in jax.tree.leaves(module)
+                if (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct))
+                and jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def parallel_for(mesh) -> nn.sharding.ParallelConfig:

@@ -12,12 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import interop, sampling
+from .. import interop, models, sampling
 from ._common import (
     check_int, dtype_of, encode_prompts, given_embeddings, load_text_encoder, parallel_for,
 )
 from ._compile_cache import enable_compile_cache
 from ._folder import PipelineFolder
+from ._memory import (
+    device_budget, MemoryPlan, OFFLOAD, plan_memory, program_bytes, Residency, size_of,
+)
 from ._output import PipelineOutput, StageTimer
 
 
@@ -68,7 +71,8 @@ class AbstractVideoPipeline(abc.ABC):
     **Attributes:** `tokenizer` ([`vidax_eqx.interop.TextTokenizer`][]),
     `text_encoder` ([`vidax_eqx.models.T5Encoder`][]), `transformer`, `vae`,
     `scheduler` (a scheduler of [`vidax_eqx.sampling`][]), `mesh`, `batch_axis`,
-    `cfg_axis`.
+    `cfg_axis`, `memory_plan` (the [`MemoryPlan`][vidax_eqx.pipelines.MemoryPlan] the
+    components are placed by, `None` without one) and `placement`.
     """
 
     defaults: ClassVar[CallDefaults]
@@ -101,6 +105,109 @@ class AbstractVideoPipeline(abc.ABC):
             "dp" if sizes.get("dp", 1) > 1 else None)
         self.cfg_axis = cfg_axis if cfg_axis is not None else (
             "cfg" if sizes.get("cfg", 1) > 1 else None)
+        self.memory_plan = None
+        self._residency = Residency(None, jax.devices()[0])
+
+    components: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer", "vae")
+    """The components a memory plan places (a family adds its own: Wan's `image_encoder`)."""
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where each component lives: `"device"` (resident on the accelerator), `"host"`
+        (host memory, moved in for its stage), `"cpu"` (computed on the host CPU) or
+        `"streamed"` (the transformer's blocks from host memory, one at a time)."""
+        if self.memory_plan is not None:
+            return dict(self.memory_plan.placement)
+        return {name: "device" for name in self.components if getattr(self, name, None) is not None}
+
+    def plan_memory(self, offload: str = "auto", device_memory=None, *, height=None, width=None,
+                    num_frames=None) -> MemoryPlan:
+        """The [`MemoryPlan`][vidax_eqx.pipelines.MemoryPlan] of this pipeline's components
+        (real or abstract: nothing is run or moved) for calls of `height x width x
+        num_frames` (default the family's call defaults) with guidance: each stage's
+        working memory from the compiler's memory analysis of its program, when there is
+        a budget (`device_memory`, or the accelerator's capacity; none on a CPU
+        backend). Raises `ValueError` naming each component's bytes and the budget when
+        no plan of `offload` fits."""
+        owner = type(self).__name__
+        if offload not in OFFLOAD:
+            raise ValueError(f"{owner}: `offload` must be one of {OFFLOAD}; received {offload!r}.")
+        if self.mesh is not None and (offload not in ("auto", "none") or device_memory is not None):
+            raise NotImplementedError(
+                f"{owner}: a memory plan places the components of a pipeline on one accelerator; "
+                f"over a mesh the weights are sharded instead (offload={offload!r}, "
+                f"device_memory={device_memory!r}).")
+        budget = None if self.mesh is not None else device_budget(device_memory, jax.devices()[0])
+        sizes = {name: size_of(c) for name in self.components
+                 if (c := getattr(self, name, None)) is not None}
+        d = self.call_defaults
+        video = (height or d.height, width or d.width, num_frames or d.num_frames)
+        working = {} if budget is None else self.stage_memory(*video)
+        return plan_memory(sizes, working, budget=budget, offload=offload, owner=owner,
+                           video=video if working else None)
+
+    def _plan_for_call(self, height: int, width: int, num_frames: int) -> None:
+        """Before a call larger than the video the memory plan was measured for: the plan
+        made again for the call's size (the stages' working memory grows with it), and
+        the components moved where the new plan says. Raises `ValueError` before any
+        stage runs when nothing fits."""
+        plan = self.memory_plan
+        if plan is None or plan.video is None or height * width * num_frames <= np.prod(plan.video):
+            return
+        self.apply_memory_plan(self.plan_memory(plan.offload, plan.budget, height=height,
+                                                width=width, num_frames=num_frames))
+
+    def apply_memory_plan(self, plan: MemoryPlan) -> None:
+        """Places every component as `plan` says (each array moved one at a time), and
+        carries the plan out around each stage of every call."""
+        old = self.placement
+        self._residency = Residency(plan, jax.devices()[0])
+        for name, place in plan.placement.items():
+            if place != old.get(name, "device"):
+                setattr(self, name, self._residency.place(name, getattr(self, name)))
+        self.memory_plan = plan
+
+    def stage_memory(self, height=None, width=None, num_frames=None) -> dict[str, int]:
+        """Each stage's working memory in bytes (besides the weights) for one call of
+        `height x width x num_frames` with guidance (two rows of text): the compiler's
+        memory analysis of the text encoder's, one guided transformer step's and the VAE
+        decode's programs (and the VAE encode's for an image-conditioned family),
+        compiled for the default backend, nothing run."""
+        d = self.call_defaults
+        height, width = height or d.height, width or d.width
+        num_frames = num_frames or d.num_frames
+        grid = self.check_size(height, width, num_frames)
+        working = {}
+        if self.text_encoder is not None:
+            ids = jax.ShapeDtypeStruct((2, d.max_sequence_length), jnp.int32)
+            working["text"] = program_bytes(lambda e, i: e.encode(i, i), self.text_encoder, ids)
+        model = self.transformer
+        shape = self.latent_shape(2, grid)
+        layout = model.capabilities.latents
+        channel = 1 if layout == "CFHW" else 2
+        x = jax.ShapeDtypeStruct(shape[:channel] + (model.in_channels,) + shape[channel + 1:],
+                                 jnp.dtype(self.transformer_dtype))
+        t = jax.ShapeDtypeStruct((2,), jnp.float32)
+        c = jax.ShapeDtypeStruct((2, d.max_sequence_length, model.text_dim),
+                                 jnp.dtype(self.transformer_dtype))
+        kwargs = self.analysis_arguments(2)
+        working["denoise"] = program_bytes(
+            lambda m, x, t, c, kw: jax.vmap(lambda x, t, c, kw: m(x, t, c, **kw))(x, t, c, kw),
+            model, x, t, c, kwargs)
+        z = jax.ShapeDtypeStruct((self.vae.z_dim,) + tuple(grid), jnp.float32)
+        working["decode"] = program_bytes(lambda v, z: v.decode(z), self.vae, z)
+        if self.image_conditioned:
+            video = jax.ShapeDtypeStruct((3, num_frames, height, width), jnp.float32)
+            working["image"] = program_bytes(lambda v, x: v.encode(x).mean, self.vae, video)
+        return working
+
+    def analysis_arguments(self, batch: int) -> dict:
+        """The model arguments of one guided step of `batch` rows for the memory analysis
+        (abstract or real arrays): the family's
+        [`model_arguments`][vidax_eqx.pipelines.AbstractVideoPipeline.model_arguments]
+        with its default options; a family adds what its image stage gives (Wan's CLIP
+        features)."""
+        return self.model_arguments(batch, None)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -108,7 +215,8 @@ class AbstractVideoPipeline(abc.ABC):
     def from_pretrained(cls, path, *, dtype=None, text_encoder_dtype=None,
                         vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
                         revision: str | None = None, cache_dir=None,
-                        compile_cache: bool = True):
+                        compile_cache: bool = True, offload: str = "auto",
+                        device_memory=None, plan_video=None):
         """A pipeline folder saved by diffusers (`save_pretrained`) of one of the
         family's `pipeline_classes`, or a Hub repository of one (only JSON, safetensors
         and tokenizer files are fetched).
@@ -134,6 +242,24 @@ class AbstractVideoPipeline(abc.ABC):
             folder under the user's cache directory, so that a second process reuses
             the compiled programs); `False`, or `VIDAX_COMPILE_CACHE=0` in the
             environment, leaves JAX's setting as it is.
+        - `offload`: where the components live on one accelerator (the memory plan,
+            [`MemoryPlan`][vidax_eqx.pipelines.MemoryPlan], made before any weight is
+            read from the components loaded abstractly and the compiler's memory
+            analysis of each stage at the family's default call size): `"auto"`
+            (default: the fastest plan that fits), `"none"` (everything resident),
+            `"model"` (every component in host memory, moved in for its stage),
+            `"cpu"` (the text and image encoders computed on the host CPU), `"blocks"`
+            (the transformer's blocks streamed from host memory inside the compiled
+            step, one block's copy ahead of its compute). A plan that cannot fit raises
+            `ValueError` naming each component's bytes and the budget, before any
+            weight is read. `pipe.placement` says where each component went.
+        - `device_memory`: the bytes the plan may use on the accelerator, weights and
+            the stages' working memory together: an int or a size with a unit
+            (`"8GB"`, `"512MiB"`). Default: the capacity JAX reports (on a CPU backend
+            no limit).
+        - `plan_video`: `(height, width, num_frames)`, the video the stages' working
+            memory is measured for (default the family's call defaults); a larger call
+            makes the plan again for its own size before it runs.
         """
         if compile_cache:
             enable_compile_cache()
@@ -142,21 +268,39 @@ class AbstractVideoPipeline(abc.ABC):
         if parallel is None:
             parallel = parallel_for(mesh)
         encoder_dtype = text_encoder_dtype or dtype or jnp.float32
-        components = cls.load_components(folder, dtype=dtype, vae_dtype=vae_dtype,
-                                         encoder_dtype=encoder_dtype, parallel=parallel,
-                                         mesh=mesh)
+
+        def build():
+            components = cls.load_components(folder, dtype=dtype, vae_dtype=vae_dtype,
+                                             encoder_dtype=encoder_dtype, parallel=parallel,
+                                             mesh=mesh)
+            tokenizer = text_encoder = None
+            if folder.has("tokenizer"):
+                tokenizer = interop.TextTokenizer.from_pretrained(
+                    folder.path("tokenizer", needed_for="a prompt"))
+            if folder.has("text_encoder"):
+                text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
+                                                 dtype=encoder_dtype, mesh=mesh)
+            return cls(tokenizer=tokenizer, text_encoder=text_encoder, scheduler=scheduler,
+                       mesh=mesh, **components)
+
         if scheduler is None:
             scheduler = sampling.scheduler_from_config(
                 folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
-        tokenizer = text_encoder = None
-        if folder.has("tokenizer"):
-            tokenizer = interop.TextTokenizer.from_pretrained(
-                folder.path("tokenizer", needed_for="a prompt"))
-        if folder.has("text_encoder"):
-            text_encoder = load_text_encoder(folder.path("text_encoder", needed_for="a prompt"),
-                                             dtype=encoder_dtype, mesh=mesh)
-        return cls(tokenizer=tokenizer, text_encoder=text_encoder, scheduler=scheduler,
-                   mesh=mesh, **components)
+        with interop.loading(lambda module: interop.ABSTRACT):
+            abstract = build()  # every name and shape checked, nothing read
+        plan = abstract.plan_memory(offload, device_memory, **dict(
+            zip(("height", "width", "num_frames"), plan_video or (None, None, None))))
+        where = {}  # the loads of what the plan keeps off the device go to host memory
+        host = jax.devices("cpu")[0]
+        for name, place in plan.placement.items():
+            component = getattr(abstract, name)
+            experts = component.experts if isinstance(component, models.AbstractExperts) else ()
+            for part in (component, *experts):
+                where[type(part)] = None if place == "device" else host
+        with interop.loading(lambda module: where.get(type(module))):
+            pipe = build()
+        pipe.apply_memory_plan(plan)
+        return pipe
 
     @classmethod
     @abc.abstractmethod
@@ -375,6 +519,7 @@ class AbstractVideoPipeline(abc.ABC):
             raise ValueError(f"{owner}: `output_type` must be 'np' or 'latent'; received "
                              f"{output_type!r}.")
         grid = self.check_size(height, width, num_frames)
+        self._plan_for_call(height, width, num_frames)
         n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
         seed_key = jax.random.key(_check_seed(owner, seed))
         guidance = sampling.Guidance(scale=scale, scale_2=guidance_scale_2,
@@ -386,19 +531,19 @@ class AbstractVideoPipeline(abc.ABC):
         timer = StageTimer(report)
         dtype = self.transformer_dtype
 
-        with timer("text"):
-            context, negative = self.text_context(
+        with timer("text"), self._residency.stage(self, "text"):
+            context, negative = self._residency.to_device(self.text_context(
                 prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
-                num_videos_per_prompt=n, max_sequence_length=length)
+                num_videos_per_prompt=n, max_sequence_length=length))
         batch = context.shape[0]
 
         kwargs = dict(sample_kwargs)
         condition, model_kwargs = None, self.model_arguments(batch, family)
         if has_image:
-            with timer("image"):
-                condition, image_kwargs = self.image_condition(
+            with timer("image"), self._residency.stage(self, "image"):
+                condition, image_kwargs = self._residency.to_device(self.image_condition(
                     **images, height=height, width=width, num_frames=num_frames, grid=grid,
-                    batch=batch, dtype=dtype, key=seed_key)
+                    batch=batch, dtype=dtype, key=seed_key))
                 model_kwargs.update(image_kwargs)
                 condition = jax.block_until_ready(condition)
 
@@ -417,7 +562,7 @@ class AbstractVideoPipeline(abc.ABC):
         placement = sampling.Placement(mesh=self.mesh, batch_axis=self.batch_axis,
                                        cfg_axis=self.cfg_axis if guided else None)
 
-        with timer("denoise"):
+        with timer("denoise"), self._residency.stage(self, "denoise"):
             sample = functools.partial(
                 sampling.sample, self.transformer, context=context, negative_context=negative,
                 steps=steps, scheduler=self.scheduler, guidance=guidance, placement=placement,
@@ -428,7 +573,7 @@ class AbstractVideoPipeline(abc.ABC):
             out = jax.block_until_ready(out)
         frames = None
         if output_type == "np":
-            with timer("decode"):
+            with timer("decode"), self._residency.stage(self, "decode"):
                 frames = self.decode(out)
         return PipelineOutput(frames=frames, latents=np.asarray(jax.device_get(out), np.float32),
                               timings=dict(timer.timings))

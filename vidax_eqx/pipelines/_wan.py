@@ -64,6 +64,7 @@ class WanPipeline(AbstractVideoPipeline):
     defaults = CallDefaults(height=480, width=832, num_frames=81, num_inference_steps=50,
                             guidance_scale=5.0, max_sequence_length=512, fps=16)
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    components = ("text_encoder", "image_encoder", "transformer", "vae")
     clean_prompts = True
     masked_text = True
     latent_layout = "(B, z, F, h, w)"
@@ -247,6 +248,17 @@ class WanPipeline(AbstractVideoPipeline):
         condition = self.prepare_condition(image, last_image, height, width, num_frames, batch)
         return condition, kwargs
 
+    def analysis_arguments(self, batch: int) -> dict:
+        """The family's model arguments, and the CLIP features an image stage gives a
+        transformer with an image branch (257 tokens, FLF2V's `pos_embed_seq_len`)."""
+        kwargs = super().analysis_arguments(batch)
+        config = self.transformer_config
+        if config.image_dim is not None:
+            tokens = config.pos_embed_seq_len or 257
+            kwargs["context_image"] = jax.ShapeDtypeStruct((batch, tokens, config.image_dim),
+                                                           jnp.dtype(self.transformer_dtype))
+        return kwargs
+
     def stream(self, prompt=None, negative_prompt=None, *, height: int | None = None,
                width: int | None = None, num_frames: int | None = None, chunk_frames: int = 3,
                max_cached_frames: int | None = None, window: int | None = None, scheduler=None,
@@ -307,13 +319,15 @@ class WanPipeline(AbstractVideoPipeline):
             raise ValueError(f"{owner}: `output_type` must be 'np' or 'latent'; received "
                              f"{output_type!r}.")
         grid = self.check_size(height, width, num_frames)
+        self._plan_for_call(height, width, num_frames)
         max_cached_frames, scheduler, steps = check_stream(
             owner, self, grid, chunk_frames, max_cached_frames, window, scheduler, num_inference_steps)
         n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
         guided = sampling.Guidance(scale=guidance_scale).guided
-        context, negative = self.text_context(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
-            num_videos_per_prompt=n, max_sequence_length=length)
+        with self._residency.stage(self, "text"):
+            context, negative = self._residency.to_device(self.text_context(
+                prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, guided=guided,
+                num_videos_per_prompt=n, max_sequence_length=length))
         key = jax.random.key(check_int(owner, "seed", seed, 0))
         model_kwargs = {**model_kwargs, **self.model_arguments(context.shape[0], family)}
         if latents is not None:
@@ -322,11 +336,13 @@ class WanPipeline(AbstractVideoPipeline):
             if latents.shape != shape:
                 raise ValueError(f"{owner}: `latents` must be the video's initial latents "
                                  f"{self.latent_layout} = {shape}; received shape {latents.shape}.")
-        return stream_video(self, context=context, negative=negative, grid=grid,
+        chunks = stream_video(self, context=context, negative=negative, grid=grid,
                             chunk_frames=chunk_frames, max_cached_frames=max_cached_frames,
                             window=window, scheduler=scheduler, steps=steps,
                             guidance_scale=guidance_scale, key=key, latents=latents,
                             output_type=output_type, model_kwargs=model_kwargs)
+        # The chunks alternate the transformer and the VAE: both on the device while it runs.
+        return self._residency.resident(self, ("denoise", "decode"), chunks)
 
     def decode(self, latents) -> np.ndarray:
         videos = []

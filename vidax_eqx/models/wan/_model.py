@@ -21,7 +21,7 @@ from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
 from .._dit import AbstractVideoDiT, CallState
 from .._kv_cache import error_past_reach, KVCache, StreamLayout
-from .._layers import check_remat, scan_layers, scan_layers_with_outputs
+from .._layers import check_remat, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs
 from .._step_cache import cached_blocks, check_step_cache
 from .._token_layout import TokenLayout
 from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
@@ -334,7 +334,7 @@ class WanTransformer3D(AbstractVideoDiT):
                 return carry, attn.project_context(context, context_image=context_image,
                                                    context_copies=True)
 
-            k, v, k_img, v_img = lax.scan(layer, None, arrays)[1]
+            k, v, k_img, v_img = scan_layer_arrays(layer, None, arrays)[1]
             return WanTextCache(k, v, k_img, v_img)
 
     def _time(self, timestep, e0_shift=None):
