@@ -176,13 +176,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    from vidax_eqx.generate import check_devices
+    from vidax_eqx.generate import check_devices, CommandError
     from vidax_eqx.pipelines import WanPipeline
 
     p = parser()
     args = p.parse_args(argv)
     _old_flags(p, args, WanPipeline.defaults)
-    check_devices(p, args)
+    try:
+        check_devices(args)
+    except CommandError as e:
+        p.error(str(e))
     if args.model is None:
         p.error("MODEL (a checkpoint directory or Hub id) is required")
     if (args.embeddings is None) == (args.prompt is None):

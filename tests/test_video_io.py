@@ -189,6 +189,33 @@ def test_bad_arguments(tmp_path):
         interop.read_video(tmp_path / "missing.mp4")
 
 
+def test_fragmented_writer_plays_while_written(tmp_path):
+    """`VideoWriter(fragmented=True)` (`vidax-generate --stream`): after each `write`, a
+    copy of the file (what a player, or the file left by a killed process, holds) reads
+    back every frame written but the last one; closed, all of them. Without it nothing
+    reads before the file is closed. A container other than MP4 / MOV is refused."""
+    chunks = [np.round(smooth(5, 32, 48, phase=i) * 255).astype(np.uint8) for i in range(3)]
+    for fragmented in (True, False):
+        path, seen = tmp_path / f"stream_{fragmented}.mp4", []
+        with interop.VideoWriter(path, fps=16, fragmented=fragmented) as writer:
+            for frames in chunks:
+                writer.write(frames)
+                copy = tmp_path / "copy.mp4"
+                copy.write_bytes(path.read_bytes() if path.exists() else b"")
+                try:
+                    seen.append(len(interop.read_video(copy)))
+                except Exception:  # av's InvalidDataError, or no frame at all
+                    seen.append(0)
+        assert seen == ([4, 9, 14] if fragmented else [0, 0, 0]), (fragmented, seen)
+        back = interop.read_video(path)
+        assert back.shape == (15, 32, 48, 3)
+        assert np.abs(back / 255 - np.concatenate(chunks) / 255).mean() < 0.05
+    assert b"moof" in (tmp_path / "stream_True.mp4").read_bytes()  # the fragments' boxes
+    with pytest.raises(ValueError, match=r"VideoWriter: `fragmented` writes MP4's fragments: "
+                                         r"`path` must end in \.mp4 or \.mov; received"):
+        interop.VideoWriter(tmp_path / "x.mkv", fragmented=True)
+
+
 def test_without_pyav_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
     with pytest.raises(ImportError, match=r"pip install av pillow \(or pip install "

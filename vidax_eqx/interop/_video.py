@@ -173,6 +173,10 @@ def _check_encoding(owner: str, fps, codec, crf) -> None:
                          f"received {crf!r}.")
 
 
+# The containers `VideoWriter(fragmented=True)` writes (FFmpeg's mov muxer).
+_FRAGMENTED = (".mp4", ".mov")
+
+
 class VideoWriter:
     """A video file written as its frames come (streaming generation: the first frames
     are on disk before the last exist), through PyAV in 4:2:0 YUV; what
@@ -182,17 +186,35 @@ class VideoWriter:
             for frames in chunks:          # (F, H, W, 3) each
                 writer.write(frames)
 
-    **Arguments:** `path`, `fps`, `codec`, `crf` as [`write_video`][vidax_eqx.interop.write_video]'s.
+    **Arguments:** `path`, `fps`, `codec`, `crf` as [`write_video`][vidax_eqx.interop.write_video]'s,
+    and `fragmented`: write a fragmented MP4 (`.mp4` or `.mov`; FFmpeg's `movflags`
+    `frag_every_frame+empty_moov+default_base_moof`, each packet flushed to the file, and
+    x264's and x265's `tune=zerolatency`: no frame held back by the encoder), which plays
+    up to the frames written so far, all but the last `write`'s last frame, also while it
+    is written or after the process writing it was killed. Without it the file plays
+    once it is closed.
+
     Every chunk must have the first one's height and width (even). Each `write` encodes
     and writes its frames; `close` (the `with` block's end) flushes the encoder.
     """
 
-    def __init__(self, path, *, fps: float = 16, codec: str = "libx264", crf: int | None = 18):
+    def __init__(self, path, *, fps: float = 16, codec: str = "libx264", crf: int | None = 18,
+                 fragmented: bool = False):
         owner = "VideoWriter"
         _check_encoding(owner, fps, codec, crf)
+        path = os.fspath(path)
+        if not isinstance(fragmented, bool):
+            raise ValueError(f"{owner}: `fragmented` must be a bool; received {fragmented!r}.")
+        if fragmented and not path.lower().endswith(_FRAGMENTED):
+            raise ValueError(f"{owner}: `fragmented` writes MP4's fragments: `path` must end in "
+                             f"{' or '.join(_FRAGMENTED)}; received {path!r}.")
         self._av = _import_av(owner)
-        self._container = self._av.open(os.fspath(path), mode="w")
+        self._container = self._av.open(path, mode="w", container_options=dict(
+            movflags="frag_every_frame+empty_moov+default_base_moof", flush_packets="1")
+            if fragmented else None)
         options = {} if crf is None else {"crf": str(int(crf))}
+        if fragmented and codec in ("libx264", "libx265"):
+            options["tune"] = "zerolatency"  # no lookahead: each frame out as it goes in
         rate = fractions.Fraction(fps).limit_denominator(1001)
         self._stream = self._container.add_stream(codec, rate=rate, options=options)
         self._stream.pix_fmt = "yuv420p"

@@ -1,35 +1,5 @@
-"""`vidax-generate` (or `python -m vidax_eqx.generate`): a prompt (and an image) to an
-`.mp4` with a Wan or CogVideoX diffusers pipeline, without PyTorch.
-
-    vidax-generate Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "A cat walks on the grass" \\
-        --height 480 --width 832 --num-frames 81 --output cat.mp4
-    vidax-generate /models/Wan2.1-I2V-14B-480P-Diffusers --image first.png \\
-        --prompt "The cat turns its head" --dtype bfloat16 --sp 4 --tp 2 --output i2v.mp4
-
-The pipeline ([`vidax_eqx.pipelines.WanPipeline`][],
-[`vidax_eqx.pipelines.CogVideoXPipeline`][] or
-[`vidax_eqx.pipelines.SkyReelsV2DiffusionForcingPipeline`][] (`--ar-step`,
-`--causal-block-size`; long videos with `--overlap-history`, `--base-num-frames`,
-`--addnoise-condition`; `--image` / `--last-image` and `--video` for its image and
-video to video), by
-`model_index.json`'s class) is read from a
-folder saved by diffusers or a Hub id; the size, steps, guidance, prompt length and frame
-rate default to the family's [`CallDefaults`][vidax_eqx.pipelines.CallDefaults] (Wan:
-480 x 832, 81 frames, 50 steps, guidance 5, 512 tokens, 16 fps; CogVideoX: 480 x 720,
-49 frames, 50 steps, guidance 6, 226 tokens, 8 fps). `--sp`, `--tp`, `--dp` and `--cfg`
-build the device mesh (Ulysses over `sp`, Megatron over `tp`, the batch over `dp`,
-guidance's two passes over `cfg`); on a CPU the devices are simulated.
-
-What it prints: the written paths on stdout, one a line; on stderr each stage's time as
-it ends, the denoising steps (a bar on a terminal, else a line every few steps with the
-elapsed time and an estimate of the rest) and the total wall time. Before it loads
-anything it checks the libraries it will need (tokenizers, PyAV, and Pillow for an image,
-huggingface_hub for a Hub id). An error (a bad argument, a missing library or file, a
-size the model cannot take) is one line on stderr and exit status 2. JAX's persistent
-compilation cache is on (a folder under `~/.cache/vidax_eqx`;
-[`vidax_eqx.pipelines.enable_compile_cache`][]), so that a second run does not compile
-again; `--no-compile-cache` or `VIDAX_COMPILE_CACHE=0` turns it off.
-"""
+"""The command's arguments, the run (the checks before loading, the load, the call or the
+stream, the files written) and its log on stderr."""
 
 import argparse
 import importlib
@@ -38,7 +8,9 @@ import os
 import sys
 import time
 
-__all__ = ["main"]
+from ._checks import (
+    check_output, check_size, check_text, check_values, CommandError, read_image, read_video,
+)
 
 _PROG = "vidax-generate"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -59,19 +31,15 @@ QUICK_TIME = ("about 12 s of CPU the first time, most of it compiling;\nabout 5 
               "compilation cache holds its programs")
 
 
-class CommandError(Exception):
-    """An error the command reports as one line (exit status 2)."""
-
-
 def _families() -> dict:
-    from .pipelines import CogVideoXPipeline, SkyReelsV2DiffusionForcingPipeline, WanPipeline
+    from ..pipelines import CogVideoXPipeline, SkyReelsV2DiffusionForcingPipeline, WanPipeline
 
     return {name: cls for cls in (WanPipeline, CogVideoXPipeline, SkyReelsV2DiffusionForcingPipeline)
             for name in cls.pipeline_classes}
 
 
 def _default(field: str, unit: str = "") -> str:
-    from .pipelines import CogVideoXPipeline, WanPipeline
+    from ..pipelines import CogVideoXPipeline, WanPipeline
 
     wan, cog = getattr(WanPipeline.defaults, field), getattr(CogVideoXPipeline.defaults, field)
     if wan == cog:
@@ -137,8 +105,10 @@ def parser() -> argparse.ArgumentParser:
                         "are shown at (20 recommended; default 0)")
     s.add_argument("--stream", action="store_true",
                    help="Wan / SkyReels-V2: generate chunk by chunk against a key/value cache, "
-                        "each chunk decoded and appended to the file as it is finished "
-                        "(few-step sampling by default; --steps: the folder's scheduler)")
+                        "each chunk decoded and appended to the file as it is finished, a "
+                        "fragmented .mp4 that plays up to the frames written so far (FewStep's "
+                        "4 steps per chunk and no guidance by default; --steps: the folder's "
+                        "scheduler)")
     s.add_argument("--chunk-frames", type=int, default=3,
                    help="--stream: latent frames per chunk (default 3)")
     s.add_argument("--max-cached-frames", type=int, default=None,
@@ -175,37 +145,52 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                         "VIDAX_COMPILE_CACHE=0)")
 
 
-def check_devices(p: argparse.ArgumentParser, args) -> None:
+def check_devices(args) -> None:
+    """`--sp/--tp/--dp/--cfg`, `--offload` and `--device-memory` (parsed to bytes in
+    `args`); a `CommandError` otherwise."""
     for axis, _ in _AXES:
         if getattr(args, axis) < 1:
-            p.error(f"--{axis} must be >= 1; received {getattr(args, axis)}")
+            raise CommandError(f"--{axis} must be an int >= 1; received {getattr(args, axis)}.")
     if args.cfg not in (1, 2):
-        p.error(f"--cfg must be 1 or 2 (the conditional and unconditional passes); received "
-                f"{args.cfg}")
+        raise CommandError(f"--cfg must be 1 or 2 (the conditional and unconditional passes); "
+                           f"received {args.cfg}.")
     if args.device_memory is not None:
-        from .pipelines import parse_bytes
+        from ..pipelines import parse_bytes
 
         try:
             args.device_memory = parse_bytes(args.device_memory)
         except ValueError:
-            p.error(f"--device-memory must be bytes or a size with a unit (KB, MB, GB, KiB, MiB, "
-                    f"GiB; e.g. 8GB); received {args.device_memory!r}")
+            raise CommandError(
+                f"--device-memory must be bytes or a size with a unit (KB, MB, GB, KiB, MiB, "
+                f"GiB; e.g. 8GB); received {args.device_memory!r}.") from None
     mesh = args.sp * args.tp * args.dp * args.cfg > 1
     if mesh and (args.offload not in ("auto", "none") or args.device_memory is not None):
-        p.error("--offload and --device-memory plan one accelerator's memory; over a mesh "
-                "(--sp, --tp, --dp, --cfg) the weights are sharded instead")
+        raise CommandError("--offload and --device-memory plan one accelerator's memory; over a "
+                           "mesh (--sp, --tp, --dp, --cfg) the weights are sharded instead.")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = parser()
-    args = p.parse_args(argv)
-    check_devices(p, args)
+    """The arguments, parsed by argparse (which answers `--help` and an unknown flag itself)
+    and checked: a `CommandError` for a value no run can take."""
+    args = parser().parse_args(argv)
+    check_devices(args)
     if args.last_image and not args.image:
-        p.error("--last-image needs --image (the first frame)")
+        raise CommandError("--last-image needs --image (the first frame).")
     if not args.output.endswith(".mp4"):
-        p.error(f"--output must end in .mp4; received {args.output!r}")
+        raise CommandError(f"--output must end in .mp4; received {args.output!r}.")
     if args.latents and not args.latents.endswith((".npy", ".safetensors")):
-        p.error(f"--latents must end in .npy or .safetensors; received {args.latents!r}")
+        raise CommandError(f"--latents must end in .npy or .safetensors; received "
+                           f"{args.latents!r}.")
+    if args.stream:
+        for option, given in (("--image", args.image), ("--last-image", args.last_image),
+                              *_forcing_flags(args), ("--latents", args.latents)):
+            if given is not None:
+                raise CommandError(f"{option} does not go with --stream.")
+    check_values(args)
+    for option, texts in (("--prompt", args.prompt), ("--negative-prompt", [args.negative_prompt])):
+        for text in texts:
+            if text is not None:
+                check_text(option, text)
     return args
 
 
@@ -246,7 +231,7 @@ def make_mesh(args):
     """The mesh of `--sp/--tp/--dp/--cfg` (`None` for one device)."""
     import jax
 
-    from . import parallel
+    from .. import parallel
 
     devices = args.sp * args.tp * args.dp * args.cfg
     if devices == 1:
@@ -265,7 +250,7 @@ def log(text: str) -> None:
 
 def progress_callback():
     """A bar on a terminal, else lines every few steps (for a log)."""
-    from .sampling import ProgressBar, ProgressLines
+    from ..sampling import ProgressBar, ProgressLines
 
     if sys.stderr.isatty():
         try:
@@ -279,7 +264,7 @@ def progress_callback():
 def write_latents(path: str, latents) -> None:
     import numpy as np
 
-    from . import interop
+    from .. import interop
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".npy"):
@@ -288,13 +273,24 @@ def write_latents(path: str, latents) -> None:
         interop.save_safetensors({"latents": np.asarray(latents, np.float32)}, path)
 
 
-def _read_image(path: str):
-    from PIL import Image
+def _log_start(stage: str, what: str = "") -> None:
+    """A stage's start, `stage  ...` (its end: `stage  seconds s`): a log shows what runs
+    while it compiles, not only what has finished."""
+    log(f"{stage:<10} {'...':>8}  {what}".rstrip())
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--image / --last-image: no file {path!r}.")
-    with Image.open(path) as image:
-        return image.convert("RGB")
+
+def _stage_report(starts: dict[str, str]):
+    """The pipeline's `report(stage, seconds)`: the stage's time as it ends, then the
+    start of the stage after it. `starts`: each stage's start line, in their order."""
+    order = list(starts)
+
+    def report(stage: str, seconds: float) -> None:
+        log(f"{stage:<10} {seconds:8.1f} s")
+        if stage in order[:-1]:
+            following = order[order.index(stage) + 1]
+            _log_start(following, starts[following])
+
+    return report
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -307,7 +303,16 @@ def _forcing_flags(args) -> tuple:
             ("--addnoise-condition", args.addnoise_condition), ("--video", args.video))
 
 
+def _paths(args) -> list[str]:
+    """The videos' files: `--output`, then `_1`, `_2`, ... for the videos after the first."""
+    stem, ext = os.path.splitext(args.output)
+    videos = len(args.prompt) * args.num_videos_per_prompt
+    return [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(videos)]
+
+
 def _run(args, start: float) -> list[str]:
+    """The run: every check that needs no weight (`parse_args`' before it), then the load,
+    the call (or the stream) and the files; the paths written."""
     needs = [_TEXT, _VIDEO]
     if args.image or args.last_image:
         needs.append(_IMAGE)
@@ -316,15 +321,23 @@ def _run(args, start: float) -> list[str]:
     if not os.path.isdir(args.model):
         needs.append(_HUB)
     check_libraries(needs)
+    for option, path in (("--output", args.output), ("--latents", args.latents)):
+        if path is not None:
+            check_output(option, path)
+    inputs = {dest: read_image(option, path) for option, dest, path in (
+        ("--image", "image", args.image), ("--last-image", "last_image", args.last_image))
+        if path is not None}
+    if args.video is not None:
+        inputs["video"] = read_video("--video", args.video)
     simulate_devices(args.sp * args.tp * args.dp * args.cfg)
     if not args.no_compile_cache:
-        from .pipelines import enable_compile_cache
+        from ..pipelines import enable_compile_cache
 
         enable_compile_cache()
     import jax.numpy as jnp
 
-    from . import interop
-    from .pipelines import save_video
+    from .. import interop
+    from ..pipelines import save_video
 
     mesh = make_mesh(args)
     root = interop.resolve_pipeline(args.model)
@@ -342,11 +355,14 @@ def _run(args, start: float) -> list[str]:
             raise CommandError(f"{flag} is for SkyReels-V2 diffusion forcing pipelines; {args.model!r} is {name}.")
     for flag, given, family in (("--guidance-scale-2", args.guidance_scale_2 is not None, "Wan"),
                                 ("--last-image", args.last_image is not None and not skyreels, "Wan"),
-                                ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX")):
-        if given and wan != (family == "Wan"):
+                                ("--use-dynamic-cfg", args.use_dynamic_cfg, "CogVideoX"),
+                                ("--stream", args.stream, "Wan and SkyReels-V2")):
+        if given and wan != (family != "CogVideoX"):
             raise CommandError(f"{flag} is for {family} pipelines; {args.model!r} is {name}.")
     d = cls.defaults  # the plan is made for the video asked for
     video = (args.height or d.height, args.width or d.width, args.num_frames or d.num_frames)
+    check_size(cls, root, *video)
+    _log_start("load", f"{name} from {args.model}")
     pipe = cls.from_pretrained(
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
         vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False,
@@ -362,35 +378,33 @@ def _run(args, start: float) -> list[str]:
                   num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
                   guidance_scale_2=args.guidance_scale_2, use_dynamic_cfg=args.use_dynamic_cfg,
                   max_sequence_length=args.max_sequence_length, seed=args.seed,
-                  num_videos_per_prompt=args.num_videos_per_prompt)
+                  num_videos_per_prompt=args.num_videos_per_prompt, **inputs)
     if skyreels:  # the frame rate the model is conditioned on is the written one
         kwargs.update(ar_step=args.ar_step or 0, causal_block_size=args.causal_block_size,
                       fps=defaults.fps if args.fps is None else args.fps,
                       overlap_history=args.overlap_history, addnoise_condition=args.addnoise_condition or 0)
         if args.base_num_frames is not None:
             kwargs["base_num_frames"] = args.base_num_frames
-        if args.video is not None:
-            if not os.path.isfile(args.video):
-                raise FileNotFoundError(f"--video: no file {args.video!r}.")
-            kwargs["video"] = interop.read_video(args.video)
-    if args.image is not None:
-        kwargs["image"] = _read_image(args.image)
-    if args.last_image is not None:
-        kwargs["last_image"] = _read_image(args.last_image)
     shown = {k: getattr(defaults, k) if v is None else v for k, v in kwargs.items()
              if k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")}
     videos = len(args.prompt) * args.num_videos_per_prompt
-    log(f"generating {videos} video{'s' * (videos > 1)} of {shown['num_frames']} x "
-        f"{shown['height']} x {shown['width']}: {shown['num_inference_steps']} steps, "
-        f"guidance {shown['guidance_scale']}")
+    size = (f"{videos} video{'s' * (videos > 1)} of {shown['num_frames']} x {shown['height']} x "
+            f"{shown['width']}")
     prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
     if args.stream:
-        return _stream(args, pipe, prompt, kwargs, start)
+        return _stream(args, pipe, prompt, kwargs, size, start)
+    log(f"generating {size}: {shown['num_inference_steps']} steps, guidance "
+        f"{shown['guidance_scale']}")
+    paths = _paths(args)
+    files = paths + ([args.latents] if args.latents else [])
+    starts = {"text": "", "image": args.image, "denoise": f"{shown['num_inference_steps']} steps",
+              "decode": "", "write": ", ".join(files)}
+    if args.image is None:  # the image stage runs with an image
+        del starts["image"]
+    _log_start("text")
     out = pipe(prompt, args.negative_prompt, progress=progress_callback(),
-               report=lambda stage, seconds: log(f"{stage:<10} {seconds:8.1f} s"), **kwargs)
+               report=_stage_report(starts), **kwargs)
     written = time.perf_counter()
-    stem, ext = os.path.splitext(args.output)
-    paths = [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(len(out.frames))]
     fps = defaults.fps if args.fps is None else args.fps
     for path, frames in zip(paths, out.frames):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -403,35 +417,48 @@ def _run(args, start: float) -> list[str]:
     return paths
 
 
-def _stream(args, pipe, prompt, kwargs: dict, start: float) -> list[str]:
-    """`--stream`: `pipe.stream(...)`, every chunk's frames appended to its video's file as
-    soon as they are decoded."""
-    from .interop import VideoWriter
+# With --stream and no --guidance-scale: none, as distilled causal models run
+# (`WanPipeline.stream`'s default).
+_STREAM_GUIDANCE = 1.0
 
-    if not hasattr(pipe, "stream"):
-        raise CommandError(f"--stream is for Wan and SkyReels-V2 pipelines; this is a "
-                           f"{type(pipe).__name__}.")
-    for flag, given in (("--image", args.image), ("--last-image", args.last_image),
-                        *_forcing_flags(args), ("--latents", args.latents)):
-        if given is not None and given is not False:
-            raise CommandError(f"{flag} does not go with --stream.")
-    options = {k: kwargs[k] for k in ("height", "width", "num_frames", "max_sequence_length", "seed",
-                                      "num_videos_per_prompt", "fps") if k in kwargs}
-    if args.steps is not None:  # the folder's scheduler, that many steps per chunk
-        options.update(scheduler=pipe.scheduler, num_inference_steps=args.steps)
-    if args.guidance_scale is not None:
-        options["guidance_scale"] = args.guidance_scale
+
+def _stream_options(args, kwargs: dict, scheduler) -> dict:
+    """The keywords of `pipe.stream(...)` besides the prompts: the video's size, the
+    sampler (`scheduler`, the folder's, for `--steps`; else few-step sampling, what
+    distilled causal models expect) and its steps per chunk, the guidance, the chunks."""
+    from ..sampling import FewStep
+
+    options = {k: kwargs[k] for k in ("height", "width", "num_frames", "max_sequence_length",
+                                      "seed", "num_videos_per_prompt", "fps") if k in kwargs}
+    if args.steps is None:
+        scheduler = FewStep()
+        steps = len(scheduler.timesteps)
+    else:
+        steps = args.steps
+    guidance = _STREAM_GUIDANCE if args.guidance_scale is None else args.guidance_scale
+    return dict(options, scheduler=scheduler, num_inference_steps=steps, guidance_scale=guidance,
+                chunk_frames=args.chunk_frames, max_cached_frames=args.max_cached_frames)
+
+
+def _stream(args, pipe, prompt, kwargs: dict, size: str, start: float) -> list[str]:
+    """`--stream`: `pipe.stream(...)`, every chunk's frames appended to its video's
+    fragmented `.mp4` as soon as they are decoded."""
+    from ..interop import VideoWriter
+
+    options = _stream_options(args, kwargs, pipe.scheduler)
+    log(f"streaming {size}: {options['num_inference_steps']} steps per chunk "
+        f"({type(options['scheduler']).__name__}), guidance {options['guidance_scale']}, chunks "
+        f"of {args.chunk_frames} latent frames")
     fps = pipe.call_defaults.fps if args.fps is None else args.fps
-    stem, ext = os.path.splitext(args.output)
-    writers, paths = [], []
+    paths = _paths(args)
+    writers = []
+    _log_start("chunk 0", "the text, then the first chunk (compiled the first time)")
     try:
-        for chunk in pipe.stream(prompt, args.negative_prompt, chunk_frames=args.chunk_frames,
-                                 max_cached_frames=args.max_cached_frames, **options):
+        for chunk in pipe.stream(prompt, args.negative_prompt, **options):
             if not writers:
-                paths = [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(len(chunk.frames))]
                 for path in paths:
                     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                writers = [VideoWriter(path, fps=fps) for path in paths]
+                writers = [VideoWriter(path, fps=fps, fragmented=True) for path in paths]
             for writer, frames in zip(writers, chunk.frames):
                 writer.write(frames)
             log(f"{'chunk ' + str(chunk.index):<10} {chunk.seconds:8.1f} s  ({writers[0].frames} "
@@ -459,12 +486,12 @@ def process_start() -> float:
 
 def main(argv=None) -> int:
     """Runs the command: prints the paths of the videos written on stdout and returns
-    0; an error is one line on stderr and `SystemExit(2)`. The total it reports is the
-    process's wall time, from its start."""
+    0; an error is one line on stderr and `SystemExit(2)` (argparse's own, for an unknown
+    flag, with its usage first). The total it reports is the process's wall time, from its
+    start."""
     start = process_start()
-    args = parse_args(argv)
     try:
-        paths = _run(args, start)
+        paths = _run(parse_args(argv), start)
     except (CommandError, ValueError, ImportError, FileNotFoundError,
             NotImplementedError) as e:
         message = " ".join(str(e).split())

@@ -1,0 +1,7 @@
+"""`python -m vidax_eqx.generate`: the `vidax-generate` command."""
+
+import sys
+
+from ._command import main
+
+sys.exit(main())
