@@ -3,7 +3,6 @@ FSDP's gather of one block at a time, and blocks streamed from host memory."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from ..nn import sharding
@@ -43,33 +42,20 @@ def in_host_memory(a) -> bool:
 def scan(step, carry, xs):
     """`lax.scan(step, carry, xs)` over the leading (layer) axis of `xs`, where the leaves
     of `xs` in host memory (blocks streamed from the host: [`in_host_memory`][]) reach
-    `step` on the device, double-buffered: layer `i + 1`'s weights are copied in while
-    layer `i` computes (the copy depends on nothing the step computes, so XLA overlaps
-    the two), one layer's copy in flight and one in use. Without host leaves this is
-    `lax.scan`. Inference: the copies have no transpose into host memory."""
-    leaves, treedef = jax.tree.flatten(xs)
-    host = [in_host_memory(a) for a in leaves]
-    if not any(host):
+    `step` on the device: each step's slice is copied in (`jax.device_put` to device
+    memory inside the loop, which XLA turns into a copy from host memory). Without host
+    leaves this is `lax.scan`. Inference: the copies have no transpose into host
+    memory. (On a TPU v5e the copy is not yet hidden behind the step's compute:
+    `benchmarks/tpu/tpu_host_scan.py`.)"""
+    if not any(in_host_memory(a) for a in jax.tree.leaves(xs)):
         return lax.scan(step, carry, xs)
-    n = leaves[host.index(True)].shape[0]
 
-    def fetch(i):  # layer i of every host leaf, on the device
-        return [jax.device_put(lax.dynamic_index_in_dim(a, i, keepdims=False), jax.memory.Space.Device)
-                for a, h in zip(leaves, host) if h]
+    def body(carry, layer):
+        layer = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device)
+                             if in_host_memory(a) else a, layer)
+        return step(carry, layer)
 
-    def merge(device_layer, scanned):
-        it, jt = iter(device_layer), iter(scanned)
-        return jax.tree.unflatten(treedef, [next(it) if h else next(jt) for h in host])
-
-    def body(state, scanned):
-        carry, current, i = state
-        following = fetch(jnp.minimum(i + 1, n - 1))  # in flight while this layer computes
-        carry, y = step(carry, merge(current, scanned))
-        return (carry, following, i + 1), y
-
-    rest = [a for a, h in zip(leaves, host) if not h]
-    (carry, _, _), ys = lax.scan(body, (carry, fetch(0), jnp.int32(0)), rest, length=n)
-    return carry, ys
+    return lax.scan(body, carry, xs)
 
 
 def scan_layers(fn, x, layers, policy):

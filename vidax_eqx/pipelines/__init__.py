@@ -24,8 +24,9 @@ PyTorch, above [`vidax_eqx.sampling`][].
 - [`MemoryPlan`][]: where each component lives on one accelerator (resident, in host
     memory and moved in for its stage, on the host CPU, or the transformer's blocks
     streamed from host memory), made by `from_pretrained(offload=, device_memory=)`
-    before any weight is read; [`plan_memory`][] makes one from byte counts,
-    [`parse_bytes`][] reads a size such as `"8GB"`.
+    before any weight is read; [`plan_memory`][] makes one from byte counts ([`Size`][]),
+    [`parse_bytes`][] reads a size such as `"8GB"`, [`streamed_leaves`][] names the
+    arrays a streamed transformer keeps in host memory, [`OFFLOAD`][] the plans.
 - [`save_video`][]: a video's frames to an `.mp4`.
 - [`enable_compile_cache`][]: JAX's persistent compilation cache in a folder under the
     user's cache directory ([`default_compile_cache_dir`][]), as `from_pretrained` and
@@ -46,6 +47,7 @@ from ._memory import (
     parse_bytes as parse_bytes,
     plan_memory as plan_memory,
     Size as Size,
+    streamed_leaves as streamed_leaves,
 )
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
 from ._pipeline import AbstractVideoPipeline as AbstractVideoPipeline, CallDefaults as CallDefaults

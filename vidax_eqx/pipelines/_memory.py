@@ -97,12 +97,24 @@ def _stacked(component) -> list:
     return []
 
 
+def streamed_leaves(component) -> list:
+    """The arrays a streamed component keeps in host memory: its stacked blocks' weight
+    matrices (`(layers, ...)` of three axes or more). Their vectors (biases, norms,
+    modulation rows: `(layers, dim)`, a few KiB a layer) stay on the device, which is also
+    what XLA's host offloading takes on a TPU (it refuses to copy a slice of a 2-D host
+    array into a step, CompileTimeHostOffloadOutputLocationMismatch)."""
+    return [a for b in _stacked(component) for a in jax.tree.leaves(
+        b, is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)) if len(getattr(a, "shape", ())) >= 3]
+
+
 def size_of(component) -> Size:
     """A component's [`Size`][] from its arrays (or abstract `ShapeDtypeStruct`s)."""
-    blocks = _stacked(component)
-    stacked = sum(_nbytes(b) for b in blocks)
-    layers = max((jax.tree.leaves(b)[0].shape[0] for b in blocks if jax.tree.leaves(b)), default=0)
-    return Size(_nbytes(component), stacked, stacked // max(layers, 1) // max(len(blocks), 1))
+    streamed = streamed_leaves(component)
+    stacked = _nbytes(streamed)
+    layers = sum(max((a.shape[0] for a in jax.tree.leaves(
+        b, is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)) if hasattr(a, "shape")), default=0)
+        for b in _stacked(component))
+    return Size(_nbytes(component), stacked, stacked // max(layers, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +282,7 @@ class Residency:
         host = self.host_sharding()
         if place == "host":
             return _put(component, lambda _: host)
-        blocks = {id(a) for b in _stacked(component) for a in jax.tree.leaves(b)}
+        blocks = {id(a) for a in streamed_leaves(component)}
         return _put(component, lambda a: host if id(a) in blocks else device)
 
     @contextlib.contextmanager
