@@ -199,3 +199,37 @@ def test_command_refuses_an_impossible_plan_before_loading(capsys, monkeypatch):
     assert len(err) == 2 and err[0].startswith("load ") and err[1].startswith(
         "vidax-generate: error: WanPipeline: no memory plan with offload='auto' fits 292.97 KiB "
         "per device: components text_encoder 114.75 KiB, transformer 89.66 KiB, vae 85.23 KiB;")
+
+
+def test_image_stage_on_the_host_cpu_matches_diffusers():
+    # I2V with the encoders on the host CPU: CLIP's features and the text come over to the
+    # device (the VAE's encode runs there), as diffusers' pipeline computes them.
+    import json
+
+    folder = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "i2v")
+    io = dict(np.load(os.path.join(folder, "io.npz")))
+    with open(os.path.join(folder, "call.json")) as f:
+        call = json.load(f)["calls"]["main"]
+    kwargs = {k: io[v] if k in ("latents", "image") else v for k, v in call.items()
+              if k not in ("scheduler", "pipeline", "transformer")}
+    pipe = pipelines.WanPipeline.from_pretrained(folder, compile_cache=False, offload="cpu")
+    assert pipe.placement == {"text_encoder": "cpu", "image_encoder": "cpu", "transformer": "device",
+                              "vae": "device"}
+    out = pipe(**kwargs, progress=False)
+    assert np.abs(out.latents - io["final_latents"]).max() / np.abs(io["final_latents"]).max() < 1e-5
+    assert np.abs(out.frames[0] - io["frames"]).max() < 2e-4
+
+
+def test_stream_with_components_in_host_memory():
+    # Streaming alternates the transformer and the VAE chunk by chunk: both are moved in
+    # for the whole stream and back to host memory after it.
+    kwargs = dict(height=32, width=48, num_frames=5, chunk_frames=1, max_sequence_length=16)
+    resident = pipelines.WanPipeline.from_pretrained(T2V, compile_cache=False)
+    expected = [c.latents for c in resident.stream(["a cat"], output_type="latent", **kwargs)]
+    pipe = pipelines.WanPipeline.from_pretrained(T2V, compile_cache=False, offload="model")
+    got = [c.latents for c in pipe.stream(["a cat"], output_type="latent", **kwargs)]
+    assert len(got) == len(expected) == 2
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    kinds = {a.sharding.memory_kind for a in jax.tree.leaves(pipe.transformer) if isinstance(a, jax.Array)}
+    assert kinds == {"pinned_host"}
