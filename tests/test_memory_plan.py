@@ -233,3 +233,25 @@ def test_stream_with_components_in_host_memory():
         np.testing.assert_array_equal(a, b)
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(pipe.transformer) if isinstance(a, jax.Array)}
     assert kinds == {"pinned_host"}
+
+
+def test_two_experts_streamed(tmp_path):
+    # Wan 2.2 A14B's layout: both experts' weight matrices in host memory, the step's
+    # switch streams the chosen expert's blocks only; the same latents as resident.
+    import json
+    import shutil
+
+    root = tmp_path / "a14b"
+    shutil.copytree(T2V, root)
+    shutil.copytree(root / "transformer", root / "transformer_2")
+    index = json.loads((root / "model_index.json").read_text())
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (root / "model_index.json").write_text(json.dumps(index))
+    kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=3, seed=4,
+                  guidance_scale=5.0, guidance_scale_2=2.0, max_sequence_length=16,
+                  output_type="latent", progress=False)
+    expected = pipelines.WanPipeline.from_pretrained(root, compile_cache=False)("a cat", **kwargs)
+    pipe = pipelines.WanPipeline.from_pretrained(root, compile_cache=False, offload="blocks")
+    size = pipe.memory_plan.sizes["transformer"]
+    assert pipe.placement["transformer"] == "streamed" and size.blocks == 2 * size.block * 2
+    np.testing.assert_array_equal(pipe("a cat", **kwargs).latents, expected.latents)
