@@ -250,7 +250,7 @@ class AbstractVideoPipeline(abc.ABC):
             `"model"` (every component in host memory, moved in for its stage),
             `"cpu"` (the text and image encoders computed on the host CPU), `"blocks"`
             (the transformer's blocks streamed from host memory inside the compiled
-            step, one block's copy ahead of its compute). A plan that cannot fit raises
+            step, each block's weights copied in for its step). A plan that cannot fit raises
             `ValueError` naming each component's bytes and the budget, before any
             weight is read. `pipe.placement` says where each component went.
         - `device_memory`: the bytes the plan may use on the accelerator, weights and
