@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import harness
-from vidax_eqx import nn
+from vidax_eqx import models, nn
 from vidax_eqx.models import Tiling, WanVAE, WanVAEConfig
 from vidax_eqx.models.internal import vae_jit, vae_program
 
@@ -309,6 +309,7 @@ def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
     assert seen == [None]  # one program, XLA's default options, for every CPU call
     low = {"exec_time_optimization_effort": _vae.TPU_COMPILE_EFFORT}
     assert _vae.compile_options("tpu") == low and _vae.compile_options("cpu") == {}
+    assert models.vae_compile_options is _vae.compile_options  # for a caller's own jit
     assert -1 <= _vae.TPU_COMPILE_EFFORT < 0
     # As on a TPU (a CPU compiles with the option as without it): the options at the top
     # level only; under jit, grad and vmap the call works as any other.

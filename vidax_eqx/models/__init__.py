@@ -96,7 +96,11 @@ from ._token_layout import AttentionInputs as AttentionInputs, TokenLayout as To
 from ._run_sharded import run_sharded as run_sharded
 from ._kv_cache import KVCache as KVCache
 from ._step_cache import StepCache as StepCache
-from ._vae import GaussianPosterior as GaussianPosterior, Tiling as Tiling
+from ._vae import (
+    compile_options as vae_compile_options,
+    GaussianPosterior as GaussianPosterior,
+    Tiling as Tiling,
+)
 from ._training import (
     restore_training_state as restore_training_state,
     save_training_state as save_training_state,
