@@ -308,8 +308,8 @@ def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
     np.testing.assert_array_equal(double(2.0, x, jax.make_mesh((1,), ("s",))), 2 * jnp.sin(x))
     assert seen == [None]  # one program, XLA's default options, for every CPU call
     low = {"exec_time_optimization_effort": _vae.TPU_COMPILE_EFFORT}
-    assert _vae.compile_options("tpu") == low and _vae.compile_options("cpu") == {}
-    assert models.vae_compile_options is _vae.compile_options  # for a caller's own jit
+    assert _vae.vae_compile_options("tpu") == low and _vae.vae_compile_options("cpu") == {}
+    assert models.vae_compile_options is _vae.vae_compile_options  # for a caller's own jit
     assert -1 <= _vae.TPU_COMPILE_EFFORT < 0
     # As on a TPU (a CPU compiles with the option as without it): the options at the top
     # level only; under jit, grad and vmap the call works as any other.
@@ -323,6 +323,6 @@ def test_vae_programs_compile_at_low_effort_on_a_tpu_only(monkeypatch):
     assert seen == [None, low]
     jax.config.update("jax_exec_time_optimization_effort", 0.25)
     try:
-        assert _vae.compile_options("tpu") == {}
+        assert _vae.vae_compile_options("tpu") == {}
     finally:
         jax.config.update("jax_exec_time_optimization_effort", 0.0)

@@ -97,7 +97,7 @@ from ._run_sharded import run_sharded as run_sharded
 from ._kv_cache import KVCache as KVCache
 from ._step_cache import StepCache as StepCache
 from ._vae import (
-    compile_options as vae_compile_options,
+    vae_compile_options as vae_compile_options,
     GaussianPosterior as GaussianPosterior,
     Tiling as Tiling,
 )

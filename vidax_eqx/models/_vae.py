@@ -371,7 +371,7 @@ def blend_tiles(rows: list[list[jax.Array]], blend: tuple[int, int],
 TPU_COMPILE_EFFORT = -0.5
 
 
-def compile_options(platform: str) -> dict:
+def vae_compile_options(platform: str) -> dict:
     """The XLA compile options of a VAE program lowered for `platform` (`"tpu"`: a lower
     optimization effort, which compiles the Wan VAE's decode at 480p x 81 in 6-8 s
     instead of 28-40 s for a decode 10-12% slower; `{}` elsewhere, or when JAX's
@@ -401,7 +401,7 @@ def _platform(args) -> str:
 
 
 def vae_jit(fn: Callable) -> Callable:
-    """`eqx.filter_jit(fn)` compiled with [`compile_options`][] for the platform of the
+    """`eqx.filter_jit(fn)` compiled with [`vae_compile_options`][] for the platform of the
     call's arguments after the first (the VAE; its weights' placement says nothing about
     where a call runs that names a mesh). Inside a trace (a `jit`, `grad`, ... around the
     call) without options: the outer program is the one compiled, and JAX refuses
@@ -411,7 +411,7 @@ def vae_jit(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(vae, *args):
         top_level = "trace_state_clean" not in _jax_private.MISSING and _jax_private.trace_state_clean()
-        options = compile_options(_platform(args)) if top_level else {}
+        options = vae_compile_options(_platform(args)) if top_level else {}
         key = tuple(sorted(options.items()))
         if key not in jitted:
             jitted[key] = eqx.filter_jit(fn, compiler_options=options or None)
@@ -441,7 +441,7 @@ def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None, plat
     `fn.trace(*args).jaxpr` traces it (not `jax.make_jaxpr(fn)` on a TPU: JAX refuses
     compile options on a `jit` inside another trace). `vae` and `x` may be abstract
     (`jax.ShapeDtypeStruct`s): what the memory benchmark measures. Compiled with
-    [`compile_options`][] for `platform` (the mesh's, else JAX's default backend)."""
+    [`vae_compile_options`][] for `platform` (the mesh's, else JAX's default backend)."""
     split = check_split(f"vae_program({which})", mesh, spatial_axes, x.shape[2], x.shape[3], 1,
                         "input")
     is_leaf = lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct))  # noqa: E731
@@ -452,7 +452,7 @@ def vae_program(vae, which: str, x, *options, mesh=None, spatial_axes=None, plat
         return map_frames(body, eqx.combine(params, static, is_leaf=is_leaf), x, mesh, split)
 
     platform = platform or _platform(mesh)
-    return jax.jit(fn, compiler_options=compile_options(platform) or None), (params, x)
+    return jax.jit(fn, compiler_options=vae_compile_options(platform) or None), (params, x)
 
 
 CONFIG_FILE = "config.json"
