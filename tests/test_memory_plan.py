@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from vidax_eqx import generate, interop, models, pipelines, sampling
-from vidax_eqx.pipelines import MemoryPlan, parse_bytes, plan_memory, Size
+from vidax_eqx.pipelines import parse_bytes, plan_memory, Size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T2V = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "t2v")

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -332,8 +331,3 @@ def _put(component, sharding_of):
         return jax.block_until_ready(jax.device_put(a, sharding_of(a)))
 
     return jax.tree.map(move, component)
-
-
-def zeros_like_abstract(shape, dtype=jnp.float32):
-    """An abstract argument of a stage's program."""
-    return jax.ShapeDtypeStruct(tuple(shape), dtype)
