@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
 from vidax_eqx import interop, models, pipelines, sampling  # noqa: E402
 from vidax_eqx.pipelines import streamed_leaves  # noqa: E402
+from vidax_eqx.pipelines._memory import Residency  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,15 +99,12 @@ def run_pipeline(args, report, save):
     report["working_gib"] = {k: v / 2**30 for k, v in plan.working.items()}
     print(report["plan"], f"({report['plan_s']:.1f} s)", flush=True)
     save()
-    host = SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device, cpu = SingleDeviceSharding(device), SingleDeviceSharding(jax.devices("cpu")[0])
     start = time.perf_counter()
-    for name, place in plan.placement.items():
+    residency = Residency(plan, device)  # each array made where the plan keeps it
+    for name in plan.placement:
         component = abstract[name]
-        blocks = {id(a) for a in streamed_leaves(component)}
-        where = {"device": lambda a: on_device, "host": lambda a: host, "cpu": lambda a: cpu,
-                 "streamed": lambda a: host if id(a) in blocks else on_device}[place]
-        setattr(pipe, name, materialize(component, where, jax.random.fold_in(key, len(name))))
+        setattr(pipe, name, materialize(component, residency.sharding_of(name, component),
+                                        jax.random.fold_in(key, len(name))))
     pipe.apply_memory_plan(plan)
     report["build_s"] = time.perf_counter() - start
     report["after_build_peak_gib"] = peak_gib(device)

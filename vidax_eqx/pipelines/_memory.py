@@ -266,23 +266,28 @@ class Residency:
             return SingleDeviceSharding(self.device, memory_kind="pinned_host")
         return SingleDeviceSharding(jax.devices("cpu")[0])
 
+    def sharding_of(self, name: str, component):
+        """A function from each array of `component` to where the plan keeps it between
+        stages: the accelerator, its host memory, or the host CPU (committed there, so
+        that the component's programs run there); a streamed component's weight matrices
+        in host memory, the rest on the accelerator."""
+        place = "device" if self.plan is None else self.plan.placement.get(name, "device")
+        device = SingleDeviceSharding(self.device)
+        if place == "cpu":
+            cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+            return lambda _: cpu
+        if place == "device":
+            return lambda _: device
+        host = self.host_sharding()
+        if place == "host":
+            return lambda _: host
+        blocks = {id(a) for a in streamed_leaves(component)}
+        return lambda a: host if id(a) in blocks else device
+
     def place(self, name: str, component):
         """`component` where the plan keeps it between stages (leaf by leaf: one array
         in flight at a time)."""
-        place = "device" if self.plan is None else self.plan.placement.get(name, "device")
-        if component is None:
-            return component
-        if place == "cpu":  # committed there, so that its programs run there
-            cpu = SingleDeviceSharding(jax.devices("cpu")[0])
-            return _put(component, lambda _: cpu)
-        device = SingleDeviceSharding(self.device)
-        if place == "device":
-            return _put(component, lambda _: device)
-        host = self.host_sharding()
-        if place == "host":
-            return _put(component, lambda _: host)
-        blocks = {id(a) for a in streamed_leaves(component)}
-        return _put(component, lambda a: host if id(a) in blocks else device)
+        return None if component is None else _put(component, self.sharding_of(name, component))
 
     @contextlib.contextmanager
     def stage(self, pipe, stage: str):

@@ -19,7 +19,7 @@ from ._common import (
 from ._compile_cache import enable_compile_cache
 from ._folder import PipelineFolder
 from ._memory import (
-    device_budget, MemoryPlan, OFFLOAD, plan_memory, program_bytes, Residency, size_of,
+    device_budget, MemoryPlan, plan_memory, program_bytes, Residency, size_of,
 )
 from ._output import PipelineOutput, StageTimer
 
@@ -130,9 +130,8 @@ class AbstractVideoPipeline(abc.ABC):
         backend). Raises `ValueError` naming each component's bytes and the budget when
         no plan of `offload` fits."""
         owner = type(self).__name__
-        if offload not in OFFLOAD:
-            raise ValueError(f"{owner}: `offload` must be one of {OFFLOAD}; received {offload!r}.")
-        if self.mesh is not None and (offload not in ("auto", "none") or device_memory is not None):
+        moves = offload in ("model", "cpu", "blocks")  # (any other: checked by plan_memory)
+        if self.mesh is not None and (moves or device_memory is not None):
             raise NotImplementedError(
                 f"{owner}: a memory plan places the components of a pipeline on one accelerator; "
                 f"over a mesh the weights are sharded instead (offload={offload!r}, "
@@ -286,10 +285,16 @@ class AbstractVideoPipeline(abc.ABC):
         if scheduler is None:
             scheduler = sampling.scheduler_from_config(
                 folder.path("scheduler", needed_for="sampling (pass `scheduler=`)"))
+        video = dict(zip(("height", "width", "num_frames"), plan_video or (None, None, None)))
+        if offload in ("auto", "none") and device_memory is None and (
+                mesh is not None or jax.devices()[0].platform == "cpu"):
+            # No budget and nothing asked to move: everything resident, no plan to make first.
+            pipe = build()
+            pipe.apply_memory_plan(pipe.plan_memory(offload, **video))
+            return pipe
         with interop.loading(lambda module: interop.ABSTRACT):
             abstract = build()  # every name and shape checked, nothing read
-        plan = abstract.plan_memory(offload, device_memory, **dict(
-            zip(("height", "width", "num_frames"), plan_video or (None, None, None))))
+        plan = abstract.plan_memory(offload, device_memory, **video)
         where = {}  # the loads of what the plan keeps off the device go to host memory
         host = jax.devices("cpu")[0]
         for name, place in plan.placement.items():
