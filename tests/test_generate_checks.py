@@ -4,27 +4,41 @@ loading the model fails after the run (a user leaves it running for an hour).
 Every test here runs `vidax_eqx.generate.main` in-process with the pipelines'
 `from_pretrained` patched to fail the test if it is called (`no_load`): a bad flag value,
 a prompt that is not text, an input file that is missing or does not decode, an output
-folder that cannot be written, a size the folder's configs refuse, a flag the folder's
-family does not take. Each is one line on stderr (`vidax-generate: error: ...`, the flag,
-what was received and what was expected; no usage, no traceback) and exit status 2.
-Also: the size check reads the three families' configs and gives the loaded pipeline's
-own message; `--stream` runs the steps its header prints; the tiny SkyReels-V2 folder of
+folder that cannot be written, a flag the folder's family does not take, and what the
+folder's configs refuse: a size, an image given to a text-to-video folder or missing
+for an image-to-video one, CogVideoX's text length, `--chunk-frames` that does not
+divide the latent frames, `--causal-block-size` that does not divide a window's. Each
+is one line on stderr (`vidax-generate: error: ...`, the flag, what was received and
+what was expected; no usage, no traceback) and exit status 2. Those of the configs are
+the loaded pipeline's own checks and messages, run on the pipeline built on its
+configs with abstract components (no array: nothing read; one folder here holds its
+JSON files alone), and calls a loaded pipeline takes pass them. Also: `--stream` runs
+the steps its header prints; the tiny SkyReels-V2 folder of
 `scripts/tiny_skyreels_folder.py` is one the command reads.
 
 No model is loaded and nothing is compiled here: the file runs in a few seconds.
 """
 
 import importlib.util
+import json
 import os
 import pathlib
+import shutil
 
+import equinox as eqx
+import jax
 import pytest
 
+import harness
 from vidax_eqx import generate, pipelines, sampling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 T2V = str(ROOT / "tests" / "fixtures" / "wan_pipeline" / "t2v")
+I2V = str(ROOT / "tests" / "fixtures" / "wan_pipeline" / "i2v")
 COG = str(ROOT / "tests" / "fixtures" / "cogvideox_pipeline" / "t2v")
+COG_I2V = str(ROOT / "tests" / "fixtures" / "cogvideox_pipeline" / "i2v")
+# A video every tiny folder takes (9 frames: 3 latent frames).
+SIZE = ("--height", "32", "--width", "48", "--num-frames", "9")
 SCRIPT = ROOT / "scripts" / "tiny_skyreels_folder.py"
 ERROR = "vidax-generate: error: "
 
@@ -39,6 +53,21 @@ def no_load(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pipelines.AbstractVideoPipeline, "from_pretrained", classmethod(loaded))
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def df_folder(tmp_path_factory):
+    """A SkyReels-V2 diffusion forcing folder (`harness.skyreels_df_folder`'s)."""
+    return harness.skyreels_df_folder(tmp_path_factory.mktemp("df"))
+
+
+def _configs_only(source: str, folder: pathlib.Path) -> pathlib.Path:
+    """A copy of the pipeline folder `source` with its JSON files alone (no weight)."""
+    for path in pathlib.Path(source).rglob("*.json"):
+        target = folder / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    return folder
 
 
 def _error(capsys, *argv, model=T2V) -> str:
@@ -182,11 +211,115 @@ def test_size_from_the_configs(capsys):
         "received 11. Use 9 or 17.")
 
 
-def test_check_size_is_the_pipelines():
-    """The pre-check calls the class's own `check_size` (a size it takes passes)."""
-    assert generate._checks.check_size(pipelines.WanPipeline, T2V, 32, 48, 9) is None
+def test_configured_reads_no_weight():
+    """The checks before loading are the pipeline class's own, run on the class built on
+    the folder's configs: its components abstract (`jax.ShapeDtypeStruct` leaves, no
+    array: nothing read), its `check_size` the loaded pipeline's."""
+    pipe = generate._checks.configured(pipelines.WanPipeline, T2V)
+    assert type(pipe) is pipelines.WanPipeline and pipe.text_encoder is None
+    leaves = jax.tree.leaves((pipe.transformer, pipe.vae))
+    assert any(type(leaf) is jax.ShapeDtypeStruct for leaf in leaves)
+    assert not any(eqx.is_array(leaf) for leaf in leaves)
+    assert pipe.check_size(32, 48, 9) == (3, 4, 6)
     with pytest.raises(ValueError, match=r"^WanPipeline: `width` must be a multiple of 16"):
-        generate._checks.check_size(pipelines.WanPipeline, T2V, 32, 50, 9)
+        pipe.check_size(32, 50, 9)
+
+
+def test_images_from_the_configs(capsys, tmp_path):
+    """An image given to a text-to-video folder, and an image-to-video folder without
+    one (the transformer's channels): the call's `check_image`, before loading."""
+    from PIL import Image
+
+    image = str(tmp_path / "first.png")
+    Image.new("RGB", (48, 32)).save(image)
+    assert _error(capsys, *SIZE, "--image", image) == (
+        "WanPipeline: `image` is for an image-to-video transformer; this pipeline's is "
+        "text-to-video (in_channels 16 = out_channels, no expand_timesteps). Load an I2V "
+        "pipeline (WanImageToVideoPipeline's folder).")
+    assert _error(capsys, *SIZE, model=I2V) == (
+        "WanPipeline: this pipeline's transformer is image-to-video (in_channels 36 = 16 "
+        "latents + 20 condition channels): pass `image`.")
+    assert _error(capsys, *SIZE, "--image", image, model=COG).startswith(
+        "CogVideoXPipeline: `image` is for an image-to-video transformer; this pipeline's "
+        "is text-to-video (in_channels 4 = out_channels).")
+    assert _error(capsys, *SIZE, model=COG_I2V) == (
+        "CogVideoXPipeline: this pipeline's transformer is image-to-video (in_channels 8 = "
+        "4 latents + 4 image latents): pass `image`.")
+
+
+def test_text_length_from_the_configs(capsys):
+    """CogVideoX 2B's positional embedding over the text fixes its length (the
+    transformer's max_text_seq_length, 16 in the tiny folder)."""
+    assert _error(capsys, *SIZE, "--max-sequence-length", "32", model=COG) == (
+        "CogVideoXPipeline: `max_sequence_length` must be the transformer's "
+        "max_text_seq_length (16): its positional embedding covers that many text tokens "
+        "(diffusers fails on any other length); received 32.")
+
+
+def test_stream_from_the_configs(capsys, tmp_path):
+    """`--stream`'s chunks against the video's latent frames (9 frames: 3), the cache,
+    the RoPE tables' reach, and a transformer that does not stream: `WanPipeline.stream`'s
+    own checks. The two-expert folder holds configs only: no weight to read."""
+    assert _error(capsys, *SIZE, "--stream", "--chunk-frames", "2") == (
+        "WanPipeline.stream: `chunk_frames` (2 latent frames) must divide the video's 3 "
+        "latent frames; e.g. 1, 3.")
+    assert _error(capsys, *SIZE, "--stream", "--max-cached-frames", "2") == (
+        "WanPipeline.stream: `max_cached_frames` (2) must be a multiple of `chunk_frames` "
+        "(3): the cache holds whole chunks.")
+    assert _error(capsys, *SIZE[:4], "--num-frames", "129", "--stream") == (
+        "WanPipeline.stream: the video's 33 latent frames pass the transformer's "
+        "rope_max_seq_len (32 latent frames), the reach of its RoPE tables; generate at "
+        "most 125 frames.")
+    assert _error(capsys, *SIZE, "--stream", model=I2V) == (
+        "WanPipeline.stream: streaming generation is text-to-video; this transformer takes "
+        "an image.")
+    a14b = _configs_only(T2V, tmp_path / "a14b")
+    shutil.copytree(a14b / "transformer", a14b / "transformer_2")
+    index = json.loads((a14b / "model_index.json").read_text())
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (a14b / "model_index.json").write_text(json.dumps(index))
+    assert _error(capsys, *SIZE, "--stream", model=str(a14b)) == (
+        "WanPipeline.stream: a WanExperts has no streaming with a key/value cache (stream) "
+        "(WanExperts.capabilities.streaming is False).")
+
+
+def test_forcing_blocks_from_the_configs(capsys, tmp_path, df_folder):
+    """`--causal-block-size` must divide each window's latent frames (the last image's
+    frame counted in the last window): the denoising loop's rule
+    (`DiffusionForcing.rows`), checked by `forcing_options` before loading."""
+    from PIL import Image
+
+    image = str(tmp_path / "first.png")
+    Image.new("RGB", (48, 32)).save(image)
+    folder = str(df_folder)
+    assert _error(capsys, *SIZE, "--causal-block-size", "2", model=folder) == (
+        "DiffusionForcing: `causal_block_size` (2) must divide the latent frames; received "
+        "3 frames.")
+    assert _error(capsys, *SIZE, "--causal-block-size", "3", "--image", image,
+                  "--last-image", image, model=folder) == (
+        "DiffusionForcing: `causal_block_size` (3) must divide the latent frames; received "
+        "4 frames.")
+    # 33 frames in windows of 17 overlapping by 5: latent windows of 5, then 3 new + 2.
+    assert _error(capsys, *SIZE[:4], "--num-frames", "33", "--base-num-frames", "17",
+                  "--overlap-history", "5", "--causal-block-size", "5", model=folder) == (
+        "DiffusionForcing: `causal_block_size` (5) must divide the latent frames; received "
+        "3 frames.")
+
+
+def test_valid_calls_pass_the_configs(tmp_path, df_folder):
+    """Calls the loaded pipelines take pass the checks on the configs (the load, patched
+    here, is then what fails)."""
+    from PIL import Image
+
+    image = str(tmp_path / "first.png")
+    Image.new("RGB", (48, 32)).save(image)
+    for model, argv in ((T2V, ["--stream", "--chunk-frames", "3"]),
+                        (I2V, ["--image", image]),
+                        (COG, ["--max-sequence-length", "16"]),
+                        (str(df_folder), ["--causal-block-size", "2", "--ar-step", "1",
+                                          "--image", image, "--last-image", image])):
+        with pytest.raises(AssertionError, match="from_pretrained was called"):
+            generate.main([model, "--prompt", "a cat", *SIZE, *argv])
 
 
 def test_family_flags(capsys):

@@ -30,9 +30,13 @@ Nothing it can know before it loads the model fails after: before it reads a wei
 compiles a program it checks the flags' values, the prompts' text, the libraries it will
 need (tokenizers, PyAV, and Pillow for an image, huggingface_hub for a Hub id), the
 files it reads (`--image`, `--last-image` decoded, `--video` read), the folders it
-writes (`--output`, `--latents`: created, and written to) and the video's size against
-the folder's JSON configs (the VAE's factors, the patch size). An error is one line on
-stderr and exit status 2. JAX's persistent compilation cache is on (a folder under
+writes (`--output`, `--latents`: created, and written to) and the call against the
+folder's JSON configs, by the pipeline's own checks run on the pipeline built on them
+(its components abstract): the video's size (the VAE's factors, the patch size), the
+image an image-to-video folder needs and a text-to-video one refuses, CogVideoX's fixed
+text length, `--stream`'s chunks (`--chunk-frames` divides the latent frames) and
+diffusion forcing's blocks (`--causal-block-size` divides each window's latent frames).
+An error is one line on stderr and exit status 2. JAX's persistent compilation cache is on (a folder under
 `~/.cache/vidax_eqx`; [`vidax_eqx.pipelines.enable_compile_cache`][]), so that a second
 run does not compile again; `--no-compile-cache` or `VIDAX_COMPILE_CACHE=0` turns it off.
 """

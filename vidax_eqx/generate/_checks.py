@@ -1,15 +1,17 @@
 """What `vidax-generate` checks before it loads anything, so that no error it could have
 seen first comes after the model has loaded and the video has been generated: the flags'
-values, the prompts' text, the files it reads, the folders it writes, and the video's
-size against the pipeline folder's JSON configs (no weight read, nothing compiled).
+values, the prompts' text, the files it reads, the folders it writes, and the call
+against the pipeline folder's JSON configs (no weight read, nothing compiled): the
+pipeline class's own checks, run on the class built on its configs (`configured`,
+`check_call`).
 
-Each failure is a `CommandError`: one line on stderr and exit status 2."""
+Each failure is one line on stderr and exit status 2: a `CommandError`, or the
+pipeline's own `ValueError` / `NotImplementedError`."""
 
 import json
 import math
 import os
 import tempfile
-import types
 
 
 class CommandError(Exception):
@@ -124,12 +126,14 @@ def check_output(option: str, path: str) -> None:
                            "read-only.")
 
 
-# The config classes (of `vidax_eqx.models`) of a pipeline folder's components, by their
-# config's `_class_name` (diffusers' names): what the models' `from_pretrained` read them with.
-_TRANSFORMERS = {"WanTransformer3DModel": "WanConfig",
-                 "SkyReelsV2Transformer3DModel": "SkyReelsV2Config",
-                 "CogVideoXTransformer3DModel": "CogVideoXConfig"}
-_VAES = {"AutoencoderKLWan": "WanVAEConfig", "AutoencoderKLCogVideoX": "CogVideoXVAEConfig"}
+# The models (of `vidax_eqx.models`) of a pipeline folder's components, by their config's
+# `_class_name` (diffusers' names): `(model, config class, the config class's reader)`.
+_TRANSFORMERS = {
+    "WanTransformer3DModel": ("WanTransformer3D", "WanConfig", "from_diffusers"),
+    "SkyReelsV2Transformer3DModel": ("SkyReelsV2Transformer3D", "SkyReelsV2Config", "from_diffusers"),
+    "CogVideoXTransformer3DModel": ("CogVideoXTransformer3D", "CogVideoXConfig", "from_diffusers")}
+_VAES = {"AutoencoderKLWan": ("WanVAE", "WanVAEConfig", "from_dict"),
+         "AutoencoderKLCogVideoX": ("CogVideoXVAE", "CogVideoXVAEConfig", "from_dict")}
 
 
 def _read_json(path: str) -> dict | None:
@@ -141,27 +145,78 @@ def _read_json(path: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def check_size(cls, root: str, height: int, width: int, num_frames: int) -> None:
-    """The pipeline class's own `check_size` on its folder's configs alone: the VAE's
-    (`vae/config.json`: its spatial and temporal factors) and the transformer's
-    (`transformer/config.json`: its patch size, and CogVideoX's positional embedding),
-    read as the models' `from_pretrained` read them, so that the message is the one the
-    loaded pipeline would give. A folder whose configs this does not know (another
-    layout, a missing file) is left to the pipeline's check after loading."""
-    transformer = _read_json(os.path.join(root, "transformer", "config.json"))
-    vae = _read_json(os.path.join(root, "vae", "config.json"))
-    if transformer is None or vae is None:
-        return
-    transformer_class = _TRANSFORMERS.get(transformer.get("_class_name"))
-    vae_class = _VAES.get(vae.get("_class_name"))
-    if transformer_class is None or vae_class is None:
-        return
+def _abstract(table: dict, root: str, component: str):
+    """The model of the folder's `component/config.json` (one of `table`'s) built
+    abstractly, as the models' `from_pretrained` build it before reading a weight
+    (`jax.ShapeDtypeStruct` leaves); `None` for a config this does not know."""
+    config = _read_json(os.path.join(root, component, "config.json"))
+    names = table.get((config or {}).get("_class_name"))
+    if names is None:
+        return None
+    import equinox as eqx
+    import jax
+
     from .. import models
 
-    config = getattr(models, transformer_class).from_diffusers(transformer)
-    # What `check_size` reads of the components: `vae.spatial_factor` and
-    # `vae.temporal_factor` (the VAE's are its config's) and the transformer's config.
-    components = types.SimpleNamespace(vae=getattr(models, vae_class).from_dict(vae),
-                                       transformer_config=config,
-                                       transformer=types.SimpleNamespace(config=config))
-    cls.check_size(components, height, width, num_frames)
+    model, config_class, reader = names
+    config = getattr(getattr(models, config_class), reader)(config)
+    return eqx.filter_eval_shape(getattr(models, model), config, key=jax.random.key(0))
+
+
+def configured(cls, root: str):
+    """The pipeline class `cls` built on its folder's JSON configs alone, so that the
+    loaded pipeline's own checks run before anything loads (no weight read, nothing
+    compiled): its transformer and VAE built abstractly from their `config.json` (Wan
+    2.2 A14B's two experts for a `transformer_2/`), no text encoder, the folder's
+    scheduler, and what `WanPipeline` reads of `model_index.json`. `None` for a folder
+    whose configs this does not know (another layout, a missing file): the loaded
+    pipeline checks its call itself."""
+    transformer = _abstract(_TRANSFORMERS, root, "transformer")
+    vae = _abstract(_VAES, root, "vae")
+    if transformer is None or vae is None:
+        return None
+    from .. import models, pipelines, sampling
+
+    index = _read_json(os.path.join(root, "model_index.json")) or {}
+    family = {}
+    if cls is pipelines.WanPipeline:  # what its `load_components` reads of the index
+        family["expand_timesteps"] = index.get("expand_timesteps", False)
+        second = index.get("transformer_2")
+        if isinstance(second, list) and second[-1] is not None:  # Wan 2.2 A14B
+            low_noise = _abstract(_TRANSFORMERS, root, "transformer_2")
+            if low_noise is None or index.get("boundary_ratio") is None:
+                return None
+            transformer = models.WanExperts(transformer, low_noise, index["boundary_ratio"])
+    scheduler = os.path.join(root, "scheduler")
+    if os.path.isdir(scheduler):
+        scheduler = sampling.scheduler_from_config(scheduler)
+    else:
+        scheduler = None  # the loader says it is missing
+    return cls(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
+               scheduler=scheduler, **family)
+
+
+def check_call(pipe, call: dict, *, forcing: dict | None = None,
+               stream: dict | None = None) -> None:
+    """The loaded pipeline's own checks of the command's call, run on `configured`'s
+    pipeline: `call` the call's keywords (sizes, images, prompt length), `forcing`
+    SkyReels-V2's diffusion forcing keywords, `stream` those of `pipe.stream` (with
+    `--stream`). The video's size (the VAE's factors, the patch size), the stream's
+    chunks, diffusion forcing's windows and blocks, the image an image-to-video
+    transformer needs or a text-to-video one refuses, and CogVideoX's fixed text
+    length."""
+    d = pipe.call_defaults
+    height, width, num_frames = (getattr(d, k) if call.get(k) is None else call[k]
+                                 for k in ("height", "width", "num_frames"))
+    grid = pipe.check_size(height, width, num_frames)
+    images = {k: call.get(k) for k in ("image", "last_image")}
+    if stream is not None:
+        pipe.check_stream(grid, **{k: stream[k] for k in (
+            "chunk_frames", "max_cached_frames", "scheduler", "num_inference_steps")})
+    else:
+        if forcing is not None:
+            pipe.forcing_options(height=height, width=width, num_frames=num_frames,
+                                 video=call.get("video"), fps=call["fps"], **images, **forcing)
+        pipe.check_image(**images, image_embeds=None, image_latents=None, num_frames=num_frames)
+    if call.get("max_sequence_length") is not None:
+        pipe.check_text_length("max_sequence_length", call["max_sequence_length"])

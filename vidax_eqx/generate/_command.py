@@ -9,7 +9,8 @@ import sys
 import time
 
 from ._checks import (
-    check_output, check_size, check_text, check_values, CommandError, read_image, read_video,
+    check_call, check_output, check_text, check_values, CommandError, configured, read_image,
+    read_video,
 )
 
 _PROG = "vidax-generate"
@@ -310,6 +311,26 @@ def _paths(args) -> list[str]:
     return [args.output if i == 0 else f"{stem}_{i}{ext}" for i in range(videos)]
 
 
+def _call_keywords(args, inputs: dict, fps: float, skyreels: bool) -> tuple[dict, dict | None]:
+    """The pipeline call's keywords from the flags and the `inputs` read (`--image`,
+    `--last-image`, `--video`): `(kwargs, forcing)`, `forcing` the SkyReels-V2 diffusion
+    forcing keywords (`None` for the other families); `fps` the family's frame rate."""
+    kwargs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
+                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                  guidance_scale_2=args.guidance_scale_2, use_dynamic_cfg=args.use_dynamic_cfg,
+                  max_sequence_length=args.max_sequence_length, seed=args.seed,
+                  num_videos_per_prompt=args.num_videos_per_prompt, **inputs)
+    if not skyreels:
+        return kwargs, None
+    kwargs["fps"] = fps if args.fps is None else args.fps  # the model is conditioned on it
+    forcing = dict(ar_step=args.ar_step or 0, causal_block_size=args.causal_block_size,
+                   overlap_history=args.overlap_history,
+                   addnoise_condition=args.addnoise_condition or 0)
+    if args.base_num_frames is not None:
+        forcing["base_num_frames"] = args.base_num_frames
+    return kwargs, forcing
+
+
 def _run(args, start: float) -> list[str]:
     """The run: every check that needs no weight (`parse_args`' before it), then the load,
     the call (or the stream) and the files; the paths written."""
@@ -359,9 +380,13 @@ def _run(args, start: float) -> list[str]:
                                 ("--stream", args.stream, "Wan and SkyReels-V2")):
         if given and wan != (family != "CogVideoX"):
             raise CommandError(f"{flag} is for {family} pipelines; {args.model!r} is {name}.")
+    kwargs, forcing = _call_keywords(args, inputs, cls.defaults.fps, skyreels)
+    standin = configured(cls, root)
+    if standin is not None:  # the loaded pipeline's own checks of this call, on the configs
+        check_call(standin, kwargs, forcing=forcing, stream=_stream_options(
+            args, kwargs, standin.scheduler) if args.stream else None)
     d = cls.defaults  # the plan is made for the video asked for
     video = (args.height or d.height, args.width or d.width, args.num_frames or d.num_frames)
-    check_size(cls, root, *video)
     _log_start("load", f"{name} from {args.model}")
     pipe = cls.from_pretrained(
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
@@ -374,17 +399,7 @@ def _run(args, start: float) -> list[str]:
         f"{type(pipe.transformer).__name__}, {pipe.transformer_dtype}, "
         f"{type(pipe.scheduler).__name__}, {where})")
     defaults = pipe.call_defaults
-    kwargs = dict(height=args.height, width=args.width, num_frames=args.num_frames,
-                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                  guidance_scale_2=args.guidance_scale_2, use_dynamic_cfg=args.use_dynamic_cfg,
-                  max_sequence_length=args.max_sequence_length, seed=args.seed,
-                  num_videos_per_prompt=args.num_videos_per_prompt, **inputs)
-    if skyreels:  # the frame rate the model is conditioned on is the written one
-        kwargs.update(ar_step=args.ar_step or 0, causal_block_size=args.causal_block_size,
-                      fps=defaults.fps if args.fps is None else args.fps,
-                      overlap_history=args.overlap_history, addnoise_condition=args.addnoise_condition or 0)
-        if args.base_num_frames is not None:
-            kwargs["base_num_frames"] = args.base_num_frames
+    kwargs.update(forcing or {})
     shown = {k: getattr(defaults, k) if v is None else v for k, v in kwargs.items()
              if k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")}
     videos = len(args.prompt) * args.num_videos_per_prompt

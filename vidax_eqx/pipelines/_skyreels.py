@@ -198,6 +198,39 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
         - `addnoise_condition`: the noise level (a timestep, 20 recommended, at most 60
             advised) the overlapping frames of a window are shown at; 0: clean.
         """
+        options = self.forcing_options(
+            height=kwargs.get("height"), width=kwargs.get("width"),
+            num_frames=kwargs.get("num_frames"), image=image, last_image=last_image, video=video,
+            ar_step=ar_step, causal_block_size=causal_block_size, fps=fps,
+            overlap_history=overlap_history, addnoise_condition=addnoise_condition,
+            base_num_frames=base_num_frames)
+        out = super().__call__(prompt, negative_prompt, image=image, last_image=last_image,
+                               family=options, **kwargs)
+        frames = options.windows.video
+        if frames is not None and out.frames is not None:  # diffusers' [video; generated]
+            defaults = self.call_defaults
+            height = kwargs.get("height") or defaults.height
+            width = kwargs.get("width") or defaults.width
+            given = interop.video_to_frames(interop.frames_to_video(frames, size=(height, width)))
+            out = dataclasses.replace(out, frames=np.concatenate(
+                [np.broadcast_to(given, (out.frames.shape[0], *given.shape)), out.frames], axis=1))
+        return out
+
+    def forcing_options(self, *, height: int | None = None, width: int | None = None,
+                        num_frames: int | None = None, image=None, last_image=None, video=None,
+                        ar_step: int = 0, causal_block_size: int | None = None, fps: int = 24,
+                        overlap_history: int | None = None, addnoise_condition: float = 0,
+                        base_num_frames: int | None = 97) -> SkyReelsOptions:
+        """A call's diffusion forcing options (the template's `family=`), from the call's
+        keywords: the schedule, the windows and what each is given, every keyword checked
+        against the transformer's and the VAE's configs before any stage runs (the
+        video's size; each window's latent frames against `causal_block_size`, which the
+        denoising loop would refuse after the text stage). Reads no weight: `vidax-generate`
+        runs it on the folder's configs before loading. Raises as the call does."""
+        defaults = self.call_defaults
+        num_frames = defaults.num_frames if num_frames is None else num_frames
+        self.check_size(defaults.height if height is None else height,
+                        defaults.width if width is None else width, num_frames)
         check_int(_OWNER, "ar_step", ar_step, 0)
         config = self.transformer_config
         block = config.num_frame_per_block if causal_block_size is None else causal_block_size
@@ -217,8 +250,6 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
             raise ValueError(f"{_OWNER}: `video` is continued from its last `overlap_history` "
                              "frames; pass overlap_history (17 or 37 recommended).")
         t = self.vae.temporal_factor
-        defaults = self.call_defaults
-        num_frames = kwargs.get("num_frames") or defaults.num_frames
         latent = lambda frames: (frames - 1) // t + 1
         overlap = None if overlap_history is None else latent(overlap_history)
         base = None if base_num_frames is None else latent(base_num_frames)
@@ -241,18 +272,13 @@ class SkyReelsV2DiffusionForcingPipeline(WanPipeline):
                 f"{_OWNER}: `last_image` with a long video (windows): diffusers' pipeline "
                 "cuts the last window's overlap from the end of the video there, not the "
                 "last image; generate at most base_num_frames frames with it.")
-        options = SkyReelsOptions(
+        for i, window in enumerate(windows):  # each window's schedule as `denoise` runs it
+            end = int(last_image is not None and i == len(windows) - 1)  # the last image's frame
+            dataclasses.replace(forcing, prefix_frames=window.prefix, suffix_frames=end).rows(
+                window.frames + end, 1)  # raises unless its blocks divide its latent frames
+        return SkyReelsOptions(
             fps_index=fps_index, block=block, forcing=forcing,
             windows=Windows(windows, overlap, last_image is not None, frames, overlap_history))
-        out = super().__call__(prompt, negative_prompt, image=image, last_image=last_image,
-                               family=options, **kwargs)
-        if frames is not None and out.frames is not None:  # diffusers' [video; generated]
-            height = kwargs.get("height") or defaults.height
-            width = kwargs.get("width") or defaults.width
-            given = interop.video_to_frames(interop.frames_to_video(frames, size=(height, width)))
-            out = dataclasses.replace(out, frames=np.concatenate(
-                [np.broadcast_to(given, (out.frames.shape[0], *given.shape)), out.frames], axis=1))
-        return out
 
     def check_image(self, *, image, last_image, image_embeds, image_latents,
                     num_frames: int) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from .. import interop, models, sampling
 from ._common import check_int, dtype_of, image_array, vae_call
 from ._pipeline import AbstractVideoPipeline, CallDefaults
-from ._stream import check_stream, stream_video, StreamChunk
+from ._stream import check_stream as check_stream_arguments, stream_video, StreamChunk
 
 
 _OWNER = "WanPipeline"
@@ -320,8 +320,9 @@ class WanPipeline(AbstractVideoPipeline):
                              f"{output_type!r}.")
         grid = self.check_size(height, width, num_frames)
         self._plan_for_call(height, width, num_frames)
-        max_cached_frames, scheduler, steps = check_stream(
-            owner, self, grid, chunk_frames, max_cached_frames, window, scheduler, num_inference_steps)
+        max_cached_frames, scheduler, steps = self.check_stream(
+            grid, chunk_frames=chunk_frames, max_cached_frames=max_cached_frames, window=window,
+            scheduler=scheduler, num_inference_steps=num_inference_steps)
         n = check_int(owner, "num_videos_per_prompt", num_videos_per_prompt, 1)
         guided = sampling.Guidance(scale=guidance_scale).guided
         with self._residency.stage(self, "text"):
@@ -343,6 +344,19 @@ class WanPipeline(AbstractVideoPipeline):
                             output_type=output_type, model_kwargs=model_kwargs)
         # The chunks alternate the transformer and the VAE: both on the device while it runs.
         return self._residency.resident(self, ("denoise", "decode"), chunks)
+
+    def check_stream(self, grid, *, chunk_frames: int = 3, max_cached_frames: int | None = None,
+                     window: int | None = None, scheduler=None,
+                     num_inference_steps: int | None = None) -> tuple:
+        """[`stream`][vidax_eqx.pipelines.WanPipeline.stream]'s checks of its keywords for a
+        video of latent `grid` (`check_size`'s) against the transformer's config and
+        capabilities (`chunk_frames` divides the latent frames, `max_cached_frames` is a
+        multiple of it, the RoPE tables reach every frame, the transformer streams and is
+        text-to-video): `(max_cached_frames, scheduler, num_inference_steps)` with their
+        defaults. Reads no weight: `vidax-generate` runs it on the folder's configs before
+        loading."""
+        return check_stream_arguments(f"{type(self).__name__}.stream", self, grid, chunk_frames,
+                                      max_cached_frames, window, scheduler, num_inference_steps)
 
     def decode(self, latents) -> np.ndarray:
         videos = []
