@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import SingleDeviceSharding
 
 from vidax_eqx import generate, interop, models, pipelines, sampling
 from vidax_eqx.pipelines import parse_bytes, plan_memory, Size
+from vidax_eqx.pipelines._memory import Residency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T2V = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "t2v")
@@ -99,18 +99,25 @@ def test_parse_bytes():
 
 
 def _to_host(model):
-    host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    blocks = jax.tree.map(lambda a: jax.device_put(a, host) if eqx.is_array(a) else a, model.blocks)
-    return eqx.tree_at(lambda m: m.blocks, model, blocks)
+    """`model` with its blocks' matrices in host memory, as the plan `"blocks"` keeps them."""
+    host = Residency(None, jax.devices()[0]).host_sharding()
+    blocks = {id(a) for a in pipelines.streamed_leaves(model)}
+    return jax.tree.map(lambda a: jax.device_put(a, host) if id(a) in blocks else a, model)
 
 
 def test_streamed_blocks_give_the_resident_outputs():
     wan = models.WanTransformer3D.from_pretrained(WAN)
     streamed = _to_host(wan)
     assert streamed.blocks.self_attn.q.weight.sharding.memory_kind == "pinned_host"
+    assert streamed.blocks.self_attn.q.bias.sharding.memory_kind == "device"
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 4, 3, 6, 10)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((2, 7, wan.config.text_dim)), jnp.float32)
+    # The traced step sees the matrices in host memory and copies each block's in (a
+    # TPU's compiler refuses a matmul on host memory; the CPU's lowering drops the copy).
+    jaxpr = eqx.filter_make_jaxpr(lambda m: m(x[0], jnp.float32(500.0), c[0]))(streamed)[0]
+    copies = str(jaxpr).count("devices=(MemorySpace.Device,)")
+    assert copies == len(pipelines.streamed_leaves(wan)), copies
     # The whole compiled loop: guidance, a text cache, step caching (a slice of the stack).
     run = lambda m: sampling.sample(m, x, c, negative_context=0.3 * c, steps=3, progress=None,  # noqa: E731
                                     caching=sampling.Caching(step=sampling.StaticStepCache()))

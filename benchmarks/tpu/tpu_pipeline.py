@@ -12,7 +12,8 @@ them (nothing is ever all on the chip); then whole calls (text, denoise, decode)
 warm calls; the chip's peak memory after each.
 
 `stream`: the host-to-chip bandwidth (`device_put` of 1 GiB from pinned host memory),
-then one forward of a Wan 2.1 14B transformer (one guidance branch, 480p x 81) with its
+then one forward of a Wan 2.1 14B transformer (one guidance branch, or with `--guided`
+both, batched as the sampling loop runs them; 480p x 81) with its
 blocks resident and streamed from host memory at the same block count (`--blocks`,
 what fits resident), and streamed with all 40 blocks (28 GB of bf16, more than the
 chip holds): the streamed step against the same step's compute.
@@ -129,7 +130,7 @@ def run_pipeline(args, report, save):
 
 def run_stream(args, report, save):
     device = jax.devices()[0]
-    host = SingleDeviceSharding(device, memory_kind="pinned_host")
+    host = Residency(None, device).host_sharding()  # the plan's: the traced step sees it
     on_device = SingleDeviceSharding(device)
     n = 2**30 if not args.smoke else 2**20
     a = jax.block_until_ready(jax.device_put(np.ones(n // 2, np.float16), host))
@@ -152,10 +153,11 @@ def run_stream(args, report, save):
         base.pop("num_layers")
         latent = (16, 1 + (args.frames - 1) // 4, args.height // 8, args.width // 8)
         text = (512, base["text_dim"])
-    x = jax.random.normal(key, latent, F32).astype(BF16)
-    context = jax.random.normal(key, text, F32).astype(BF16)
+    branches = 2 if args.guided else 1  # guided: [conditional; unconditional], as the loop runs it
+    x = jax.random.normal(key, (branches, *latent), F32).astype(BF16)
+    context = jax.random.normal(key, (branches, *text), F32).astype(BF16)
     t = jnp.asarray(500.0, F32)
-    step = eqx.filter_jit(lambda m, x, t, c: m(x, t, c))
+    step = eqx.filter_jit(lambda m, x, t, c: jax.vmap(lambda x, c: m(x, t, c))(x, c))
 
     def measure(layers, streamed):
         config = models.WanConfig(**{**base, "num_layers": layers})
@@ -171,7 +173,7 @@ def run_stream(args, report, save):
             jax.block_until_ready(compiled(model, x, t, context))
             times.append(time.perf_counter() - start)
         weights = sum(a.size * a.dtype.itemsize for a in streamed_leaves(model))
-        row = dict(layers=layers, streamed=streamed, compile_s=compile_s, step_s=min(times),
+        row = dict(layers=layers, streamed=streamed, branches=branches, compile_s=compile_s, step_s=min(times),
                    steps_s=times, block_bytes=weights, peak_gib=peak_gib(device),
                    stream_gb_s=weights / min(times) / 1e9 if streamed else None)
         del model, compiled
@@ -206,6 +208,8 @@ def main():
     parser.add_argument("--blocks", type=int, default=8, help="stream: blocks resident and streamed")
     parser.add_argument("--all-blocks", type=int, default=40, help="stream: blocks streamed (14B: 40)")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--guided", action="store_true",
+                        help="stream: both guidance branches in one step (the sampling loop's batch)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new runs after")
     parser.add_argument("--compile-cache", metavar="DIR", default=None)
     parser.add_argument("--smoke", action="store_true")

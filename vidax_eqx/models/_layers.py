@@ -35,7 +35,10 @@ def check_remat(remat):
 
 def in_host_memory(a) -> bool:
     """Whether the array (or tracer) `a` lives in host memory (a `pinned_host` /
-    `unpinned_host` memory kind): a streamed block's weights."""
+    `unpinned_host` memory kind): a streamed block's weights. A traced program sees the
+    memory kind of an argument placed with a `NamedSharding` (JAX 0.10 puts no memory
+    space in the type of one placed with a `SingleDeviceSharding`):
+    `vidax_eqx.pipelines`' plan places them so."""
     return getattr(jax.typeof(a), "memory_space", None) == jax.memory.Space.Host
 
 

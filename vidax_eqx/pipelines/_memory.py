@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .. import models
 
@@ -98,12 +98,12 @@ def _stacked(component) -> list:
 
 def streamed_leaves(component) -> list:
     """The arrays a streamed component keeps in host memory: its stacked blocks' weight
-    matrices (`(layers, ...)` of three axes or more). Their vectors (biases, norms,
-    modulation rows: `(layers, dim)`, a few KiB a layer) stay on the device, which is also
-    what XLA's host offloading takes on a TPU (it refuses to copy a slice of a 2-D host
-    array into a step, CompileTimeHostOffloadOutputLocationMismatch)."""
+    matrices (`(layers, out, in)`). The rest of a block (biases, norms: `(layers, dim)`;
+    modulation tables such as `(layers, 1, 6, dim)`: a few KiB a layer) stays on the
+    device: one copy a step per matrix, and no small slices of odd layouts from host
+    memory (XLA's TPU backend fails on `(1, 6, dim)` slices of a host array)."""
     return [a for b in _stacked(component) for a in jax.tree.leaves(
-        b, is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)) if len(getattr(a, "shape", ())) >= 3]
+        b, is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct)) if len(getattr(a, "shape", ())) == 3]
 
 
 def size_of(component) -> Size:
@@ -260,10 +260,14 @@ class Residency:
         self.plan, self.device = plan, device
 
     def host_sharding(self):
-        """Host memory of the accelerator (`pinned_host`), where it has one."""
+        """Host memory of the accelerator (`pinned_host`), where it has one: a
+        `NamedSharding` over a one-device mesh, the sharding whose memory kind a traced
+        program sees (`jax.typeof(x).memory_space`; a `SingleDeviceSharding`'s is not
+        seen, and a streamed block would never be copied in)."""
         kinds = {m.kind for m in self.device.addressable_memories()}
         if "pinned_host" in kinds:
-            return SingleDeviceSharding(self.device, memory_kind="pinned_host")
+            mesh = Mesh(np.array([self.device]), ("device",))
+            return NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
         return SingleDeviceSharding(jax.devices("cpu")[0])
 
     def sharding_of(self, name: str, component):
