@@ -41,7 +41,8 @@ STAGES = {"text": ("text_encoder",), "image": ("image_encoder", "vae"),
 # a move into the device at about the host-to-chip bandwidth measured on a TPU v5e
 # (6.3-10.3 GB/s), an encoder on the host CPU about 20x slower than its move (UMT5-XXL:
 # 18.9 s on the host against about 1.5 s moved in). Streaming is chosen only when
-# nothing else fits.
+# nothing else fits: its copies are hidden behind a step at video sizes (Wan 14B at 480p
+# on a TPU v5e: 0.999x the resident step), not behind a small step's compute.
 _BANDWIDTH = 8e9
 _CPU_RATE = 0.5e9
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
