@@ -104,9 +104,11 @@ def _error(capsys, *argv, model=T2V) -> str:
                      "received 3."),
     (["--device-memory", "8XB"], "--device-memory must be bytes or a size with a unit (KB, MB, "
                                  "GB, KiB, MiB, GiB; e.g. 8GB); received '8XB'."),
-    (["--offload", "blocks", "--sp", "2"], "--offload and --device-memory plan one "
-                                           "accelerator's memory; over a mesh (--sp, --tp, --dp, "
-                                           "--cfg) the weights are sharded instead."),
+    (["--host-memory", "lots"], "--host-memory must be bytes or a size with a unit (KB, MB, "
+                                "GB, KiB, MiB, GiB; e.g. 8GB); received 'lots'."),
+    (["--offload", "blocks", "--sp", "2"], "--offload, --device-memory and --host-memory plan "
+                                           "one accelerator's memory; over a mesh (--sp, --tp, "
+                                           "--dp, --cfg) the weights are sharded instead."),
     (["--output", "cat.avi"], "--output must end in .mp4; received 'cat.avi'."),
     (["--latents", "z.pt"], "--latents must end in .npy or .safetensors; received 'z.pt'."),
     (["--last-image", "last.png"], "--last-image needs --image (the first frame)."),

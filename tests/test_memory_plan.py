@@ -85,6 +85,33 @@ def test_plan_modes_and_refusal():
         plan_memory({"transformer": Size(5)}, {}, budget=None, offload="blocks")
 
 
+def test_plan_fits_the_host_memory():
+    # At 12 MiB a device the cheapest plan keeps every component in host memory (17
+    # MiB); with 12 MiB of host memory the text encoder alone stays off the device, on
+    # the host CPU (10 MiB), the dearer plan that fits both.
+    host = lambda budget, h: plan_memory(SIZES, WORKING, budget=budget, host_budget=h, owner="P")  # noqa: E731
+    assert set(host(12 * MiB, None).placement.values()) == {"host"}
+    plan = host(12 * MiB, 12 * MiB)
+    assert plan.placement == {"text_encoder": "cpu", "transformer": "device", "vae": "device"}
+    assert plan.host_bytes == 10 * MiB
+    # Streamed blocks live in the machine's memory too.
+    assert host(7 * MiB, None).host_bytes == 10 * MiB + 4 * MiB
+    with pytest.raises(ValueError, match=r"^P: no memory plan with offload='auto' fits "
+                       r"7.00 MiB per device and 13.00 MiB of host memory: components "
+                       r"text_encoder 10.00 MiB, transformer 6.00 MiB, vae 1.00 MiB; the plans "
+                       r"that fit the device keep at least 14.00 MiB off it \(memory plan"):
+        host(7 * MiB, 13 * MiB)
+    with pytest.raises(ValueError, match="fits any per device and 1.00 MiB of host memory"):
+        plan_memory(SIZES, WORKING, budget=None, offload="model", host_budget=MiB)
+    # A pipeline checks the machine's memory before reading a weight (the folder's
+    # files are never opened: the plan fails on the abstract components).
+    with pytest.raises(ValueError, match=r"WanPipeline: no memory plan with offload='model' "
+                       r"fits any per device and 1000 B of host memory"):
+        pipelines.WanPipeline.from_pretrained(T2V, offload="model", host_memory=1000)
+    with pytest.raises(ValueError, match="`host_memory` must be a positive number"):
+        pipelines.WanPipeline.from_pretrained(T2V, offload="model", host_memory="lots")
+
+
 def test_parse_bytes():
     assert parse_bytes(1000) == 1000
     assert parse_bytes("8GB") == 8 * 10**9

@@ -140,6 +140,10 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device-memory", metavar="SIZE",
                    help="the memory the plan may use on the accelerator: bytes or a size with a "
                         "unit (8GB, 7.5GiB, 512MB; default: the capacity JAX reports)")
+    m.add_argument("--host-memory", metavar="SIZE",
+                   help="the machine's memory the plan may keep components in (host memory, "
+                        "the host CPU, streamed blocks), as --device-memory (default: the "
+                        "machine's physical memory)")
     m.add_argument("--no-compile-cache", action="store_true",
                    help="leave JAX's persistent compilation cache off (by default it is on, in "
                         "$XDG_CACHE_HOME/vidax_eqx/jax or ~/.cache/vidax_eqx/jax; also "
@@ -147,27 +151,31 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_devices(args) -> None:
-    """`--sp/--tp/--dp/--cfg`, `--offload` and `--device-memory` (parsed to bytes in
-    `args`); a `CommandError` otherwise."""
+    """`--sp/--tp/--dp/--cfg`, `--offload`, `--device-memory` and `--host-memory` (parsed
+    to bytes in `args`); a `CommandError` otherwise."""
     for axis, _ in _AXES:
         if getattr(args, axis) < 1:
             raise CommandError(f"--{axis} must be an int >= 1; received {getattr(args, axis)}.")
     if args.cfg not in (1, 2):
         raise CommandError(f"--cfg must be 1 or 2 (the conditional and unconditional passes); "
                            f"received {args.cfg}.")
-    if args.device_memory is not None:
-        from ..pipelines import parse_bytes
+    for name in ("device_memory", "host_memory"):
+        value = getattr(args, name)
+        if value is not None:
+            from ..pipelines import parse_bytes
 
-        try:
-            args.device_memory = parse_bytes(args.device_memory)
-        except ValueError:
-            raise CommandError(
-                f"--device-memory must be bytes or a size with a unit (KB, MB, GB, KiB, MiB, "
-                f"GiB; e.g. 8GB); received {args.device_memory!r}.") from None
+            try:
+                setattr(args, name, parse_bytes(value, name))
+            except ValueError:
+                raise CommandError(
+                    f"--{name.replace('_', '-')} must be bytes or a size with a unit (KB, MB, GB, "
+                    f"KiB, MiB, GiB; e.g. 8GB); received {value!r}.") from None
     mesh = args.sp * args.tp * args.dp * args.cfg > 1
-    if mesh and (args.offload not in ("auto", "none") or args.device_memory is not None):
-        raise CommandError("--offload and --device-memory plan one accelerator's memory; over a "
-                           "mesh (--sp, --tp, --dp, --cfg) the weights are sharded instead.")
+    planned = args.device_memory is not None or args.host_memory is not None
+    if mesh and (args.offload not in ("auto", "none") or planned):
+        raise CommandError("--offload, --device-memory and --host-memory plan one accelerator's "
+                           "memory; over a mesh (--sp, --tp, --dp, --cfg) the weights are "
+                           "sharded instead.")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -391,7 +399,8 @@ def _run(args, start: float) -> list[str]:
     pipe = cls.from_pretrained(
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
         vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False,
-        offload=args.offload, device_memory=args.device_memory, plan_video=video)
+        offload=args.offload, device_memory=args.device_memory, host_memory=args.host_memory,
+        plan_video=video)
     if mesh is None:
         log(f"{'plan':<10} {pipe.memory_plan.describe()}")
     where = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"

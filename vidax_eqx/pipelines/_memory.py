@@ -15,6 +15,7 @@ abstractly, `interop.loading(ABSTRACT)`); `Residency` carries it out around each
 import contextlib
 import dataclasses
 import itertools
+import os
 import re
 from collections.abc import Mapping
 
@@ -49,19 +50,20 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value) -> int:
-    """`device_memory` as bytes: an int, or a str of a number and a unit (`"8GB"`,
-    `"512 MiB"`; KB, MB, GB, TB in powers of 10, KiB, MiB, GiB, TiB in powers of 2)."""
+def parse_bytes(value, name: str = "device_memory") -> int:
+    """`value` (the argument `name`) as bytes: an int, or a str of a number and a unit
+    (`"8GB"`, `"512 MiB"`; KB, MB, GB, TB in powers of 10, KiB, MiB, GiB, TiB in powers
+    of 2)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"`device_memory` must be a positive number of bytes; received {value}.")
+            raise ValueError(f"`{name}` must be a positive number of bytes; received {value}.")
         return int(value)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if match and match.group(2).lower() in _UNITS and float(match.group(1)) > 0:
             return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     raise ValueError(
-        f"`device_memory` must be a positive number of bytes or a size with a unit (KB, MB, GB, "
+        f"`{name}` must be a positive number of bytes or a size with a unit (KB, MB, GB, "
         f"KiB, MiB, GiB, e.g. '8GB'); received {value!r}.")
 
 
@@ -125,7 +127,8 @@ class MemoryPlan:
     limit), `sizes` (component -> [`Size`][]), `working` (stage -> the bytes its program
     needs besides the weights), `placement` (component -> `"device"`, `"host"`, `"cpu"`
     or `"streamed"`), `video` (the `(height, width, num_frames)` the working memory was
-    measured for; `None` when it was not).
+    measured for; `None` when it was not), `host_budget` (bytes of the machine's memory
+    the components kept off the device may take; `None`: not checked).
     """
 
     offload: str
@@ -134,6 +137,7 @@ class MemoryPlan:
     working: Mapping[str, int]
     placement: Mapping[str, str]
     video: tuple[int, int, int] | None = None
+    host_budget: int | None = None
 
     def stage_bytes(self, stage: str) -> int:
         """The device bytes while `stage` runs: the resident weights, the stage's moved
@@ -158,8 +162,16 @@ class MemoryPlan:
         return max(((s, self.stage_bytes(s)) for s in stages), key=lambda p: p[1])
 
     @property
+    def host_bytes(self) -> int:
+        """The bytes kept in the machine's memory: the components in host memory or on
+        the host CPU, and a streamed transformer's blocks."""
+        return sum(self.sizes[n].total if p in ("host", "cpu") else self.sizes[n].blocks
+                   if p == "streamed" else 0 for n, p in self.placement.items())
+
+    @property
     def fits(self) -> bool:
-        return self.budget is None or self.peak[1] <= self.budget
+        device = self.budget is None or self.peak[1] <= self.budget
+        return device and (self.host_budget is None or self.host_bytes <= self.host_budget)
 
     @property
     def cost(self) -> float:
@@ -199,25 +211,38 @@ def _choices(name: str, offload: str, sizes: Mapping[str, Size]) -> tuple[str, .
 
 
 def plan_memory(sizes: Mapping[str, Size], working: Mapping[str, int], *, budget: int | None,
-                offload: str = "auto", owner: str = "pipeline", video=None) -> MemoryPlan:
+                offload: str = "auto", owner: str = "pipeline", video=None,
+                host_budget: int | None = None) -> MemoryPlan:
     """The placement of every component (`sizes`) that fits `budget` with the stages'
-    `working` memory: for `offload="auto"` (and the other components of `"blocks"`) the
-    cheapest that fits, else the one `offload` names. Raises `ValueError` naming each
-    component's bytes and the budget when none fits."""
+    `working` memory, and whose components kept off the device fit `host_budget`: for
+    `offload="auto"` (and the other components of `"blocks"`) the cheapest that fits,
+    else the one `offload` names. Raises `ValueError` naming each component's bytes and
+    the budgets when none fits."""
     if offload not in OFFLOAD:
         raise ValueError(f"{owner}: `offload` must be one of {OFFLOAD}; received {offload!r}.")
     names = list(sizes)
     if offload == "blocks" and (sizes.get("transformer", Size(0)).blocks == 0):
         raise ValueError(f"{owner}: offload='blocks' streams the transformer's stacked blocks; "
                          "this transformer has none.")
-    plans = [MemoryPlan(offload, budget, dict(sizes), dict(working), dict(zip(names, places)), video)
+    plans = [MemoryPlan(offload, budget, dict(sizes), dict(working), dict(zip(names, places)), video,
+                        host_budget)
              for places in itertools.product(*(_choices(n, offload, sizes) for n in names))]
     fitting = [p for p in plans if p.fits]
     if not fitting:
-        best = min(plans, key=lambda p: p.peak[1])
-        stage, peak = best.peak
         parts = ", ".join(f"{n} {_gib(s.total)}" for n, s in sizes.items())
         work = ", ".join(f"{s} {_gib(w)}" for s, w in working.items())
+        on_device = [p for p in plans if budget is None or p.peak[1] <= budget]
+        if on_device:  # the device could hold a plan; the machine cannot hold the rest
+            best = min(on_device, key=lambda p: p.host_bytes)
+            raise ValueError(
+                f"{owner}: no memory plan with offload={offload!r} fits "
+                f"{'any' if budget is None else _gib(budget)} per device and "
+                f"{_gib(host_budget)} of host memory: components {parts}; the plans "
+                f"that fit the device keep at least {_gib(best.host_bytes)} off it "
+                f"({best.describe()}). Free host memory, pass a larger `host_memory`, or "
+                "use smaller weights.")
+        best = min(plans, key=lambda p: p.peak[1])
+        stage, peak = best.peak
         raise ValueError(
             f"{owner}: no memory plan with offload={offload!r} fits {_gib(budget)} per device: "
             f"components {parts}; stages' working memory {work or 'not measured'}; the "
@@ -235,6 +260,18 @@ def device_budget(device_memory, device) -> int | None:
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     return None if limit is None else int(limit * 0.96)
+
+
+def host_budget(host_memory=None) -> int | None:
+    """The bytes of the machine's memory a plan may keep components in (host memory, the
+    host CPU, streamed blocks): `host_memory` when given (bytes or a size with a unit),
+    else the machine's physical memory (`None` where the system does not say)."""
+    if host_memory is not None:
+        return parse_bytes(host_memory, "host_memory")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def program_bytes(fn, *args) -> int:

@@ -19,7 +19,7 @@ from ._common import (
 from ._compile_cache import enable_compile_cache
 from ._folder import PipelineFolder
 from ._memory import (
-    device_budget, MemoryPlan, plan_memory, program_bytes, Residency, size_of,
+    device_budget, host_budget, MemoryPlan, plan_memory, program_bytes, Residency, size_of,
 )
 from ._output import PipelineOutput, StageTimer
 
@@ -121,14 +121,15 @@ class AbstractVideoPipeline(abc.ABC):
         return {name: "device" for name in self.components if getattr(self, name, None) is not None}
 
     def plan_memory(self, offload: str = "auto", device_memory=None, *, height=None, width=None,
-                    num_frames=None) -> MemoryPlan:
+                    num_frames=None, host_memory=None) -> MemoryPlan:
         """The [`MemoryPlan`][vidax_eqx.pipelines.MemoryPlan] of this pipeline's components
         (real or abstract: nothing is run or moved) for calls of `height x width x
         num_frames` (default the family's call defaults) with guidance: each stage's
         working memory from the compiler's memory analysis of its program, when there is
         a budget (`device_memory`, or the accelerator's capacity; none on a CPU
-        backend). Raises `ValueError` naming each component's bytes and the budget when
-        no plan of `offload` fits."""
+        backend); what it keeps off the device must fit `host_memory` (default the
+        machine's physical memory). Raises `ValueError` naming each component's bytes and
+        the budgets when no plan of `offload` fits."""
         owner = type(self).__name__
         moves = offload in ("model", "cpu", "blocks")  # (any other: checked by plan_memory)
         if self.mesh is not None and (moves or device_memory is not None):
@@ -143,7 +144,7 @@ class AbstractVideoPipeline(abc.ABC):
         video = (height or d.height, width or d.width, num_frames or d.num_frames)
         working = {} if budget is None else self.stage_memory(*video)
         return plan_memory(sizes, working, budget=budget, offload=offload, owner=owner,
-                           video=video if working else None)
+                           video=video if working else None, host_budget=host_budget(host_memory))
 
     def _plan_for_call(self, height: int, width: int, num_frames: int) -> None:
         """Before a call larger than the video the memory plan was measured for: the plan
@@ -154,7 +155,8 @@ class AbstractVideoPipeline(abc.ABC):
         if plan is None or plan.video is None or height * width * num_frames <= np.prod(plan.video):
             return
         self.apply_memory_plan(self.plan_memory(plan.offload, plan.budget, height=height,
-                                                width=width, num_frames=num_frames))
+                                                width=width, num_frames=num_frames,
+                                                host_memory=plan.host_budget))
 
     def apply_memory_plan(self, plan: MemoryPlan) -> None:
         """Places every component as `plan` says (each array moved one at a time), and
@@ -215,7 +217,7 @@ class AbstractVideoPipeline(abc.ABC):
                         vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
                         revision: str | None = None, cache_dir=None,
                         compile_cache: bool = True, offload: str = "auto",
-                        device_memory=None, plan_video=None):
+                        device_memory=None, plan_video=None, host_memory=None):
         """A pipeline folder saved by diffusers (`save_pretrained`) of one of the
         family's `pipeline_classes`, or a Hub repository of one (only JSON, safetensors
         and tokenizer files are fetched).
@@ -259,6 +261,11 @@ class AbstractVideoPipeline(abc.ABC):
         - `plan_video`: `(height, width, num_frames)`, the video the stages' working
             memory is measured for (default the family's call defaults); a larger call
             makes the plan again for its own size before it runs.
+        - `host_memory`: the bytes of the machine's memory the plan may keep components
+            in (host memory, the host CPU, streamed blocks); default its physical
+            memory. A plan whose components kept off the device do not fit raises
+            `ValueError` before any weight is read (Wan 2.2 A14B's two bf16 experts,
+            56 GB, streamed on a machine of 40 GiB).
         """
         if compile_cache:
             enable_compile_cache()
@@ -290,11 +297,11 @@ class AbstractVideoPipeline(abc.ABC):
                 mesh is not None or jax.devices()[0].platform == "cpu"):
             # No budget and nothing asked to move: everything resident, no plan to make first.
             pipe = build()
-            pipe.apply_memory_plan(pipe.plan_memory(offload, **video))
+            pipe.apply_memory_plan(pipe.plan_memory(offload, host_memory=host_memory, **video))
             return pipe
         with interop.loading(lambda module: interop.ABSTRACT):
             abstract = build()  # every name and shape checked, nothing read
-        plan = abstract.plan_memory(offload, device_memory, **video)
+        plan = abstract.plan_memory(offload, device_memory, host_memory=host_memory, **video)
         where = {}  # the loads of what the plan keeps off the device go to host memory
         host = jax.devices("cpu")[0]
         for name, place in plan.placement.items():
