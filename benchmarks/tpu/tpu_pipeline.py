@@ -3,9 +3,11 @@
     python benchmarks/tpu/tpu_pipeline.py pipeline --out DIR   # Wan 2.1 T2V 1.3B, 480p x 81, 50 steps
     python benchmarks/tpu/tpu_pipeline.py stream --out DIR     # Wan 2.1 14B blocks streamed
     python benchmarks/tpu/tpu_pipeline.py pipeline --smoke --out DIR   # tiny, anywhere
+    python benchmarks/tpu/tpu_pipeline.py pipeline --model i2v-14b --steps 3 --out DIR
 
-`pipeline`: a `WanPipeline` of UMT5-XXL, the Wan 2.1 T2V 1.3B transformer and the Wan
-VAE with random weights at their real sizes (bf16; the VAE float32), its components
+`pipeline`: a `WanPipeline` of UMT5-XXL, the Wan 2.1 T2V 1.3B transformer (or
+`--model`'s: T2V / I2V 14B with CLIP, Wan 2.2 TI2V-5B at 720p x 121 with its VAE, T2V
+A14B's two experts) and the Wan VAE with random weights at their real sizes (bf16; the VAE float32), its components
 planned by `plan_memory("auto")` before any array exists and made where the plan puts
 them (nothing is ever all on the chip); then whole calls (text, denoise, decode) of
 480p x 81 frames, 50 guided steps, timed per stage: the first call (compiling), then
@@ -73,25 +75,76 @@ def peak_gib(device) -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
+# The Wan pipelines `pipeline --model` builds: the transformer's preset, the VAE, the
+# default video (height, width, frames), an image (I2V: CLIP; TI2V: the first frame),
+# and Wan 2.2 A14B's expert boundary.
+PIPELINES = {
+    "t2v-1.3b": dict(vae="wan21", video=(480, 832, 81)),
+    "t2v-14b": dict(vae="wan21", video=(480, 832, 81)),
+    "i2v-14b": dict(vae="wan21", video=(480, 832, 81), clip=True),
+    "ti2v-5b": dict(vae="wan22", video=(704, 1280, 121), expand=True),
+    "t2v-a14b": dict(vae="wan21", video=(480, 832, 81), boundary=0.875),
+}
+# Their tiny stand-ins (`--smoke`): the same structure, a few KiB.
+SMOKE = dict(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32)
+
+
+def abstract_components(name: str, smoke: bool, key) -> tuple[dict, dict]:
+    """`name`'s components as `ShapeDtypeStruct` trees (nothing allocated), and the
+    pipeline's other arguments."""
+    spec = PIPELINES[name]
+    preset = models.WanConfig.preset(name if name != "t2v-a14b" else "t2v-14b")
+    # Wan 2.2's VAE takes its latent statistics from its checkpoint: here, the identity.
+    statistics = {} if spec["vae"] == "wan21" else dict(latents_mean=(0.0,) * 48, latents_std=(1.0,) * 48)
+    if smoke:
+        channels = dict(in_channels=preset.in_channels, out_channels=preset.out_channels)
+        wan = models.WanConfig(**SMOKE, **channels, image_dim=64 if spec.get("clip") else None)
+        t5 = models.T5EncoderConfig(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        clip = models.CLIPVisionConfig(hidden_size=64, intermediate_size=128, projection_dim=32,
+                                       num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                       patch_size=16)
+        small = dict(base_dim=8) if spec["vae"] == "wan21" else dict(base_dim=8, decoder_base_dim=16)
+        vae = getattr(models.WanVAEConfig, spec["vae"])(**small, **statistics)
+    else:
+        wan, t5, clip = preset, models.T5EncoderConfig(), models.CLIPVisionConfig()
+        vae = getattr(models.WanVAEConfig, spec["vae"])(**statistics)
+    shape = lambda make: eqx.filter_eval_shape(make)  # noqa: E731
+    if "boundary" in spec:
+        transformer = shape(lambda: models.WanExperts(
+            models.WanTransformer3D(wan, dtype=BF16, key=key),
+            models.WanTransformer3D(wan, dtype=BF16, key=jax.random.fold_in(key, 1)),
+            boundary=spec["boundary"]))
+    else:
+        transformer = shape(lambda: models.WanTransformer3D(wan, dtype=BF16, key=key))
+    components = dict(text_encoder=shape(lambda: models.T5Encoder(t5, dtype=BF16, key=key)),
+                      transformer=transformer,
+                      vae=shape(lambda: models.WanVAE(vae, dtype=F32, key=key)))
+    extra = dict(expand_timesteps=bool(spec.get("expand")))
+    if spec.get("clip"):
+        components["image_encoder"] = shape(lambda: models.CLIPVisionEncoder(clip, dtype=BF16, key=key))
+        extra["image_processor"] = models.CLIPImageProcessor.from_pretrained(
+            os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "i2v", "image_processor"))
+    return components, extra
+
+
 def run_pipeline(args, report, save):
     device = jax.devices()[0]
     key = jax.random.key(0)
+    spec = PIPELINES[args.model]
     if args.smoke:
-        t5 = models.T5EncoderConfig(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-        wan = models.WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32)
-        vae = models.WanVAEConfig.wan21(base_dim=8)
-        height, width, frames, steps, length = 32, 48, 5, 2, 16
+        (height, width, frames), steps, length = (32, 64, 5), min(args.steps, 2), 16
     else:
-        t5, wan = models.T5EncoderConfig(), models.WanConfig.preset("t2v-1.3b")
-        vae = models.WanVAEConfig.wan21()
-        height, width, frames, steps, length = args.height, args.width, args.frames, args.steps, 512
-    abstract = dict(
-        text_encoder=eqx.filter_eval_shape(lambda: models.T5Encoder(t5, dtype=BF16, key=key)),
-        transformer=eqx.filter_eval_shape(lambda: models.WanTransformer3D(wan, dtype=BF16, key=key)),
-        vae=eqx.filter_eval_shape(lambda: models.WanVAE(vae, dtype=F32, key=key)))
+        height, width, frames = (args.height or spec["video"][0], args.width or spec["video"][1],
+                                 args.frames or spec["video"][2])
+        steps, length = args.steps, 512
+    abstract, extra = abstract_components(args.model, args.smoke, key)
+    image = None
+    if spec.get("clip") or spec.get("expand"):  # the first frame, random pixels
+        image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
     pipe = pipelines.WanPipeline(
         tokenizer=interop.TextTokenizer.from_pretrained(os.path.join(FIXTURE, "tokenizer")),
-        scheduler=sampling.scheduler_from_config(os.path.join(FIXTURE, "scheduler")), **abstract)
+        scheduler=sampling.scheduler_from_config(os.path.join(FIXTURE, "scheduler")),
+        **abstract, **extra)
     start = time.perf_counter()
     plan = pipe.plan_memory(args.offload, args.device_memory, height=height, width=width,
                             num_frames=frames)
@@ -114,7 +167,7 @@ def run_pipeline(args, report, save):
     for i in range(args.runs):
         timings = {}
         start = time.perf_counter()
-        out = pipe("A cat walks on the grass, realistic", height=height, width=width,
+        out = pipe("A cat walks on the grass, realistic", image=image, height=height, width=width,
                    num_frames=frames, num_inference_steps=steps, guidance_scale=5.0,
                    max_sequence_length=length, progress=False,
                    report=lambda stage, s: timings.__setitem__(stage, s))
@@ -151,7 +204,8 @@ def run_stream(args, report, save):
     else:
         base = dataclasses.asdict(models.WanConfig.preset("t2v-14b"))
         base.pop("num_layers")
-        latent = (16, 1 + (args.frames - 1) // 4, args.height // 8, args.width // 8)
+        height, width, frames = args.height or 480, args.width or 832, args.frames or 81
+        latent = (16, 1 + (frames - 1) // 4, height // 8, width // 8)
         text = (512, base["text_dim"])
     branches = 2 if args.guided else 1  # guided: [conditional; unconditional], as the loop runs it
     x = jax.random.normal(key, (branches, *latent), F32).astype(BF16)
@@ -200,9 +254,11 @@ def main():
     parser.add_argument("what", choices=("pipeline", "stream"))
     parser.add_argument("--offload", default="auto")
     parser.add_argument("--device-memory", default=None)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--model", choices=sorted(PIPELINES), default="t2v-1.3b",
+                        help="pipeline: the Wan pipeline (default t2v-1.3b)")
+    parser.add_argument("--height", type=int, default=None, help="default: the model's video")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--frames", type=int, default=None)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=8, help="stream: blocks resident and streamed")
