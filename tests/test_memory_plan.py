@@ -17,7 +17,6 @@ import pytest
 
 from vidax_eqx import generate, interop, models, pipelines, sampling
 from vidax_eqx.pipelines import parse_bytes, plan_memory, Size
-from vidax_eqx.pipelines._memory import Residency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T2V = os.path.join(ROOT, "tests", "fixtures", "wan_pipeline", "t2v")
@@ -125,16 +124,11 @@ def test_parse_bytes():
 # -- blocks streamed from host memory, in the models' compiled steps ---------------------
 
 
-def _to_host(model):
-    """`model` with its blocks' matrices in host memory, as the plan `"blocks"` keeps them."""
-    host = Residency(None, jax.devices()[0]).host_sharding()
-    blocks = {id(a) for a in pipelines.streamed_leaves(model)}
-    return jax.tree.map(lambda a: jax.device_put(a, host) if id(a) in blocks else a, model)
-
-
 def test_streamed_blocks_give_the_resident_outputs():
     wan = models.WanTransformer3D.from_pretrained(WAN)
-    streamed = _to_host(wan)
+    streamed = pipelines.stream_blocks(wan)
+    with pytest.raises(ValueError, match="stream_blocks: a Linear has no stacked blocks"):
+        pipelines.stream_blocks(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
     assert streamed.blocks.self_attn.q.weight.sharding.memory_kind == "pinned_host"
     assert streamed.blocks.self_attn.q.bias.sharding.memory_kind == "device"
     rng = np.random.default_rng(0)

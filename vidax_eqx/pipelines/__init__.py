@@ -47,6 +47,7 @@ from ._memory import (
     parse_bytes as parse_bytes,
     plan_memory as plan_memory,
     Size as Size,
+    stream_blocks as stream_blocks,
     streamed_leaves as streamed_leaves,
 )
 from ._output import PipelineOutput as PipelineOutput, save_video as save_video
