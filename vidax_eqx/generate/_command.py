@@ -129,6 +129,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                    help="the transformer's and encoders' dtype (default: the checkpoint's)")
     m.add_argument("--vae-dtype", choices=_DTYPES, default="float32",
                    help="the VAE's dtype (default float32)")
+    m.add_argument("--quantize", choices=("none", "int8-weights", "int8"), default="none",
+                   help="the transformer's block layers in int8: int8-weights (half the bytes) "
+                        "or int8 (weights and activations: int8 products); default none")
     for axis, what in _AXES:
         m.add_argument(f"--{axis}", type=int, default=1, metavar="N",
                        help=f"devices for {what} (default 1; simulated on a CPU)")
@@ -400,7 +403,7 @@ def _run(args, start: float) -> list[str]:
         root, dtype=None if args.dtype is None else jnp.dtype(args.dtype),
         vae_dtype=jnp.dtype(args.vae_dtype), mesh=mesh, compile_cache=False,
         offload=args.offload, device_memory=args.device_memory, host_memory=args.host_memory,
-        plan_video=video)
+        plan_video=video, quantize=None if args.quantize == "none" else args.quantize)
     if mesh is None:
         log(f"{'plan':<10} {pipe.memory_plan.describe()}")
     where = "1 device" if mesh is None else f"mesh {dict(mesh.shape)}"

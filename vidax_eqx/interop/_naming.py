@@ -169,7 +169,7 @@ class LinearName(NamedTuple):
 
 
 def is_linear(x) -> bool:
-    return isinstance(x, (eqx.nn.Linear, nn.LoRALinear))
+    return isinstance(x, (eqx.nn.Linear, nn.LoRALinear, nn.QuantizedLinear))
 
 
 def linear_layers(module, *, stacked=(), rename=None) -> list[LinearName]:

@@ -87,6 +87,7 @@ from ._table import capability_table as capability_table
 from ._export import ExportedModel as ExportedModel, export as export
 from ._layers import REMAT_POLICIES as REMAT_POLICIES
 from ._lora import add_lora as add_lora, load_lora as load_lora, save_lora as save_lora
+from ._quantize import QUANTIZE as QUANTIZE, quantize as quantize
 from ._options import (
     BlockCausal as BlockCausal,
     SlidingTile as SlidingTile,

@@ -1,6 +1,7 @@
 """A model's checkpoint directory: its `config.json` and lazy tensors in, the model built
 abstractly and filled (sharded when asked)."""
 
+import functools
 import json
 import os
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import interop
+from ._quantize import quantize as quantize_model, quantize_mode, read_quantization
 
 
 def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):
@@ -40,21 +42,34 @@ def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=No
 
 
 def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
-                    implementation, mesh=None, **load_kwargs):
+                    implementation, mesh=None, quantization=None, quantize=None, **load_kwargs):
     """`cls(config, ...)` built abstractly (no random weights) in `dtype` (default: the
     checkpoint's dtype of the tensor `dtype_from`, else float32) and filled from
     `tensors` by [`vidax_eqx.interop.load_state_dict`][] (`load_kwargs`: `stacked=`,
     `rename=`); with `mesh`, every parameter placed by
     [`vidax_eqx.nn.sharding.partition_specs`][]`(model, mesh)` under `parallel`, each process
-    reading only the blocks its devices hold."""
+    reading only the blocks its devices hold.
+
+    `quantization`: the checkpoint's `config.json` `quantization_config` (int8 weights
+    written by a quantized model: built quantized, read as int8); `quantize`: the
+    `from_pretrained(quantize=)` option (a float checkpoint quantized once loaded; on an
+    int8 checkpoint it must name the checkpoint's own format)."""
+    owner = cls.__name__
+    stored, asked = read_quantization(owner, quantization), quantize_mode(
+        f"{owner}.from_pretrained", quantize)
+    if stored is not None and asked not in (None, stored):
+        raise ValueError(f"{owner}.from_pretrained: the checkpoint holds int8 weights of format "
+                         f"{stored} (weights, activations); received quantize={quantize!r}, "
+                         "another. Load it as it is (quantize=None).")
     if dtype is None:  # a missing tensor is reported by the load
         dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
+    build = functools.partial(cls, config, parallel=parallel, implementation=implementation,
+                              dtype=dtype, key=jax.random.PRNGKey(0))
     model = eqx.filter_eval_shape(
-        cls, config, parallel=parallel, implementation=implementation, dtype=dtype,
-        key=jax.random.PRNGKey(0),
-    )
+        build if stored is None else lambda: quantize_model(build(), *stored))
     try:
-        return interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs)
+        model = interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs)
+        return model if stored is not None or asked is None else quantize_model(model, *asked)
     except ValueError as e:
         if mesh is None or str(e).startswith("load_state_dict"):
             raise

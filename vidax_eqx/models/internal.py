@@ -13,8 +13,12 @@ with: the one documented door into `models`' private modules. Not part of the pu
 - `vae_jit`: `eqx.filter_jit` with the VAEs' compile options for the platform of the
     call (a lower XLA optimization effort on a TPU), for programs around a VAE's calls
     (the streaming pipeline's decode).
+- `quantize_to`: a transformer in the int8 format a `quantize=` option names (`None`:
+    as it is), one already in that format (an int8 checkpoint) as it is; the pipelines'
+    `from_pretrained(quantize=)`.
 """
 
 from ._capabilities import require as require_capability
+from ._quantize import quantize_to as quantize_to
 from ._export import mismatch as mismatch, pack as pack, signature as signature, unpack as unpack
 from ._vae import vae_jit as vae_jit, vae_program as vae_program

@@ -30,6 +30,11 @@ from ._feedforward import FeedForward as FeedForward, TimestepEmbedding as Times
 from ._patch import PatchEmbedding as PatchEmbedding
 from ._conv import CausalConv3d as CausalConv3d, FrameConv2d as FrameConv2d
 from ._group_norm import GroupNorm as GroupNorm
+from ._quantized import (
+    QUANTIZED_ACTIVATIONS as QUANTIZED_ACTIVATIONS,
+    product as product,
+    QuantizedLinear as QuantizedLinear,
+)
 from ._lora import (
     LoRA as LoRA,
     LoRALinear as LoRALinear,

@@ -18,14 +18,21 @@ from .._vma import as_varying, varying_axes
 from ..parallel import axis_size
 from ._lora import lora_term
 from ._norm import RMSNorm, tp_sharded_rms_norm
+from ._quantized import product
 
 
 def linear(layer: eqx.nn.Linear, x: Array) -> Array:
     """`x @ W.T + b` on the last axis of `x` (e.g. `(S, in)` tokens), plus the low-rank
-    term of a `LoRALinear`'s adapters; a column-parallel shard gives its own columns."""
-    y = x @ layer.weight.T
+    term of a `LoRALinear`'s adapters; a column-parallel shard gives its own columns; a
+    `QuantizedLinear` (or an adapter's quantized base) multiplies in int8."""
+    y = product(_base(layer), x)
     y = y + lora_term(layer, x, y.dtype)
     return y if layer.bias is None else y + layer.bias
+
+
+def _base(layer):
+    """The layer whose weight multiplies: a `LoRALinear`'s base, or the layer."""
+    return getattr(layer, "base", layer)
 
 
 def tp_input(x: Array, tp_axis: str | None) -> Array:
@@ -40,7 +47,7 @@ def row_parallel(layer: eqx.nn.Linear, x: Array, tp_axis: str | None) -> Array:
     """The output projection: partial products (with a `LoRALinear`'s adapter term,
     whose `A` holds this device's input features) summed over `tp_axis`, bias added
     once."""
-    y = x @ layer.weight.T
+    y = product(_base(layer), x, tp_axis=tp_axis)
     y = y + lora_term(layer, x, y.dtype)
     if tp_axis is not None:
         y = jax.lax.psum(y, tp_axis)

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._shapes import checked
 from . import _init as init
+from ._quantized import product, QuantizedLinear
 
 
 DEFAULT = "default"
@@ -116,9 +117,17 @@ class LoRALinear(eqx.Module):
         as `eqx.nn.Linear` takes it, or any leading axes). `key` is ignored."""
         del key
         with jax.named_scope("vidax_eqx.nn.LoRALinear"):
-            y = x @ self.weight.T
+            y = product(self.base, x)
             y = y + lora_term(self, x, y.dtype)
             return y if self.bias is None else y + self.bias
+
+
+def _refuse_quantized(owner: str, layer) -> None:
+    if isinstance(layer.base, QuantizedLinear):
+        raise ValueError(
+            f"{owner}: this adapter's base layer has int8 weights (a QuantizedLinear): folding "
+            "the adapter into it would quantize the sum again. Merge before quantizing "
+            "(`models.quantize(merge_lora(model))`), or keep the adapters unmerged.")
 
 
 def is_lora_linear(x) -> bool:
@@ -163,15 +172,18 @@ def with_lora(layer, rank: int, *, alpha: float | None = None, name: str = DEFAU
         raise ValueError(f"with_lora: `rank` must be a positive integer; received {rank!r}.")
     if alpha is not None and not (isinstance(alpha, (int, float)) and math.isfinite(alpha)):
         raise ValueError(f"with_lora: `alpha` must be a finite number or None; received {alpha!r}.")
-    if not isinstance(layer, (eqx.nn.Linear, LoRALinear)):
-        raise ValueError(f"with_lora: `layer` must be an eqx.nn.Linear or LoRALinear; received "
-                         f"{type(layer).__name__}.")
+    if not isinstance(layer, (eqx.nn.Linear, LoRALinear, QuantizedLinear)):
+        raise ValueError(f"with_lora: `layer` must be an eqx.nn.Linear, LoRALinear or "
+                         f"QuantizedLinear; received {type(layer).__name__}.")
     existing = layer.adapters if isinstance(layer, LoRALinear) else {}
     if name in existing:
         raise ValueError(f"with_lora: the layer already has an adapter named {name!r}; pass "
                          "another `name`.")
-    *lead, out_features, in_features = layer.weight.shape
-    dtype = layer.weight.dtype if dtype is None else dtype
+    base = layer.base if isinstance(layer, LoRALinear) else layer
+    stored = base.qweight if isinstance(base, QuantizedLinear) else base.weight  # (no dequantizing)
+    *lead, out_features, in_features = stored.shape
+    if dtype is None:
+        dtype = base.dtype if isinstance(base, QuantizedLinear) else base.weight.dtype
     bound = 1 / math.sqrt(in_features)
     adapter = LoRA(
         lora_A=init.uniform(key, (*lead, rank, in_features), dtype, bound),
@@ -288,6 +300,7 @@ def merge_lora(tree, names=None, *, keep_originals: bool = False):
         todo = [n for n in names if n in layer.adapters and n not in layer.merged]
         if not todo:
             return layer
+        _refuse_quantized("merge_lora", layer)
         weight = _shift(layer.weight, [layer.adapters[n] for n in todo], +1)
         base = eqx.tree_at(lambda b: b.weight, layer.base, weight)
         return LoRALinear(base, layer.adapters, layer.merged + tuple(todo))
@@ -323,6 +336,7 @@ def unmerge_lora(tree, names=None, *, originals: dict | None = None):
         if not todo:
             out.append(layer)
             continue
+        _refuse_quantized("unmerge_lora", layer)
         if originals is not None:
             where = jax.tree_util.keystr(path)
             if where not in originals:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import interop, models, sampling
+from ..models import internal as models_internal
 from ._common import (
     check_int, dtype_of, encode_prompts, given_embeddings, load_text_encoder, parallel_for,
 )
@@ -217,7 +218,8 @@ class AbstractVideoPipeline(abc.ABC):
                         vae_dtype=jnp.float32, mesh=None, parallel=None, scheduler=None,
                         revision: str | None = None, cache_dir=None,
                         compile_cache: bool = True, offload: str = "auto",
-                        device_memory=None, plan_video=None, host_memory=None):
+                        device_memory=None, plan_video=None, host_memory=None,
+                        quantize: str | None = None):
         """A pipeline folder saved by diffusers (`save_pretrained`) of one of the
         family's `pipeline_classes`, or a Hub repository of one (only JSON, safetensors
         and tokenizer files are fetched).
@@ -266,6 +268,10 @@ class AbstractVideoPipeline(abc.ABC):
             memory. A plan whose components kept off the device do not fit raises
             `ValueError` before any weight is read (Wan 2.2 A14B's two bf16 experts,
             56 GB, streamed on a machine of 40 GiB).
+        - `quantize`: `"int8-weights"` or `"int8"` (weights and activations): the
+            transformer's block layers in int8 ([`vidax_eqx.models.quantize`][]), half
+            their bytes, planned as such; under a memory plan the float weights are
+            read and quantized on the host CPU before they go where the plan says.
         """
         if compile_cache:
             enable_compile_cache()
@@ -274,11 +280,16 @@ class AbstractVideoPipeline(abc.ABC):
         if parallel is None:
             parallel = parallel_for(mesh)
         encoder_dtype = text_encoder_dtype or dtype or jnp.float32
+        if quantize not in models.QUANTIZE:  # (before any file is read)
+            raise ValueError(f"{cls.__name__}.from_pretrained: `quantize` must be one of "
+                             f"{models.QUANTIZE}; received {quantize!r}.")
 
         def build():
             components = cls.load_components(folder, dtype=dtype, vae_dtype=vae_dtype,
                                              encoder_dtype=encoder_dtype, parallel=parallel,
                                              mesh=mesh)
+            components["transformer"] = models_internal.quantize_to(
+                components["transformer"], quantize, cls.__name__)
             tokenizer = text_encoder = None
             if folder.has("tokenizer"):
                 tokenizer = interop.TextTokenizer.from_pretrained(
@@ -307,8 +318,9 @@ class AbstractVideoPipeline(abc.ABC):
         for name, place in plan.placement.items():
             component = getattr(abstract, name)
             experts = component.experts if isinstance(component, models.AbstractExperts) else ()
-            for part in (component, *experts):
-                where[type(part)] = None if place == "device" else host
+            off = place != "device" or (quantize is not None and name == "transformer")
+            for part in (component, *experts):  # (int8: quantized on the host, then placed)
+                where[type(part)] = host if off else None
         with interop.loading(lambda module: where.get(type(module))):
             pipe = build()
         pipe.apply_memory_plan(plan)

@@ -19,6 +19,7 @@ from ...nn.internal import check_text, init, linear
 from .._base import AbstractModel
 from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
+from .._quantize import quantization_config
 from .._layers import check_remat, scan_layers
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._token_layout import TokenLayout
@@ -262,6 +263,7 @@ class CogVideoXTransformer3D(AbstractModel):
         subfolder: str | None = None,
         revision: str | None = None,
         cache_dir=None,
+        quantize: str | None = None,
     ) -> "CogVideoXTransformer3D":
         """Loads a diffusers CogVideoX checkpoint (`CogVideoXTransformer3DModel`).
 
@@ -284,6 +286,10 @@ class CogVideoXTransformer3D(AbstractModel):
         - `subfolder`: the folder of `path` holding the checkpoint, e.g.
             `"transformer"` for a pipeline repository (`THUDM/CogVideoX-2b`).
         - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
+        - `quantize`: `"int8-weights"` or `"int8"` (weights and activations): the
+            model's block layers in int8 once loaded ([`vidax_eqx.models.quantize`][]).
+            A checkpoint written by a quantized model (its `config.json` has a
+            `quantization_config`) loads as int8 without it, bit for bit.
 
         **Returns:**
 
@@ -300,7 +306,8 @@ class CogVideoXTransformer3D(AbstractModel):
         config = CogVideoXConfig.from_diffusers(raw)
         return load_pretrained(cls, config, tensors, dtype=dtype, dtype_from="proj_out.weight",
                                parallel=parallel, implementation=implementation, mesh=mesh,
-                               stacked=cls.stacked_layers)
+                               stacked=cls.stacked_layers, quantize=quantize,
+                               quantization=raw.get("quantization_config"))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The parameters under diffusers' names, one tensor per layer."""
@@ -326,5 +333,8 @@ class CogVideoXTransformer3D(AbstractModel):
         """
         os.makedirs(path, exist_ok=True)
         interop.write_checkpoint(path, self.state_dict(), max_shard_bytes=max_shard_bytes)
+        config = self.config.to_diffusers()
+        if (quantized := quantization_config(self)) is not None:  # int8 weights and scales
+            config["quantization_config"] = quantized
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(self.config.to_diffusers(), f, indent=2)
+            json.dump(config, f, indent=2)

@@ -174,12 +174,14 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         subfolder: str | None = None,
         revision: str | None = None,
         cache_dir=None,
+        quantize: str | None = None,
     ) -> "SkyReelsV2Transformer3D":
         """Loads a diffusers `SkyReelsV2Transformer3DModel` directory (`config.json` and
         the safetensors weights), e.g. the `transformer/` folder of
         `Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers` (`subfolder="transformer"`). Built
         abstractly, every shape checked before any tensor is read, nothing partially
-        loaded; the arguments are [`WanTransformer3D.from_pretrained`][]'s."""
+        loaded; the arguments are [`WanTransformer3D.from_pretrained`][]'s (`quantize`
+        included)."""
         raw, tensors = read_config(path, "SkyReelsV2Transformer3D", subfolder=subfolder,
                                    revision=revision, cache_dir=cache_dir)
         if raw.get("_class_name", "SkyReelsV2Transformer3DModel") != "SkyReelsV2Transformer3DModel":
@@ -190,7 +192,8 @@ class SkyReelsV2Transformer3D(WanTransformer3D):
         config = SkyReelsV2Config.from_diffusers(raw)
         return load_pretrained(cls, config, tensors, dtype=dtype, dtype_from="patch_embedding.weight",
                                parallel=parallel, implementation=implementation, mesh=mesh,
-                               stacked=cls.stacked_layers, rename=rename)
+                               stacked=cls.stacked_layers, quantize=quantize,
+                               quantization=raw.get("quantization_config"), rename=rename)
 
     def state_dict(self, *, layout: str = "diffusers"):
         """The parameters under diffusers' names (the only layout SkyReels-V2 is read and

@@ -285,7 +285,8 @@ class WanExperts(AbstractExperts):
     def from_pretrained(cls, path, *, boundary: float | None = None, dtype=None,
                         parallel: sharding.ParallelConfig = sharding.ParallelConfig(),
                         implementation="auto", pad_text: bool = False, mesh=None,
-                        revision: str | None = None, cache_dir=None) -> "WanExperts":
+                        revision: str | None = None, cache_dir=None,
+                        quantize: str | None = None) -> "WanExperts":
         """Loads Wan 2.2 A14B from a directory in one of its two layouts:
 
         - a diffusers pipeline (`Wan-AI/Wan2.2-T2V-A14B-Diffusers`): `model_index.json`,
@@ -305,7 +306,7 @@ class WanExperts(AbstractExperts):
             only the experts' folders and `model_index.json` are fetched), see
             [`vidax_eqx.interop.resolve_checkpoint`][].
         - `boundary`: overrides the boundary the directory gives.
-        - `dtype`, `parallel`, `implementation`, `pad_text`, `mesh`: as for
+        - `dtype`, `parallel`, `implementation`, `pad_text`, `mesh`, `quantize`: as for
             [`WanTransformer3D.from_pretrained`][], for both experts.
         - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
         """
@@ -339,7 +340,7 @@ class WanExperts(AbstractExperts):
         high, low = (
             WanTransformer3D.from_pretrained(os.path.join(root, f), dtype=dtype, parallel=parallel,
                                              implementation=implementation, pad_text=pad_text,
-                                             mesh=mesh)
+                                             mesh=mesh, quantize=quantize)
             for f in folders
         )
         return cls(high, low, boundary)

@@ -18,6 +18,7 @@ from ...nn import functional, sharding
 from ...nn.internal import check_text, init, linear
 from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
+from .._quantize import quantization_config
 from .._dit import AbstractVideoDiT, CallState
 from .._kv_cache import error_past_reach, KVCache, StreamLayout
 from .._layers import check_remat, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs
@@ -365,6 +366,7 @@ class WanTransformer3D(AbstractVideoDiT):
         subfolder: str | None = None,
         revision: str | None = None,
         cache_dir=None,
+        quantize: str | None = None,
     ) -> "WanTransformer3D":
         """Loads a Wan 2.1 checkpoint: a diffusers directory or the original Wan layout.
 
@@ -409,6 +411,10 @@ class WanTransformer3D(AbstractVideoDiT):
         - `subfolder`: the folder of `path` holding the checkpoint, e.g.
             `"transformer"` for a diffusers pipeline (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`).
         - `revision`, `cache_dir`: the Hub revision and cache directory (Hub ids only).
+        - `quantize`: `"int8-weights"` or `"int8"` (weights and activations): the
+            model's block layers in int8 once loaded ([`vidax_eqx.models.quantize`][]).
+            A checkpoint written by a quantized model (its `config.json` has a
+            `quantization_config`) loads as int8 without it, bit for bit.
 
         **Returns:**
 
@@ -434,7 +440,8 @@ class WanTransformer3D(AbstractVideoDiT):
         return load_pretrained(cls, config, tensors, dtype=dtype,
                                dtype_from="patch_embedding.weight", parallel=parallel,
                                implementation=implementation, mesh=mesh,
-                               stacked=cls.stacked_layers, rename=rename)
+                               stacked=cls.stacked_layers, quantize=quantize,
+                               quantization=raw.get("quantization_config"), rename=rename)
 
     def state_dict(self, *, layout: str = "diffusers") -> dict[str, np.ndarray]:
         """The parameters under the checkpoint names of `layout` (`"diffusers"` or
@@ -491,6 +498,8 @@ class WanTransformer3D(AbstractVideoDiT):
         `from_pretrained(path)` gives back the same arrays bit for bit.
         """
         config = self.config.to_diffusers() if check_layout(layout) == "diffusers" else self.config.to_wan()
+        if (quantized := quantization_config(self)) is not None:  # int8 weights and scales
+            config["quantization_config"] = quantized
         os.makedirs(path, exist_ok=True)
         interop.write_checkpoint(path, self.state_dict(layout=layout),
                                  max_shard_bytes=max_shard_bytes)

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._config import agreed, check_parallel, fsdp_axes_of, ParallelConfig
 from .._lora import is_lora_linear
+from .._quantized import QuantizedLinear
 from ._parallel_layer import AbstractParallelLayer
 
 
@@ -51,8 +52,10 @@ def _module_specs(m):
         lin = getattr(m, name)
         if lin is None:
             continue
-        where.append(lambda s, n=name: getattr(s, n).weight)
-        values.append(spec(lin.weight, tp, None))
+        for w in _weights(lin):  # split over the output features (an int8 scale's only axis)
+            own = len(w(lin).shape) - _stack(lin)
+            where.append(lambda s, n=name, w=w: w(getattr(s, n)))
+            values.append(spec(w(lin), tp, *(None,) * (own - 1)))
         if lin.bias is not None:
             where.append(lambda s, n=name: getattr(s, n).bias)
             values.append(spec(lin.bias, tp))
@@ -63,8 +66,12 @@ def _module_specs(m):
         lin = getattr(m, name)
         if lin is None:
             continue
-        where.append(lambda s, n=name: getattr(s, n).weight)
-        values.append(spec(lin.weight, None, tp))
+        weight, *scale = _weights(lin)  # the input features split; an int8 scale whole
+        where.append(lambda s, n=name, w=weight: w(getattr(s, n)))
+        values.append(spec(weight(lin), None, tp))
+        for w in scale:
+            where.append(lambda s, n=name, w=w: w(getattr(s, n)))
+            values.append(P())
         if lin.bias is not None:
             where.append(lambda s, n=name: getattr(s, n).bias)
             values.append(P())
@@ -80,6 +87,20 @@ def _module_specs(m):
             where.append(lambda s, n=name: getattr(s, n).weight)
             values.append(spec(getattr(m, name).weight, tp, None))
     return eqx.tree_at(lambda s: [w(s) for w in where], specs, values)
+
+
+def _weights(lin) -> list:
+    """Getters of a linear layer's weight arrays: its `weight`, or an int8 layer's
+    `qweight` and `scale` (through a `LoRALinear`'s base)."""
+    base = (lambda l: l.base) if is_lora_linear(lin) else (lambda l: l)
+    if isinstance(base(lin), QuantizedLinear):
+        return [lambda l: base(l).qweight, lambda l: base(l).scale]
+    return [lambda l: base(l).weight]
+
+
+def _stack(lin) -> int:
+    """The stacked (leading layer) axes of a linear layer's weight."""
+    return len(_weights(lin)[0](lin).shape) - 2
 
 
 def _adapters(lin) -> list[str]:
