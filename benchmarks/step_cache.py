@@ -1,4 +1,4 @@
-"""Step caching in `sampling.sample` (`step_cache=StaticStepCache | FirstBlockCache`):
+"""Step caching in `sampling.sample` (`StaticStepCache | MagCache | FirstBlockCache`):
 the speed-up against the uncached sampler, and how far the cached latents land from the
 uncached ones, on a tiny Wan trained by `examples/train_wan.py`, in one process on one
 device.
@@ -23,6 +23,9 @@ contexts (the guided batch: those and a zero `negative_context`), guidance 5.0,
 - `uncached`: the reference;
 - `StaticStepCache(interval=2, warmup=1)` and `StaticStepCache(interval=2,
   warmup=steps // 5, cooldown=steps // 10)`: fixed schedules;
+- `MagCache` at each of `--mag-errors` (`max_error`; `max_skip` 2, retention 0.2),
+  its ratios calibrated by `calibrate_magcache` on another noise draw than the one
+  timed (the ratios are printed);
 - `FirstBlockCache(threshold)` at each of `--thresholds` (warmup 1, cooldown 0;
   default 0.1, 0.2, 0.3, the usual range; a model trained less changes more per step,
   and reuses less at each: after 300 training steps 0.1 reuses nothing, so pass e.g.
@@ -61,6 +64,7 @@ Prints a Markdown table and one JSON line per row.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -96,7 +100,7 @@ def train_model(a):
                               in_channels=train_wan.LATENTS[1],
                               out_channels=train_wan.LATENTS[1],
                               text_dim=train_wan.TEXT[1], freq_dim=32)
-    model = train_wan.init_model(a.seed, config)
+    model = models.WanTransformer3D(config, key=jax.random.PRNGKey(a.seed))  # as the example builds it
     data = train_wan.dataset(a.seed)
     optimizer = optax.adamw(a.lr)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
@@ -123,6 +127,7 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="denoising steps")
     p.add_argument("--prompts", type=int, default=2, help="training contexts sampled (1-4)")
     p.add_argument("--thresholds", type=float, nargs="+", default=(0.1, 0.2, 0.3))
+    p.add_argument("--mag-errors", type=float, nargs="+", default=(0.06, 0.12, 0.24))
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
@@ -156,6 +161,14 @@ def main():
     if (warm, cool) != (1, 0):  # the second schedule, unless it is the first one
         variants[f"static interval=2 warmup={warm} cooldown={cool}"] = sampling.StaticStepCache(
             interval=2, warmup=warm, cooldown=cool)
+    calibration = jnp.asarray(np.random.default_rng([a.seed, 4]).standard_normal(
+        noise.shape, np.float32))  # another draw than the timed one
+    magcache = sampling.calibrate_magcache(model, calibration, context, negative_context=negative,
+                                           steps=a.steps, scheduler=scheduler,
+                                           guidance=sampling.Guidance(5.0))
+    print("MagCache ratios (calibrated): " + ", ".join(f"{r:.3f}" for r in magcache.ratios))
+    for error in a.mag_errors:
+        variants[f"magcache max_error={error:g}"] = dataclasses.replace(magcache, max_error=error)
     for th in a.thresholds:
         variants[f"first-block threshold={th:g}"] = sampling.FirstBlockCache(th)
 

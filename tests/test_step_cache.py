@@ -294,3 +294,61 @@ def test_bad_input(t2v, sample_io):
         model.cached_call(x[0], t[0], c[0], models.StepCache(jnp.zeros((3, 64)),
                                                               jnp.zeros((3, 64)),
                                                               jnp.asarray(False)))
+
+
+# -- 6. MagCache: a schedule from calibrated magnitude ratios -----------------------------
+
+
+def test_magcache_schedule():
+    # Worked by hand: from step max(1, int(0.25 * 8)) = 2 on, the running ratio and the
+    # summed |1 - ratio|: step 2 (0.97, 0.03) reuses; step 3 (0.9603, 0.0697 > 0.06)
+    # runs and restarts; 4 (1.0, 0) reuses; 5 (0.9, 0.1) runs; 6 (0.95, 0.05) reuses;
+    # 7 (0.969, 0.081) runs.
+    ratios = (1.0, 0.98, 0.97, 0.99, 1.0, 0.9, 0.95, 1.02)
+    rule = sampling.MagCache(ratios, max_error=0.06, max_skip=2, retention=0.25)
+    np.testing.assert_array_equal(rule.mask(8), [0, 0, 1, 0, 1, 0, 1, 0])
+    # At most max_skip steps in a row; the cooldown runs.
+    flat = sampling.MagCache((1.0,) * 8, max_error=1.0, max_skip=2, retention=0.0, cooldown=1)
+    np.testing.assert_array_equal(flat.mask(8), [0, 1, 1, 0, 1, 1, 0, 0])
+    # Another step count takes each step's nearest calibrated ratio.
+    np.testing.assert_array_equal(rule.step_ratios(4), [1.0, 0.97, 0.9, 1.02])
+
+
+def test_magcache_calibrated_and_sampled(t2v, sample_io, tmp_path):
+    from vidax_eqx.sampling._loop import denoising_loop
+    from vidax_eqx.sampling._sample import prepare
+
+    model, _ = t2v
+    rule = sampling.calibrate_magcache(model, **sample_io, max_error=0.5, retention=0.2)
+    assert len(rule.ratios) == 5 and rule.ratios[0] == 1.0 and rule.max_error == 0.5
+    # The ratios are the loop's residual norms, step over step; the first norm is the
+    # block stack's residual of the guided batch at the first timestep (cached_call).
+    caching = sampling.Caching(step=sampling.StaticStepCache(interval=1))
+    inputs, options = prepare(
+        "test", model, sample_io["noise"], sample_io["context"],
+        negative_context=sample_io["negative_context"], steps=5, scheduler="unipc",
+        guidance=sampling.Guidance(), placement=sampling.Placement(), caching=caching,
+        compilation=sampling.Compilation(), condition=None, key=None, model_kwargs={})
+    norms = np.asarray(denoising_loop(inputs, options).residual_norms, np.float64)
+    np.testing.assert_allclose(rule.ratios[1:], norms[1:] / norms[:-1], rtol=1e-6)
+    x = jnp.concatenate([sample_io["noise"]] * 2)
+    c = jnp.concatenate([sample_io["context"], sample_io["negative_context"]])
+    t0 = options.scheduler.timestep(options.scheduler.plan(5), 0)  # the loop's own scheduler
+    _, cache = _cached(model, x, jnp.full((2,), t0), c, models.StepCache(), False, None)
+    residual = np.asarray(cache.residual, np.float64)
+    np.testing.assert_allclose(norms[0], np.sqrt(np.sum(residual ** 2)), rtol=1e-5)
+    # Sampling with the rule reuses exactly its mask's steps; saved and loaded, the same.
+    out, reused = harness.sample_reused(model, **sample_io, caching=sampling.Caching(step=rule))
+    np.testing.assert_array_equal(reused, rule.mask(5))
+    assert reused.any() and np.isfinite(np.asarray(out)).all()
+    rule.save(tmp_path / "magcache.json")
+    assert sampling.MagCache.load(tmp_path / "magcache.json") == rule
+    with pytest.raises(ValueError, match="is not a MagCache file"):
+        (tmp_path / "other.json").write_text('{"class": "StaticStepCache"}')
+        sampling.MagCache.load(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="`ratios` must be a non-empty tuple of positive"):
+        sampling.MagCache(())
+    with pytest.raises(ValueError, match="max_error"):
+        sampling.MagCache((1.0,), max_error=0.0)
+    with pytest.raises(ValueError, match=r"`retention` .* must be in \[0, 1\]; received 1.5"):
+        sampling.MagCache((1.0,), retention=1.5)

@@ -24,9 +24,11 @@ above [`vidax_eqx.models`][].
     options, ...); each scheduler's `from_config` reads its own class's.
 - [`export_sample`][], [`ExportedSampler`][]: `sample`'s compiled loop exported
     (`jax.export`) and serialized, for a server that reloads it instead of tracing.
-- [`StaticStepCache`][], [`FirstBlockCache`][]: step caching (`Caching(step=...)`), the opt-in
-    reuse of the block stack's residual on steps that change little (a static
-    schedule; a data-dependent rule decided once for every device).
+- [`StaticStepCache`][], [`MagCache`][], [`FirstBlockCache`][]: step caching
+    (`Caching(step=...)`), the opt-in reuse of the block stack's residual on steps that
+    change little (a static schedule; one from the residual's calibrated magnitude
+    ratios, [`calibrate_magcache`][]; a data-dependent rule decided once for every
+    device).
 - [`AbstractScheduler`][]: their contract, `plan` / `init` / `step` / `timestep`;
     [`SchedulerPlan`][] and [`SchedulerState`][] are the arrays a denoising loop
     carries, so that the whole loop is one `lax.fori_loop`.
@@ -55,6 +57,8 @@ from ._progress import (
     ProgressLines as ProgressLines,
     SampleStep as SampleStep,
 )
-from ._sample import sample as sample
+from ._sample import calibrate_magcache as calibrate_magcache, sample as sample
 from ._stream import sample_stream as sample_stream
-from ._step_cache import FirstBlockCache as FirstBlockCache, StaticStepCache as StaticStepCache
+from ._step_cache import (
+    FirstBlockCache as FirstBlockCache, MagCache as MagCache, StaticStepCache as StaticStepCache,
+)

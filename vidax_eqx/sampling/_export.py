@@ -20,7 +20,8 @@ _ARGS = ("model", "noise", "context", "negative_context", "guidance_scales",
          "model_kwargs", "plan", "key", "batched", "reuse", "count", "condition", "forcing")
 _CLASSES = {cls.__name__: cls for cls in (
     _flow_match.FlowMatchEuler, _flow_match.UniPC, _cogvideox.CogVideoXDDIM,
-    _cogvideox.CogVideoXDPM, _step_cache.StaticStepCache, _step_cache.FirstBlockCache)}
+    _cogvideox.CogVideoXDPM, _step_cache.StaticStepCache, _step_cache.FirstBlockCache,
+    _step_cache.MagCache)}
 
 
 def _encode(obj):

@@ -77,6 +77,9 @@ class LoopResult(NamedTuple):
     latents: Array
     reused: Bool[Array, " steps"] | None
     """Which steps reused the step cache, `None` without step caching."""
+    residual_norms: Float[Array, " steps"] | None
+    """Each step's block-stack residual norm over the batch (the reused one at a step that
+    reused), `None` without step caching: MagCache's calibration."""
 
 
 _BATCH = "vidax_eqx.sampling.batch"
@@ -181,7 +184,7 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
             shapes = eqx.filter_eval_shape(lambda: predict(
                 model, x, t0, context, step=(models.StepCache(), False, threshold))[1])
             cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            cache_carry = (cache, jnp.zeros(plan.steps, bool))
+            cache_carry = (cache, jnp.zeros(plan.steps, bool), jnp.zeros(plan.steps, jnp.float32))
         return noise, scheduler.init(noise), cache_carry
 
     def body(i, carry):
@@ -200,9 +203,11 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
         if cache_carry is None:
             out = predict(model, x, t_in, context)
         else:
-            cache, reused = cache_carry
+            cache, reused, norms = cache_carry
             out, cache = predict(model, x, t_in, context, step=(cache, reuse[i], threshold))
-            cache_carry = cache, reused.at[i].set(cache.reused[0])
+            # The residual's magnitude over the batch: what MagCache calibrates with.
+            norm = jnp.sqrt(jnp.sum(jnp.square(cache.residual)))
+            cache_carry = cache, reused.at[i].set(cache.reused[0]), norms.at[i].set(norm)
         if guided:
             cond, uncond = jnp.split(out, 2)
             scales = inputs.guidance_scales
@@ -222,7 +227,9 @@ def _steps(inputs: LoopInputs, options: LoopOptions, prepared: Prepared) -> _Ste
         latents, _, cache_carry = carry
         if mode == "frames":  # the condition's frames, clean, as diffusers returns them
             latents = jnp.where(kept, condition, latents)
-        return LoopResult(latents, None if cache_carry is None else cache_carry[1])
+        if cache_carry is None:
+            return LoopResult(latents, None, None)
+        return LoopResult(latents, cache_carry[1], cache_carry[2])
 
     return _Steps(body, init, finish)
 

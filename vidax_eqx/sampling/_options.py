@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 
 from .._checks import is_int, is_real
-from ._step_cache import FirstBlockCache, StaticStepCache
+from ._step_cache import FirstBlockCache, MagCache, StaticStepCache
 
 
 def _check_scale(owner: str, name: str, value, required: bool = True) -> None:
@@ -97,8 +97,9 @@ class Caching(eqx.Module):
         changes in every block (its keys and values cannot be cached exactly).
     - `step`: step caching, off by default: a [`StaticStepCache`][] (a fixed set of
         steps reuse the residual of the whole block stack from the last step that ran
-        it) or a [`FirstBlockCache`][] (every step runs the first block, and skips the
-        others when their input changed by less than a threshold). An approximation,
+        it), a [`MagCache`][] (such a schedule from the residual's calibrated
+        magnitude ratios) or a [`FirstBlockCache`][] (every step runs the first block,
+        and skips the others when their input changed by less than a threshold). An approximation,
         traded for speed: the steps that run every block are exact. One decision per
         step for the whole batch (guidance's two halves included), reduced over every
         device when sharded; a progress callback sees each step's decision
@@ -109,16 +110,18 @@ class Caching(eqx.Module):
     """
 
     text: bool = eqx.field(static=True, default=True)
-    step: StaticStepCache | FirstBlockCache | None = eqx.field(static=True, default=None)
+    step: StaticStepCache | FirstBlockCache | MagCache | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         if not isinstance(self.text, bool):
             raise ValueError(f"Caching: `text` (the text cache) must be True or False; received "
                              f"{self.text!r}.")
-        if self.step is not None and not isinstance(self.step, (StaticStepCache, FirstBlockCache)):
+        if self.step is not None and not isinstance(self.step, (StaticStepCache, FirstBlockCache,
+                                                                MagCache)):
             raise ValueError(
-                "Caching: `step` must be None, a sampling.StaticStepCache or a "
-                f"sampling.FirstBlockCache; received {type(self.step).__name__}.")
+                "Caching: `step` must be None, a sampling.StaticStepCache, a "
+                f"sampling.FirstBlockCache or a sampling.MagCache; received "
+                f"{type(self.step).__name__}.")
 
 
 class Compilation(eqx.Module):

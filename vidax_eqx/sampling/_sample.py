@@ -2,6 +2,7 @@
 classifier-free guidance batched or over a mesh axis, in one compiled `lax.fori_loop`;
 its options in four objects, its progress through a callback of the call."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -20,6 +21,7 @@ from ._forcing import DiffusionForcing
 from ._loop import denoising_loop, LoopInputs, LoopOptions, stepwise_loop
 from ._options import Caching, Compilation, Guidance, Placement
 from ._progress import AbstractProgress, default_progress
+from ._step_cache import MagCache, StaticStepCache
 
 
 # The keywords `sample` took before 0.2.0, each now a field of one of its option objects.
@@ -344,3 +346,35 @@ def _threshold(step_cache):
     threshold = getattr(step_cache, "threshold", None)
     return None if threshold is None else jax.device_put(np.float32(threshold))
 
+
+
+def calibrate_magcache(model, noise, context, *, negative_context=None, steps: int = 50,
+                       scheduler=None, guidance: Guidance = Guidance(),
+                       placement: Placement = Placement(), condition=None, key=None,
+                       **kwargs) -> MagCache:
+    """A [`MagCache`][] for `model` at `steps` steps, measured on one generation: `sample`'s
+    loop with every block run at every step, each step's residual of the block stack
+    (over the batch, guidance's two halves included) divided by the previous step's.
+    MagCache's observation is that these ratios barely depend on the prompt and the
+    noise: calibrate once (a few prompts' ratios may be averaged: `MagCache(ratios=...)`)
+    and reuse the rule for every generation of that model and step count.
+
+    **Arguments:** `sample`'s (the text cache on; no step caching or diffusion forcing);
+    `kwargs`: `MagCache`'s `max_error`, `max_skip`, `retention`, `cooldown`, and the
+    model's keyword arguments.
+
+    **Returns:** `MagCache(ratios=...)`, the first ratio 1.
+    """
+    fields = {f.name for f in dataclasses.fields(MagCache)} - {"ratios"}
+    rule = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    inputs, options = prepare(
+        "calibrate_magcache", model, noise, context, negative_context=negative_context,
+        steps=steps, scheduler=scheduler, guidance=guidance, placement=placement,
+        caching=Caching(step=StaticStepCache(interval=1)), compilation=Compilation(),
+        condition=condition, key=key, model_kwargs=kwargs)
+    norms = np.asarray(denoising_loop(inputs, options).residual_norms, np.float64)
+    if not np.all(np.isfinite(norms)) or np.any(norms <= 0):
+        raise ValueError(f"calibrate_magcache: the block stack's residual norms must be finite "
+                         f"and positive to take their ratios; received {norms.tolist()}.")
+    ratios = np.concatenate([[1.0], norms[1:] / norms[:-1]])
+    return MagCache(ratios=tuple(float(r) for r in ratios), **rule)

@@ -1,6 +1,9 @@
 """The step-caching rules `sample` takes: which denoising steps may reuse the block
 stack's residual of the last step that ran it, and (data-dependent) when they do."""
 
+import dataclasses
+import json
+
 import equinox as eqx
 import numpy as np
 
@@ -100,3 +103,96 @@ class FirstBlockCache(eqx.Module):
     def mask(self, steps: int) -> np.ndarray:
         """`(steps,)` bool: the steps that may reuse (the rule decides at run time)."""
         return _ends(np.ones(steps, bool), steps, self.warmup, self.cooldown)
+
+
+class MagCache(eqx.Module):
+    """MagCache's rule of step caching (Ma et al., 2025): the magnitude ratio of the
+    block stack's residual from one step to the next, `||r_i|| / ||r_{i-1}||`, is
+    nearly the same for every prompt of a model and step count, so it is measured once
+    ([`calibrate_magcache`][vidax_eqx.sampling.calibrate_magcache]) and the steps that
+    reuse follow from it before the loop starts (a static schedule, as
+    [`StaticStepCache`][]'s: no data-dependent control flow). From the end of the
+    retention on, each step multiplies a running ratio by its own; the step reuses the
+    last residual while the summed error `sum |1 - running ratio|` stays within
+    `max_error` and at most `max_skip` steps in a row have reused, else it runs every
+    block and the running values start again.
+
+        rule = sampling.calibrate_magcache(model, noise, context, steps=50, ...)
+        rule = dataclasses.replace(rule, max_error=0.12)     # the trade-off
+        rule.save("magcache.json")                            # with the model
+        sample(..., caching=sampling.Caching(step=sampling.MagCache.load("magcache.json")))
+
+    **Fields:**
+
+    - `ratios`: the calibrated ratios, one per step (the first is 1: nothing before
+        it); a schedule of another step count takes them at the nearest position.
+    - `max_error`: the summed error within which steps reuse (> 0; MagCache's
+        threshold: 0.06 to 0.24 for Wan in its paper; larger is faster and further).
+    - `max_skip`: the most steps in a row that reuse (MagCache's K), >= 1.
+    - `retention`: the fraction of the first steps that always run (0.2 in MagCache).
+    - `cooldown`: the last steps that always run.
+    """
+
+    ratios: tuple[float, ...] = eqx.field(static=True)
+    max_error: float = eqx.field(static=True, default=0.12)
+    max_skip: int = eqx.field(static=True, default=2)
+    retention: float = eqx.field(static=True, default=0.2)
+    cooldown: int = eqx.field(static=True, default=0)
+
+    threshold = None  # a schedule known before the loop, no data-dependent rule
+
+    def __check_init__(self):
+        if (not isinstance(self.ratios, tuple) or not self.ratios or not all(
+                isinstance(r, float) and np.isfinite(r) and r > 0 for r in self.ratios)):
+            raise ValueError(f"MagCache: `ratios` must be a non-empty tuple of positive finite "
+                             f"floats (calibrate_magcache's); received {self.ratios!r:.200}.")
+        check_positive("MagCache", "max_error", self.max_error,
+                       " (the summed error within which steps reuse)")
+        check_int("MagCache", "max_skip", self.max_skip, 1)
+        if isinstance(self.retention, bool) or not isinstance(self.retention, (int, float)) \
+                or not 0 <= self.retention <= 1:
+            raise ValueError(f"MagCache: `retention` (the fraction of the first steps that "
+                             f"always run) must be in [0, 1]; received {self.retention!r}.")
+        check_int("MagCache", "cooldown", self.cooldown, 0)
+
+    def step_ratios(self, steps: int) -> np.ndarray:
+        """The ratios of a `steps`-step schedule: the calibrated ones, or for another step
+        count each step's nearest calibrated position (MagCache's `nearest_interp`)."""
+        calibrated = np.asarray(self.ratios, np.float64)
+        if steps == calibrated.size:
+            return calibrated
+        at = np.rint(np.linspace(0, calibrated.size - 1, steps)).astype(int)
+        return calibrated[at]
+
+    def mask(self, steps: int) -> np.ndarray:
+        """`(steps,)` bool: the steps that reuse."""
+        ratios = self.step_ratios(steps)
+        mask = np.zeros(steps, bool)
+        ratio, error, skipped = 1.0, 0.0, 0
+        for i in range(max(1, int(self.retention * steps)), steps):
+            ratio *= ratios[i]
+            error += abs(1.0 - ratio)
+            skipped += 1
+            if error <= self.max_error and skipped <= self.max_skip:
+                mask[i] = True
+            else:
+                ratio, error, skipped = 1.0, 0.0, 0
+        return _ends(mask, steps, 1, self.cooldown)
+
+    def save(self, path) -> None:
+        """Writes the rule as JSON (its fields), e.g. beside the model's checkpoint."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"class": "MagCache", **{k: list(v) if isinstance(v, tuple) else v
+                                               for k, v in fields.items()}}, f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "MagCache":
+        """The rule [`save`][vidax_eqx.sampling.MagCache.save] wrote."""
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        if not isinstance(spec, dict) or spec.pop("class", None) != "MagCache":
+            raise ValueError(f"MagCache.load: {path!r} is not a MagCache file (its JSON has no "
+                             "\"class\": \"MagCache\").")
+        spec["ratios"] = tuple(float(r) for r in spec.get("ratios", ()))
+        return cls(**spec)
