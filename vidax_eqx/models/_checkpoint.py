@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import interop
-from ._quantize import quantize as quantize_model, quantize_mode, read_quantization
+from ._quantize import quantize as quantize_model, quantize_mode, quantize_to, read_quantization
 
 
 def read_config(path, owner: str, *, subfolder=None, revision=None, cache_dir=None):
@@ -55,12 +55,8 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
     `from_pretrained(quantize=)` option (a float checkpoint quantized once loaded; on an
     int8 checkpoint it must name the checkpoint's own format)."""
     owner = cls.__name__
-    stored, asked = read_quantization(owner, quantization), quantize_mode(
-        f"{owner}.from_pretrained", quantize)
-    if stored is not None and asked not in (None, stored):
-        raise ValueError(f"{owner}.from_pretrained: the checkpoint holds int8 weights of format "
-                         f"{stored} (weights, activations); received quantize={quantize!r}, "
-                         "another. Load it as it is (quantize=None).")
+    quantize_mode(f"{owner}.from_pretrained", quantize)  # a bad option before any read
+    stored = read_quantization(owner, quantization)
     if dtype is None:  # a missing tensor is reported by the load
         dtype = tensors.dtype(dtype_from) if dtype_from in tensors else jnp.float32
     build = functools.partial(cls, config, parallel=parallel, implementation=implementation,
@@ -68,8 +64,8 @@ def load_pretrained(cls, config, tensors, *, dtype, dtype_from: str, parallel,
     model = eqx.filter_eval_shape(
         build if stored is None else lambda: quantize_model(build(), *stored))
     try:
-        model = interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs)
-        return model if stored is not None or asked is None else quantize_model(model, *asked)
+        return quantize_to(interop.load_state_dict(model, tensors, mesh=mesh, **load_kwargs),
+                           quantize, owner)
     except ValueError as e:
         if mesh is None or str(e).startswith("load_state_dict"):
             raise

@@ -128,19 +128,19 @@ def read_quantization(owner: str, entry) -> tuple[str, str | None] | None:
     return mode
 
 
-def quantize_to(model, quantize, owner: str):
-    """`model` in the format of the `quantize=` option `quantize` (`None`: as it is); a
+def quantize_to(model, option, owner: str):
+    """`model` in the format of the `quantize=` option `option` (`None`: as it is); a
     model already in that format (loaded from an int8 checkpoint) as it is, one in
     another refused."""
-    mode = quantize_mode(f"{owner}.from_pretrained", quantize)
+    mode = quantize_mode(f"{owner}.from_pretrained", option)
     if mode is None:
         return model
     stored = quantization_config(model)
     if stored is None:
-        return globals()["quantize"](model, *mode)
+        return quantize(model, *mode)
     if (stored["weights"], stored["activations"]) != mode:
-        raise ValueError(f"{owner}.from_pretrained: the transformer's checkpoint holds int8 "
-                         f"weights of format ({stored['weights']!r}, {stored['activations']!r}) "
-                         f"(weights, activations); received quantize={quantize!r}, another. "
-                         "Load it as it is (quantize=None).")
+        raise ValueError(f"{owner}.from_pretrained: the checkpoint holds int8 weights of format "
+                         f"({stored['weights']!r}, {stored['activations']!r}) (weights, "
+                         f"activations); received quantize={option!r}, another. Load it as it "
+                         "is (quantize=None).")
     return model

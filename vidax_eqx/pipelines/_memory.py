@@ -123,13 +123,10 @@ def stream_blocks(model, device=None):
             model = models.WanTransformer3D.from_pretrained(folder, dtype=jnp.bfloat16)
         model = pipelines.stream_blocks(model)   # 14B: 28 GB, on a 16 GB chip
     """
-    device = jax.devices()[0] if device is None else device
-    host = Residency(None, device).host_sharding()
-    on_device = SingleDeviceSharding(device)
-    blocks = {id(a) for a in streamed_leaves(model)}
-    if not blocks:
+    if not streamed_leaves(model):
         raise ValueError(f"stream_blocks: a {type(model).__name__} has no stacked blocks to stream.")
-    return _put(model, lambda a: host if id(a) in blocks else on_device)
+    residency = Residency(None, jax.devices()[0] if device is None else device)
+    return _put(model, residency.streamed_sharding_of(model))
 
 
 def size_of(component) -> Size:
@@ -343,9 +340,15 @@ class Residency:
             return lambda _: cpu
         if place == "device":
             return lambda _: device
-        host = self.host_sharding()
         if place == "host":
+            host = self.host_sharding()
             return lambda _: host
+        return self.streamed_sharding_of(component)
+
+    def streamed_sharding_of(self, component):
+        """A function from each array of `component` to its place when streamed: its
+        blocks' weight matrices in host memory, the rest on the accelerator."""
+        host, device = self.host_sharding(), SingleDeviceSharding(self.device)
         blocks = {id(a) for a in streamed_leaves(component)}
         return lambda a: host if id(a) in blocks else device
 
