@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from vidax_eqx import generate, interop, models, nn, parallel, pipelines, sampling
+from vidax_eqx.models.internal import HostWords
+from vidax_eqx.pipelines._memory import Residency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAN = os.path.join(ROOT, "tests", "fixtures", "wan", "t2v", "diffusers")
@@ -118,11 +120,24 @@ def test_quantized_sampling_streaming_and_blocks_from_host(wan, inputs):
                                     caching=sampling.Caching(step=sampling.StaticStepCache()))
     a = run(q)
     assert np.isfinite(np.asarray(a)).all()
-    # The int8 matrices stream from host memory as the float ones do: the same bits.
-    np.testing.assert_array_equal(run(pipelines.stream_blocks(q)), a)
+    # The int8 matrices stream from host memory as the float ones do, held there as
+    # 32-bit words (a TPU copies a layer of those in without re-tiling the stack),
+    # unpacked on the device to the same int8 matrices: the same outputs up to the float
+    # rounding of another program (the CPU compiler fuses the unpacking's program
+    # differently).
+    np.testing.assert_array_equal(run(pipelines.stream_blocks(q)), a)  # (a CPU: int8 as is)
+    streamed = Residency(None, jax.devices()[0]).put_streamed(q, pack=True)  # (a TPU's words)
+    words = streamed.blocks.self_attn.q.qweight
+    assert isinstance(words, HostWords) and words.words.sharding.memory_kind == "pinned_host"
+    assert words.shape == q.blocks.self_attn.q.qweight.shape
+    np.testing.assert_array_equal(words.unpack(), q.blocks.self_attn.q.qweight)
+    np.testing.assert_allclose(run(streamed), a, rtol=1e-5, atol=1e-5)
     chunk = eqx.filter_jit(lambda m, cache: m.stream(x[0][:, :1], jnp.float32(500.0), c[0], cache))
-    out, cache = chunk(q, q.kv_cache(6, 10, max_frames=2))
-    assert np.isfinite(np.asarray(out)).all() and cache.k.shape[0] == wan.config.num_layers
+    cache = q.kv_cache(6, 10, max_frames=2)
+    (out, kv), (out_s, kv_s) = chunk(q, cache), chunk(streamed, cache)
+    assert np.isfinite(np.asarray(out)).all() and kv.k.shape[0] == wan.config.num_layers
+    np.testing.assert_allclose(out_s, out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kv_s.k, kv.k, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_trains_on_a_quantized_base(wan, inputs):

@@ -19,6 +19,9 @@ both, batched as the sampling loop runs them; 480p x 81) with its
 blocks resident and streamed from host memory at the same block count (`--blocks`,
 what fits resident), and streamed with all 40 blocks (28 GB of bf16, more than the
 chip holds): the streamed step against the same step's compute.
+
+`--quantize int8-weights|int8`: the transformer in int8 (`from_pretrained(quantize=)`'s
+formats; its int8 matrices are zeros here, which costs the same as any values).
 """
 
 import argparse
@@ -39,6 +42,7 @@ from jax.sharding import SingleDeviceSharding
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
 from vidax_eqx import interop, models, pipelines, sampling  # noqa: E402
+from vidax_eqx.models.internal import quantize_to  # noqa: E402
 from vidax_eqx.pipelines import streamed_leaves  # noqa: E402
 from vidax_eqx.pipelines._memory import Residency  # noqa: E402
 
@@ -89,9 +93,10 @@ PIPELINES = {
 SMOKE = dict(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32)
 
 
-def abstract_components(name: str, smoke: bool, key) -> tuple[dict, dict]:
-    """`name`'s components as `ShapeDtypeStruct` trees (nothing allocated), and the
-    pipeline's other arguments."""
+def abstract_components(name: str, smoke: bool, key, quantize=None) -> tuple[dict, dict]:
+    """`name`'s components as `ShapeDtypeStruct` trees (nothing allocated), the
+    transformer in the format of the `quantize=` option `quantize`, and the pipeline's
+    other arguments."""
     spec = PIPELINES[name]
     preset = models.WanConfig.preset(name if name != "t2v-a14b" else "t2v-14b")
     # Wan 2.2's VAE takes its latent statistics from its checkpoint: here, the identity.
@@ -116,6 +121,7 @@ def abstract_components(name: str, smoke: bool, key) -> tuple[dict, dict]:
             boundary=spec["boundary"]))
     else:
         transformer = shape(lambda: models.WanTransformer3D(wan, dtype=BF16, key=key))
+    transformer = quantize_to(transformer, quantize, "tpu_pipeline")
     components = dict(text_encoder=shape(lambda: models.T5Encoder(t5, dtype=BF16, key=key)),
                       transformer=transformer,
                       vae=shape(lambda: models.WanVAE(vae, dtype=F32, key=key)))
@@ -137,7 +143,7 @@ def run_pipeline(args, report, save):
         height, width, frames = (args.height or spec["video"][0], args.width or spec["video"][1],
                                  args.frames or spec["video"][2])
         steps, length = args.steps, 512
-    abstract, extra = abstract_components(args.model, args.smoke, key)
+    abstract, extra = abstract_components(args.model, args.smoke, key, args.quantize)
     image = None
     if spec.get("clip") or spec.get("expand"):  # the first frame, random pixels
         image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
@@ -216,6 +222,7 @@ def run_stream(args, report, save):
     def measure(layers, streamed):
         config = models.WanConfig(**{**base, "num_layers": layers})
         abstract = eqx.filter_eval_shape(lambda: models.WanTransformer3D(config, dtype=BF16, key=key))
+        abstract = quantize_to(abstract, args.quantize, "tpu_pipeline")
         blocks = {id(a) for a in streamed_leaves(abstract)}
         model = materialize(abstract, lambda a: host if streamed and id(a) in blocks else on_device, key)
         start = time.perf_counter()
@@ -266,6 +273,8 @@ def main():
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--guided", action="store_true",
                         help="stream: both guidance branches in one step (the sampling loop's batch)")
+    parser.add_argument("--quantize", default=None, choices=[q for q in models.QUANTIZE if q],
+                        help="the transformer in int8 (from_pretrained's quantize=)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new runs after")
     parser.add_argument("--compile-cache", metavar="DIR", default=None)
     parser.add_argument("--smoke", action="store_true")

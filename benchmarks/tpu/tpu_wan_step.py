@@ -11,6 +11,11 @@ with its attention replaced by a stand-in that returns q (`--ablate`, the defaul
 difference is the attention's share. The step's dot FLOPs (`_model_flops.wan_flops`)
 against the bf16 matmul rate measured in the same process give the fraction of the
 chip's limit; `50 steps x 2 branches` of the step estimate a guided 50-step video.
+`--quantize none,int8-weights,int8` times the same step with the model quantized
+(`models.quantize`: int8 weights; W8A8) in the same process, each against the bf16 step:
+its time, the relative error and cosine of its output, and for each block the cosine and
+relative error of the block's update (output minus input) from the quantized block
+against the float block, both given the float model's input to that block.
 `--profile DIR` also writes a `jax.profiler` trace of two steps; `--compile-cache DIR`
 switches on JAX's persistent compilation cache there (a second process then loads the
 step's program instead of compiling it: its `compile_s`).
@@ -33,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
 from _model_flops import wan_flops  # noqa: E402
 from vidax_eqx import kernels, models  # noqa: E402
+from vidax_eqx.models.internal import quantize_to  # noqa: E402
+from vidax_eqx.models.wan import _model as wan_model  # noqa: E402  (block_errors' scan)
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -63,15 +70,66 @@ def seconds(fn, args, reps=3) -> float:
     return best
 
 
-def matmul_tflops(n: int) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), BF16)
-    f = jax.jit(lambda a, b: a @ b)
+STEP = eqx.filter_jit(lambda m, x, t, c: m(x, t, c))
+
+
+def matmul_tflops(n: int, dtype=BF16) -> float:
+    """The chip's matmul rate (TFLOP/s; int8: TOP/s with an int32 sum) at `n x n x n`."""
+    a = jax.random.normal(jax.random.key(0), (n, n), F32).astype(dtype)
+    f = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.int32 if dtype == jnp.int8 else dtype))
     jax.block_until_ready(f(a, a))
     start = time.perf_counter()
     for _ in range(10):
         out = f(a, a)
     jax.block_until_ready(out)
     return 2.0 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def relative_l2(a, b):
+    return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
+def cosine(a, b):
+    return jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b))
+
+
+def tree_bytes(tree) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+def block_errors(model, quantized, x, t, context) -> list[tuple[float, float]]:
+    """`[(cosine, relative L2)]` of each block's update (output minus input) from
+    `quantized`'s block against `model`'s, both given `model`'s input to that block.
+
+    The float model's forward runs with its block scan replaced (in this process only)
+    by one that also runs the quantized block on the same input and reports the two
+    updates' agreement through a host callback."""
+    rows = {}
+    q_arrays, q_static = eqx.partition(quantized.blocks, eqx.is_array)
+
+    def paired_scan(fn, x, layers, policy):
+        blocks, text_cache = layers
+        f_arrays, f_static = eqx.partition(blocks, eqx.is_array)
+
+        def step(carry, arrays):
+            i, f_layer, q_layer = arrays
+            y = fn(carry, (eqx.combine(f_layer, f_static), None))
+            y_q = fn(carry, (eqx.combine(q_layer, q_static), None))
+            d, d_q = (y - carry).astype(F32), (y_q - carry).astype(F32)
+            jax.debug.callback(lambda i, c, r: rows.__setitem__(int(i), (float(c), float(r))),
+                               i, cosine(d_q, d), relative_l2(d_q, d))
+            return y, None
+
+        index = jnp.arange(jax.tree.leaves(f_arrays)[0].shape[0])
+        return jax.lax.scan(step, x, (index, f_arrays, q_arrays))[0]
+
+    original, wan_model.scan_layers = wan_model.scan_layers, paired_scan
+    try:
+        # a new jit: STEP's cached trace of `model` would skip the replaced scan
+        jax.block_until_ready(eqx.filter_jit(lambda m, x, t, c: m(x, t, c))(model, x, t, context))
+    finally:
+        wan_model.scan_layers = original
+    return [rows[i] for i in sorted(rows)]
 
 
 def main():
@@ -86,6 +144,8 @@ def main():
     parser.add_argument("--compile-cache", metavar="DIR", default=None,
                         help="JAX's persistent compilation cache in DIR (run twice: the second "
                              "process's compile_s is its load from the cache)")
+    parser.add_argument("--quantize", default="none",
+                        help="comma-separated modes of from_pretrained(quantize=): none, int8-weights, int8")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".", metavar="DIR")
     args = parser.parse_args()
@@ -125,9 +185,8 @@ def main():
         model = models.WanTransformer3D(config, implementation=implementation, dtype=BF16, key=keys[2])
         model = jax.block_until_ready(model)
         built = time.perf_counter() - start
-        step = eqx.filter_jit(lambda m, x, t, c: m(x, t, c))
         start = time.perf_counter()
-        compiled = step.lower(model, x, t, context).compile()
+        compiled = STEP.lower(model, x, t, context).compile()
         compile_s = time.perf_counter() - start
         return model, compiled, built, compile_s
 
@@ -142,7 +201,27 @@ def main():
         with jax.profiler.trace(args.profile):
             for _ in range(2):
                 jax.block_until_ready(compiled(model, x, t, context))
-    del model, compiled
+    reference = compiled(model, x, t, context).astype(F32)
+    del compiled
+    modes = [m for m in args.quantize.split(",") if m != "none"]
+    if modes:
+        report["int8_matmul_tops"] = matmul_tflops(1024 if args.smoke else 8192, jnp.int8)
+    for mode in modes:
+        quantized = quantize_to(model, mode, "tpu_wan_step")
+        compiled = STEP.lower(quantized, x, t, context).compile()
+        q_step_s = seconds(lambda *a: compiled(*a), (quantized, x, t, context))
+        out = compiled(quantized, x, t, context).astype(F32)
+        per_block = block_errors(model, quantized, x, t, context)
+        report.setdefault("quantized", {})[mode] = dict(
+            step_s=q_step_s, of_bf16=q_step_s / step_s, guided_50_steps_s=100 * q_step_s,
+            out_rel_l2=float(relative_l2(out, reference)), out_cosine=float(cosine(out, reference)),
+            block_update_cosine_min=min(c for c, _ in per_block),
+            block_update_rel_l2_max=max(r for _, r in per_block), blocks=per_block,
+            weight_bytes=tree_bytes(quantized), bf16_weight_bytes=tree_bytes(model))
+        print(mode, json.dumps({k: v for k, v in report["quantized"][mode].items() if k != "blocks"}),
+              flush=True)
+        del quantized, compiled
+    del model
     if args.ablate:
         model, compiled, _, _ = step_of(StandIn())
         rest_s = seconds(lambda *a: compiled(*a), (model, x, t, context))

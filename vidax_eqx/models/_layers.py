@@ -3,6 +3,7 @@ FSDP's gather of one block at a time, and blocks streamed from host memory."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ..nn import sharding
@@ -42,20 +43,70 @@ def in_host_memory(a) -> bool:
     return getattr(jax.typeof(a), "memory_space", None) == jax.memory.Space.Host
 
 
+class HostWords(eqx.Module):
+    """An int8 matrix streamed from host memory, held there as 32-bit words: four int8
+    values a word along the last axis (`(..., n)` int8 as `(..., n // 4)` uint32).
+
+    XLA's TPU backend cannot copy one layer of an int8 stack out of host memory with the
+    layout it computes on (int8's tiling differs between the two), and instead copies
+    the whole stack to the chip, re-tiles it and writes it back to host memory on every
+    call (measured on a TPU v5e: 0.4 GB/s in place of 14 GB/s, the copy not hidden). A
+    stack of words has one tiling everywhere: each layer's words are copied in as a
+    bfloat16 matrix is, and turned back into int8 on the chip by a bitcast (exact: the
+    same bits). [`pack_int8`][] makes one; [`scan`][] unpacks each layer's."""
+
+    words: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.words.shape[:-1], 4 * self.words.shape[-1])
+
+    def unpack(self) -> jax.Array:
+        return lax.bitcast_convert_type(self.words, jnp.int8).reshape(self.shape)
+
+
+def packable(a) -> bool:
+    """Whether `a` is an int8 matrix [`pack_int8`][] stores as words."""
+    return a.dtype == jnp.int8 and a.ndim >= 2 and a.shape[-1] % 4 == 0
+
+
+@jax.jit
+def _words(a):
+    return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 4, 4), jnp.uint32)
+
+
+def pack_int8(a: jax.Array, sharding) -> HostWords:
+    """The int8 array `a` (see [`packable`][]) as [`HostWords`][] placed by `sharding`
+    (host memory), packed where `a` lives."""
+    return HostWords(jax.device_put(_words(a), sharding))
+
+
+def partition_layers(layers):
+    """`eqx.partition(layers, eqx.is_array)`, a [`HostWords`][] whole on the arrays'
+    side (its layers unpacked in [`scan`][] stand where it stood)."""
+    is_words = lambda x: isinstance(x, HostWords)  # noqa: E731
+    return eqx.partition(layers, lambda x: is_words(x) or eqx.is_array(x), is_leaf=is_words)
+
+
 def scan(step, carry, xs):
     """`lax.scan(step, carry, xs)` over the leading (layer) axis of `xs`, where the leaves
     of `xs` in host memory (blocks streamed from the host: [`in_host_memory`][]) reach
     `step` on the device: each step's slice is copied in (`jax.device_put` to device
-    memory inside the loop, which XLA turns into a copy from host memory). Without host
-    leaves this is `lax.scan`. Inference: the copies have no transpose into host
+    memory inside the loop, which XLA turns into a copy from host memory), and a
+    [`HostWords`][] reaches it as its int8 matrix (`xs` from [`partition_layers`][]).
+    Without host leaves this is `lax.scan`. Inference: the copies have no transpose into host
     memory. (On a TPU v5e, Wan 14B's guided step at 480p runs at 0.999x its resident
     time: XLA overlaps each block's copy with the step before it; `docs/benchmarks.md`.)"""
-    if not any(in_host_memory(a) for a in jax.tree.leaves(xs)):
+    is_words = lambda a: isinstance(a, HostWords)  # noqa: E731
+    if not any(is_words(a) or in_host_memory(a) for a in jax.tree.leaves(xs, is_leaf=is_words)):
         return lax.scan(step, carry, xs)
 
+    def to_device(a):
+        return jax.device_put(a, jax.memory.Space.Device) if in_host_memory(a) else a
+
     def body(carry, layer):
-        layer = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device)
-                             if in_host_memory(a) else a, layer)
+        layer = jax.tree.map(lambda a: HostWords(to_device(a.words)).unpack() if is_words(a)
+                             else to_device(a), layer, is_leaf=is_words)
         return step(carry, layer)
 
     return lax.scan(body, carry, xs)
@@ -71,7 +122,7 @@ def scan_layers(fn, x, layers, policy):
     `_NO_REMAT`) made to never save a gathered weight: one block is gathered at a time,
     and gathered again in the backward pass (unless the configuration's
     `fsdp_regather` is `False`)."""
-    arrays, static = eqx.partition(layers, eqx.is_array)
+    arrays, static = partition_layers(layers)
 
     def step(x, layer_arrays):
         return fn(x, eqx.combine(layer_arrays, static)), None
@@ -92,7 +143,7 @@ def scan_layers(fn, x, layers, policy):
 def scan_layers_with_outputs(fn, x, layers):
     """`x, y = fn(x, layer)` for each layer of a stacked module, by `lax.scan`: the final
     `x` and the `y`s stacked over the layers (inference: no rematerialization, no FSDP)."""
-    arrays, static = eqx.partition(layers, eqx.is_array)
+    arrays, static = partition_layers(layers)
 
     def step(x, layer_arrays):
         return fn(x, eqx.combine(layer_arrays, static))

@@ -16,9 +16,13 @@ with: the one documented door into `models`' private modules. Not part of the pu
 - `quantize_to`: a transformer in the int8 format a `quantize=` option names (`None`:
     as it is), one already in that format (an int8 checkpoint) as it is; the pipelines'
     `from_pretrained(quantize=)`.
+- `HostWords`, `pack_int8`, `packable`: a streamed block's int8 matrix held in host
+    memory as 32-bit words (the layout a TPU copies one layer of in), unpacked by the
+    blocks' scan; the memory plan's streamed placement.
 """
 
 from ._capabilities import require as require_capability
 from ._quantize import quantize_to as quantize_to
+from ._layers import HostWords as HostWords, pack_int8 as pack_int8, packable as packable
 from ._export import mismatch as mismatch, pack as pack, signature as signature, unpack as unpack
 from ._vae import vae_jit as vae_jit, vae_program as vae_program

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .. import models
+from ..models.internal import pack_int8, packable
 
 OFFLOAD = ("auto", "none", "model", "cpu", "blocks")
 """The `offload=` a pipeline takes: `"auto"` (the fastest plan that fits), `"none"`
@@ -126,7 +127,7 @@ def stream_blocks(model, device=None):
     if not streamed_leaves(model):
         raise ValueError(f"stream_blocks: a {type(model).__name__} has no stacked blocks to stream.")
     residency = Residency(None, jax.devices()[0] if device is None else device)
-    return _put(model, residency.streamed_sharding_of(model))
+    return residency.put_streamed(model)
 
 
 def size_of(component) -> Size:
@@ -345,6 +346,23 @@ class Residency:
             return lambda _: host
         return self.streamed_sharding_of(component)
 
+    def put_streamed(self, component, *, pack: bool | None = None):
+        """`component` placed as streamed ([`streamed_sharding_of`][]). With `pack` (by
+        default on a TPU) its int8 matrices are held in host memory as 32-bit words
+        (`models.internal.HostWords`: the layout a TPU copies one layer of in without
+        re-tiling the whole stack; other backends need no such care)."""
+        sharding_of = self.streamed_sharding_of(component)
+        host = self.host_sharding()
+        pack = self.device.platform == "tpu" if pack is None else pack
+
+        def move(a):
+            target = sharding_of(a)
+            if pack and target == host and getattr(target, "memory_kind", None) == "pinned_host" and packable(a):
+                return jax.block_until_ready(pack_int8(a, target))
+            return jax.block_until_ready(jax.device_put(a, target))
+
+        return jax.tree.map(lambda a: move(a) if isinstance(a, jax.Array) else a, component)
+
     def streamed_sharding_of(self, component):
         """A function from each array of `component` to its place when streamed: its
         blocks' weight matrices in host memory, the rest on the accelerator."""
@@ -355,7 +373,11 @@ class Residency:
     def place(self, name: str, component):
         """`component` where the plan keeps it between stages (leaf by leaf: one array
         in flight at a time)."""
-        return None if component is None else _put(component, self.sharding_of(name, component))
+        if component is None:
+            return None
+        if self.plan is not None and self.plan.placement.get(name) == "streamed":
+            return self.put_streamed(component)
+        return _put(component, self.sharding_of(name, component))
 
     @contextlib.contextmanager
     def stage(self, pipe, stage: str):

@@ -21,7 +21,8 @@ from .._checkpoint import load_pretrained, read_config
 from .._quantize import quantization_config
 from .._dit import AbstractVideoDiT, CallState
 from .._kv_cache import error_past_reach, KVCache, StreamLayout
-from .._layers import check_remat, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs
+from .._layers import (
+    check_remat, partition_layers, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs)
 from .._step_cache import cached_blocks, check_step_cache
 from .._token_layout import TokenLayout
 from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
@@ -327,7 +328,7 @@ class WanTransformer3D(AbstractVideoDiT):
                 self, (context, context_image), exclude=lambda m: m.blocks)
             dtype = self.patch_embedding.weight.dtype
             context, context_image = self._embed_context(context, context_image, dtype)
-            arrays, static = eqx.partition(self.blocks, eqx.is_array)
+            arrays, static = partition_layers(self.blocks)
 
             def layer(carry, block_arrays):
                 attn = eqx.combine(block_arrays, static).cross_attn
