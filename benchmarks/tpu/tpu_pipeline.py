@@ -225,6 +225,8 @@ def run_stream(args, report, save):
         abstract = quantize_to(abstract, args.quantize, "tpu_pipeline")
         blocks = {id(a) for a in streamed_leaves(abstract)}
         model = materialize(abstract, lambda a: host if streamed and id(a) in blocks else on_device, key)
+        if streamed:  # as the plan streams them (int8 matrices as words on a TPU)
+            model = Residency(None, device).put_streamed(model)
         start = time.perf_counter()
         compiled = step.lower(model, x, t, context).compile()
         compile_s = time.perf_counter() - start
@@ -233,7 +235,7 @@ def run_stream(args, report, save):
             start = time.perf_counter()
             jax.block_until_ready(compiled(model, x, t, context))
             times.append(time.perf_counter() - start)
-        weights = sum(a.size * a.dtype.itemsize for a in streamed_leaves(model))
+        weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(streamed_leaves(model)))
         row = dict(layers=layers, streamed=streamed, branches=branches, compile_s=compile_s, step_s=min(times),
                    steps_s=times, block_bytes=weights, peak_gib=peak_gib(device),
                    stream_gb_s=weights / min(times) / 1e9 if streamed else None)

@@ -77,7 +77,9 @@ def _words(a):
 
 def pack_int8(a: jax.Array, sharding) -> HostWords:
     """The int8 array `a` (see [`packable`][]) as [`HostWords`][] placed by `sharding`
-    (host memory), packed where `a` lives."""
+    (host memory), packed where `a` lives (on its device when it is in host memory)."""
+    if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+        a = jax.device_put(a, a.sharding.with_memory_kind("device"))
     return HostWords(jax.device_put(_words(a), sharding))
 
 
