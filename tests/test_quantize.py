@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vidax_eqx import generate, interop, models, nn, parallel, pipelines, sampling
-from vidax_eqx.models.internal import HostWords
+from vidax_eqx.models.internal import HostWords, quantize_to
 from vidax_eqx.pipelines._memory import Residency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,13 +179,15 @@ def test_quantized_sharded_equals_one_device(wan, inputs):
 def test_int8_checkpoints(tmp_path):
     # quantize= at load; the int8 weights and scales written, read back as int8 bit for bit.
     q = models.WanTransformer3D.from_pretrained(WAN, quantize="int8")
-    assert q.blocks.self_attn.q.activations == "int8"
+    assert q.blocks.self_attn.q.activations == "int8" and q.blocks.self_attn.quantize == "int8"
+    assert q.blocks.cross_attn.q.activations == "int8"  # (its attention, to the text, in float)
     q.save_pretrained(tmp_path / "q")
     with open(tmp_path / "q" / "config.json") as f:
         entry = json.load(f)["quantization_config"]
-    assert entry == {"quant_method": "vidax_eqx", "weights": "int8", "activations": "int8"}
+    assert entry == {"quant_method": "vidax_eqx", "weights": "int8", "activations": "int8",
+                     "attention": "int8"}
     back = models.WanTransformer3D.from_pretrained(tmp_path / "q")
-    assert back.blocks.ffn.fc1.qweight.dtype == jnp.int8
+    assert back.blocks.ffn.fc1.qweight.dtype == jnp.int8 and back.blocks.self_attn.quantize == "int8"
     for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
     assert jax.tree.structure(back) == jax.tree.structure(q)
@@ -209,6 +211,12 @@ def test_int8_checkpoints(tmp_path):
         os.path.join(COGVIDEOX, "diffusers"), quantize=mode)) for mode in (None, "int8-weights"))
     rel = float(jnp.linalg.norm(int8 - float_) / jnp.linalg.norm(float_))
     assert 0 < rel < 2e-2, rel
+    # Its joint text-video attention has no int8 kernel: quantize="int8" is W8A8 there,
+    # and int8 attention asked of it by name is refused.
+    cog = models.CogVideoXTransformer3D.from_pretrained(os.path.join(COGVIDEOX, "diffusers"))
+    assert quantize_to(cog, "int8", "CogVideoXTransformer3D") is not None
+    with pytest.raises(ValueError, match="have no self-attention layer that int8 attention serves"):
+        models.quantize(cog, attention="int8")
 
 
 def test_quantized_pipeline_streamed_and_planned(capsys, monkeypatch):

@@ -24,7 +24,7 @@ from ._api import (
     select_implementation as select_implementation,
     splash_blocks as splash_blocks,
 )
-from ._args import SegmentIds as SegmentIds
+from ._args import QUANTIZE as QUANTIZE, SegmentIds as SegmentIds
 from ._base import (
     AbstractImplementation as AbstractImplementation,
     Capabilities as Capabilities,

@@ -135,6 +135,7 @@ def attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     kv_lengths: Int[Array, "B"] | None = None,
+    quantize: str | None = None,
     implementation: str | AbstractImplementation = "auto",
 ) -> Float[Array, "B S_q H D"]:
     """Scaled dot-product attention with every feature, through one interface.
@@ -175,6 +176,14 @@ def attention(
         `dk`, `dv` are 0. Combines with every other feature. Out-of-range values raise
         a `ValueError`; traced values (unknown when the program is traced) act as clipped
         to `[0, S_k]`.
+    - `quantize`: `None` (float), `"int8"` (Q.Kᵀ and P.V on the matrix units' int8:
+        K centred on its mean, Q and K per token, probabilities per block of keys, V per
+        channel; see `kernels/_int8.py`) or `"int8-qk"` (Q.Kᵀ alone in int8). The
+        forward pass only: the gradient is the float attention's at the int8 output and
+        log-sum-exp (whose value is the float attention's, up to the rounding). Served by
+        `"pallas_tpu"` (full attention; no mask, segment ids, positions, sinks, bias or
+        soft cap) and `"xla"` (the reference: masks, segment ids, windows and key
+        lengths too; no bias, sinks or soft cap).
     - `implementation`: `"auto"` (the fastest implementation that serves the request on
         this platform: see [`select_implementation`][]), `"portable"` (the same among
         the pure-JAX `"xla"` / `"blockwise"`, which XLA can partition over a mesh), a
@@ -215,6 +224,7 @@ def attention_fwd(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     kv_lengths: Int[Array, "B"] | None = None,
+    quantize: str | None = None,
     implementation: str | AbstractImplementation = "auto",
 ) -> tuple[Float[Array, "B S_q H D"], Float[Array, "B H S_q"]]:
     """Attention that also returns the float32 log-sum-exp of each row.
@@ -269,6 +279,7 @@ def attention_bwd(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     kv_lengths: Int[Array, "B"] | None = None,
+    quantize: str | None = None,
     implementation: str | AbstractImplementation = "auto",
     dlse: Float[Array, "B H S_q"] | None = None,
 ):

@@ -26,6 +26,11 @@ from ._block_causal import BlockCausalMask
 from ._tile import SlidingTileMask
 
 
+QUANTIZE = (None, "int8-qk", "int8")
+"""The modes of `attention(..., quantize=)`: float; Q.Kᵀ in int8; Q.Kᵀ and P.V in int8
+(the scheme: `_int8.py`)."""
+
+
 class SegmentIds(NamedTuple):
     """Segment ids of the query and key/value tokens.
 
@@ -65,6 +70,7 @@ class Options:
     default_positions: bool
     tile_mask: SlidingTileMask | None = None
     block_causal: BlockCausalMask | None = None
+    quantize: str | None = None
 
 
 class Operands(NamedTuple):
@@ -244,6 +250,7 @@ def normalize(
     scale=None,
     logits_soft_cap=None,
     kv_lengths=None,
+    quantize=None,
 ) -> tuple[Operands, Options]:
     """Validates an attention request; see the module docstring."""
     q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
@@ -400,7 +407,9 @@ def normalize(
         if logits_soft_cap <= 0:
             raise ValueError(f"`logits_soft_cap` must be > 0; received {logits_soft_cap}.")
 
+    if quantize not in QUANTIZE:
+        raise ValueError(f"`quantize` must be one of {QUANTIZE}; received {quantize!r}.")
     operands = Operands(q, k, v, bias, mask, seg_q, seg_kv, sinks, q_pos, kv_pos, kv_lengths)
     options = Options(bool(causal), window, scale, logits_soft_cap, default_positions, tile_mask,
-                      block_causal)
+                      block_causal, quantize)
     return operands, options

@@ -70,6 +70,7 @@ class Request:
     kv_lengths: bool = False
     video_sparse: bool = False
     block_causal: bool = False
+    quantize: str | None = None
 
     @classmethod
     def of(
@@ -106,6 +107,7 @@ class Request:
             tile_mask=opts.tile_mask is not None,
             kv_lengths=ops.kv_lengths is not None,
             block_causal=opts.block_causal is not None,
+            quantize=opts.quantize,
         )
 
     @classmethod
@@ -184,6 +186,8 @@ class Capabilities:
     block_causal: bool = False
     # VSA's fine stage: the implementation has `sparse_fwd` / `sparse_bwd` (`_vsa.py`).
     video_sparse: bool = False
+    # The `quantize=` modes it computes (`_int8.py`'s scheme); none unless declared.
+    quantize: tuple[str, ...] = ()
     float32_lse: bool = True
     portable: bool = False
     memory: str = "O(S)"
@@ -195,6 +199,8 @@ class Capabilities:
         `any_platform` skips the platform check (Pallas kernels in interpret mode).
         """
         missing = [label for attr, label in FEATURES if getattr(request, attr) and not getattr(self, attr)]
+        if request.quantize is not None and request.quantize not in self.quantize:
+            missing.append(f"quantize={request.quantize!r}")
         if request.needs_lse and not self.float32_lse:
             missing.append("a float32 log-sum-exp with gradient (attention_fwd / attention_bwd / ring)")
         if not any_platform and request.platform is not None and request.platform not in self.platforms:

@@ -18,6 +18,7 @@ def feature_table() -> str:
         marks = ["yes" if getattr(impls[n].capabilities, attr) else "no" for n in names]
         rows.append(f"| {label} | " + " | ".join(marks) + " |")
     caps = [impls[n].capabilities for n in names]
+    rows.append("| int8 (`quantize=`) | " + " | ".join(", ".join(c.quantize) or "no" for c in caps) + " |")
     rows.append("| float32 lse with gradient | " + " | ".join("yes" if c.float32_lse else "no" for c in caps) + " |")
     rows.append("| memory | " + " | ".join(c.memory for c in caps) + " |")
     rows.append("| platforms | " + " | ".join(", ".join(c.platforms) for c in caps) + " |")

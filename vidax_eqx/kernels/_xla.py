@@ -11,11 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from . import _int8
 from . import _math as m
 from . import _sparse
 from ._block_causal import lower
 from ._args import Operands, Options
-from ._base import AbstractImplementation, Capabilities
+from ._base import AbstractImplementation, Capabilities, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,18 @@ class Xla(AbstractImplementation):
         block_causal=True,
         kv_lengths=True,
         video_sparse=True,
+        quantize=("int8-qk", "int8"),
         memory="O(S^2)",
+        notes=("int8: the scheme's reference; no bias, sinks or soft cap",),
     )
+
+    def unsupported(self, request: Request) -> list[str]:
+        missing = self.capabilities.unsupported(request)
+        if request.quantize is not None:
+            missing += [f"quantize={request.quantize!r} with {what}" for what, asked in (
+                ("a bias", request.bias), ("sinks", request.sinks),
+                ("a logit soft cap", request.logits_soft_cap)) if asked]
+        return missing
 
     def sparse_fwd(self, q, k, v, tiles, kv_valid, *, tile_size: int, scale: float):
         """VSA's fine stage with its mask materialized (`_sparse.dense_fwd`)."""
@@ -70,6 +81,8 @@ class Xla(AbstractImplementation):
         ops, opts = lower(ops, opts)
         H, K = ops.q.shape[2], ops.k.shape[2]
         q, k, bias, vis = self._tile(ops, opts)
+        if opts.quantize is not None:
+            return _int8.reference(ops, opts, opts.quantize, vis)
         qs, rest = m.fold_scale(opts, q)
         s, _ = m.logits(opts, qs, jnp.swapaxes(k, -1, -2), bias, rest)
         sinks = m.rows_sinks(ops.sinks, K, ops.q.shape[1])

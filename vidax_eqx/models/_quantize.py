@@ -9,7 +9,8 @@ every linear of `vidax_eqx.nn` already goes through one function
 import equinox as eqx
 import jax
 
-from .. import nn
+from .. import kernels, nn
+from ..nn.internal import with_quantized_attention
 from ._base import AbstractExperts, AbstractModel
 
 
@@ -17,7 +18,7 @@ WEIGHTS = ("int8",)
 """The weight formats of [`quantize`][]."""
 
 
-def quantize(model, weights: str = "int8", activations: str | None = None):
+def quantize(model, weights: str = "int8", activations: str | None = None, attention: str | None = None):
     """`model` with the linear layers of its stacked blocks in int8
     ([`vidax_eqx.nn.QuantizedLinear`][]: per-output-channel int8 weights and their
     float32 scales, half the bytes of bfloat16), the same class, callable wherever the
@@ -34,6 +35,11 @@ def quantize(model, weights: str = "int8", activations: str | None = None):
     - `activations`: `None` (the weights dequantized in each product: memory, not
         arithmetic) or `"int8"` (each token quantized with its own scale and the
         product in int8 with an int32 sum: the chip's int8 rate).
+    - `attention`: `None` (float attention), `"int8-qk"` or `"int8"`: the blocks'
+        self-attention computed by [`vidax_eqx.kernels.attention`][]`(quantize=...)`
+        (Q.Kᵀ, and with `"int8"` P.V, on the int8 units; the gradient the float
+        attention's). The cross-attention to the text (a few hundred keys) stays in
+        float, as does a streamed chunk's attention over its cache.
 
     A layer already quantized, or holding an adapter merged into its weight, is
     refused (merge adapters before quantizing).
@@ -43,9 +49,12 @@ def quantize(model, weights: str = "int8", activations: str | None = None):
     if activations not in nn.QUANTIZED_ACTIVATIONS:
         raise ValueError(f"quantize: `activations` must be one of {nn.QUANTIZED_ACTIVATIONS}; "
                          f"received {activations!r}.")
+    if attention not in kernels.QUANTIZE:
+        raise ValueError(f"quantize: `attention` must be one of {kernels.QUANTIZE}; received "
+                         f"{attention!r}.")
     if isinstance(model, AbstractExperts):
         for i, expert in enumerate(model.experts):
-            model = model.with_expert(i, quantize(expert, weights, activations))
+            model = model.with_expert(i, quantize(expert, weights, activations, attention))
         return model
     stacked = getattr(model, "stacked_layers", ())
     if not isinstance(model, AbstractModel) or not stacked:
@@ -70,8 +79,14 @@ def quantize(model, weights: str = "int8", activations: str | None = None):
         return layer
 
     linear = lambda x: isinstance(x, (eqx.nn.Linear, nn.LoRALinear, nn.QuantizedLinear))  # noqa: E731
+    if attention is not None and not _attention_layers([getattr(model, n) for n in stacked]):
+        raise ValueError(f"quantize: the blocks of a {owner} have no self-attention layer that "
+                         f"int8 attention serves (attention={attention!r}); its attention stays "
+                         "in float (attention=None).")
     for name in stacked:
         blocks = jax.tree.map(one, getattr(model, name), is_leaf=linear)
+        if attention is not None:
+            blocks = with_quantized_attention(blocks, attention)
         model = eqx.tree_at(lambda m, n=name: getattr(m, n), model, blocks)
     return model
 
@@ -80,14 +95,15 @@ def quantize(model, weights: str = "int8", activations: str | None = None):
 
 QUANTIZE = (None, "int8-weights", "int8")
 """The `quantize=` options of the transformers' and pipelines' `from_pretrained`:
-int8 weights, or int8 weights and activations (W8A8)."""
+int8 weights, or int8 weights and activations (W8A8) with int8 self-attention."""
 
-_MODES = {"int8-weights": ("int8", None), "int8": ("int8", "int8")}
+# (weights, activations, attention) of each option.
+_MODES = {"int8-weights": ("int8", None, None), "int8": ("int8", "int8", "int8")}
 _METHOD = "vidax_eqx"
 
 
-def quantize_mode(owner: str, quantize) -> tuple[str, str | None] | None:
-    """`(weights, activations)` of a `quantize=` option (`None`: float)."""
+def quantize_mode(owner: str, quantize) -> tuple[str, str | None, str | None] | None:
+    """`(weights, activations, attention)` of a `quantize=` option (`None`: float)."""
     if quantize not in QUANTIZE:
         raise ValueError(f"{owner}: `quantize` must be one of {QUANTIZE}; received {quantize!r}.")
     return _MODES.get(quantize)
@@ -105,10 +121,18 @@ def quantization_config(model) -> dict | None:
     if not layers:
         return None
     modes = {layer.activations for layer in layers}
-    if len(modes) != 1:
+    attention = {m.quantize for m in _attention_layers(model)}
+    if len(modes) != 1 or len(attention) > 1:
         raise ValueError(f"{type(model).__name__}.save_pretrained: its int8 layers mix "
-                         f"activation modes {sorted(map(str, modes))}; quantize it in one call.")
-    return {"quant_method": _METHOD, "weights": "int8", "activations": modes.pop()}
+                         f"activation modes {sorted(map(str, modes))} or attention modes "
+                         f"{sorted(map(str, attention))}; quantize it in one call.")
+    return {"quant_method": _METHOD, "weights": "int8", "activations": modes.pop(),
+            "attention": attention.pop() if attention else None}
+
+
+def _attention_layers(model) -> list:
+    is_a = lambda x: isinstance(x, nn.Attention)  # noqa: E731
+    return [x for x in jax.tree.leaves(model, is_leaf=is_a) if is_a(x)]
 
 
 def read_quantization(owner: str, entry) -> tuple[str, str | None] | None:
@@ -121,10 +145,11 @@ def read_quantization(owner: str, entry) -> tuple[str, str | None] | None:
         raise ValueError(f"{owner}.from_pretrained: the checkpoint is quantized by {method!r} "
                          f"(config.json's quantization_config); only {_METHOD!r} int8 "
                          "checkpoints (a quantized model's save_pretrained) are read.")
-    mode = (entry.get("weights"), entry.get("activations"))
-    if mode not in _MODES.values():
+    mode = (entry.get("weights"), entry.get("activations"), entry.get("attention"))
+    if mode[0] not in WEIGHTS or mode[1] not in nn.QUANTIZED_ACTIVATIONS or mode[2] not in kernels.QUANTIZE:
         raise ValueError(f"{owner}.from_pretrained: config.json's quantization_config {entry} "
-                         f"names no known format ({sorted(map(str, _MODES.values()))}).")
+                         f"names no known format (weights {WEIGHTS}, activations "
+                         f"{nn.QUANTIZED_ACTIVATIONS}, attention {kernels.QUANTIZE}).")
     return mode
 
 
@@ -135,12 +160,14 @@ def quantize_to(model, option, owner: str):
     mode = quantize_mode(f"{owner}.from_pretrained", option)
     if mode is None:
         return model
+    if not _attention_layers(model):  # CogVideoX's joint attention: W8A8 alone
+        mode = (*mode[:2], None)
     stored = quantization_config(model)
     if stored is None:
         return quantize(model, *mode)
-    if (stored["weights"], stored["activations"]) != mode:
+    if (stored["weights"], stored["activations"]) != mode[:2]:
         raise ValueError(f"{owner}.from_pretrained: the checkpoint holds int8 weights of format "
                          f"({stored['weights']!r}, {stored['activations']!r}) (weights, "
                          f"activations); received quantize={option!r}, another. Load it as it "
                          "is (quantize=None).")
-    return model
+    return with_quantized_attention(model, mode[2])

@@ -1,6 +1,7 @@
 """Wan's self-attention layer (`WanSelfAttention`), with sequence and tensor parallelism
 and video sparse attention."""
 
+import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
@@ -69,6 +70,7 @@ class Attention(AbstractParallelLayer):
     eps: float = eqx.field(static=True)
     parallel: ParallelConfig
     implementation: str | kernels.AbstractImplementation = eqx.field(static=True)
+    quantize: str | None = eqx.field(static=True)
     megatron: ClassVar[MegatronSplit] = MegatronSplit(
         column=("q", "k", "v", "to_gate_compress"), row=("o",), sharded_norms=("norm_q", "norm_k"))
 
@@ -81,6 +83,7 @@ class Attention(AbstractParallelLayer):
         eps: float = 1e-6,
         parallel: ParallelConfig = ParallelConfig(),
         implementation: str | kernels.AbstractImplementation = "auto",
+        quantize: str | None = None,
         gate_compress: bool = False,
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -93,6 +96,10 @@ class Attention(AbstractParallelLayer):
         - `eps`: the RMSNorm epsilon.
         - `parallel`: a [`ParallelConfig`][]; default: one device.
         - `implementation`: the kernel implementation (`vidax_eqx.kernels.attention`).
+        - `quantize`: the attention's `quantize=` (`None`, `"int8-qk"`, `"int8"`: Q.Kᵀ and
+            P.V on int8, `vidax_eqx.kernels.attention`); the full (bidirectional) self-
+            attention only: a streamed chunk's attention over its cache stays in float.
+            Set on a whole model by `vidax_eqx.models.quantize(..., attention=)`.
         - `gate_compress`: also build `to_gate_compress`, the gate of video sparse
             attention's coarse output, zero-initialized (the coarse term starts off, so
             that a dense model's weights give the fine attention alone).
@@ -115,6 +122,7 @@ class Attention(AbstractParallelLayer):
             self.to_gate_compress = eqx.tree_at(lambda lin: (lin.weight, lin.bias), self.q, zeros)
         self.dim, self.num_heads, self.qk_norm, self.eps = dim, num_heads, qk_norm, eps
         self.parallel, self.implementation = parallel, implementation
+        self.quantize = check_quantize("Attention", quantize)
 
     @checked
     def __call__(
@@ -195,7 +203,7 @@ class Attention(AbstractParallelLayer):
                 return row_parallel(self.o, out.reshape(S, H * self.head_dim),
                                     self.parallel.tp_axis)
             out = attend(q, k, v, self.parallel, self.implementation, segment_ids=segment_ids,
-                         mask=mask, kv_length=kv_length)
+                         mask=mask, kv_length=kv_length, quantize=self.quantize)
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), self.parallel.tp_axis)
 
     def _project(self, x, rope, H: int):
@@ -293,3 +301,28 @@ class Attention(AbstractParallelLayer):
                 out = jax.lax.all_to_all(out, ulysses, split_axis=0, concat_axis=1, tiled=True)
                 H *= sp
             return row_parallel(self.o, out.reshape(S, H * self.head_dim), parallel.tp_axis), k, v
+
+
+def check_quantize(owner: str, quantize):
+    """`quantize`, an attention's `quantize=` mode (`vidax_eqx.kernels.attention`)."""
+    if quantize not in kernels.QUANTIZE:
+        raise ValueError(f"{owner}: `quantize` must be one of {kernels.QUANTIZE}; received "
+                         f"{quantize!r}.")
+    return quantize
+
+
+def with_quantized_attention(tree, quantize):
+    """`tree` with every [`Attention`][] in it computing its attention in the
+    `quantize=` mode `quantize` (its arrays the same)."""
+    check_quantize("with_quantized_attention", quantize)
+    is_attention = lambda m: isinstance(m, Attention)  # noqa: E731
+
+    def swap(m):
+        if not is_attention(m):
+            return m
+        new = object.__new__(type(m))  # as Equinox unflattens: fields set, no __init__
+        for field in dataclasses.fields(m):
+            object.__setattr__(new, field.name, quantize if field.name == "quantize" else getattr(m, field.name))
+        return new
+
+    return jax.tree.map(swap, tree, is_leaf=is_attention)

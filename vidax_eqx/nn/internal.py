@@ -13,6 +13,8 @@ is Equinox's. Not part of the public API: names here may change without notice.
 - `attach`: a `LoRALinear` with one more named adapter.
 - `padded_tokens`, `sequence_multiple`: a model's token split (padded to the devices,
     the padding's segment ids) under a `ParallelConfig`.
+- `with_quantized_attention`: every `Attention` of a PyTree in an int8 `quantize=` mode
+    (`models.quantize(..., attention=)`).
 """
 
 from . import _init as init
@@ -20,4 +22,5 @@ from .sharding._call_checks import check_text as check_text
 from .sharding._fsdp import has_shards as has_shards, regather_policy as regather_policy
 from ._layers import linear as linear
 from ._lora import attach as attach
+from ._self_attention import with_quantized_attention as with_quantized_attention
 from .sharding._tokens import padded_tokens as padded_tokens, sequence_multiple as sequence_multiple

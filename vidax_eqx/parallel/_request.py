@@ -103,6 +103,11 @@ def _check_suffix_tile_mask(fn: str, text_len: int, text_position: str, mask, ca
 
 
 def _ring_options(fn: str, options: dict) -> None:
+    if options.get("quantize") is not None:
+        raise NotImplementedError(
+            f"{fn}: int8 attention (quantize={options['quantize']!r}) runs on one device or "
+            "under Ulysses (ulysses_axis=...), not on a ring; received a ring_axis.")
+    options.pop("quantize", None)
     extra = sorted(set(options) - set(RING_OPTIONS))
     if extra:
         raise TypeError(

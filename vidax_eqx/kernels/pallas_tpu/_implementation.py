@@ -55,11 +55,16 @@ from .._args import Operands, Options
 from .._base import AbstractImplementation, Capabilities, Request
 from .._tile import SlidingTileMask
 from . import _gather, _gather_plan, _sliding
+from ._int8 import int8_attention
+from .. import _int8
 from ._mask import in_program, splash_kernel_for
 from ._tuning import choose_blocks, LANES as _LANES, SplashBlocks
 
 
 F32 = jnp.float32
+# The request's features the int8 kernel does not compute (it serves full attention).
+_MASKING = ("bias", "mask", "segment_ids", "causal", "window", "positions", "sinks",
+            "logits_soft_cap", "tile_mask", "block_causal", "kv_lengths")
 
 
 def _heads_major(x: jax.Array, length: int) -> jax.Array:
@@ -207,6 +212,8 @@ class PallasTpu(AbstractImplementation):
         where it serves the request (a mask without text; no causal mask, window,
         segment ids, key lengths or soft cap; the layout's tokens exactly; K/V of a
         key/value head within its VMEM budget), else `"splash"`.
+    - `int8_blocks`: `(block_q, block_kv)` of the int8 kernel (`quantize=`); `block_kv`
+        is also the scheme's probability block (`kernels/_int8.py`).
     - `interpret`: run the kernels in Pallas interpret mode (on any platform,
         e.g. to test on CPU; slow). Then the default tiles are 512, unfused.
 
@@ -227,6 +234,7 @@ class PallasTpu(AbstractImplementation):
     blocks: SplashBlocks | None = None
     fused_bwd_max_bytes: int | None = None
     sliding_tile: str = "auto"
+    int8_blocks: tuple[int, int] = (1024, _int8.BLOCK_KV)
     interpret: bool = False
 
     name = "pallas_tpu"
@@ -240,7 +248,9 @@ class PallasTpu(AbstractImplementation):
         block_causal=True,
         kv_lengths=True,
         video_sparse=True,
+        quantize=("int8-qk", "int8"),
         notes=(
+            "int8: full attention alone (no masks, ids, lengths, positions, sinks, bias, soft cap)",
             "a bias or boolean mask runs the flash kernel, which takes neither a sliding "
             "window nor a soft cap (and holds the bias as a dense (B, H, S_q, S_k) array)",
             "lengths are padded to the tiles (per chip and problem, from a table measured "
@@ -260,6 +270,14 @@ class PallasTpu(AbstractImplementation):
     )
 
     def __post_init__(self):
+        blocks = self.int8_blocks
+        if not (isinstance(blocks, tuple) and len(blocks) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)
+                and blocks[0] % 8 == 0 and blocks[1] % _LANES == 0):
+            raise ValueError(
+                "PallasTpu `int8_blocks` must be (block_q, block_kv), positive multiples of 8 "
+                f"and {_LANES}; received {blocks!r}."
+            )
         for field in ("block_q", "block_kv"):
             value = getattr(self, field)
             if value is not None and (
@@ -293,6 +311,9 @@ class PallasTpu(AbstractImplementation):
 
     def unsupported(self, request: Request) -> list[str]:
         missing = self.capabilities.unsupported(request, any_platform=self.interpret)
+        if request.quantize is not None:
+            missing += [f"quantize={request.quantize!r} with {what} (the int8 kernel computes "
+                        "full attention)" for what in _MASKING if getattr(request, what)]
         if request.bias or request.mask:
             what = "a bias" if request.bias else "a boolean mask"
             if request.window:
@@ -596,8 +617,16 @@ class PallasTpu(AbstractImplementation):
     # ------------------------------------------------------------------- contract
 
     def fwd(self, ops: Operands, opts: Options) -> tuple[jax.Array, jax.Array]:
+        if opts.quantize is not None:
+            return self._int8(ops, opts, with_lse=True)
         with _kernel_precision(ops.q.dtype):
             return self._fwd(ops, opts)
+
+    def _int8(self, ops: Operands, opts: Options, *, with_lse: bool):
+        """The int8 kernel (`_int8.py`); its backward is the float one (`bwd`)."""
+        block_q, block_kv = self.int8_blocks
+        return int8_attention(ops, opts, block_q=block_q, block_kv=block_kv, with_lse=with_lse,
+                              interpret=self.interpret)
 
     def bwd(self, ops, opts, out, lse, dout, dlse):
         with _kernel_precision(ops.q.dtype):
@@ -610,6 +639,8 @@ class PallasTpu(AbstractImplementation):
         128)` lanes (at 32,768 tokens and 12 heads, 201 MB written and read back by a
         slice). The rest, and full attention at a padded length (whose copied keys the
         lse takes out), as `fwd`."""
+        if opts.quantize is not None:
+            return self._int8(ops, opts, with_lse=False)[0]
         with _kernel_precision(ops.q.dtype):
             # Without a bias, mask or tile mask (`rows_may_be_empty` is True with any) and
             # sinks, `fwd`'s `finish` leaves splash's output as it is.

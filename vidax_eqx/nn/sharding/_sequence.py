@@ -29,7 +29,7 @@ def check_tile_mask(owner: str, mask, num_heads: int) -> None:
 
 def attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int = 0,
            text_position: str = "prefix", text_lengths=None, segment_ids=None, mask=None,
-           kv_length=None):
+           kv_length=None, quantize=None):
     """`(S, H, D)` attention of one example over the sequence as `parallel` splits it:
     [`vidax_eqx.parallel.sequence_attention`][] with the configuration's axes.
 
@@ -38,10 +38,12 @@ def attend(q, k, v, parallel: ParallelConfig, implementation, *, text_len: int =
     (`"suffix"`, MMDiT) this device's tokens, `text_lengths` its key-only padding (an
     int32 scalar). `mask`: a `SlidingTileMask` over the whole sequence (per-head windows
     follow the heads to their tensor-parallel rank) or a `BlockCausalMask`. `kv_length`: an int32 scalar,
-    key-only padding at global indices.
+    key-only padding at global indices. `quantize`: the kernel's `quantize=` (int8).
     """
     segment_ids = jax.tree.map(lambda a: a[None], segment_ids)  # an array or SegmentIds
     opts = dict(segment_ids=segment_ids, mask=mask, implementation=implementation)
+    if quantize is not None:
+        opts["quantize"] = quantize
     if kv_length is not None:
         opts["kv_lengths"] = kv_length[None]
     if text_len:
