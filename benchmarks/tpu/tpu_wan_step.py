@@ -11,8 +11,9 @@ with its attention replaced by a stand-in that returns q (`--ablate`, the defaul
 difference is the attention's share. The step's dot FLOPs (`_model_flops.wan_flops`)
 against the bf16 matmul rate measured in the same process give the fraction of the
 chip's limit; `50 steps x 2 branches` of the step estimate a guided 50-step video.
-`--quantize none,int8-weights,int8` times the same step with the model quantized
-(`models.quantize`: int8 weights; W8A8) in the same process, each against the bf16 step:
+`--quantize none,int8-weights,w8a8,int8-qk,int8` times the same step with the model
+quantized (`models.quantize`: int8 weights; W8A8; W8A8 with Q.Kᵀ in int8; W8A8 with int8
+attention, `from_pretrained(quantize="int8")`) in the same process, each against the bf16 step:
 its time, the relative error and cosine of its output, and for each block the cosine and
 relative error of the block's update (output minus input) from the quantized block
 against the float block, both given the float model's input to that block.
@@ -38,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
 from _model_flops import wan_flops  # noqa: E402
 from vidax_eqx import kernels, models  # noqa: E402
-from vidax_eqx.models.internal import quantize_to  # noqa: E402
 from vidax_eqx.models.wan import _model as wan_model  # noqa: E402  (block_errors' scan)
 
 
@@ -71,6 +71,9 @@ def seconds(fn, args, reps=3) -> float:
 
 
 STEP = eqx.filter_jit(lambda m, x, t, c: m(x, t, c))
+# `--quantize` modes: models.quantize's (weights, activations, attention).
+MODES = {"int8-weights": ("int8", None, None), "w8a8": ("int8", "int8", None),
+         "int8-qk": ("int8", "int8", "int8-qk"), "int8": ("int8", "int8", "int8")}
 
 
 def matmul_tflops(n: int, dtype=BF16) -> float:
@@ -145,7 +148,7 @@ def main():
                         help="JAX's persistent compilation cache in DIR (run twice: the second "
                              "process's compile_s is its load from the cache)")
     parser.add_argument("--quantize", default="none",
-                        help="comma-separated modes of from_pretrained(quantize=): none, int8-weights, int8")
+                        help="comma-separated: none, int8-weights, w8a8, int8-qk, int8")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".", metavar="DIR")
     args = parser.parse_args()
@@ -204,10 +207,13 @@ def main():
     reference = compiled(model, x, t, context).astype(F32)
     del compiled
     modes = [m for m in args.quantize.split(",") if m != "none"]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"tpu_wan_step: --quantize takes {sorted(MODES)} and none; received {mode!r}")
     if modes:
         report["int8_matmul_tops"] = matmul_tflops(1024 if args.smoke else 8192, jnp.int8)
     for mode in modes:
-        quantized = quantize_to(model, mode, "tpu_wan_step")
+        quantized = models.quantize(model, *MODES[mode])
         compiled = STEP.lower(quantized, x, t, context).compile()
         q_step_s = seconds(lambda *a: compiled(*a), (quantized, x, t, context))
         out = compiled(quantized, x, t, context).astype(F32)
