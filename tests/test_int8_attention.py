@@ -173,6 +173,10 @@ def test_refusals():
         kernels.attention(q, k, v, quantize="int8-qk", implementation="blockwise")
     assert kernels.select_implementation(q, k, v, quantize="int8", platform="tpu") == "pallas_tpu"
     assert kernels.select_implementation(q, k, v, quantize="int8", platform="cpu") == "xla"
+    # A long masked int8 request no kernel serves is refused, not materialized (51 GB here).
+    long = jax.ShapeDtypeStruct((1, 32760, 12, 128), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"pallas_tpu: quantize='int8' with causal"):
+        kernels.select_implementation(long, long, long, quantize="int8", causal=True, platform="tpu")
 
 
 def test_a_model_with_int8_attention():

@@ -107,13 +107,16 @@ def memory() -> dict:
             if k in stats}
 
 
-def build_pipeline(config, *, vae: bool, vae_dtype, smoke: bool, key):
+def build_pipeline(config, *, vae: bool, vae_dtype, smoke: bool, key, quantize: bool = False):
     """A `WanPipeline` of random-weight components (no tokenizer or text encoder: the
     calls take prompt embeddings); `vae=False` keeps only the VAE's config (its shapes,
     no weights on the device) for `output_type="latent"`."""
     k1, k2 = jax.random.split(key)
     # Op by op: ~20 s on v5e; one compiled call was slower there (46 s, its compile).
-    transformer = jax.block_until_ready(models.WanTransformer3D(config, dtype=BF16, key=k1))
+    transformer = models.WanTransformer3D(config, dtype=BF16, key=k1)
+    if quantize:  # W8A8: a chunk's attention over its cache stays in bf16
+        transformer = models.quantize(transformer, activations="int8")
+    transformer = jax.block_until_ready(transformer)
     vae_config = models.WanVAEConfig.wan21(base_dim=8, num_res_blocks=1) if smoke else None
     if vae:
         decoder = jax.block_until_ready(models.WanVAE(vae_config, dtype=vae_dtype, key=k2))
@@ -198,7 +201,7 @@ def first_frame(args, config, h, w, text, chunk, report, out_path) -> int:
         write_json(out_path, report)
 
     start = time.perf_counter()
-    pipe = build_pipeline(config, vae=True, vae_dtype=vae_dtype, smoke=args.smoke,
+    pipe = build_pipeline(config, vae=True, vae_dtype=vae_dtype, smoke=args.smoke, quantize=args.quantize,
                           key=jax.random.key(0))
     embeds = jax.random.normal(jax.random.key(1), (1, *text), F32).astype(BF16)
     row(kind="setup", build_s=time.perf_counter() - start,
@@ -268,7 +271,8 @@ def one_length(args, config, h, w, text, chunk, report, out_path) -> int:
         print(json.dumps(r), flush=True)
         write_json(out_path, report)
 
-    pipe = build_pipeline(config, vae=False, vae_dtype=F32, smoke=args.smoke, key=jax.random.key(0))
+    pipe = build_pipeline(config, vae=False, vae_dtype=F32, smoke=args.smoke, key=jax.random.key(0),
+                          quantize=args.quantize)
     embeds = jax.random.normal(jax.random.key(1), (1, *text), F32).astype(BF16)
     row(kind="setup", **memory())
     ends = []
@@ -305,6 +309,9 @@ def main() -> int:
                         help="--one-length: latent frames the cache holds (0: every earlier one)")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX's persistent compilation cache in DIR (enable_compile_cache)")
+    parser.add_argument("--quantize", action="store_true",
+                        help="--first-frame / --one-length: the transformer in W8A8 (models.quantize("
+                             "activations='int8'); a chunk's attention over its cache stays bf16)")
     args = parser.parse_args()
     if args.smoke:
         config = models.WanConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, text_dim=32)
@@ -317,7 +324,7 @@ def main() -> int:
     tokens_per_frame = (h // 2) * (w // 2)
     report = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
                   device=jax.devices()[0].device_kind, latent_hw=(h, w), chunk_frames=chunk,
-                  tokens_per_frame=tokens_per_frame, rows=[])
+                  tokens_per_frame=tokens_per_frame, quantize="w8a8" if args.quantize else None, rows=[])
     print({k: v for k, v in report.items() if k != "rows"}, flush=True)
     if args.first_frame or args.one_length:
         args.seconds = seconds_list

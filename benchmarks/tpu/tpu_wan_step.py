@@ -17,6 +17,8 @@ attention, `from_pretrained(quantize="int8")`) in the same process, each against
 its time, the relative error and cosine of its output, and for each block the cosine and
 relative error of the block's update (output minus input) from the quantized block
 against the float block, both given the float model's input to that block.
+`--loop STEPS` also runs each quantized model's whole guided loop (`sampling.sample`,
+STEPS steps, both branches batched), twice: its first call (compiling) and a warm one.
 `--profile DIR` also writes a `jax.profiler` trace of two steps; `--compile-cache DIR`
 switches on JAX's persistent compilation cache there (a second process then loads the
 step's program instead of compiling it: its `compile_s`).
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared harness
 from _harness import write_json  # noqa: E402  (also puts this checkout first on sys.path)
 from _model_flops import wan_flops  # noqa: E402
-from vidax_eqx import kernels, models  # noqa: E402
+from vidax_eqx import kernels, models, sampling  # noqa: E402
 from vidax_eqx.models.wan import _model as wan_model  # noqa: E402  (block_errors' scan)
 
 
@@ -149,6 +151,9 @@ def main():
                              "process's compile_s is its load from the cache)")
     parser.add_argument("--quantize", default="none",
                         help="comma-separated: none, int8-weights, w8a8, int8-qk, int8")
+    parser.add_argument("--loop", type=int, default=0, metavar="STEPS",
+                        help="also run sampling.sample's guided loop of STEPS steps with each "
+                             "quantized model, twice (first call, warm)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".", metavar="DIR")
     args = parser.parse_args()
@@ -226,7 +231,18 @@ def main():
             weight_bytes=tree_bytes(quantized), bf16_weight_bytes=tree_bytes(model))
         print(mode, json.dumps({k: v for k, v in report["quantized"][mode].items() if k != "blocks"}),
               flush=True)
-        del quantized, compiled
+        del compiled
+        if args.loop:  # the whole guided loop, compiled once: its first and second calls
+            runs = []
+            for _ in range(2):
+                start = time.perf_counter()
+                jax.block_until_ready(sampling.sample(
+                    quantized, x[None], context[None], negative_context=0.5 * context[None],
+                    steps=args.loop, progress=None))
+                runs.append(time.perf_counter() - start)
+            report["quantized"][mode].update(loop_steps=args.loop, loop_first_s=runs[0], loop_warm_s=runs[1])
+            print(mode, f"{args.loop} guided steps: {runs[0]:.1f} s first, {runs[1]:.1f} s warm", flush=True)
+        del quantized
     del model
     if args.ablate:
         model, compiled, _, _ = step_of(StandIn())

@@ -51,6 +51,11 @@ Under `"auto"`, the vendor kernels of the platform (GPU, TPU) are tried before e
 [`vidax_eqx.kernels.select_implementation`][] tells which implementation a call runs.
 """
 
+AUTO_INT8_XLA_MAX_SCORE_BYTES = 2**30
+"""Up to this many bytes of float32 scores (1 GiB), `"auto"` runs an int8 request
+(`quantize=`) that no kernel serves on `"xla"`, the scheme's materialized reference;
+above it such a request is refused (name `"xla"` to run it anyway)."""
+
 # What "auto" tries first on each platform, before the portable implementations:
 # the vendor kernels, fastest first (cuDNN's fused kernel before the Triton one).
 _VENDOR_PREFERENCE = {
@@ -70,6 +75,8 @@ def preference(request: Request, *, portable_only: bool = False) -> list[str]:
         portable = ["xla", "blockwise"]
     else:
         portable = ["blockwise", "xla"]
+    if request.quantize is not None and request.score_bytes > AUTO_INT8_XLA_MAX_SCORE_BYTES:
+        portable.remove("xla")  # (no portable O(S) int8 implementation)
     if portable_only:
         return portable
     vendor = [n for n in _VENDOR_PREFERENCE.get(request.platform, ()) if n in _REGISTRY]
