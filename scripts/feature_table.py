@@ -2,7 +2,8 @@
 
 The table comes from `vidax_eqx.kernels.feature_table()`, which reads the same
 capability flags that dispatch uses. In the README it sits between the lines
-`<!-- feature-table:start -->` and `<!-- feature-table:end -->`.
+`<!-- feature-table:start -->` (or `<!-- feature-table:start brief -->`: without the
+implementations' notes) and `<!-- feature-table:end -->`.
 
     python scripts/feature_table.py                    # print the table
     python scripts/feature_table.py --check README.md  # exit 1 if the README's copy is stale
@@ -22,18 +23,20 @@ from vidax_eqx import kernels  # noqa: E402
 
 
 START = "<!-- feature-table:start -->"
+BRIEF = "<!-- feature-table:start brief -->"  # the table without the implementations' notes
 END = "<!-- feature-table:end -->"
 
 
 def split(text: str, path: str) -> tuple[str, str, str]:
     """`text` as (up to and including the start marker line, the table, from the end marker)."""
-    start, end = text.find(START), text.find(END)
+    start = text.find(START) if START in text else text.find(BRIEF)
+    end = text.find(END)
     if start < 0 or end < 0 or end < start:
         raise SystemExit(
             f"{path}: the feature table must sit between a line {START!r} and a later line "
             f"{END!r}; add both markers, then run `python scripts/feature_table.py --write {path}`."
         )
-    head_end = start + len(START)
+    head_end = text.index("-->", start) + 3
     if text.startswith("\n", head_end):
         head_end += 1
     return text[:head_end], text[head_end:end], text[end:]
@@ -46,15 +49,15 @@ def main(argv=None) -> int:
     group.add_argument("--write", metavar="README", help="rewrite README's table in place")
     args = p.parse_args(argv)
 
-    table = kernels.feature_table().strip() + "\n"
     if not (args.check or args.write):
-        sys.stdout.write(table)
+        sys.stdout.write(kernels.feature_table().strip() + "\n")
         return 0
 
     path = args.check or args.write
     with open(path, encoding="utf-8") as f:
         text = f.read()
     head, current, tail = split(text, path)
+    table = kernels.feature_table(notes=BRIEF not in head).strip() + "\n"
     if args.write:
         new = head + table + tail
         if new != text:
