@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vidax_eqx import generate, interop, models, nn, parallel, pipelines, sampling
-from vidax_eqx.models.internal import HostWords, quantize_to
+from vidax_eqx.models.internal import HostWords
 from vidax_eqx.pipelines._memory import Residency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,8 +179,10 @@ def test_quantized_sharded_equals_one_device(wan, inputs):
 def test_int8_checkpoints(tmp_path):
     # quantize= at load; the int8 weights and scales written, read back as int8 bit for bit.
     q = models.WanTransformer3D.from_pretrained(WAN, quantize="int8")
-    assert q.blocks.self_attn.q.activations == "int8" and q.blocks.self_attn.quantize == "int8"
-    assert q.blocks.cross_attn.q.activations == "int8"  # (its attention, to the text, in float)
+    assert q.blocks.self_attn.q.activations == "int8" and q.blocks.self_attn.quantize is None
+    assert q.blocks.cross_attn.q.activations == "int8"
+    q = models.quantize(models.WanTransformer3D.from_pretrained(WAN), activations="int8",
+                        attention="int8")  # int8 self-attention asked for by name
     q.save_pretrained(tmp_path / "q")
     with open(tmp_path / "q" / "config.json") as f:
         entry = json.load(f)["quantization_config"]
@@ -211,10 +213,8 @@ def test_int8_checkpoints(tmp_path):
         os.path.join(COGVIDEOX, "diffusers"), quantize=mode)) for mode in (None, "int8-weights"))
     rel = float(jnp.linalg.norm(int8 - float_) / jnp.linalg.norm(float_))
     assert 0 < rel < 2e-2, rel
-    # Its joint text-video attention has no int8 kernel: quantize="int8" is W8A8 there,
-    # and int8 attention asked of it by name is refused.
+    # Its joint text-video attention has no int8 kernel: int8 attention asked of it is refused.
     cog = models.CogVideoXTransformer3D.from_pretrained(os.path.join(COGVIDEOX, "diffusers"))
-    assert quantize_to(cog, "int8", "CogVideoXTransformer3D") is not None
     with pytest.raises(ValueError, match="have no self-attention layer that int8 attention serves"):
         models.quantize(cog, attention="int8")
 

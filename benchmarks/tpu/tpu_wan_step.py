@@ -18,7 +18,8 @@ its time, the relative error and cosine of its output, and for each block the co
 relative error of the block's update (output minus input) from the quantized block
 against the float block, both given the float model's input to that block.
 `--loop STEPS` also runs each quantized model's whole guided loop (`sampling.sample`,
-STEPS steps, both branches batched), twice: its first call (compiling) and a warm one.
+STEPS steps, both branches batched), `--loop-runs` times (default 2: its first call,
+compiling, and a warm one).
 `--profile DIR` also writes a `jax.profiler` trace of two steps; `--compile-cache DIR`
 switches on JAX's persistent compilation cache there (a second process then loads the
 step's program instead of compiling it: its `compile_s`).
@@ -154,6 +155,9 @@ def main():
     parser.add_argument("--loop", type=int, default=0, metavar="STEPS",
                         help="also run sampling.sample's guided loop of STEPS steps with each "
                              "quantized model, twice (first call, warm)")
+    parser.add_argument("--loop-runs", type=int, default=2, help="--loop: calls of the loop (the first compiles)")
+    parser.add_argument("--no-block-errors", dest="block_errors", action="store_false",
+                        help="skip the per-block comparison of the quantized blocks")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".", metavar="DIR")
     args = parser.parse_args()
@@ -222,26 +226,27 @@ def main():
         compiled = STEP.lower(quantized, x, t, context).compile()
         q_step_s = seconds(lambda *a: compiled(*a), (quantized, x, t, context))
         out = compiled(quantized, x, t, context).astype(F32)
-        per_block = block_errors(model, quantized, x, t, context)
+        per_block = block_errors(model, quantized, x, t, context) if args.block_errors else [(None, None)]
         report.setdefault("quantized", {})[mode] = dict(
             step_s=q_step_s, of_bf16=q_step_s / step_s, guided_50_steps_s=100 * q_step_s,
             out_rel_l2=float(relative_l2(out, reference)), out_cosine=float(cosine(out, reference)),
-            block_update_cosine_min=min(c for c, _ in per_block),
-            block_update_rel_l2_max=max(r for _, r in per_block), blocks=per_block,
+            block_update_cosine_min=min((c for c, _ in per_block if c is not None), default=None),
+            block_update_rel_l2_max=max((r for _, r in per_block if r is not None), default=None),
+            blocks=per_block,
             weight_bytes=tree_bytes(quantized), bf16_weight_bytes=tree_bytes(model))
         print(mode, json.dumps({k: v for k, v in report["quantized"][mode].items() if k != "blocks"}),
               flush=True)
         del compiled
         if args.loop:  # the whole guided loop, compiled once: its first and second calls
             runs = []
-            for _ in range(2):
+            for _ in range(args.loop_runs):
                 start = time.perf_counter()
                 jax.block_until_ready(sampling.sample(
                     quantized, x[None], context[None], negative_context=0.5 * context[None],
                     steps=args.loop, progress=None))
                 runs.append(time.perf_counter() - start)
-            report["quantized"][mode].update(loop_steps=args.loop, loop_first_s=runs[0], loop_warm_s=runs[1])
-            print(mode, f"{args.loop} guided steps: {runs[0]:.1f} s first, {runs[1]:.1f} s warm", flush=True)
+            report["quantized"][mode].update(loop_steps=args.loop, loop_runs_s=runs)
+            print(mode, f"{args.loop} guided steps: {runs} s (the first compiles)", flush=True)
         del quantized
     del model
     if args.ablate:

@@ -95,10 +95,12 @@ def quantize(model, weights: str = "int8", activations: str | None = None, atten
 
 QUANTIZE = (None, "int8-weights", "int8")
 """The `quantize=` options of the transformers' and pipelines' `from_pretrained`:
-int8 weights, or int8 weights and activations (W8A8) with int8 self-attention."""
+int8 weights, or int8 weights and activations (W8A8). The attention stays in float
+(int8 attention is slower than bf16 splash on a TPU v5e: `docs/benchmarks.md`); ask for
+it with [`quantize`][vidax_eqx.models.quantize]`(..., attention="int8")`."""
 
 # (weights, activations, attention) of each option.
-_MODES = {"int8-weights": ("int8", None, None), "int8": ("int8", "int8", "int8")}
+_MODES = {"int8-weights": ("int8", None, None), "int8": ("int8", "int8", None)}
 _METHOD = "vidax_eqx"
 
 
@@ -160,8 +162,6 @@ def quantize_to(model, option, owner: str):
     mode = quantize_mode(f"{owner}.from_pretrained", option)
     if mode is None:
         return model
-    if not _attention_layers(model):  # CogVideoX's joint attention: W8A8 alone
-        mode = (*mode[:2], None)
     stored = quantization_config(model)
     if stored is None:
         return quantize(model, *mode)
