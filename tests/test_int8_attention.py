@@ -1,9 +1,12 @@
 """int8 attention (`kernels.attention(..., quantize=)`): the XLA reference and the Pallas
-TPU kernel (interpret mode) against a float64 oracle of the scheme written here, and
+TPU kernel (interpret mode; compiled by Mosaic on a TPU in the device test mode) against
+a float64 oracle of the scheme written here, and
 against float64 attention (the error targets: cosine >= 0.999, relative L2 <= 2e-2, on
 random keys and on keys with a large per-channel offset); the lse; the gradient (the
 float attention's at the int8 forward); masks on the reference; the models' option; the
 refusals."""
+
+import harness
 
 import equinox as eqx
 import jax
@@ -195,3 +198,23 @@ def test_a_model_with_int8_attention():
     with pytest.raises(ValueError, match=r"quantize: `attention` must be one of \(None, 'int8-qk', "
                                          r"'int8'\); received 'int4'"):
         models.quantize(wan, attention="int4")
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("mode", ["int8-qk", "int8"])
+def test_the_kernel_on_the_chip(mode):
+    # On a TPU: Mosaic's kernel at Wan's head size and its own blocks (1024 x 512), over
+    # 4,100 tokens (a ragged last block); in interpret mode the small case above.
+    big = harness.chip_sizes()
+    q, k, v = _inputs(8.0, S=4100 if big else 300, H=4, K=2, D=128 if big else 64)
+    impl = kernels.PallasTpu(interpret=not harness.on_chip(), int8_blocks=(1024, 512) if big else (64, BLOCK))
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+    given = [np.asarray(a, np.float32) for a in (q, k, v)]
+    want, _ = _oracle(*given, mode, block=impl.int8_blocks[1])
+    exact, _ = _exact(*given)
+    out = kernels.attention(q, k, v, quantize=mode, implementation=impl)
+    assert out.dtype == jnp.bfloat16
+    rel, cos = _errors(out, exact)
+    assert rel <= 2e-2 and cos >= 0.999, (rel, cos)
+    rel, _ = _errors(out, want)
+    assert rel <= 5e-3, rel  # the scheme, up to its bfloat16 output
