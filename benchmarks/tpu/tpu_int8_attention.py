@@ -16,26 +16,20 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from _harness import write_json  # noqa: E402
+from _harness import best_time, write_json  # noqa: E402
 from vidax_eqx import kernels  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def seconds(fn, *args, reps=5) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
+def seconds(fn, *args) -> float:
+    """The best of 5 calls after a warm-up."""
+    return best_time(lambda: jax.block_until_ready(fn(*args)), 5).best
 
 
 def errors(a, b) -> dict:
