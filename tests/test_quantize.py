@@ -132,6 +132,9 @@ def test_quantized_sampling_streaming_and_blocks_from_host(wan, inputs):
     assert words.shape == q.blocks.self_attn.q.qweight.shape
     np.testing.assert_array_equal(words.unpack(), q.blocks.self_attn.q.qweight)
     np.testing.assert_allclose(run(streamed), a, rtol=1e-5, atol=1e-5)
+    # Its checkpoint holds the int8 matrices, not the words.
+    for name, tensor in streamed.state_dict().items():
+        np.testing.assert_array_equal(tensor, q.state_dict()[name])
     chunk = eqx.filter_jit(lambda m, cache: m.stream(x[0][:, :1], jnp.float32(500.0), c[0], cache))
     cache = q.kv_cache(6, 10, max_frames=2)
     (out, kv), (out_s, kv_s) = chunk(q, cache), chunk(streamed, cache)

@@ -83,6 +83,22 @@ def pack_int8(a: jax.Array, sharding) -> HostWords:
     return HostWords(jax.device_put(_words(a), sharding))
 
 
+def unpacked(tree):
+    """`tree` with each [`HostWords`][] as its int8 matrix, in the memory the words were
+    in (words in host memory are unpacked on their device): what a checkpoint or any
+    code outside the blocks' scan reads."""
+    def one(w):
+        if not isinstance(w, HostWords):
+            return w
+        words = w.words
+        if getattr(words.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+            on_device = jax.device_put(words, words.sharding.with_memory_kind("device"))
+            return jax.device_put(HostWords(on_device).unpack(), words.sharding)
+        return w.unpack()
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, HostWords))
+
+
 def partition_layers(layers):
     """`eqx.partition(layers, eqx.is_array)`, a [`HostWords`][] whole on the arrays'
     side (its layers unpacked in [`scan`][] stand where it stood)."""

@@ -20,7 +20,7 @@ from .._base import AbstractModel
 from .._capabilities import Capabilities
 from .._checkpoint import load_pretrained, read_config
 from .._quantize import quantization_config
-from .._layers import check_remat, scan_layers
+from .._layers import check_remat, scan_layers, unpacked
 from .._options import attention_keywords, BlockCausal, SlidingTile, VideoSparseTiles
 from .._token_layout import TokenLayout
 from ._blocks import (
@@ -311,7 +311,7 @@ class CogVideoXTransformer3D(AbstractModel):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The parameters under diffusers' names, one tensor per layer."""
-        return interop.state_dict(self, naming="diffusers", stacked=self.stacked_layers)
+        return interop.state_dict(unpacked(self), naming="diffusers", stacked=self.stacked_layers)
 
     def linear_layers(self) -> list[interop.LinearName]:
         """Every linear layer with its checkpoint name (diffusers', one per layer of the

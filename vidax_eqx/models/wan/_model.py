@@ -22,7 +22,8 @@ from .._quantize import quantization_config
 from .._dit import AbstractVideoDiT, CallState
 from .._kv_cache import error_past_reach, KVCache, StreamLayout
 from .._layers import (
-    check_remat, partition_layers, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs)
+    check_remat, partition_layers, scan as scan_layer_arrays, scan_layers, scan_layers_with_outputs,
+    unpacked)
 from .._step_cache import cached_blocks, check_step_cache
 from .._token_layout import TokenLayout
 from ._blocks import WanBlock, WanBlockInputs, WanHead, WanImageEmbedding
@@ -448,7 +449,8 @@ class WanTransformer3D(AbstractVideoDiT):
         """The parameters under the checkpoint names of `layout` (`"diffusers"` or
         `"wan"`), one tensor per layer (views, no copies on CPU)."""
         naming = check_layout(layout)
-        return interop.state_dict(self, naming=naming, stacked=self.stacked_layers, rename=rename)
+        return interop.state_dict(unpacked(self), naming=naming, stacked=self.stacked_layers,
+                                  rename=rename)
 
     def linear_layers(self) -> list[interop.LinearName]:
         """Every linear layer with its checkpoint names (Wan's and diffusers', one per
