@@ -75,28 +75,27 @@ def _words(a):
     return lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 4, 4), jnp.uint32)
 
 
+def _computable(a: jax.Array) -> jax.Array:
+    """`a`, on its device when it is in host memory (where nothing computes)."""
+    if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+        return jax.device_put(a, a.sharding.with_memory_kind("device"))
+    return a
+
+
 def pack_int8(a: jax.Array, sharding) -> HostWords:
     """The int8 array `a` (see [`packable`][]) as [`HostWords`][] placed by `sharding`
     (host memory), packed where `a` lives (on its device when it is in host memory)."""
-    if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
-        a = jax.device_put(a, a.sharding.with_memory_kind("device"))
-    return HostWords(jax.device_put(_words(a), sharding))
+    return HostWords(jax.device_put(_words(_computable(a)), sharding))
 
 
 def unpacked(tree):
     """`tree` with each [`HostWords`][] as its int8 matrix, in the memory the words were
     in (words in host memory are unpacked on their device): what a checkpoint or any
     code outside the blocks' scan reads."""
-    def one(w):
-        if not isinstance(w, HostWords):
-            return w
-        words = w.words
-        if getattr(words.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
-            on_device = jax.device_put(words, words.sharding.with_memory_kind("device"))
-            return jax.device_put(HostWords(on_device).unpack(), words.sharding)
-        return w.unpack()
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, HostWords))
+    is_words = lambda x: isinstance(x, HostWords)  # noqa: E731
+    return jax.tree.map(
+        lambda w: jax.device_put(HostWords(_computable(w.words)).unpack(), w.words.sharding)
+        if is_words(w) else w, tree, is_leaf=is_words)
 
 
 def partition_layers(layers):

@@ -99,13 +99,13 @@ int8 weights, or int8 weights and activations (W8A8). The attention stays in flo
 (int8 attention is slower than bf16 splash on a TPU v5e: `docs/benchmarks.md`); ask for
 it with [`quantize`][vidax_eqx.models.quantize]`(..., attention="int8")`."""
 
-# (weights, activations, attention) of each option.
-_MODES = {"int8-weights": ("int8", None, None), "int8": ("int8", "int8", None)}
+# (weights, activations) of each option.
+_MODES = {"int8-weights": ("int8", None), "int8": ("int8", "int8")}
 _METHOD = "vidax_eqx"
 
 
-def quantize_mode(owner: str, quantize) -> tuple[str, str | None, str | None] | None:
-    """`(weights, activations, attention)` of a `quantize=` option (`None`: float)."""
+def quantize_mode(owner: str, quantize) -> tuple[str, str | None] | None:
+    """`(weights, activations)` of a `quantize=` option (`None`: float)."""
     if quantize not in QUANTIZE:
         raise ValueError(f"{owner}: `quantize` must be one of {QUANTIZE}; received {quantize!r}.")
     return _MODES.get(quantize)
@@ -137,9 +137,9 @@ def _attention_layers(model) -> list:
     return [x for x in jax.tree.leaves(model, is_leaf=is_a) if is_a(x)]
 
 
-def read_quantization(owner: str, entry) -> tuple[str, str | None] | None:
-    """`(weights, activations)` of a `config.json`'s `quantization_config` entry (`None`
-    when there is none); a format this library did not write is refused."""
+def read_quantization(owner: str, entry) -> tuple[str, str | None, str | None] | None:
+    """`(weights, activations, attention)` of a `config.json`'s `quantization_config`
+    entry (`None` when there is none); a format this library did not write is refused."""
     if entry is None:
         return None
     if not isinstance(entry, dict) or entry.get("quant_method") != _METHOD:
@@ -165,9 +165,9 @@ def quantize_to(model, option, owner: str):
     stored = quantization_config(model)
     if stored is None:
         return quantize(model, *mode)
-    if (stored["weights"], stored["activations"]) != mode[:2]:
+    if (stored["weights"], stored["activations"]) != mode:
         raise ValueError(f"{owner}.from_pretrained: the checkpoint holds int8 weights of format "
                          f"({stored['weights']!r}, {stored['activations']!r}) (weights, "
                          f"activations); received quantize={option!r}, another. Load it as it "
                          "is (quantize=None).")
-    return with_quantized_attention(model, mode[2])
+    return model

@@ -1,7 +1,6 @@
 """Wan's self-attention layer (`WanSelfAttention`), with sequence and tensor parallelism
 and video sparse attention."""
 
-import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
@@ -21,6 +20,7 @@ from ._layers import after_tp, linear, local_columns, local_heads, qk_rms_norm, 
 from ._norm import RMSNorm
 from ._padding import check_length
 from .sharding._parallel_layer import AbstractParallelLayer, MegatronSplit
+from .sharding._placement import replace_fields
 from ._rope import apply_rope, Rope
 from .sharding._sequence import attend, attend_sparse, check_tile_mask
 from ._video_sparse import check_video_sparse, VideoSparse
@@ -316,13 +316,5 @@ def with_quantized_attention(tree, quantize):
     `quantize=` mode `quantize` (its arrays the same)."""
     check_quantize("with_quantized_attention", quantize)
     is_attention = lambda m: isinstance(m, Attention)  # noqa: E731
-
-    def swap(m):
-        if not is_attention(m):
-            return m
-        new = object.__new__(type(m))  # as Equinox unflattens: fields set, no __init__
-        for field in dataclasses.fields(m):
-            object.__setattr__(new, field.name, quantize if field.name == "quantize" else getattr(m, field.name))
-        return new
-
-    return jax.tree.map(swap, tree, is_leaf=is_attention)
+    return jax.tree.map(lambda m: replace_fields(m, quantize=quantize) if is_attention(m) else m,
+                        tree, is_leaf=is_attention)

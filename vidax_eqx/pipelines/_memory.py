@@ -351,17 +351,8 @@ class Residency:
         default on a TPU) its int8 matrices are held in host memory as 32-bit words
         (`models.internal.HostWords`: the layout a TPU copies one layer of in without
         re-tiling the whole stack; other backends need no such care)."""
-        sharding_of = self.streamed_sharding_of(component)
-        host = self.host_sharding()
         pack = self.device.platform == "tpu" if pack is None else pack
-
-        def move(a):
-            target = sharding_of(a)
-            if pack and target == host and getattr(target, "memory_kind", None) == "pinned_host" and packable(a):
-                return jax.block_until_ready(pack_int8(a, target))
-            return jax.block_until_ready(jax.device_put(a, target))
-
-        return jax.tree.map(lambda a: move(a) if isinstance(a, jax.Array) else a, component)
+        return _put(component, self.streamed_sharding_of(component), pack=pack)
 
     def streamed_sharding_of(self, component):
         """A function from each array of `component` to its place when streamed: its
@@ -417,12 +408,16 @@ class Residency:
         return jax.tree.map(lambda a: jax.device_put(a, device) if isinstance(a, jax.Array) else a, tree)
 
 
-def _put(component, sharding_of):
+def _put(component, sharding_of, *, pack: bool = False):
     """`component` with each array moved by `sharding_of(array)`, one at a time (the
-    source freed as it goes when nothing else holds it)."""
+    source freed as it goes when nothing else holds it); with `pack`, an int8 matrix
+    bound for pinned host memory held there as 32-bit words (`models.internal.HostWords`)."""
     def move(a):
         if not isinstance(a, jax.Array):
             return a
-        return jax.block_until_ready(jax.device_put(a, sharding_of(a)))
+        target = sharding_of(a)
+        if pack and getattr(target, "memory_kind", None) == "pinned_host" and packable(a):
+            return jax.block_until_ready(pack_int8(a, target))
+        return jax.block_until_ready(jax.device_put(a, target))
 
     return jax.tree.map(move, component)

@@ -329,19 +329,18 @@ def with_parallel(module, parallel: ParallelConfig):
     A PyTree of the same structure.
     """
     check_parallel("with_parallel", parallel)
+    return jax.tree.map(lambda m: replace_fields(m, parallel=parallel) if _is_parallel(m) else m,
+                        module, is_leaf=_is_parallel)
 
-    def swap(m):
-        if not _is_parallel(m):
-            return m
-        # Equinox rebuilds modules the same way when unflattening: fields set on a new
-        # instance without running `__init__`. Only the configuration leaf changes.
-        new = object.__new__(type(m))
-        for field in dataclasses.fields(m):
-            value = parallel if field.name == "parallel" else getattr(m, field.name)
-            object.__setattr__(new, field.name, value)
-        return new
 
-    return jax.tree.map(swap, module, is_leaf=_is_parallel)
+def replace_fields(module, **fields):
+    """`module` with `fields` replaced, static ones included, the rest the same objects.
+    Equinox rebuilds modules the same way when unflattening: fields set on a new
+    instance without running `__init__`."""
+    new = object.__new__(type(module))
+    for field in dataclasses.fields(module):
+        object.__setattr__(new, field.name, fields.get(field.name, getattr(module, field.name)))
+    return new
 
 
 def shard_module(module, mesh):
